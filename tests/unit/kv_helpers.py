@@ -1,0 +1,82 @@
+"""Synthetic KV caches and offloading configs for unit tests (no engine)."""
+
+from __future__ import annotations
+
+import torch
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+)
+from vllm.v1.kv_offload.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+
+
+def make_config(
+    extra: dict,
+    worker_kv_bytes_per_block: int = 65536,
+    blocks_per_chunk: int = 1,
+    tokens_per_block: int = 128,
+    world_size: int = 1,
+) -> OffloadingConfig:
+    return OffloadingConfig(
+        groups=(
+            OffloadingGroupConfig(
+                tokens_per_block=tokens_per_block,
+                layer_names=("layers.0.attn", "layers.1.attn"),
+                group_id=0,
+            ),
+        ),
+        worker_kv_bytes_per_block=worker_kv_bytes_per_block,
+        enable_kv_cache_events=False,
+        extra_config=extra,
+        engine_id="test-engine",
+        model=OffloadingModelConfig(name="tiny", dtype="float32"),
+        cache=OffloadingCacheConfig(
+            tokens_per_hash=tokens_per_block, blocks_per_chunk=blocks_per_chunk
+        ),
+        parallel=OffloadingParallelConfig(
+            rank=0,
+            world_size=world_size,
+            tp_size=world_size,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=True,
+        ),
+    )
+
+
+def make_kv_caches(
+    num_blocks: int,
+    page_bytes: list[int],
+    groups: list[list[int]] | None = None,
+    seed: int = 0,
+) -> CanonicalKVCaches:
+    """One int8 ``[num_blocks, page]`` tensor per entry of ``page_bytes``,
+    filled with random bytes; ``groups`` lists the tensor indices per group
+    (default: one group holding every tensor)."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = [
+        CanonicalKVCacheTensor(
+            tensor=torch.randint(
+                -128, 128, (num_blocks, page), dtype=torch.int8, generator=gen
+            ),
+            page_size_bytes=page,
+        )
+        for page in page_bytes
+    ]
+    groups = groups if groups is not None else [list(range(len(page_bytes)))]
+    refs = [
+        [CanonicalKVCacheRef(tensor_idx=i, page_size_bytes=page_bytes[i]) for i in g]
+        for g in groups
+    ]
+    return CanonicalKVCaches(tensors=tensors, group_data_refs=refs)

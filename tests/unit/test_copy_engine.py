@@ -1,0 +1,157 @@
+"""Copy engine descriptors and worker round trips on synthetic CPU caches."""
+
+import numpy as np
+import pytest
+import torch
+from vllm.v1.kv_offload.base import GPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+from tests.unit.kv_helpers import make_kv_caches
+from vllm_ascend.kv_offload.copy_engine import CopyEngine, CpuBlockPool
+from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
+
+PAGES = [256, 256, 512]  # e.g. K, V and a larger third part
+
+
+def engine_for(kv, bpc, num_cpu_blocks=8):
+    pool = CpuBlockPool(
+        [t.page_size_bytes for t in kv.tensors], bpc, num_cpu_blocks, pin_memory=False
+    )
+    return CopyEngine(kv, pool), pool
+
+
+def cpu_page_addr(pool, tensor_idx, cpu_block, slot):
+    return (
+        pool.base
+        + cpu_block * pool.row_bytes
+        + int(pool.tensor_offsets[tensor_idx])
+        + slot * PAGES[tensor_idx]
+    )
+
+
+def test_one_fragment_per_block_and_tensor_with_exact_addresses():
+    kv = make_kv_caches(16, PAGES)
+    engine, pool = engine_for(kv, bpc=1)
+    spec = GPULoadStoreSpec([5, 9], group_sizes=[2], block_indices=[0])
+    desc = engine.build(spec, np.array([3, 1]), to_cpu=True)
+
+    assert desc.num_fragments == 2 * len(PAGES)
+    assert desc.num_bytes == 2 * sum(PAGES)
+    src, dst, sizes = desc.src.tolist(), desc.dst.tolist(), desc.sizes.tolist()
+    i = 0
+    for t, page in enumerate(PAGES):
+        for dev_block, cpu_block in [(5, 3), (9, 1)]:
+            assert src[i] == kv.tensors[t].tensor[dev_block].data_ptr()
+            assert dst[i] == cpu_page_addr(pool, t, cpu_block, 0)
+            assert sizes[i] == page
+            i += 1
+
+
+def test_load_swaps_source_and_destination():
+    kv = make_kv_caches(16, PAGES)
+    engine, _ = engine_for(kv, bpc=1)
+    spec = GPULoadStoreSpec([5, 9], group_sizes=[2], block_indices=[0])
+    store = engine.build(spec, np.array([3, 1]), to_cpu=True)
+    load = engine.build(spec, np.array([3, 1]), to_cpu=False)
+    assert torch.equal(store.src, load.dst)
+    assert torch.equal(store.dst, load.src)
+
+
+def test_block_size_factor_packs_consecutive_device_blocks_into_one_cpu_block():
+    kv = make_kv_caches(16, PAGES)
+    engine, pool = engine_for(kv, bpc=2)
+    # Four logical blocks -> two CPU blocks, two slots each.
+    spec = GPULoadStoreSpec([4, 5, 6, 7], group_sizes=[4], block_indices=[0])
+    desc = engine.build(spec, np.array([6, 2]), to_cpu=True)
+    dst = desc.dst.view(len(PAGES), 4).tolist()
+    for t in range(len(PAGES)):
+        assert dst[t] == [
+            cpu_page_addr(pool, t, 6, 0),
+            cpu_page_addr(pool, t, 6, 1),
+            cpu_page_addr(pool, t, 2, 0),
+            cpu_page_addr(pool, t, 2, 1),
+        ]
+
+
+def test_partial_first_cpu_block_skips_the_leading_slots():
+    kv = make_kv_caches(16, PAGES)
+    engine, pool = engine_for(kv, bpc=4)
+    # Logical blocks 6..10 of the request: 6 sits in slot 2 of its CPU block.
+    spec = GPULoadStoreSpec([1, 2, 3, 4, 5], group_sizes=[5], block_indices=[6])
+    desc = engine.build(spec, np.array([7, 0]), to_cpu=True)
+    dst = desc.dst.view(len(PAGES), 5).tolist()
+    for t in range(len(PAGES)):
+        assert dst[t] == [
+            cpu_page_addr(pool, t, 7, 2),
+            cpu_page_addr(pool, t, 7, 3),
+            cpu_page_addr(pool, t, 0, 0),
+            cpu_page_addr(pool, t, 0, 1),
+            cpu_page_addr(pool, t, 0, 2),
+        ]
+
+
+def test_groups_use_their_own_tensors_and_blocks():
+    kv = make_kv_caches(16, PAGES, groups=[[0, 1], [2]])
+    engine, pool = engine_for(kv, bpc=1)
+    spec = GPULoadStoreSpec([3, 4, 10], group_sizes=[2, 1], block_indices=[0, 0])
+    desc = engine.build(spec, np.array([0, 1, 5]), to_cpu=True)
+    assert desc.num_fragments == 2 * 2 + 1
+    assert desc.dst.tolist()[-1] == cpu_page_addr(pool, 2, 5, 0)
+    assert desc.src.tolist()[-1] == kv.tensors[2].tensor[10].data_ptr()
+
+
+def test_aliased_layers_are_copied_once():
+    kv = make_kv_caches(16, PAGES[:1], groups=[[0, 0]])
+    engine, _ = engine_for(kv, bpc=1)
+    spec = GPULoadStoreSpec([1, 2], group_sizes=[2], block_indices=[0])
+    assert engine.build(spec, np.array([0, 1]), to_cpu=True).num_fragments == 2
+
+
+def test_inconsistent_job_is_rejected():
+    kv = make_kv_caches(16, PAGES)
+    engine, _ = engine_for(kv, bpc=1)
+    spec = GPULoadStoreSpec([1, 2, 3], group_sizes=[3], block_indices=[0])
+    with pytest.raises(ValueError, match="too few"):
+        engine.build(spec, np.array([0, 1]), to_cpu=True)
+    with pytest.raises(ValueError, match="use 3 and 3"):
+        engine.build(spec, np.array([0, 1, 2, 3]), to_cpu=True)
+
+
+@pytest.mark.parametrize("bpc, first", [(1, 0), (2, 0), (4, 1), (4, 3)])
+def test_worker_round_trip_is_byte_exact(bpc, first):
+    kv = make_kv_caches(32, PAGES, seed=bpc + first)
+    original = [t.tensor.clone() for t in kv.tensors]
+    worker = NPUOffloadingWorker(kv, blocks_per_chunk=bpc, num_cpu_blocks=8)
+    try:
+        dev_blocks = [11, 3, 4, 20, 7, 8]
+        n_cpu = -(-(first % bpc + len(dev_blocks)) // bpc)
+        cpu_blocks = list(range(7, 7 - n_cpu, -1))
+        spec = GPULoadStoreSpec(dev_blocks, group_sizes=[6], block_indices=[first])
+        assert worker.submit_store(1, spec, CPULoadStoreSpec(cpu_blocks))
+        worker.wait({1})
+        # Poison the device blocks, then bring them back from the CPU.
+        for t in kv.tensors:
+            t.tensor[dev_blocks] = 0x5A
+        assert worker.submit_load(2, CPULoadStoreSpec(cpu_blocks), spec)
+        worker.wait({2})
+        for t, before in zip(kv.tensors, original):
+            assert torch.equal(t.tensor, before)
+
+        results = {r.job_id: r for r in worker.get_finished()}
+        assert set(results) == {1, 2}
+        for r in results.values():
+            assert r.success
+            assert r.transfer_size == len(dev_blocks) * sum(PAGES)
+            assert r.transfer_time is not None and r.transfer_time >= 0
+    finally:
+        worker.shutdown()
+
+
+def test_worker_shutdown_with_jobs_in_flight_returns():
+    kv = make_kv_caches(64, [1 << 16])
+    worker = NPUOffloadingWorker(kv, blocks_per_chunk=1, num_cpu_blocks=64)
+    spec = GPULoadStoreSpec(list(range(64)), group_sizes=[64], block_indices=[0])
+    for job in range(8):
+        worker.submit_store(job, spec, CPULoadStoreSpec(list(range(64))))
+    worker.shutdown()
+    assert not worker._stores._thread.is_alive()

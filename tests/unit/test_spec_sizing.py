@@ -1,0 +1,97 @@
+"""NPUOffloadingSpec: configuration keys and CPU pool sizing."""
+
+import pytest
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+from tests.unit.kv_helpers import make_config, make_kv_caches
+from vllm_ascend.kv_offload.npu import (
+    NPUOffloadingSpec,
+    OffloadConfigError,
+    cpu_block_bytes,
+)
+
+GUIDE_EXTRA = {
+    "num_cpu_blocks": 1000,
+    "block_size": 128,
+    "spec_name": "NPUOffloadingSpec",
+    "spec_module_path": "vllm_ascend.kv_offload.npu",
+}
+
+
+def test_guide_num_cpu_blocks_is_the_number_of_cpu_blocks():
+    spec = NPUOffloadingSpec(make_config(GUIDE_EXTRA))
+    assert spec.num_chunks == 1000
+    manager = spec.get_manager()
+    assert isinstance(manager, CPUOffloadingManager)
+
+
+@pytest.mark.parametrize("bpc", [1, 2, 4])
+def test_num_cpu_blocks_counts_blocks_of_block_size_tokens(bpc):
+    spec = NPUOffloadingSpec(make_config(GUIDE_EXTRA, blocks_per_chunk=bpc))
+    assert spec.num_chunks == 1000
+    assert spec.blocks_per_chunk == bpc
+
+
+def test_cpu_bytes_to_use_is_accepted_as_in_vllm():
+    block = cpu_block_bytes(make_config({}))
+    assert block == 65536
+    spec = NPUOffloadingSpec(make_config({"cpu_bytes_to_use": 10 * block + 5}))
+    assert spec.num_chunks == 10
+
+
+def test_cpu_block_bytes_covers_all_workers_and_sub_blocks():
+    config = make_config({}, worker_kv_bytes_per_block=1000, blocks_per_chunk=3)
+    # 3000 bytes rounded up to vLLM's 4096-byte alignment.
+    assert cpu_block_bytes(config) == 4096
+    config = make_config({}, worker_kv_bytes_per_block=65536, world_size=2)
+    assert cpu_block_bytes(config) == 131072
+
+
+def test_both_sizes_agreeing_is_fine_and_disagreeing_is_an_error():
+    ok = {"num_cpu_blocks": 4, "cpu_bytes_to_use": 4 * 65536}
+    assert NPUOffloadingSpec(make_config(ok)).num_chunks == 4
+    bad = {"num_cpu_blocks": 4, "cpu_bytes_to_use": 100 * 65536}
+    with pytest.raises(OffloadConfigError, match="set only one"):
+        NPUOffloadingSpec(make_config(bad))
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({}, "needs the CPU pool size"),
+        ({"num_cpu_blocks": 0}, "must be > 0"),
+        ({"num_cpu_blocks": -3}, "must be > 0"),
+        ({"num_cpu_blocks": 2.5}, "must be a positive integer"),
+        ({"num_cpu_blocks": "many"}, "must be a positive integer"),
+        ({"cpu_bytes_to_use": 0}, "must be > 0"),
+        ({"num_cpu_blocks": 8, "eviction_policy": "fifo"}, "use one of lru, arc"),
+    ],
+)
+def test_bad_configuration_names_the_setting(extra, message):
+    with pytest.raises(OffloadConfigError, match=message):
+        NPUOffloadingSpec(make_config(extra))
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_vllm_eviction_policies_are_reused(policy):
+    spec = NPUOffloadingSpec(make_config({"num_cpu_blocks": 8, "eviction_policy": policy}))
+    assert spec.eviction_policy == policy
+    assert isinstance(spec.get_manager(), CPUOffloadingManager)
+
+
+def test_worker_pool_is_exactly_num_cpu_blocks_times_one_cpu_block():
+    page_bytes = [32768, 32768]
+    for bpc in (1, 2):
+        config = make_config(
+            {"num_cpu_blocks": 7},
+            worker_kv_bytes_per_block=sum(page_bytes),
+            blocks_per_chunk=bpc,
+        )
+        spec = NPUOffloadingSpec(config)
+        worker = spec.get_worker(make_kv_caches(4, page_bytes))
+        try:
+            # One CPU block = bpc device blocks of every cached tensor.
+            assert worker.pool.nbytes == 7 * bpc * sum(page_bytes)
+            assert worker.pool.tensor.shape == (7, bpc * sum(page_bytes))
+        finally:
+            worker.shutdown()

@@ -1,0 +1,1 @@
+"""Helpers for tests, examples and benchmarks that must run without a model hub."""

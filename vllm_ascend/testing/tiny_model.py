@@ -1,0 +1,175 @@
+"""Generate a tiny, deterministic Qwen3 model and word-level tokenizer.
+
+No machine in our CI can reach a model hub, so tests, the example and the
+benchmarks run on a model written locally from a fixed seed. The weights are
+random (``initializer_range`` is large so greedy decoding does not collapse
+onto one token), which is all the offloading path needs: it moves KV bytes,
+and any wrong byte changes the greedy output.
+
+Usage::
+
+    python -m vllm_ascend.testing.tiny_model [--out DIR] [--layers N] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+DEFAULT_DIR = Path(
+    os.environ.get(
+        "VLLM_ASCEND_TINY_MODEL_DIR",
+        Path(__file__).resolve().parents[2] / ".models" / "tiny-qwen3",
+    )
+)
+
+_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
+_CONSONANTS = "bdfgklmnprstvz"
+_VOWELS = "aeiou"
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    # vLLM's CPU attention backend needs head_dim >= 32.
+    head_dim: int = 32
+    intermediate_size: int = 128
+    vocab_size: int = 512
+    max_position_embeddings: int = 8192
+    initializer_range: float = 0.5
+    seed: int = 0
+
+
+def vocabulary(vocab_size: int) -> list[str]:
+    """Special tokens followed by pronounceable two-syllable pseudo-words."""
+    words = [
+        c1 + v1 + c2 + v2
+        for c1 in _CONSONANTS
+        for v1 in _VOWELS
+        for c2 in _CONSONANTS
+        for v2 in _VOWELS
+    ]
+    needed = vocab_size - len(_SPECIAL_TOKENS)
+    if needed > len(words):
+        raise ValueError(f"vocab_size {vocab_size} exceeds {len(words)} words")
+    # A fixed stride spreads the chosen words over the alphabet.
+    stride = len(words) // needed
+    return list(_SPECIAL_TOKENS) + words[::stride][:needed]
+
+
+def _write_tokenizer(out: Path, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {word: i for i, word in enumerate(vocabulary(vocab_size))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "model_max_length": 1 << 20,
+                "add_bos_token": False,
+            },
+            indent=2,
+        )
+    )
+
+
+def _write_weights(out: Path, spec: TinyModelSpec) -> None:
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=spec.initializer_range,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        torch_dtype="float32",
+    )
+    model = Qwen3ForCausalLM(config)
+    # Fill every parameter from our own generator so the weights depend only
+    # on the seed, not on the transformers version's init scheme.
+    gen = torch.Generator().manual_seed(spec.seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.copy_(
+                    torch.randn(param.shape, generator=gen) * spec.initializer_range
+                )
+    model.save_pretrained(out, safe_serialization=True)
+
+
+def ensure_tiny_model(
+    out: str | os.PathLike[str] | None = None, spec: TinyModelSpec | None = None
+) -> str:
+    """Return the path of the tiny model, generating it if missing or stale."""
+    spec = spec or TinyModelSpec()
+    out_path = Path(out) if out is not None else DEFAULT_DIR
+    stamp = out_path / "tiny_model_spec.json"
+    wanted = json.dumps(asdict(spec), sort_keys=True)
+    if stamp.exists() and stamp.read_text() == wanted:
+        return str(out_path)
+    out_path.mkdir(parents=True, exist_ok=True)
+    _write_weights(out_path, spec)
+    _write_tokenizer(out_path, spec.vocab_size)
+    # Written last: a half-written model is regenerated on the next call.
+    stamp.write_text(wanted)
+    return str(out_path)
+
+
+def make_prompt(num_words: int, seed: int, vocab_size: int = 512) -> str:
+    """A deterministic prompt of ``num_words`` tokens from the tiny vocabulary."""
+    import random
+
+    words = vocabulary(vocab_size)[len(_SPECIAL_TOKENS) :]
+    rng = random.Random(seed)
+    return " ".join(rng.choice(words) for _ in range(num_words))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(DEFAULT_DIR))
+    defaults = TinyModelSpec()
+    parser.add_argument("--layers", type=int, default=defaults.num_layers)
+    parser.add_argument("--hidden", type=int, default=defaults.hidden_size)
+    parser.add_argument("--heads", type=int, default=defaults.num_heads)
+    parser.add_argument("--kv-heads", type=int, default=defaults.num_kv_heads)
+    parser.add_argument("--head-dim", type=int, default=defaults.head_dim)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    args = parser.parse_args()
+    spec = TinyModelSpec(
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        intermediate_size=2 * args.hidden,
+        seed=args.seed,
+    )
+    print(ensure_tiny_model(args.out, spec))
+
+
+if __name__ == "__main__":
+    main()
