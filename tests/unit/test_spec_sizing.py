@@ -74,7 +74,9 @@ def test_bad_configuration_names_the_setting(extra, message):
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])
 def test_vllm_eviction_policies_are_reused(policy):
-    spec = NPUOffloadingSpec(make_config({"num_cpu_blocks": 8, "eviction_policy": policy}))
+    spec = NPUOffloadingSpec(
+        make_config({"num_cpu_blocks": 8, "eviction_policy": policy})
+    )
     assert spec.eviction_policy == policy
     assert isinstance(spec.get_manager(), CPUOffloadingManager)
 

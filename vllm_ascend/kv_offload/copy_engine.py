@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import CanonicalKVCaches, GPULoadStoreSpec
 
 from vllm_ascend.kv_offload import ops
+from vllm_ascend.logger import init_logger
 
 logger = init_logger(__name__)
 

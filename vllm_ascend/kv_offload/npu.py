@@ -20,13 +20,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from vllm.logger import init_logger
 from vllm.utils.math_utils import round_up
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingWorker
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
+from vllm_ascend.logger import init_logger
 
 logger = init_logger(__name__)
 

@@ -23,7 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from vllm.logger import init_logger
+
+from vllm_ascend.logger import init_logger
 
 logger = init_logger(__name__)
 

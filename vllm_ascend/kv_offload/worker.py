@@ -11,7 +11,6 @@ import time
 
 import numpy as np
 import torch
-from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import (
     BlockIDsLoadStoreSpec,
     CanonicalKVCaches,
@@ -23,6 +22,7 @@ from vllm.v1.kv_offload.base import (
 
 from vllm_ascend.kv_offload.copy_engine import CopyEngine, CpuBlockPool, Descriptors
 from vllm_ascend.kv_offload.transfer_queue import TransferQueue, make_transfer_queue
+from vllm_ascend.logger import init_logger
 
 logger = init_logger(__name__)
 

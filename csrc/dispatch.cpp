@@ -1,0 +1,154 @@
+// Backend-agnostic part of swap_blocks_batch: descriptor validation,
+// coalescing, backend selection and the torch op registration. See ops.h for
+// the contract.
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <cctype>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "ops.h"
+
+namespace vllm_ascend {
+namespace {
+
+struct BackendEntry {
+  std::string_view name;
+  SwapBlocksBackend fn;
+};
+
+// Backends compiled into this build. Adding one = one line here (see ops.h).
+constexpr BackendEntry kBackends[] = {
+    {"cpu", &swap_blocks_cpu},
+#ifdef VLLM_ASCEND_WITH_CUDA
+    {"cuda", &swap_blocks_cuda},
+#endif
+#ifdef VLLM_ASCEND_WITH_NPU
+    {"npu", &swap_blocks_npu},
+#endif
+};
+
+// Every device string the op understands, compiled in or not, so that a
+// build without a backend can tell "not compiled" apart from a typo.
+constexpr std::string_view kKnownDevices[] = {"cpu", "cuda", "npu"};
+
+std::string compiled_list() {
+  std::string out;
+  for (const BackendEntry& b : kBackends) {
+    out += (out.empty() ? "" : ", ") + std::string(b.name);
+  }
+  return out;
+}
+
+SwapBlocksBackend resolve_backend(std::string_view device) {
+  for (const BackendEntry& b : kBackends) {
+    if (b.name == device) return b.fn;
+  }
+  for (std::string_view known : kKnownDevices) {
+    if (known != device) continue;
+    std::string upper(device);
+    for (char& c : upper) c = static_cast<char>(std::toupper(c));
+    TORCH_CHECK(false, "swap_blocks_batch: backend '", device,
+                "' was not compiled into this build (compiled backends: ",
+                compiled_list(), "); rebuild vllm-ascend on a machine with ",
+                "that backend's toolchain (CMake option VLLM_ASCEND_WITH_",
+                upper, "=ON, see setup.py)");
+  }
+  TORCH_CHECK(false, "swap_blocks_batch: unknown device '", device,
+              "'; expected one of 'cpu', 'cuda', 'npu'");
+}
+
+void check_descriptor(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), "swap_blocks_batch: ", name,
+              " must be a CPU tensor (got ", t.device(),
+              "); descriptors always live on the host, build them with "
+              "device='cpu'");
+  TORCH_CHECK(t.scalar_type() == at::kLong, "swap_blocks_batch: ", name,
+              " must be an int64 tensor (got ", t.scalar_type(),
+              "); build it with dtype=torch.int64");
+  TORCH_CHECK(t.dim() == 1, "swap_blocks_batch: ", name, " must be 1-D (got ",
+              t.dim(), "-D); flatten it with .view(-1)");
+  TORCH_CHECK(t.is_contiguous(), "swap_blocks_batch: ", name,
+              " must be contiguous; call .contiguous() on it first");
+}
+
+// Validates every fragment and merges runs of adjacent ones (see ops.h).
+std::vector<CopyRegion> coalesce(const int64_t* src, const int64_t* dst,
+                                 const int64_t* sizes, int64_t n) {
+  constexpr uint64_t kMax = std::numeric_limits<uint64_t>::max();
+  std::vector<CopyRegion> regions;
+  regions.reserve(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(sizes[i] > 0, "swap_blocks_batch: sizes[", i, "] = ", sizes[i],
+                " but every size must be > 0; drop empty fragments first");
+    // Addresses are unsigned: int64 is only the transport type.
+    const auto s = static_cast<uint64_t>(src[i]);
+    const auto d = static_cast<uint64_t>(dst[i]);
+    const auto size = static_cast<uint64_t>(sizes[i]);
+    TORCH_CHECK(s != 0, "swap_blocks_batch: src_addrs[", i,
+                "] is a null address; pass the data_ptr() of an allocated "
+                "buffer");
+    TORCH_CHECK(d != 0, "swap_blocks_batch: dst_addrs[", i,
+                "] is a null address; pass the data_ptr() of an allocated "
+                "buffer");
+    TORCH_CHECK(
+        s <= kMax - size && d <= kMax - size, "swap_blocks_batch: fragment ", i,
+        " wraps around the end of the address space (src_addrs=", s,
+        ", dst_addrs=", d, ", sizes=", size, "); check the address arithmetic");
+    if (!regions.empty()) {
+      CopyRegion& last = regions.back();
+      if (last.src + last.size == s && last.dst + last.size == d) {
+        last.size += size;
+        continue;
+      }
+    }
+    regions.push_back({s, d, size, i});
+  }
+  return regions;
+}
+
+}  // namespace
+
+int64_t swap_blocks_batch(const at::Tensor& src_addrs,
+                          const at::Tensor& dst_addrs, const at::Tensor& sizes,
+                          std::string_view device) {
+  // Resolve first: a misconfigured device is an error even for empty batches.
+  const SwapBlocksBackend backend = resolve_backend(device);
+  check_descriptor(src_addrs, "src_addrs");
+  check_descriptor(dst_addrs, "dst_addrs");
+  check_descriptor(sizes, "sizes");
+  const int64_t n = sizes.numel();
+  TORCH_CHECK(src_addrs.numel() == n && dst_addrs.numel() == n,
+              "swap_blocks_batch: src_addrs, dst_addrs and sizes must have "
+              "the same length (got ",
+              src_addrs.numel(), ", ", dst_addrs.numel(), ", ", n,
+              "); pass exactly one entry per fragment in each");
+  if (n == 0) return 0;
+  const std::vector<CopyRegion> regions =
+      coalesce(src_addrs.data_ptr<int64_t>(), dst_addrs.data_ptr<int64_t>(),
+               sizes.data_ptr<int64_t>(), n);
+  backend(regions);
+  return static_cast<int64_t>(regions.size());
+}
+
+std::vector<std::string> compiled_backends() {
+  std::vector<std::string> names;
+  for (const BackendEntry& b : kBackends) names.emplace_back(b.name);
+  return names;
+}
+
+}  // namespace vllm_ascend
+
+// Descriptor tensors are always CPU and the `device` string picks the
+// backend, so one CompositeExplicitAutograd kernel serves every dispatch key.
+TORCH_LIBRARY(_C_ascend, m) {
+  m.def(
+      "swap_blocks_batch(Tensor src_addrs, Tensor dst_addrs, Tensor sizes, "
+      "str device) -> int");
+  m.impl("swap_blocks_batch", c10::DispatchKey::CompositeExplicitAutograd,
+         TORCH_FN(vllm_ascend::swap_blocks_batch));
+}

@@ -1,0 +1,97 @@
+// Native ops of vllm-ascend's KV-cache offloading.
+//
+// swap_blocks_batch
+// =================
+//
+//   torch.ops._C_ascend.swap_blocks_batch(
+//       Tensor src_addrs, Tensor dst_addrs, Tensor sizes, str device) -> int
+//
+// Copies a batch of raw memory fragments: fragment i copies sizes[i] bytes
+// from address src_addrs[i] to address dst_addrs[i].
+//
+// Arguments
+//   src_addrs, dst_addrs, sizes
+//       1-D, contiguous, CPU, int64 tensors of equal length N. They are
+//       descriptors only: the memory they point at may live on any device.
+//   device
+//       Backend that performs the copy: "cpu", "cuda" or "npu". A backend
+//       whose source was not compiled into the extension raises
+//       "backend '<device>' was not compiled into this build"; any other
+//       string raises "unknown device".
+//
+// Returns
+//   The number of copies actually submitted after coalescing (0 when N == 0).
+//
+// Coalescing
+//   Consecutive fragments i, i + 1 with src[i] + size[i] == src[i + 1] AND
+//   dst[i] + size[i] == dst[i + 1] are merged into one copy (repeatedly, so a
+//   run of k adjacent fragments becomes one copy). This is what makes copying
+//   a run of physically adjacent KV blocks cost one memcpy / DMA instead of k.
+//
+// Validation (c10::Error, i.e. RuntimeError in Python, before any byte moves)
+//   - wrong dtype / device / dim / contiguity of a descriptor tensor,
+//   - descriptor tensors of unequal length,
+//   - a size <= 0, a null source or destination address, a range that wraps
+//     around the end of the address space,
+//   - "cpu" only: a (merged) copy whose source and destination ranges
+//     overlap. Overlap *between* different fragments is not checked; the
+//     copies may run concurrently and in any order, so the result is then
+//     undefined. Callers must not alias destinations with other sources.
+//   An empty batch (N == 0) is valid and returns 0.
+//
+// Backend semantics
+//   "cpu": synchronous; the copy is finished when the op returns. Runs in the
+//       calling thread, plus extra std::threads for large volumes:
+//       threads = max(1, min(hardware threads, total_bytes / 4 MiB)); the
+//       merged copies are split among them by byte range, so even a single
+//       huge copy is parallelised. The GIL is not held while copying (calls
+//       through torch.ops release it before entering the kernel).
+//
+// Adding a backend
+//   1. Declare `void swap_blocks_<name>(const std::vector<CopyRegion>&)`
+//      below, guarded by VLLM_ASCEND_WITH_<NAME>.
+//   2. Implement it in csrc/<name>/ (one translation unit per backend).
+//   3. Add it to kBackends in csrc/dispatch.cpp and a CMake option
+//      VLLM_ASCEND_WITH_<NAME> that compiles the file and defines the macro.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace vllm_ascend {
+
+// One copy after coalescing. Addresses are unsigned so that range arithmetic
+// is well defined.
+struct CopyRegion {
+  uint64_t src;
+  uint64_t dst;
+  uint64_t size;
+  int64_t first_fragment;  // index of the first merged fragment, for errors
+};
+
+// A backend copies every region. Regions arrive validated (non-null, size >
+// 0, no wrap-around) and coalesced; backend-specific checks (e.g. overlap on
+// cpu) are the backend's job and must happen before the first byte moves.
+using SwapBlocksBackend = void (*)(const std::vector<CopyRegion>& regions);
+
+void swap_blocks_cpu(const std::vector<CopyRegion>& regions);
+#ifdef VLLM_ASCEND_WITH_CUDA
+void swap_blocks_cuda(const std::vector<CopyRegion>& regions);
+#endif
+#ifdef VLLM_ASCEND_WITH_NPU
+void swap_blocks_npu(const std::vector<CopyRegion>& regions);
+#endif
+
+// The op registered as torch.ops._C_ascend.swap_blocks_batch.
+int64_t swap_blocks_batch(const at::Tensor& src_addrs,
+                          const at::Tensor& dst_addrs, const at::Tensor& sizes,
+                          std::string_view device);
+
+// Names of the backends compiled into this build, e.g. {"cpu"}.
+std::vector<std::string> compiled_backends();
+
+}  // namespace vllm_ascend

@@ -1,0 +1,137 @@
+"""Build script for vllm-ascend: Python package plus the CMake-built extension.
+
+Install (development):
+
+    pip install --no-build-isolation -e .
+
+``--no-build-isolation`` is required for the native extension: it must be
+compiled against the torch already installed in the environment, which an
+isolated build environment would replace with a fresh (and different) one.
+
+Environment switches:
+
+* ``VLLM_ASCEND_BUILD_NATIVE=0`` -- install without native code; the Python
+  fallback in ``vllm_ascend.kv_offload.ops`` is used (CPU copies only). A
+  stale in-tree ``vllm_ascend/_C_ascend*.so`` from an earlier editable build
+  is removed so that the switch takes effect.
+* ``VLLM_ASCEND_WITH_CUDA=0|1`` / ``VLLM_ASCEND_WITH_NPU=0|1`` -- override the
+  auto-detection of the optional backends (CUDA: ``csrc/cuda/*.cu`` exists, a
+  CUDA torch and ``nvcc`` are present; NPU: ``csrc/npu/*.cpp`` exists and
+  ``torch_npu`` is importable).
+* ``MAX_JOBS`` -- parallel compile jobs (default 2).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import Extension, find_namespace_packages, setup
+from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
+
+ROOT = Path(__file__).resolve().parent
+BUILD_NATIVE = os.environ.get("VLLM_ASCEND_BUILD_NATIVE", "1") != "0"
+
+
+def _flag(name: str) -> bool | None:
+    """Value of an explicit 0/1 override env var, or None when unset."""
+    value = os.environ.get(name)
+    return None if value is None else value != "0"
+
+
+def _want_cuda(torch_module) -> bool:
+    forced = _flag("VLLM_ASCEND_WITH_CUDA")
+    if forced is not None:
+        return forced
+    if not any(ROOT.glob("csrc/cuda/*.cu")) or torch_module.version.cuda is None:
+        return False
+    cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    return bool(shutil.which("nvcc")) or Path(cuda_home, "bin", "nvcc").exists()
+
+
+def _want_npu() -> bool:
+    forced = _flag("VLLM_ASCEND_WITH_NPU")
+    if forced is not None:
+        return forced
+    if not any(ROOT.glob("csrc/npu/*.cpp")):
+        return False  # checked first: importing torch_npu is slow
+    try:
+        import torch_npu  # noqa: F401
+    except Exception:  # ImportError, or a broken CANN install
+        return False
+    return True
+
+
+class CMakeExtension(Extension):
+    """An extension whose sources are built by CMakeLists.txt in source_dir."""
+
+    def __init__(self, name: str, source_dir: Path = ROOT) -> None:
+        super().__init__(name, sources=[])
+        self.source_dir = str(source_dir)
+
+
+class CMakeBuild(build_ext):
+    """Configures and builds CMakeExtensions; the module lands where
+    setuptools expects it, so `pip install -e .` copies it into the tree."""
+
+    def build_extension(self, ext: Extension) -> None:
+        if not isinstance(ext, CMakeExtension):
+            super().build_extension(ext)
+            return
+        try:
+            import pybind11
+            import torch
+        except ImportError as e:
+            raise RuntimeError(
+                "Building the native op needs torch and pybind11 importable: "
+                "use `pip install --no-build-isolation -e .`, or set "
+                "VLLM_ASCEND_BUILD_NATIVE=0 to install without native code."
+            ) from e
+
+        target = Path(self.get_ext_fullpath(ext.name)).resolve()
+        build_temp = Path(self.build_temp, "cmake").resolve()
+        build_temp.mkdir(parents=True, exist_ok=True)
+        prefix_path = f"{torch.utils.cmake_prefix_path};{pybind11.get_cmake_dir()}"
+        configure = [
+            "cmake",
+            "-S",
+            ext.source_dir,
+            "-B",
+            str(build_temp),
+            f"-DCMAKE_PREFIX_PATH={prefix_path}",
+            f"-DPython_EXECUTABLE={sys.executable}",
+            f"-DCMAKE_BUILD_TYPE={'Debug' if self.debug else 'Release'}",
+            f"-DVLLM_ASCEND_OUTPUT_DIR={target.parent}",
+            f"-DVLLM_ASCEND_WITH_CUDA={'ON' if _want_cuda(torch) else 'OFF'}",
+            f"-DVLLM_ASCEND_WITH_NPU={'ON' if _want_npu() else 'OFF'}",
+        ]
+        jobs = os.environ.get("MAX_JOBS", "2")
+        subprocess.run(configure, check=True)
+        subprocess.run(["cmake", "--build", str(build_temp), "-j", jobs], check=True)
+        if not target.exists():
+            raise RuntimeError(f"CMake build did not produce {target}")
+
+
+class BuildPy(build_py):
+    """Without native code, drop a stale in-tree module from an earlier
+    editable build; otherwise it would still be imported."""
+
+    def run(self) -> None:
+        if not BUILD_NATIVE:
+            for stale in ROOT.glob("vllm_ascend/_C_ascend*.so"):
+                print(f"VLLM_ASCEND_BUILD_NATIVE=0: removing stale {stale}")
+                stale.unlink()
+        super().run()
+
+
+setup(
+    packages=find_namespace_packages(
+        include=["vllm_ascend", "vllm_ascend.*"], exclude=["*.__pycache__"]
+    ),
+    ext_modules=[CMakeExtension("vllm_ascend._C_ascend")] if BUILD_NATIVE else [],
+    cmdclass={"build_ext": CMakeBuild, "build_py": BuildPy},
+)

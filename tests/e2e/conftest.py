@@ -1,0 +1,84 @@
+"""Shared pieces of the end-to-end tests: prompts and the scenario runner."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_ascend.testing.tiny_model import ensure_tiny_model, make_prompt
+
+REPO = Path(__file__).resolve().parents[2]
+
+GUIDE_OFFLOAD = {
+    "num_cpu_blocks": 1000,
+    "block_size": 128,
+    "spec_name": "NPUOffloadingSpec",
+    "spec_module_path": "vllm_ascend.kv_offload.npu",
+}
+
+# fp32 keeps recomputed and reloaded prefixes numerically identical; a small
+# KV cache keeps engine start-up cheap.
+ENGINE = {"dtype": "float32", "max_model_len": 2048, "enforce_eager": True}
+
+# Three "documents" of 4 full 128-token blocks, three questions each.
+DOC_WORDS = 512
+DOCS = [make_prompt(DOC_WORDS, seed=100 + d) for d in range(3)]
+PROMPTS_BY_DOC = [
+    [f"{doc} {make_prompt(40, seed=1000 + 10 * d + q)}" for q in range(3)]
+    for d, doc in enumerate(DOCS)
+]
+ALL_PROMPTS = [p for doc in PROMPTS_BY_DOC for p in doc]
+
+
+def run_scenario(tmp_path: Path, name: str, scenario: dict) -> dict:
+    """Run ``scenario`` in its own process; return its JSON result."""
+    spec_file = tmp_path / f"{name}.json"
+    out_file = tmp_path / f"{name}.result.json"
+    spec_file.write_text(json.dumps(scenario))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.e2e.run_scenario", str(spec_file), str(out_file)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"scenario {name} failed (exit {proc.returncode}):\n"
+            f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+        )
+    return json.loads(out_file.read_text())
+
+
+def token_ids(phase: list[dict]) -> list[list[int]]:
+    return [r["token_ids"] for r in phase]
+
+
+def cached(phase: list[dict]) -> list[int]:
+    return [r["num_cached_tokens"] for r in phase]
+
+
+@pytest.fixture(scope="session")
+def scenario_dir(tmp_path_factory) -> Path:
+    ensure_tiny_model()
+    return tmp_path_factory.mktemp("scenarios")
+
+
+@pytest.fixture(scope="session")
+def reference(scenario_dir) -> list[list[int]]:
+    """Greedy outputs of every prompt with offloading off."""
+    result = run_scenario(
+        scenario_dir,
+        "reference",
+        {"engine": ENGINE, "offload": None, "phases": [{"prompts": ALL_PROMPTS}]},
+    )
+    return token_ids(result["phases"][0])

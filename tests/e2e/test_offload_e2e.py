@@ -1,0 +1,137 @@
+"""End to end on a real vLLM engine (CPU backend): offloading changes no output.
+
+Every scenario compares greedy token ids against the same prompts run with
+offloading off (the ``reference`` fixture).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.conftest import (
+    ALL_PROMPTS,
+    ENGINE,
+    GUIDE_OFFLOAD,
+    PROMPTS_BY_DOC,
+    cached,
+    run_scenario,
+    token_ids,
+)
+
+pytestmark = pytest.mark.e2e
+
+FULL_DOC_TOKENS = 512  # 4 blocks of 128 tokens
+
+
+@pytest.fixture(scope="module")
+def guide_run(scenario_dir) -> dict:
+    """The guide's exact config: all prompts, then again from the CPU only."""
+    return run_scenario(
+        scenario_dir,
+        "guide",
+        {
+            "engine": ENGINE,
+            "offload": GUIDE_OFFLOAD,
+            "phases": [
+                {"prompts": ALL_PROMPTS},
+                {"prompts": ALL_PROMPTS, "reset_prefix_cache": True},
+            ],
+        },
+    )
+
+
+def test_outputs_with_offloading_equal_outputs_without(guide_run, reference):
+    assert token_ids(guide_run["phases"][0]) == reference
+
+
+def test_after_prefix_cache_reset_prompts_are_served_from_cpu(guide_run, reference):
+    second = guide_run["phases"][1]
+    assert token_ids(second) == reference
+    # The device cache was emptied, so every cached token came from the CPU;
+    # the first question of each document loads its full 4-block prefix.
+    for doc in range(len(PROMPTS_BY_DOC)):
+        assert cached(second)[3 * doc] >= FULL_DOC_TOKENS
+    counters = guide_run["counters"]
+    assert counters["vllm:kv_offload_store_bytes"] > 0
+    assert counters["vllm:kv_offload_load_bytes"] > 0
+
+
+def test_blocks_evicted_from_a_small_device_cache_come_back_from_cpu(
+    scenario_dir, reference
+):
+    # 10 device blocks hold one document's questions, not all three.
+    engine = dict(ENGINE, max_model_len=1024, num_gpu_blocks_override=10)
+    result = run_scenario(
+        scenario_dir,
+        "small_device",
+        {
+            "engine": engine,
+            "offload": GUIDE_OFFLOAD,
+            "phases": [
+                {"prompts": ALL_PROMPTS},
+                {"prompts": PROMPTS_BY_DOC[0]},
+            ],
+        },
+    )
+    assert token_ids(result["phases"][0]) == reference
+    assert token_ids(result["phases"][1]) == reference[:3]
+    # Document 0 was evicted from the device by documents 1 and 2.
+    assert cached(result["phases"][1])[0] >= FULL_DOC_TOKENS
+    assert result["counters"]["vllm:kv_offload_load_bytes"] > 0
+
+
+def test_cpu_pool_smaller_than_working_set_evicts_least_recently_used(
+    scenario_dir, reference
+):
+    # 9 CPU blocks: room for two documents' 4-block prefixes, not three, so
+    # storing the third evicts 3 blocks of the least recently used document.
+    offload = dict(GUIDE_OFFLOAD, num_cpu_blocks=9)
+    first_questions = [doc[0] for doc in PROMPTS_BY_DOC]
+    result = run_scenario(
+        scenario_dir,
+        "small_cpu",
+        {
+            "engine": ENGINE,
+            "offload": offload,
+            "phases": [
+                {"prompts": first_questions},
+                # Most recent first: documents 2 and 1 are whole in the pool,
+                # document 0 lost blocks.
+                {"prompts": first_questions[::-1], "reset_prefix_cache": True},
+            ],
+        },
+    )
+    assert token_ids(result["phases"][0]) == [reference[0], reference[3], reference[6]]
+    again = result["phases"][1]
+    assert token_ids(again) == [reference[6], reference[3], reference[0]]
+    assert cached(again)[0] >= FULL_DOC_TOKENS
+    assert cached(again)[1] >= FULL_DOC_TOKENS
+    # vLLM's LRU ranks a request's leading blocks as most recent (a prefix
+    # is the likeliest to be reused), so document 0 keeps only its first.
+    assert cached(again)[2] == 128
+
+
+def test_negative_control_corrupted_loads_change_the_output(scenario_dir, reference):
+    offload = dict(
+        GUIDE_OFFLOAD,
+        spec_name="CorruptingOffloadingSpec",
+        spec_module_path="tests.e2e.corrupting_spec",
+    )
+    result = run_scenario(
+        scenario_dir,
+        "corrupting",
+        {
+            "engine": ENGINE,
+            "offload": offload,
+            "phases": [
+                {"prompts": ALL_PROMPTS},
+                {"prompts": ALL_PROMPTS, "reset_prefix_cache": True},
+            ],
+        },
+    )
+    # Stores are untouched: the first pass still matches.
+    assert token_ids(result["phases"][0]) == reference
+    second = result["phases"][1]
+    assert all(c >= FULL_DOC_TOKENS for c in cached(second)[::3])
+    # The same lookups as the guide run, but wrong bytes: outputs diverge.
+    assert token_ids(second) != reference

@@ -1,0 +1,358 @@
+"""Behaviour of swap_blocks_batch (contract: csrc/ops.h).
+
+Every test runs against both implementations -- the native op
+torch.ops._C_ascend.swap_blocks_batch and the Python fallback in
+vllm_ascend.kv_offload.ops -- which must behave the same on device "cpu".
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import random
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from vllm_ascend.kv_offload import ops
+
+Swap = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, str], int]
+POISON = -7  # what every destination byte holds until something is copied there
+MiB = 1 << 20
+
+
+def _load_native() -> tuple[Swap | None, tuple[str, ...], str]:
+    try:
+        from vllm_ascend import _C_ascend
+    except ImportError as e:
+        return None, (), str(e)
+    return (
+        torch.ops._C_ascend.swap_blocks_batch.default,
+        tuple(_C_ascend.backends()),
+        "",
+    )
+
+
+NATIVE, NATIVE_BACKENDS, NATIVE_ERROR = _load_native()
+needs_native = pytest.mark.skipif(
+    NATIVE is None,
+    reason="native extension vllm_ascend._C_ascend is not built "
+    f"({NATIVE_ERROR}); build it with `pip install --no-build-isolation -e .`",
+)
+
+
+@pytest.fixture(
+    params=[
+        pytest.param("native", marks=needs_native),
+        pytest.param("fallback"),
+    ]
+)
+def swap(request: pytest.FixtureRequest) -> Swap:
+    return NATIVE if request.param == "native" else ops.fallback_swap_blocks_batch
+
+
+def descriptors(
+    fragments: list[tuple[int, int, int]],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[(src_addr, dst_addr, size), ...] -> (src_addrs, dst_addrs, sizes)."""
+    cols = list(zip(*fragments, strict=True)) if fragments else [(), (), ()]
+    return tuple(torch.tensor(c, dtype=torch.int64) for c in cols)  # type: ignore[return-value]
+
+
+def random_bytes(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-128, 128, (n,), dtype=torch.int8, generator=g)
+
+
+def poisoned(n: int) -> torch.Tensor:
+    return torch.full((n,), POISON, dtype=torch.int8)
+
+
+def scattered_layout(sizes: list[int], rng: random.Random, max_gap: int) -> list[int]:
+    """Offsets of disjoint fragments of `sizes`, placed in shuffled order with
+    random gaps between them."""
+    order = list(range(len(sizes)))
+    rng.shuffle(order)
+    offsets, cursor = [0] * len(sizes), 0
+    for i in order:
+        cursor += rng.randrange(max_gap + 1)
+        offsets[i] = cursor
+        cursor += sizes[i]
+    return offsets
+
+
+def run_copy(
+    swap: Swap, src: torch.Tensor, dst: torch.Tensor, frags: list[tuple[int, int, int]]
+) -> tuple[int, torch.Tensor]:
+    """Copies (src_offset, dst_offset, size) fragments between two int8
+    tensors; returns the op's result and what dst should now contain."""
+    expected = dst.clone()
+    for s, d, n in frags:
+        expected[d : d + n] = src[s : s + n]
+    abs_frags = [(src.data_ptr() + s, dst.data_ptr() + d, n) for s, d, n in frags]
+    return swap(*descriptors(abs_frags), "cpu"), expected
+
+
+# --- copying ---------------------------------------------------------------
+
+
+def test_copies_scattered_fragments_of_mixed_sizes_byte_exact(swap: Swap) -> None:
+    rng = random.Random(1)
+    sizes = [rng.choice([1, 3, 64, 511, 4096, 65536, 300_000]) for _ in range(200)]
+    src_offsets = scattered_layout(sizes, rng, max_gap=100)
+    dst_offsets = scattered_layout(sizes, rng, max_gap=100)
+    src = random_bytes(max(o + n for o, n in zip(src_offsets, sizes, strict=True)))
+    dst = poisoned(max(o + n for o, n in zip(dst_offsets, sizes, strict=True)) + 100)
+    frags = list(zip(src_offsets, dst_offsets, sizes, strict=True))
+
+    _, expected = run_copy(swap, src, dst, frags)
+
+    assert torch.equal(dst, expected)
+    written = torch.zeros_like(dst, dtype=torch.bool)
+    for _, d, n in frags:
+        written[d : d + n] = True
+    assert (dst[~written] == POISON).all(), "bytes outside the fragments changed"
+
+
+def test_large_batch_is_copied_correctly_by_several_threads(swap: Swap) -> None:
+    # 64 MiB in 256 fragments; destination slots permuted (stride 97) so that
+    # no two consecutive fragments are adjacent and nothing merges.
+    n, size = 256, 64 * MiB // 256
+    src, dst = random_bytes(n * size, seed=2), poisoned(n * size)
+    frags = [(i * size, (i * 97 % n) * size, size) for i in range(n)]
+
+    copies, expected = run_copy(swap, src, dst, frags)
+
+    assert copies == n
+    assert torch.equal(dst, expected)
+
+
+def test_single_huge_fragment_is_copied_correctly(swap: Swap) -> None:
+    # The native op splits by bytes, so this one copy is also parallelised.
+    n = 64 * MiB + 3  # not divisible by the thread count
+    src, dst = random_bytes(n, seed=4), poisoned(n + 1)
+
+    copies, expected = run_copy(swap, src, dst, [(0, 0, n)])
+
+    assert copies == 1
+    assert torch.equal(dst, expected)
+    assert dst[n] == POISON
+
+
+# --- coalescing ------------------------------------------------------------
+
+
+def test_fragments_contiguous_on_both_sides_merge_into_one_copy(swap: Swap) -> None:
+    src, dst = random_bytes(8 * 512), poisoned(8 * 512 + 512)
+    frags = [(i * 512, 512 + i * 512, 512) for i in range(8)]
+
+    copies, expected = run_copy(swap, src, dst, frags)
+
+    assert copies == 1
+    assert torch.equal(dst, expected)
+
+
+@pytest.mark.parametrize(
+    "frags",
+    [
+        # source contiguous, destinations in reverse order
+        [(i * 64, (7 - i) * 64, 64) for i in range(8)],
+        # destination contiguous, sources spaced apart
+        [(i * 128, i * 64, 64) for i in range(8)],
+        # interleaved: each fragment continues the one before the previous
+        [
+            ((i % 2) * 4096 + (i // 2) * 64, i * 64 + (i % 2) * 4096, 64)
+            for i in range(8)
+        ],
+    ],
+    ids=["dst-reversed", "src-gapped", "interleaved"],
+)
+def test_fragments_contiguous_on_one_side_only_are_not_merged(
+    swap: Swap, frags: list[tuple[int, int, int]]
+) -> None:
+    src, dst = random_bytes(8192), poisoned(8192)
+
+    copies, expected = run_copy(swap, src, dst, frags)
+
+    assert copies == len(frags)
+    assert torch.equal(dst, expected)
+
+
+def test_each_run_of_adjacent_fragments_becomes_one_copy(swap: Swap) -> None:
+    # runs of 3, 1 and 2 adjacent fragments
+    frags = [
+        (0, 0, 10),
+        (10, 10, 20),
+        (30, 30, 5),
+        (100, 200, 7),
+        (300, 400, 1),
+        (301, 401, 9),
+    ]
+    src, dst = random_bytes(512), poisoned(512)
+
+    copies, expected = run_copy(swap, src, dst, frags)
+
+    assert copies == 3
+    assert torch.equal(dst, expected)
+
+
+def test_empty_batch_copies_nothing_and_returns_zero(swap: Swap) -> None:
+    assert swap(*descriptors([]), "cpu") == 0
+
+
+# --- validation ------------------------------------------------------------
+
+
+@pytest.fixture
+def buffers() -> tuple[torch.Tensor, torch.Tensor]:
+    return random_bytes(4096), poisoned(4096)
+
+
+def _bad_descriptors(
+    case: str, src: torch.Tensor, dst: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    s, d = src.data_ptr(), dst.data_ptr()
+    # A valid first fragment: a failing batch must not copy even that one.
+    ok = [(s, d, 16)]
+    srcs, dsts, sizes = descriptors(ok + [(s + 100, d + 100, 16)])
+    if case == "dtype":
+        return srcs.to(torch.int32), dsts, sizes
+    if case == "device":
+        return srcs, dsts, sizes.to("meta")
+    if case == "dim":
+        return srcs, dsts.view(1, 2), sizes
+    if case == "contiguity":
+        return srcs, dsts, torch.tensor([16, 0, 16, 0])[::2]
+    if case == "length":
+        return srcs, dsts[:1], sizes
+    if case == "zero-size":
+        return descriptors(ok + [(s + 100, d + 100, 0)])
+    if case == "negative-size":
+        return descriptors(ok + [(s + 100, d + 100, -5)])
+    if case == "null-src":
+        return descriptors(ok + [(0, d + 100, 16)])
+    if case == "null-dst":
+        return descriptors(ok + [(s + 100, 0, 16)])
+    if case == "wraps":
+        return descriptors(ok + [(s + 100, -8, 16)])
+    if case == "overlap":
+        return descriptors(ok + [(s + 100, s + 108, 16)])
+    if case == "overlap-after-merge":
+        # each fragment alone is disjoint, but the merged copy is not
+        return descriptors(ok + [(s + 100, s + 110, 10), (s + 110, s + 120, 10)])
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("dtype", r"src_addrs must be an int64 tensor"),
+        ("device", r"sizes must be a CPU tensor"),
+        ("dim", r"dst_addrs must be 1-D"),
+        ("contiguity", r"sizes must be contiguous"),
+        ("length", r"must have the same length \(got 2, 1, 2\)"),
+        ("zero-size", r"sizes\[1\] = 0 but every size must be > 0"),
+        ("negative-size", r"sizes\[1\] = -5 but every size must be > 0"),
+        ("null-src", r"src_addrs\[1\] is a null address"),
+        ("null-dst", r"dst_addrs\[1\] is a null address"),
+        ("wraps", r"fragment 1 wraps around the end of the address space"),
+        ("overlap", r"fragment 1 \(after merging adjacent fragments\) overlap"),
+        ("overlap-after-merge", r"fragment 1 \(after merging .*\) overlap"),
+    ],
+)
+def test_invalid_batch_raises_naming_the_problem_and_copies_nothing(
+    swap: Swap, buffers: tuple[torch.Tensor, torch.Tensor], case: str, message: str
+) -> None:
+    src, dst = buffers
+    before = (src.clone(), dst.clone())
+
+    with pytest.raises(RuntimeError, match=message):
+        swap(*_bad_descriptors(case, src, dst), "cpu")
+
+    assert torch.equal(src, before[0]) and torch.equal(dst, before[1])
+
+
+def test_unknown_device_raises(swap: Swap) -> None:
+    with pytest.raises(RuntimeError, match=r"unknown device 'tpu'; expected one of"):
+        swap(*descriptors([]), "tpu")
+
+
+@needs_native
+@pytest.mark.parametrize("device", ["cuda", "npu"])
+def test_native_rejects_a_backend_it_was_built_without(device: str) -> None:
+    if device in NATIVE_BACKENDS:
+        pytest.skip(f"this build includes the {device} backend")
+    with pytest.raises(RuntimeError, match=f"backend '{device}' was not compiled"):
+        NATIVE(*descriptors([]), device)
+
+
+@pytest.mark.parametrize("device", ["cuda", "npu"])
+def test_fallback_refuses_device_copies(device: str) -> None:
+    with pytest.raises(RuntimeError, match=f"'{device}' requires the native extension"):
+        ops.fallback_swap_blocks_batch(*descriptors([]), device)
+
+
+# --- threading and loading -------------------------------------------------
+
+
+@needs_native
+def test_native_op_does_not_hold_the_gil_while_copying() -> None:
+    # ~1 GiB of copying from 4 MiB of memory: the same buffer 256 times (the
+    # fragments are not adjacent, so they do not merge; the concurrent
+    # writes to dst all carry the same bytes).
+    src, dst = random_bytes(4 * MiB), poisoned(4 * MiB)
+    frags = [(src.data_ptr(), dst.data_ptr(), 4 * MiB)] * 256
+    stamps: list[float] = []
+    stop = threading.Event()
+
+    def ticker() -> None:  # can only run while nobody holds the GIL
+        while not stop.is_set():
+            stamps.append(time.perf_counter())
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=ticker)
+    thread.start()
+    time.sleep(0.02)
+    t0 = time.perf_counter()
+    NATIVE(*descriptors(frags), "cpu")
+    t1 = time.perf_counter()
+    stop.set()
+    thread.join()
+
+    window = [t0, *(t for t in stamps if t0 < t < t1), t1]
+    longest_stall = max(b - a for a, b in zip(window, window[1:], strict=False))
+    assert longest_stall < 0.5 * (t1 - t0), (
+        f"other Python threads stalled {longest_stall * 1e3:.0f} ms of a "
+        f"{(t1 - t0) * 1e3:.0f} ms copy: the GIL was held"
+    )
+    assert torch.equal(dst, src)
+
+
+def test_entry_point_uses_the_native_op_when_built() -> None:
+    enabled = NATIVE is not None and os.environ.get("VLLM_ASCEND_NATIVE_OP") != "0"
+    assert ops.HAS_NATIVE_OP == enabled
+    assert ops.native_backends() == (NATIVE_BACKENDS if enabled else ())
+    if enabled:
+        assert "cpu" in ops.native_backends()
+    src, dst = random_bytes(64), poisoned(64)
+
+    copies, expected = run_copy(ops.swap_blocks_batch, src, dst, [(0, 0, 64)])
+
+    assert copies == 1
+    assert torch.equal(dst, expected)
+
+
+def test_native_op_can_be_disabled_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_ASCEND_NATIVE_OP", "0")
+    try:
+        importlib.reload(ops)
+        assert not ops.HAS_NATIVE_OP
+        assert ops.native_backends() == ()
+        with pytest.raises(RuntimeError, match="VLLM_ASCEND_NATIVE_OP=0 is set"):
+            ops.swap_blocks_batch(*descriptors([]), "npu")
+    finally:
+        monkeypatch.undo()
+        importlib.reload(ops)

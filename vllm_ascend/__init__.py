@@ -1,0 +1,3 @@
+"""vllm-ascend: KV-cache CPU offloading for vLLM on Ascend NPUs."""
+
+__version__ = "0.1.0"

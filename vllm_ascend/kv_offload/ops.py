@@ -1,0 +1,189 @@
+"""Batched raw-memory copies for KV offloading: native op, or a Python fallback.
+
+``swap_blocks_batch(src_addrs, dst_addrs, sizes, device) -> int`` copies
+fragment i, ``sizes[i]`` bytes, from address ``src_addrs[i]`` to
+``dst_addrs[i]``; the three descriptors are 1-D contiguous CPU int64 tensors of
+equal length. Runs of adjacent fragments (source AND destination contiguous)
+are merged first and the number of copies actually performed is returned.
+The full contract (validation, backends, threading) is in ``csrc/ops.h``.
+
+The native op ``torch.ops._C_ascend.swap_blocks_batch`` comes from the
+extension ``vllm_ascend._C_ascend`` (``pip install --no-build-isolation -e .``).
+Without it, or with ``VLLM_ASCEND_NATIVE_OP=0``, a pure-Python fallback is
+used: same validation and coalescing, single-threaded ``ctypes.memmove``, CPU
+device only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+__all__ = [
+    "HAS_NATIVE_OP",
+    "fallback_swap_blocks_batch",
+    "native_backends",
+    "swap_blocks_batch",
+]
+
+_KNOWN_DEVICES = ("cpu", "cuda", "npu")
+_UINT64_MAX = np.uint64(np.iinfo(np.uint64).max)
+_BUILD_HINT = "build it with `pip install --no-build-isolation -e .`"
+
+_SwapFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, str], int]
+
+
+def _load_native() -> tuple[_SwapFn | None, tuple[str, ...], str | None]:
+    """Returns (op, compiled backends, reason for falling back or None)."""
+    if os.environ.get("VLLM_ASCEND_NATIVE_OP", "1") == "0":
+        return None, (), "VLLM_ASCEND_NATIVE_OP=0 is set"
+    try:
+        from vllm_ascend import _C_ascend  # registers torch.ops._C_ascend
+    except ImportError as e:
+        return None, (), f"vllm_ascend._C_ascend is not importable ({e}); {_BUILD_HINT}"
+    # The OpOverload skips the packet's overload resolution on every call.
+    return (
+        torch.ops._C_ascend.swap_blocks_batch.default,
+        tuple(_C_ascend.backends()),
+        None,
+    )
+
+
+_native_op, _native_backends, _fallback_reason = _load_native()
+HAS_NATIVE_OP: bool = _native_op is not None
+
+
+def native_backends() -> tuple[str, ...]:
+    """Backends compiled into the native op in use; () when falling back."""
+    return _native_backends
+
+
+def swap_blocks_batch(
+    src_addrs: torch.Tensor, dst_addrs: torch.Tensor, sizes: torch.Tensor, device: str
+) -> int:
+    """Copies the batch on ``device`` ("cpu", "cuda", "npu"); returns the number
+    of copies after merging adjacent fragments. See the module docstring."""
+    if _native_op is not None:
+        return _native_op(src_addrs, dst_addrs, sizes, device)
+    return fallback_swap_blocks_batch(src_addrs, dst_addrs, sizes, device)
+
+
+def _check_descriptor(t: torch.Tensor, name: str) -> None:
+    # Same checks and wording as check_descriptor() in csrc/dispatch.cpp.
+    prefix = f"swap_blocks_batch: {name} must be"
+    if t.device.type != "cpu":
+        raise RuntimeError(
+            f"{prefix} a CPU tensor (got {t.device}); descriptors always live on "
+            "the host, build them with device='cpu'"
+        )
+    if t.dtype != torch.int64:
+        raise RuntimeError(
+            f"{prefix} an int64 tensor (got {t.dtype}); build it with dtype=torch.int64"
+        )
+    if t.dim() != 1:
+        raise RuntimeError(f"{prefix} 1-D (got {t.dim()}-D); flatten it with .view(-1)")
+    if not t.is_contiguous():
+        raise RuntimeError(f"{prefix} contiguous; call .contiguous() on it first")
+
+
+def _first(mask: np.ndarray) -> int:
+    return int(np.flatnonzero(mask)[0])
+
+
+def fallback_swap_blocks_batch(
+    src_addrs: torch.Tensor, dst_addrs: torch.Tensor, sizes: torch.Tensor, device: str
+) -> int:
+    """Pure-Python swap_blocks_batch for device "cpu" (same contract)."""
+    if device not in _KNOWN_DEVICES:
+        raise RuntimeError(
+            f"swap_blocks_batch: unknown device '{device}'; expected one of "
+            "'cpu', 'cuda', 'npu'"
+        )
+    if device != "cpu":
+        raise RuntimeError(
+            f"swap_blocks_batch: device '{device}' requires the native extension "
+            "vllm_ascend._C_ascend (the Python fallback only copies host memory); "
+            f"{_BUILD_HINT} on a machine with the {device} toolchain "
+            f"(fallback in use because {_fallback_reason or 'it was called directly'})"
+        )
+    _check_descriptor(src_addrs, "src_addrs")
+    _check_descriptor(dst_addrs, "dst_addrs")
+    _check_descriptor(sizes, "sizes")
+    n = sizes.numel()
+    if src_addrs.numel() != n or dst_addrs.numel() != n:
+        raise RuntimeError(
+            "swap_blocks_batch: src_addrs, dst_addrs and sizes must have the same "
+            f"length (got {src_addrs.numel()}, {dst_addrs.numel()}, {n}); pass "
+            "exactly one entry per fragment in each"
+        )
+    if n == 0:
+        return 0
+
+    # Addresses are unsigned; int64 is only the transport type.
+    src = src_addrs.numpy().view(np.uint64)
+    dst = dst_addrs.numpy().view(np.uint64)
+    signed_size = sizes.numpy()
+    if (signed_size <= 0).any():
+        i = _first(signed_size <= 0)
+        raise RuntimeError(
+            f"swap_blocks_batch: sizes[{i}] = {signed_size[i]} but every size must "
+            "be > 0; drop empty fragments first"
+        )
+    size = signed_size.view(np.uint64)
+    for name, addrs in (("src_addrs", src), ("dst_addrs", dst)):
+        if (addrs == 0).any():
+            raise RuntimeError(
+                f"swap_blocks_batch: {name}[{_first(addrs == 0)}] is a null address; "
+                "pass the data_ptr() of an allocated buffer"
+            )
+    wraps = (src > _UINT64_MAX - size) | (dst > _UINT64_MAX - size)
+    if wraps.any():
+        i = _first(wraps)
+        raise RuntimeError(
+            f"swap_blocks_batch: fragment {i} wraps around the end of the address "
+            f"space (src_addrs={src[i]}, dst_addrs={dst[i]}, sizes={size[i]}); "
+            "check the address arithmetic"
+        )
+
+    # A fragment starts a new copy unless it continues the previous one on
+    # both sides; chains of continuations merge into one copy.
+    src_end, dst_end = src[:-1] + size[:-1], dst[:-1] + size[:-1]
+    starts_copy = np.concatenate(([True], (src[1:] != src_end) | (dst[1:] != dst_end)))
+    first = np.flatnonzero(starts_copy)
+    m_src, m_dst = src[first], dst[first]
+    m_size = np.add.reduceat(size, first)
+
+    overlap = (m_src < m_dst + m_size) & (m_dst < m_src + m_size)
+    if overlap.any():
+        j = _first(overlap)
+        raise RuntimeError(
+            "swap_blocks_batch(device='cpu'): source and destination of fragment "
+            f"{first[j]} (after merging adjacent fragments) overlap "
+            f"(src_addrs={m_src[j]}, dst_addrs={m_dst[j]}, bytes={m_size[j]}); "
+            "source and destination ranges must be disjoint"
+        )
+    for s, d, k in zip(m_src.tolist(), m_dst.tolist(), m_size.tolist(), strict=True):
+        ctypes.memmove(d, s, k)
+    return len(first)
+
+
+def _warn_fallback(reason: str) -> None:
+    # Imported lazily: vllm's logger pulls in much of vllm, and the native
+    # path must not pay for that at import. vllm_ascend.logger wraps
+    # vllm.logger.init_logger so that vllm_ascend.* records reach vLLM's
+    # handlers.
+    from vllm_ascend.logger import init_logger
+
+    init_logger(__name__).warning_once(
+        "swap_blocks_batch: using the Python fallback (CPU only, single-threaded) "
+        "because %s",
+        reason,
+    )
+
+
+if _fallback_reason is not None:
+    _warn_fallback(_fallback_reason)
