@@ -40,7 +40,9 @@ def run(scenario: dict) -> dict:
         )
         # One request at a time keeps the cache state each request sees
         # independent of batching.
-        outputs = [llm.generate([p], params, use_tqdm=False)[0] for p in phase["prompts"]]
+        outputs = [
+            llm.generate([p], params, use_tqdm=False)[0] for p in phase["prompts"]
+        ]
         phases.append(
             [
                 {

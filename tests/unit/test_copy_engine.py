@@ -134,7 +134,7 @@ def test_worker_round_trip_is_byte_exact(bpc, first):
             t.tensor[dev_blocks] = 0x5A
         assert worker.submit_load(2, CPULoadStoreSpec(cpu_blocks), spec)
         worker.wait({2})
-        for t, before in zip(kv.tensors, original):
+        for t, before in zip(kv.tensors, original, strict=True):
             assert torch.equal(t.tensor, before)
 
         results = {r.job_id: r for r in worker.get_finished()}

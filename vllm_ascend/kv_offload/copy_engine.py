@@ -145,7 +145,8 @@ class CopyEngine:
         cpu_parts: list[np.ndarray] = []
         size_parts: list[np.ndarray] = []
         dev_pos = cpu_pos = 0
-        for group, n, first in zip(self.groups, group_sizes, block_indices):
+        jobs = zip(self.groups, group_sizes, block_indices, strict=True)
+        for group, n, first in jobs:
             if n == 0:
                 continue
             skip = first % bpc
