@@ -29,6 +29,9 @@ if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
 fi
 
 echo "[setup] building vllm-ascend (native op against $(python -c 'import torch; print(torch.__version__)'))"
+# A leftover egg-info from a non-editable build would shadow the installed
+# metadata (and its vllm.general_plugins entry point) when run from here.
+rm -rf vllm_ascend.egg-info
 python -m pip install -q --no-build-isolation --no-deps -e .
 python - <<'PY'
 from vllm_ascend.kv_offload import ops

@@ -25,7 +25,8 @@ def run(scenario: dict) -> dict:
     kwargs = dict(scenario.get("engine", {}))
     if scenario.get("offload") is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="OffloadingConnector",
+            kv_connector=scenario.get("connector", "OffloadingConnector"),
+            kv_connector_module_path=scenario.get("connector_module_path"),
             kv_role="kv_both",
             kv_connector_extra_config=scenario["offload"],
         )

@@ -135,3 +135,24 @@ def test_negative_control_corrupted_loads_change_the_output(scenario_dir, refere
     assert all(c >= FULL_DOC_TOKENS for c in cached(second)[::3])
     # The same lookups as the guide run, but wrong bytes: outputs diverge.
     assert token_ids(second) != reference
+
+
+def test_ascend_tuple_layout_runs_end_to_end(scenario_dir, reference):
+    """Layers registered as unequal (part0, part1) tuples, as on Ascend."""
+    result = run_scenario(
+        scenario_dir,
+        "tuple_layout",
+        {
+            "engine": ENGINE,
+            "offload": GUIDE_OFFLOAD,
+            "connector": "TupleLayoutOffloadingConnector",
+            "connector_module_path": "tests.e2e.tuple_layout_connector",
+            "phases": [
+                {"prompts": PROMPTS_BY_DOC[0]},
+                {"prompts": PROMPTS_BY_DOC[0], "reset_prefix_cache": True},
+            ],
+        },
+    )
+    assert token_ids(result["phases"][0]) == reference[:3]
+    assert token_ids(result["phases"][1]) == reference[:3]
+    assert cached(result["phases"][1])[0] >= FULL_DOC_TOKENS

@@ -1,0 +1,168 @@
+"""Ascend KV-cache layouts survive store -> overwrite -> load byte for byte.
+
+Synthetic caches in the shapes and dtypes vllm-ascend allocates: (K, V)
+tuples, MLA (nope, rope) tuples with different widths, Mamba state lists,
+2 MiB-aligned allocations and several KV cache groups.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vllm.v1.kv_offload.base import GPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+from vllm_ascend.kv_offload.kv_layout import KVLayoutError, block_view, canonicalize
+from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
+
+NUM_BLOCKS = 6
+BLOCK = 128
+ALIGN = 2 << 20
+
+
+def aligned_randn(shape, dtype, gen) -> torch.Tensor:
+    """A tensor whose data starts on a 2 MiB boundary inside a larger buffer,
+    as vllm-ascend allocates caches when a KV connector is configured."""
+    numel = torch.Size(shape).numel()
+    elem = torch.empty(0, dtype=dtype).element_size()
+    raw = torch.empty(numel * elem + ALIGN, dtype=torch.int8)
+    offset = (-raw.data_ptr()) % ALIGN
+    data = raw[offset : offset + numel * elem].view(dtype).view(shape)
+    data.copy_(torch.randn(shape, generator=gen).to(dtype))
+    return data
+
+
+def kv_tuple_layers(n, heads=8, dim=128, dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    shape = (NUM_BLOCKS, BLOCK, heads, dim)
+    return {
+        f"layers.{i}.attn": (
+            aligned_randn(shape, dtype, gen),
+            aligned_randn(shape, dtype, gen),
+        )
+        for i in range(n)
+    }
+
+
+def mla_layers(n, nope=512, rope=64, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        f"layers.{i}.mla": (
+            aligned_randn((NUM_BLOCKS, BLOCK, 1, nope), torch.bfloat16, gen),
+            aligned_randn((NUM_BLOCKS, BLOCK, 1, rope), torch.bfloat16, gen),
+        )
+        for i in range(n)
+    }
+
+
+def mamba_layer(seed=2):
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        aligned_randn((NUM_BLOCKS, 3, 1024), torch.bfloat16, gen),
+        aligned_randn((NUM_BLOCKS, 16, 64, 16), torch.float32, gen),
+    ]
+
+
+def parts_of(cache):
+    return [cache] if isinstance(cache, torch.Tensor) else list(cache)
+
+
+def all_parts(kv_caches):
+    for cache in kv_caches.values():
+        yield from parts_of(cache)
+
+
+def round_trip(kv_caches, groups, bpc, group_sizes, block_indices):
+    """Store each group's blocks, poison them on the device, load them back."""
+    canonical = canonicalize(kv_caches, groups, NUM_BLOCKS)
+    before = [p.clone() for p in all_parts(kv_caches)]
+    dev_blocks, cpu_blocks, per_group, next_cpu = [], [], [], 7
+    for g, (n, first) in enumerate(zip(group_sizes, block_indices, strict=True)):
+        per_group.append([(5 - g - k) % NUM_BLOCKS for k in range(n)])
+        dev_blocks += per_group[-1]
+        n_cpu = -(-(first % bpc + n) // bpc)
+        cpu_blocks += list(range(next_cpu, next_cpu - n_cpu, -1))
+        next_cpu -= n_cpu
+    spec = GPULoadStoreSpec(dev_blocks, group_sizes, block_indices)
+    worker = NPUOffloadingWorker(canonical, blocks_per_chunk=bpc, num_cpu_blocks=8)
+    try:
+        worker.submit_store(1, spec, CPULoadStoreSpec(cpu_blocks))
+        worker.wait({1})
+        for layers, blocks in zip(groups, per_group, strict=True):
+            for layer in layers:
+                for part in parts_of(kv_caches[layer]):
+                    part.view(torch.int8)[blocks] = 0x7F
+        worker.submit_load(2, CPULoadStoreSpec(cpu_blocks), spec)
+        worker.wait({2})
+        assert all(r.success for r in worker.get_finished())
+        for part, expected in zip(all_parts(kv_caches), before, strict=True):
+            assert torch.equal(part.view(torch.int8), expected.view(torch.int8))
+    finally:
+        worker.shutdown()
+    return canonical
+
+
+@pytest.mark.parametrize("bpc, first", [(1, 0), (2, 0), (4, 3)])
+def test_28_layers_of_bf16_k_v_tuples(bpc, first):
+    kv = kv_tuple_layers(28)
+    canonical = round_trip(kv, [list(kv)], bpc, [4], [first])
+    # K and V of every layer are separate parts of 128 x 8 x 128 bf16.
+    assert len(canonical.tensors) == 56
+    assert {t.page_size_bytes for t in canonical.tensors} == {BLOCK * 8 * 128 * 2}
+
+
+@pytest.mark.parametrize("bpc, first", [(1, 0), (2, 1)])
+def test_61_mla_layers_with_different_nope_and_rope_widths(bpc, first):
+    kv = mla_layers(61)
+    canonical = round_trip(kv, [list(kv)], bpc, [3], [first])
+    pages = [t.page_size_bytes for t in canonical.tensors]
+    assert pages[:2] == [BLOCK * 512 * 2, BLOCK * 64 * 2]
+    assert len(pages) == 122
+
+
+def test_two_groups_with_different_block_counts_and_a_mamba_state():
+    kv = kv_tuple_layers(2, heads=2, dim=64)
+    kv["layers.9.mamba"] = mamba_layer()
+    groups = [["layers.0.attn", "layers.1.attn"], ["layers.9.mamba"]]
+    # The attention group moves 4 blocks starting mid-CPU-block, the Mamba
+    # group 1 block.
+    round_trip(kv, groups, bpc=2, group_sizes=[4, 1], block_indices=[3, 2])
+
+
+def test_layers_sharing_one_cache_are_transferred_once():
+    kv = kv_tuple_layers(2, heads=2, dim=64)
+    kv["layers.1.attn"] = kv["layers.0.attn"]
+    canonical = canonicalize(kv, [list(kv)], NUM_BLOCKS)
+    assert len(canonical.tensors) == 2
+    assert [r.tensor_idx for r in canonical.group_data_refs[0]] == [0, 1, 0, 1]
+
+
+def test_views_share_memory_with_the_device_cache():
+    k, _ = kv_tuple_layers(1, heads=2, dim=64)["layers.0.attn"]
+    view = block_view(k, NUM_BLOCKS, "k")
+    assert view.data_ptr() == k.data_ptr()
+    assert view.shape == (NUM_BLOCKS, BLOCK * 2 * 64 * 2)
+    view[3].fill_(1)
+    assert torch.all(k[3].view(torch.int8) == 1)
+
+
+def test_kernel_blocks_inside_a_manager_block_form_one_page():
+    # Dim 0 counts 4 kernel blocks of 32 tokens per manager block.
+    part = torch.randn(NUM_BLOCKS * 4, 32, 2, 64)
+    view = block_view(part, NUM_BLOCKS, "k")
+    assert view.shape == (NUM_BLOCKS, 4 * 32 * 2 * 64 * 4)
+
+
+def test_a_layout_not_contiguous_within_a_block_is_rejected_by_name():
+    # Heads before tokens through a permuted view: a block is not one run.
+    base = torch.randn(NUM_BLOCKS, 2, BLOCK, 64)
+    permuted = base.permute(0, 2, 1, 3)
+    with pytest.raises(KVLayoutError, match=r"layers\.3\.attn\[1\].*not contiguous"):
+        canonicalize(
+            {"layers.3.attn": (base, permuted)}, [["layers.3.attn"]], NUM_BLOCKS
+        )
+
+
+def test_a_part_without_a_block_dimension_is_rejected():
+    with pytest.raises(KVLayoutError, match="multiple of 6 blocks"):
+        block_view(torch.randn(5, 4), NUM_BLOCKS, "layers.0.attn[0]")
