@@ -46,6 +46,34 @@
 //       merged copies are split among them by byte range, so even a single
 //       huge copy is parallelised. The GIL is not held while copying (calls
 //       through torch.ops release it before entering the kernel).
+//   "npu": asynchronous. Enqueued on torch_npu's current stream of the current
+//       device, c10_npu::getCurrentNPUStream().stream(), which first flushes
+//       torch_npu's task queue, so the copies are ordered after torch ops
+//       already issued on that stream. The op returns once the copies are
+//       enqueued: synchronize the stream (or record an event) before reading
+//       the destination or reusing the source.
+//       Direction: host <-> device only. The dispatcher knows addresses only,
+//       so the backend determines the direction ONCE per call, from fragment
+//       0, with aclrtPointerGetAttributes. The host side must be page-locked
+//       memory known to ACL (torch pin_memory=True, i.e. aclrtMallocHost);
+//       pageable host memory, device-to-device and host-to-host at fragment
+//       0 raise before anything is enqueued. Every later fragment must match
+//       fragment 0 (direction and kind of memory); one that does not is left
+//       to the runtime's own check, whose failure names that fragment.
+//       Copies: aclrtMemcpyBatchAsync with one attribute set per call (the
+//       locations aclrtPointerGetAttributes reported), at most 4096 entries a
+//       call. When the batch API answers "not supported"
+//       (ACL_ERROR_RT_FEATURE_NOT_SUPPORT, ACL_ERROR_FEATURE_UNSUPPORTED or
+//       ACL_ERROR_API_NOT_SUPPORT) or the runtime lacks the symbol (CANN <
+//       8.3), the process switches for good to one aclrtMemcpyAsync per copy
+//       and warns once. Any other ACL error raises, naming the ACL call, the
+//       error code and the caller's fragment index (translated from
+//       failIndex); copies enqueued by earlier calls of the same op are not
+//       undone, so the destination is then undefined. Copies within one call
+//       run in no particular order.
+//       Status: compiled in CI against the torch-npu 2.13.0 headers and
+//       tested against a SIMULATED ACL runtime only; never run on Ascend
+//       hardware (docs/npu_backend.md).
 //
 // Adding a backend
 //   1. Declare `void swap_blocks_<name>(const std::vector<CopyRegion>&)`
@@ -62,16 +90,9 @@
 #include <string_view>
 #include <vector>
 
-namespace vllm_ascend {
+#include "copy_region.h"  // CopyRegion: one copy after coalescing
 
-// One copy after coalescing. Addresses are unsigned so that range arithmetic
-// is well defined.
-struct CopyRegion {
-  uint64_t src;
-  uint64_t dst;
-  uint64_t size;
-  int64_t first_fragment;  // index of the first merged fragment, for errors
-};
+namespace vllm_ascend {
 
 // A backend copies every region. Regions arrive validated (non-null, size >
 // 0, no wrap-around) and coalesced; backend-specific checks (e.g. overlap on

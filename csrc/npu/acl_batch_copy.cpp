@@ -1,0 +1,212 @@
+// ACL-facing core of the "npu" backend; see acl_batch_copy.h and ops.h.
+#include "acl_batch_copy.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+// Both symbols are newer than some CANN releases torch_npu still runs on
+// (torch_npu itself looks them up at run time). Weak references keep the
+// extension importable there: a missing batch API is handled like "not
+// supported", a missing aclrtPointerGetAttributes raises a clear error.
+#pragma weak aclrtMemcpyBatchAsync
+#pragma weak aclrtPointerGetAttributes
+
+namespace vllm_ascend::npu {
+namespace {
+
+// What a job needs besides its regions: one attribute set for the batch API,
+// the kind for the per-copy fallback, and the direction for messages.
+struct Plan {
+  CopyDirection direction;
+  aclrtMemcpyBatchAttr attr;
+  aclrtMemcpyKind kind;
+};
+
+const char* direction_name(CopyDirection d) {
+  return d == CopyDirection::kHostToDevice ? "host-to-device"
+                                           : "device-to-host";
+}
+
+// Return codes taken to mean "this runtime / SoC has no batch copies".
+// Which one a given CANN release returns is not verified, so accept all.
+bool is_not_supported(aclError e) {
+  return e == ACL_ERROR_RT_FEATURE_NOT_SUPPORT ||
+         e == ACL_ERROR_FEATURE_UNSUPPORTED || e == ACL_ERROR_API_NOT_SUPPORT;
+}
+
+std::string hex(uint64_t v) {
+  std::ostringstream out;
+  out << "0x" << std::hex << v;
+  return out.str();
+}
+
+std::string describe(const CopyRegion& r) {
+  return "src_addrs=" + hex(r.src) + ", dst_addrs=" + hex(r.dst) +
+         ", bytes=" + std::to_string(r.size);
+}
+
+[[noreturn]] void fail(const std::string& what) {
+  throw std::runtime_error("swap_blocks_batch(device='npu'): " + what);
+}
+
+// The runtime's own text for its most recent error, if it has one.
+std::string acl_detail() {
+  const char* msg = aclGetRecentErrMsg();
+  return msg != nullptr && *msg != '\0' ? std::string("; ACL reports: ") + msg
+                                        : std::string();
+}
+
+aclrtMemLocation location_of(uint64_t addr, const char* name,
+                             const CopyRegion& r) {
+  aclrtPtrAttributes attrs{};
+  const aclError e =
+      aclrtPointerGetAttributes(reinterpret_cast<const void*>(addr), &attrs);
+  if (e != ACL_SUCCESS) {
+    fail("aclrtPointerGetAttributes(" + std::string(name) + "[" +
+         std::to_string(r.first_fragment) + "]=" + hex(addr) +
+         ") failed with ACL error " + std::to_string(e) + acl_detail());
+  }
+  return attrs.location;
+}
+
+// The dispatcher only knows addresses, so the direction comes from the
+// runtime's view of the first region; the batch API requires one direction
+// per call anyway, and KV offloading jobs are one-directional.
+Plan classify(const CopyRegion& first) {
+  if (&aclrtPointerGetAttributes == nullptr) {
+    fail(
+        "this CANN runtime has no aclrtPointerGetAttributes, which the npu "
+        "backend needs to tell host from device memory; upgrade CANN (8.3 "
+        "or newer)");
+  }
+  const aclrtMemLocation src = location_of(first.src, "src_addrs", first);
+  const aclrtMemLocation dst = location_of(first.dst, "dst_addrs", first);
+  const bool src_dev = src.type == ACL_MEM_LOCATION_TYPE_DEVICE;
+  const bool dst_dev = dst.type == ACL_MEM_LOCATION_TYPE_DEVICE;
+  const std::string where = "fragment " + std::to_string(first.first_fragment) +
+                            " (" + describe(first) + ", location types " +
+                            std::to_string(src.type) + " -> " +
+                            std::to_string(dst.type) + ")";
+  if (src_dev && dst_dev) {
+    fail(where +
+         " copies device to device; the npu backend only copies between "
+         "host and device (aclrtMemcpyBatchAsync has no device-to-device "
+         "mode)");
+  }
+  if (!src_dev && !dst_dev) {
+    fail(where +
+         " has no device side; the npu backend only copies between host "
+         "and device, use device='cpu' for host-to-host copies");
+  }
+  // Pageable host memory would make the batch API copy synchronously (and
+  // aclrtMemcpyAsync may fail on it), defeating asynchronous offloading.
+  const aclrtMemLocationType host = src_dev ? dst.type : src.type;
+  if (host != ACL_MEM_LOCATION_TYPE_HOST &&
+      host != ACL_MEM_LOCATION_TYPE_HOST_NUMA) {
+    fail(where +
+         ": the host side is not page-locked memory known to ACL; allocate "
+         "the CPU buffer pinned (torch pin_memory=True, i.e. "
+         "aclrtMallocHost)");
+  }
+  Plan plan{};  // zeroes attr.rsv, which must be 0
+  plan.direction =
+      src_dev ? CopyDirection::kDeviceToHost : CopyDirection::kHostToDevice;
+  plan.kind = src_dev ? ACL_MEMCPY_DEVICE_TO_HOST : ACL_MEMCPY_HOST_TO_DEVICE;
+  // The runtime's own answer (type, and device / NUMA id) is what it expects.
+  plan.attr.srcLoc = src;
+  plan.attr.dstLoc = dst;
+  return plan;
+}
+
+}  // namespace
+
+BatchCopyReport AclBatchCopier::copy(const std::vector<CopyRegion>& regions,
+                                     aclrtStream stream) {
+  BatchCopyReport report;
+  if (regions.empty()) return report;
+  Plan plan = classify(regions.front());
+  report.direction = plan.direction;
+  const char* dir = direction_name(plan.direction);
+  const size_t n = regions.size();
+  // exchange() so that exactly one job reports (and its caller logs) it.
+  auto disable_batch_api = [&] {
+    if (!batch_unsupported_.exchange(true)) report.fallback_started = true;
+  };
+  if (&aclrtMemcpyBatchAsync == nullptr) disable_batch_api();
+
+  size_t begin = 0;  // first region not submitted yet
+  if (!batch_unsupported_.load()) {
+    const size_t calls = (n + kMaxBatchEntries - 1) / kMaxBatchEntries;
+    const size_t cap = std::min(n, kMaxBatchEntries);
+    std::vector<void*> srcs(cap);
+    std::vector<void*> dsts(cap);
+    std::vector<size_t> sizes(cap);
+    size_t attr_index = 0;  // the single attribute set applies from entry 0
+    for (size_t call = 1; begin < n; ++call) {
+      const size_t count = std::min(n - begin, kMaxBatchEntries);
+      for (size_t i = 0; i < count; ++i) {
+        const CopyRegion& r = regions[begin + i];
+        srcs[i] = reinterpret_cast<void*>(r.src);
+        dsts[i] = reinterpret_cast<void*>(r.dst);
+        sizes[i] = static_cast<size_t>(r.size);
+      }
+      size_t fail_index = SIZE_MAX;
+      // destMaxs = sizes: each destination range is exactly `size` bytes.
+      const aclError e = aclrtMemcpyBatchAsync(
+          dsts.data(), sizes.data(), srcs.data(), sizes.data(), count,
+          &plan.attr, &attr_index, 1, &fail_index, stream);
+      if (e == ACL_SUCCESS) {
+        ++report.batch_calls;
+        begin += count;
+        continue;
+      }
+      if (is_not_supported(e)) {
+        disable_batch_api();
+        break;  // the loop below copies regions [begin, n)
+      }
+      const std::string call_desc = "call " + std::to_string(call) + " of " +
+                                    std::to_string(calls) + " (" +
+                                    std::to_string(count) + " entries)";
+      if (fail_index < count) {
+        const CopyRegion& r = regions[begin + fail_index];
+        fail("aclrtMemcpyBatchAsync (" + std::string(dir) +
+             ") failed with ACL error " + std::to_string(e) + " at fragment " +
+             std::to_string(r.first_fragment) + " (entry " +
+             std::to_string(fail_index) + " of " + call_desc +
+             ", after merging adjacent fragments; " + describe(r) + ")" +
+             acl_detail());
+      }
+      fail("aclrtMemcpyBatchAsync (" + std::string(dir) +
+           ") failed with ACL error " + std::to_string(e) + " in " + call_desc +
+           " starting at fragment " +
+           std::to_string(regions[begin].first_fragment) +
+           "; the runtime named no single entry (failIndex=" +
+           (fail_index == SIZE_MAX ? std::string("SIZE_MAX")
+                                   : std::to_string(fail_index)) +
+           ")" + acl_detail());
+    }
+  }
+
+  // Per-copy fallback once the batch API is known to be unsupported.
+  for (size_t i = begin; i < n; ++i) {
+    const CopyRegion& r = regions[i];
+    const aclError e = aclrtMemcpyAsync(
+        reinterpret_cast<void*>(r.dst), static_cast<size_t>(r.size),
+        reinterpret_cast<const void*>(r.src), static_cast<size_t>(r.size),
+        plan.kind, stream);
+    if (e != ACL_SUCCESS) {
+      fail("aclrtMemcpyAsync (" + std::string(dir) +
+           ", per-copy fallback) failed with ACL error " + std::to_string(e) +
+           " at fragment " + std::to_string(r.first_fragment) +
+           " (after merging adjacent fragments; " + describe(r) + ")" +
+           acl_detail());
+    }
+    ++report.single_calls;
+  }
+  return report;
+}
+
+}  // namespace vllm_ascend::npu

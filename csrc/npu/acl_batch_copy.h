@@ -1,0 +1,53 @@
+// ACL-facing core of the "npu" backend of swap_blocks_batch (contract:
+// csrc/ops.h). It depends on the ACL headers only -- not on torch or
+// torch_npu -- so that tests/sim_acl/ can link it against a simulated ACL
+// runtime on machines without CANN. swap_blocks_npu.cpp supplies the stream.
+#pragma once
+
+#include <acl/acl_rt.h>
+
+#include <atomic>
+#include <cstddef>
+#include <vector>
+
+#include "copy_region.h"
+
+namespace vllm_ascend::npu {
+
+// Most entries per aclrtMemcpyBatchAsync call. The documentation gives no
+// limit; another project splits at 4096, so we do too (unverified on
+// hardware, see docs/npu_backend.md).
+inline constexpr size_t kMaxBatchEntries = 4096;
+
+enum class CopyDirection { kHostToDevice, kDeviceToHost };
+
+// What one copy() did; returned for logging and tests.
+struct BatchCopyReport {
+  CopyDirection direction = CopyDirection::kHostToDevice;
+  size_t batch_calls = 0;   // successful aclrtMemcpyBatchAsync calls
+  size_t single_calls = 0;  // aclrtMemcpyAsync calls (fallback path)
+  // True for exactly one copy() per copier: the one that found the batch API
+  // unsupported and switched this copier to the per-copy loop for good.
+  bool fallback_started = false;
+};
+
+// Thread-safe; the only state is whether the batch API was found unsupported.
+class AclBatchCopier {
+ public:
+  // Enqueues every region on `stream` and returns once they are submitted
+  // (completion is ordered on the stream like any other stream work).
+  // The direction is read once, from the first region: all regions of a job
+  // must share it (a later region that does not is rejected by the runtime,
+  // which is reported with that region's fragment index).
+  // Throws std::runtime_error naming the ACL call, its error code and the
+  // failing fragment. Regions submitted before the failure are not undone.
+  BatchCopyReport copy(const std::vector<CopyRegion>& regions,
+                       aclrtStream stream);
+
+  bool using_fallback() const { return batch_unsupported_.load(); }
+
+ private:
+  std::atomic<bool> batch_unsupported_{false};
+};
+
+}  // namespace vllm_ascend::npu

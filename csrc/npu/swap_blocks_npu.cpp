@@ -1,0 +1,38 @@
+// "npu" backend of swap_blocks_batch (contract: csrc/ops.h). The only part
+// that needs torch_npu: it picks the stream and turns errors into c10::Error.
+// The ACL calls live in acl_batch_copy.cpp, which is also tested against a
+// simulated ACL runtime (tests/sim_acl/).
+#include <c10/util/Exception.h>
+#include <torch_npu/csrc/core/npu/NPUStream.h>
+
+#include <exception>
+#include <vector>
+
+#include "acl_batch_copy.h"
+#include "ops.h"
+
+namespace vllm_ascend {
+
+void swap_blocks_npu(const std::vector<CopyRegion>& regions) {
+  // One per process: once the batch API is found unsupported, every later
+  // job goes straight to the per-copy loop.
+  static npu::AclBatchCopier copier;
+  // stream() (unlike stream(false)) first flushes torch_npu's host-side task
+  // queue, so these copies are ordered after torch ops already issued on the
+  // current stream (e.g. the attention kernels that wrote the KV blocks).
+  const aclrtStream stream = c10_npu::getCurrentNPUStream().stream();
+  npu::BatchCopyReport report;
+  try {
+    report = copier.copy(regions, stream);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, e.what());
+  }
+  if (report.fallback_started) {
+    TORCH_WARN(
+        "swap_blocks_batch(device='npu'): aclrtMemcpyBatchAsync is not "
+        "supported by this CANN runtime / device; using one aclrtMemcpyAsync "
+        "per copy from now on (slower for many small blocks)");
+  }
+}
+
+}  // namespace vllm_ascend

@@ -1,0 +1,347 @@
+// SIMULATION of the ACL runtime functions that csrc/npu/acl_batch_copy.cpp
+// calls -- NOT CANN. There is no device, no stream and no DMA here: "device"
+// memory is host memory a test registered as such, every copy is a
+// synchronous memcpy, and streams are only recorded. Compiled against the
+// real declarations (torch-npu wheel's acl/acl_rt.h), so signatures match.
+//
+// Semantics follow the CANN documentation of aclrtMemcpyBatchAsync,
+// aclrtMemcpyAsync, aclrtMemLocationType and aclrtMemcpyBatchAttr:
+//  - batch: dsts/srcs/sizes have numBatches entries; attrs[k] applies from
+//    attrsIndexes[k] up to attrsIndexes[k + 1] - 1; attrsIndexes[0] == 0,
+//    strictly increasing, last < numBatches, numAttrs <= numBatches; rsv
+//    must be 0; one direction per batch, host-to-device or device-to-host;
+//    failIndex names the bad entry for memory-attribute / direction checks
+//    and is SIZE_MAX for errors not tied to an entry; pageable host memory
+//    (ACL_MEM_LOCATION_TYPE_UNREGISTERED) is copied synchronously.
+//  - aclrtMemcpyAsync with ACL_MEMCPY_HOST_TO_HOST returns
+//    ACL_ERROR_RT_FEATURE_NOT_SUPPORT.
+// Where the docs are silent the simulation makes a choice, marked SIM
+// CHOICE: the 4096-entry cap, the error codes of failed checks, and that a
+// failing batch copies nothing.
+#include "sim_acl.h"
+
+#include <acl/acl_rt.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+
+namespace {
+
+constexpr size_t kSimMaxBatchEntries = 4096;  // SIM CHOICE, see header
+
+struct Range {
+  uintptr_t end;
+  aclrtMemLocation loc;
+};
+
+struct Injection {
+  std::string api;
+  size_t nth_call = 0;
+  aclError code = ACL_SUCCESS;
+  size_t fail_index = SIZE_MAX;
+};
+
+struct State {
+  std::mutex mu;
+  std::map<uintptr_t, Range> ranges;  // keyed by start address
+  std::map<std::string, size_t> calls;
+  Injection injection;  // armed while nth_call != 0
+  bool batch_unsupported = false;
+  size_t max_entries = 0;
+  size_t sync_copies = 0;
+  void* last_stream = nullptr;
+  int last_kind = -1;  // of the last aclrtMemcpyAsync call
+  std::string last_error;
+};
+
+State& state() {
+  static State s;
+  return s;
+}
+
+// Records the message aclGetRecentErrMsg returns and passes `code` through.
+aclError error(State& s, aclError code, const std::string& msg) {
+  s.last_error = "SIMULATED ACL: " + msg;
+  return code;
+}
+
+// Counts the call; true (with *code set) when an injected failure fires.
+bool count_call(State& s, const char* api, aclError* code) {
+  const size_t n = ++s.calls[api];
+  if (s.injection.nth_call != n || s.injection.api != api) return false;
+  s.injection.nth_call = 0;  // one shot
+  *code = error(
+      s, s.injection.code,
+      std::string("injected failure of ") + api + " call " + std::to_string(n));
+  return true;
+}
+
+// Location of the bytes [p, p + n): the registered range holding all of
+// them, UNREGISTERED when they touch no registered range; false when they
+// straddle a range boundary (no single location).
+bool locate(const State& s, const void* ptr, size_t n, aclrtMemLocation* out) {
+  const auto p = reinterpret_cast<uintptr_t>(ptr);
+  auto it = s.ranges.upper_bound(p);  // first range starting after p
+  if (it != s.ranges.begin()) {
+    const auto& [begin, range] = *std::prev(it);
+    if (p < range.end) {
+      *out = range.loc;
+      return n <= range.end - p;
+    }
+  }
+  *out = aclrtMemLocation{0, ACL_MEM_LOCATION_TYPE_UNREGISTERED};
+  return it == s.ranges.end() || it->first - p >= n;
+}
+
+bool is_device(const aclrtMemLocation& loc) {
+  return loc.type == ACL_MEM_LOCATION_TYPE_DEVICE;
+}
+
+// Declared and actual location agree (device id only matters on a device).
+[[maybe_unused]] bool same_location(const aclrtMemLocation& declared,
+                                    const aclrtMemLocation& actual) {
+  return declared.type == actual.type &&
+         (!is_device(declared) || declared.id == actual.id);
+}
+
+}  // namespace
+
+extern "C" {
+
+aclError aclrtPointerGetAttributes(const void* ptr,
+                                   aclrtPtrAttributes* attributes) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  aclError code;
+  if (count_call(s, "aclrtPointerGetAttributes", &code)) return code;
+  if (ptr == nullptr || attributes == nullptr) {
+    return error(s, ACL_ERROR_INVALID_PARAM, "null ptr or attributes");
+  }
+  *attributes = aclrtPtrAttributes{};
+  locate(s, ptr, 1, &attributes->location);
+  attributes->pageSize = 4096;  // SIM CHOICE
+  return ACL_SUCCESS;
+}
+
+#ifndef SIMACL_OMIT_BATCH_API  // the variant that models CANN < 8.3
+aclError aclrtMemcpyBatchAsync(void** dsts, size_t* destMaxs, void** srcs,
+                               size_t* sizes, size_t numBatches,
+                               aclrtMemcpyBatchAttr* attrs,
+                               size_t* attrsIndexes, size_t numAttrs,
+                               size_t* failIndex, aclrtStream stream) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.last_stream = stream;
+  s.max_entries = std::max(s.max_entries, numBatches);
+  aclError code;
+  const bool injected = count_call(s, "aclrtMemcpyBatchAsync", &code);
+  if (failIndex == nullptr) {
+    return error(s, ACL_ERROR_INVALID_PARAM, "failIndex is null");
+  }
+  *failIndex = SIZE_MAX;  // documented value for "no specific entry"
+  if (injected) {
+    *failIndex = s.injection.fail_index;
+    return code;
+  }
+  if (s.batch_unsupported) {
+    return error(s, ACL_ERROR_RT_FEATURE_NOT_SUPPORT,
+                 "batch copies switched off by simacl_set_batch_unsupported");
+  }
+  if (dsts == nullptr || destMaxs == nullptr || srcs == nullptr ||
+      sizes == nullptr || attrs == nullptr || attrsIndexes == nullptr) {
+    return error(s, ACL_ERROR_INVALID_PARAM, "null array argument");
+  }
+  if (numBatches == 0 || numBatches > kSimMaxBatchEntries) {
+    return error(
+        s, ACL_ERROR_INVALID_PARAM,
+        "numBatches=" + std::to_string(numBatches) + " is outside [1, 4096]");
+  }
+  if (numAttrs == 0 || numAttrs > numBatches || attrsIndexes[0] != 0) {
+    return error(s, ACL_ERROR_INVALID_PARAM,
+                 "need 1 <= numAttrs <= numBatches and attrsIndexes[0] == 0");
+  }
+  static const uint8_t kZero[sizeof(attrs[0].rsv)] = {};
+  bool first_d2h = false;
+  for (size_t k = 0; k < numAttrs; ++k) {
+    const aclrtMemcpyBatchAttr& a = attrs[k];
+    if (k > 0 && (attrsIndexes[k] <= attrsIndexes[k - 1] ||
+                  attrsIndexes[k] >= numBatches)) {
+      return error(s, ACL_ERROR_INVALID_PARAM,
+                   "attrsIndexes must increase and stay below numBatches");
+    }
+    if (std::memcmp(a.rsv, kZero, sizeof(kZero)) != 0) {
+      return error(s, ACL_ERROR_INVALID_PARAM, "attrs[].rsv must be 0");
+    }
+    const bool d2h = is_device(a.srcLoc) && !is_device(a.dstLoc);
+    const bool h2d = !is_device(a.srcLoc) && is_device(a.dstLoc);
+    if (k == 0) first_d2h = d2h;
+    if ((!d2h && !h2d) || d2h != first_d2h) {
+      *failIndex = attrsIndexes[k];
+      return error(s, ACL_ERROR_INVALID_PARAM,
+                   "a batch copies host-to-device or device-to-host only");
+    }
+  }
+  // Check every entry before copying any (SIM CHOICE: all or nothing).
+  size_t k = 0;
+  for (size_t i = 0; i < numBatches; ++i) {
+    while (k + 1 < numAttrs && attrsIndexes[k + 1] <= i) ++k;
+    const std::string entry = "entry " + std::to_string(i) + ": ";
+    if (srcs[i] == nullptr || dsts[i] == nullptr || sizes[i] == 0 ||
+        sizes[i] > destMaxs[i]) {
+      *failIndex = i;
+      return error(s, ACL_ERROR_INVALID_PARAM,
+                   entry + "null address, zero size or size > destMax");
+    }
+    aclrtMemLocation src, dst;
+    if (!locate(s, srcs[i], sizes[i], &src) ||
+        !locate(s, dsts[i], sizes[i], &dst) ||
+        !same_location(attrs[k].srcLoc, src) ||
+        !same_location(attrs[k].dstLoc, dst)) {
+      *failIndex = i;
+      return error(s, ACL_ERROR_RT_INVALID_MEMORY_TYPE,  // SIM CHOICE
+                   entry + "memory location differs from attrs[" +
+                       std::to_string(k) + "]");
+    }
+  }
+  for (size_t i = 0; i < numBatches; ++i) {
+    std::memcpy(dsts[i], srcs[i], sizes[i]);
+  }
+  const aclrtMemLocation& host = first_d2h ? attrs[0].dstLoc : attrs[0].srcLoc;
+  if (host.type == ACL_MEM_LOCATION_TYPE_UNREGISTERED) {
+    s.sync_copies += numBatches;
+  }
+  return ACL_SUCCESS;
+}
+#endif
+
+aclError aclrtMemcpyAsync(void* dst, size_t destMax, const void* src,
+                          size_t count, aclrtMemcpyKind kind,
+                          aclrtStream stream) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.last_stream = stream;
+  s.last_kind = kind;
+  aclError code;
+  if (count_call(s, "aclrtMemcpyAsync", &code)) return code;
+  if (dst == nullptr || src == nullptr || count > destMax) {
+    return error(s, ACL_ERROR_INVALID_PARAM, "null address or count > destMax");
+  }
+  if (kind == ACL_MEMCPY_HOST_TO_HOST) {  // documented
+    return error(s, ACL_ERROR_RT_FEATURE_NOT_SUPPORT,
+                 "no asynchronous host-to-host copies");
+  }
+  aclrtMemLocation from, to;
+  if (!locate(s, src, count, &from) || !locate(s, dst, count, &to)) {
+    return error(s, ACL_ERROR_RT_INVALID_MEMORY_TYPE,
+                 "range straddles registered memory");
+  }
+  bool ok = false;
+  switch (kind) {
+    case ACL_MEMCPY_HOST_TO_DEVICE:
+      ok = !is_device(from) && is_device(to);
+      break;
+    case ACL_MEMCPY_DEVICE_TO_HOST:
+      ok = is_device(from) && !is_device(to);
+      break;
+    case ACL_MEMCPY_DEVICE_TO_DEVICE:
+      ok = is_device(from) && is_device(to);
+      break;
+    case ACL_MEMCPY_DEFAULT:
+      ok = is_device(from) || is_device(to);
+      break;
+    default:
+      return error(s, ACL_ERROR_INVALID_PARAM, "unknown aclrtMemcpyKind");
+  }
+  if (!ok) {
+    return error(s, ACL_ERROR_RT_INVALID_MEMORY_TYPE,  // SIM CHOICE
+                 "memory locations do not match kind " + std::to_string(kind));
+  }
+  std::memcpy(dst, src, count);
+  if (from.type == ACL_MEM_LOCATION_TYPE_UNREGISTERED ||
+      to.type == ACL_MEM_LOCATION_TYPE_UNREGISTERED) {
+    ++s.sync_copies;
+  }
+  return ACL_SUCCESS;
+}
+
+const char* aclGetRecentErrMsg() {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  thread_local std::string copy;  // stays valid after the lock is released
+  copy = s.last_error;
+  return copy.c_str();
+}
+
+void simacl_reset(void) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.ranges.clear();
+  s.calls.clear();
+  s.injection = Injection{};
+  s.batch_unsupported = false;
+  s.max_entries = 0;
+  s.sync_copies = 0;
+  s.last_stream = nullptr;
+  s.last_kind = -1;
+  s.last_error.clear();
+}
+
+void simacl_register(const void* ptr, size_t size, int location_type,
+                     uint32_t id) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  const auto p = reinterpret_cast<uintptr_t>(ptr);
+  s.ranges[p] = Range{
+      p + size,
+      aclrtMemLocation{id, static_cast<aclrtMemLocationType>(location_type)}};
+}
+
+void simacl_set_batch_unsupported(int on) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.batch_unsupported = on != 0;
+}
+
+void simacl_inject_failure(const char* api, size_t nth_call, int code,
+                           size_t fail_index) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.injection = Injection{api, nth_call, code, fail_index};
+}
+
+size_t simacl_calls(const char* api) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  const auto it = s.calls.find(api);
+  return it == s.calls.end() ? 0 : it->second;
+}
+
+size_t simacl_max_entries(void) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  return s.max_entries;
+}
+
+size_t simacl_sync_copies(void) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  return s.sync_copies;
+}
+
+int simacl_last_kind(void) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  return s.last_kind;
+}
+
+void* simacl_last_stream(void) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  return s.last_stream;
+}
+
+}  // extern "C"

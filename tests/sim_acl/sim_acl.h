@@ -1,0 +1,54 @@
+// SIMULATION ONLY -- test hooks of the simulated ACL runtime in sim_acl.cpp
+// and the C entry point of sim_shim.cpp. None of this exists in CANN; it lets
+// pytest (through ctypes) drive csrc/npu/acl_batch_copy.cpp without an NPU.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#define SIMACL_API extern "C" __attribute__((visibility("default")))
+
+// Forgets registered memory, counters, injected failures and switches.
+SIMACL_API void simacl_reset(void);
+// Declares [ptr, ptr + size) to be memory of aclrtMemLocationType
+// `location_type` (e.g. ACL_MEM_LOCATION_TYPE_DEVICE with device `id`, or
+// ACL_MEM_LOCATION_TYPE_HOST for page-locked host memory). Everything never
+// registered is ACL_MEM_LOCATION_TYPE_UNREGISTERED (pageable host memory).
+SIMACL_API void simacl_register(const void* ptr, size_t size, int location_type,
+                                uint32_t id);
+// While on, aclrtMemcpyBatchAsync returns ACL_ERROR_RT_FEATURE_NOT_SUPPORT.
+SIMACL_API void simacl_set_batch_unsupported(int on);
+// Makes call number `nth_call` (1-based, counted since simacl_reset) of ACL
+// function `api` return `code`; the batch API also sets *failIndex to
+// `fail_index`. One shot.
+SIMACL_API void simacl_inject_failure(const char* api, size_t nth_call,
+                                      int code, size_t fail_index);
+// Calls of ACL function `api` since simacl_reset.
+SIMACL_API size_t simacl_calls(const char* api);
+// Largest numBatches ever passed to aclrtMemcpyBatchAsync since reset.
+SIMACL_API size_t simacl_max_entries(void);
+// Copies whose host side was pageable (the CANN docs say those run
+// synchronously instead of being queued).
+SIMACL_API size_t simacl_sync_copies(void);
+// The stream passed to the most recent copy call.
+SIMACL_API void* simacl_last_stream(void);
+// The aclrtMemcpyKind of the most recent aclrtMemcpyAsync call (-1: none).
+SIMACL_API int simacl_last_kind(void);
+
+// What AclBatchCopier::copy reported (sim_shim.cpp).
+struct SimCopyReport {
+  int32_t direction;  // 0 host-to-device, 1 device-to-host
+  int32_t fallback_started;
+  uint64_t batch_calls;
+  uint64_t single_calls;
+};
+
+// Runs the real core on regions i = 0..n-1 (src[i], dst[i], sizes[i],
+// first_fragment[i]). Returns 0, or 1 with the exception message in `err`.
+SIMACL_API int simacl_core_copy(const uint64_t* src, const uint64_t* dst,
+                                const uint64_t* sizes,
+                                const int64_t* first_fragment, size_t n,
+                                void* stream, SimCopyReport* report, char* err,
+                                size_t err_len);
+// Replaces the core's copier with a fresh one (forgets a fallback).
+SIMACL_API void simacl_core_reset(void);

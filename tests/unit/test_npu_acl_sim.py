@@ -1,0 +1,506 @@
+"""SIMULATION tests of the npu backend's ACL-facing core.
+
+``csrc/npu/acl_batch_copy.cpp`` -- the code of the "npu" backend that calls
+ACL -- is linked against ``tests/sim_acl/sim_acl.cpp``, a SIMULATED ACL
+runtime: "device" memory is host memory registered as such, copies are
+synchronous memcpy. It is NOT CANN and no NPU is involved. These tests show
+that the core batches, fills the batch attributes, detects the direction,
+translates failIndex, falls back and reports errors as intended under the
+documented ACL semantics; they say nothing about real Ascend hardware
+(docs/npu_backend.md). They run everywhere, CI included: only the ACL headers
+of the torch-npu wheel are needed (fetched once by tools/check_npu_compile.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import random
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SIM_SRC = ROOT / "tests" / "sim_acl"
+SIM_BUILD = ROOT / ".cache" / "sim_acl_build"
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+# Values from the torch-npu 2.13.0 ACL headers (checked by test_sim_constants).
+LOC_HOST, LOC_DEVICE, LOC_UNREGISTERED = 0, 1, 2  # aclrtMemLocationType
+H2H, H2D, D2H = 0, 1, 2  # aclrtMemcpyKind
+ACL_ERROR_INVALID_PARAM = 100000
+ACL_ERROR_RT_PARAM_INVALID = 107000
+ACL_ERROR_RT_INVALID_MEMORY_TYPE = 107016
+ACL_ERROR_RT_FEATURE_NOT_SUPPORT = 207000
+ACL_ERROR_RT_INTERNAL_ERROR = 507000
+SIZE_MAX = 2**64 - 1
+STREAM = 0x5EA  # an opaque stream handle; the simulation only records it
+BATCH = "aclrtMemcpyBatchAsync"
+SINGLE = "aclrtMemcpyAsync"
+ATTRS = "aclrtPointerGetAttributes"
+POISON = 0xA5
+
+
+class _Report(ctypes.Structure):
+    _fields_ = [
+        ("direction", ctypes.c_int32),
+        ("fallback_started", ctypes.c_int32),
+        ("batch_calls", ctypes.c_uint64),
+        ("single_calls", ctypes.c_uint64),
+    ]
+
+
+class SimAcl:
+    """ctypes view of one SIMULATED ACL runtime plus the real core."""
+
+    def __init__(self, path: Path) -> None:
+        lib = self.lib = ctypes.CDLL(str(path))  # RTLD_LOCAL: one state per file
+        u64p, i64p = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_int64)
+        lib.simacl_core_copy.argtypes = [
+            u64p,
+            u64p,
+            u64p,
+            i64p,
+            ctypes.c_size_t,
+            ctypes.c_void_p,
+            ctypes.POINTER(_Report),
+            ctypes.c_char_p,
+            ctypes.c_size_t,
+        ]
+        lib.simacl_register.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_uint32,
+        ]
+        lib.simacl_inject_failure.argtypes = [
+            ctypes.c_char_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_size_t,
+        ]
+        lib.simacl_set_batch_unsupported.argtypes = [ctypes.c_int]
+        lib.simacl_calls.argtypes = [ctypes.c_char_p]
+        for fn in ("simacl_calls", "simacl_max_entries", "simacl_sync_copies"):
+            getattr(lib, fn).restype = ctypes.c_size_t
+        lib.simacl_last_stream.restype = ctypes.c_void_p
+
+    def reset(self) -> None:
+        self.lib.simacl_reset()
+        self.lib.simacl_core_reset()
+
+    def register(self, buf: np.ndarray, location: int, device_id: int = 0) -> None:
+        self.lib.simacl_register(buf.ctypes.data, buf.nbytes, location, device_id)
+
+    def inject(self, api: str, nth_call: int, code: int, fail_index=SIZE_MAX) -> None:
+        self.lib.simacl_inject_failure(api.encode(), nth_call, code, fail_index)
+
+    def batch_unsupported(self, on: bool = True) -> None:
+        self.lib.simacl_set_batch_unsupported(int(on))
+
+    def calls(self, api: str) -> int:
+        return self.lib.simacl_calls(api.encode())
+
+    def copy(self, src, dst, sizes, fragments=None) -> dict:
+        """Runs AclBatchCopier::copy on the regions; raises RuntimeError."""
+        n = len(sizes)
+        frags = np.arange(n) if fragments is None else fragments
+        cols = [np.ascontiguousarray(c, dtype=np.uint64) for c in (src, dst, sizes)]
+        frag = np.ascontiguousarray(frags, dtype=np.int64)
+        u64p = ctypes.POINTER(ctypes.c_uint64)
+        report, err = _Report(), ctypes.create_string_buffer(4096)
+        rc = self.lib.simacl_core_copy(
+            *(c.ctypes.data_as(u64p) for c in cols),
+            frag.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)),
+            n,
+            STREAM,
+            ctypes.byref(report),
+            err,
+            len(err),
+        )
+        if rc != 0:
+            raise RuntimeError(err.value.decode())
+        return {
+            "direction": ("h2d", "d2h")[report.direction],
+            "fallback_started": bool(report.fallback_started),
+            "batch_calls": report.batch_calls,
+            "single_calls": report.single_calls,
+        }
+
+
+def _load_fetcher():
+    spec = importlib.util.spec_from_file_location(
+        "check_npu_compile", ROOT / "tools" / "check_npu_compile.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def sim_libs() -> dict[str, SimAcl]:
+    fetcher = _load_fetcher()
+    try:
+        torch_npu_dir = fetcher.fetch_headers()
+    except fetcher.HeadersUnavailable as e:
+        reason = f"ACL headers (torch-npu wheel) unavailable: {e}"
+        if IN_CI:
+            pytest.fail(reason + " -- CI must run the SIMULATION tests")
+        pytest.skip(reason)
+    cmake = shutil.which("cmake") or "cmake"
+    for cmd in (
+        [
+            cmake,
+            "-S",
+            str(SIM_SRC),
+            "-B",
+            str(SIM_BUILD),
+            f"-DSIM_ACL_TORCH_NPU_DIR={torch_npu_dir}",
+        ],
+        [cmake, "--build", str(SIM_BUILD), "-j", str(os.cpu_count() or 2)],
+    ):
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            pytest.fail(
+                f"SIMULATION build failed: {' '.join(cmd)}\n"
+                f"{proc.stdout[-4000:]}{proc.stderr[-4000:]}"
+            )
+    return {
+        "batch": SimAcl(SIM_BUILD / "libvllm_ascend_sim_acl.so"),
+        "nobatch": SimAcl(SIM_BUILD / "libvllm_ascend_sim_acl_nobatch.so"),
+    }
+
+
+@pytest.fixture
+def sim(sim_libs) -> SimAcl:
+    """The simulated runtime with the batch API, freshly reset."""
+    sim_libs["batch"].reset()
+    return sim_libs["batch"]
+
+
+class Pools:
+    """A "device" pool, a pinned host pool and a pageable host pool, all
+    plain host memory that the simulation is told to treat as such."""
+
+    def __init__(self, sim: SimAcl, nbytes: int, seed: int = 0) -> None:
+        rng = np.random.default_rng(seed)
+        self.device = rng.integers(0, 256, nbytes, dtype=np.uint8)
+        self.pinned = rng.integers(0, 256, nbytes, dtype=np.uint8)
+        self.pageable = rng.integers(0, 256, nbytes, dtype=np.uint8)
+        sim.register(self.device, LOC_DEVICE, device_id=3)
+        sim.register(self.pinned, LOC_HOST)
+
+    @staticmethod
+    def addr(buf: np.ndarray, offset) -> np.ndarray:
+        return buf.ctypes.data + np.asarray(offset, dtype=np.uint64)
+
+
+def scattered(n: int, size: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Source and destination offsets of n disjoint, non-adjacent slots of
+    `size` bytes (stride 2 * size), in shuffled order on each side."""
+    rng = random.Random(seed)
+    src, dst = list(range(n)), list(range(n))
+    rng.shuffle(src)
+    rng.shuffle(dst)
+    return np.array(src) * 2 * size, np.array(dst) * 2 * size
+
+
+def expected_after(src_buf, dst_buf, src_off, dst_off, size) -> np.ndarray:
+    want = dst_buf.copy()
+    for s, d in zip(src_off.tolist(), dst_off.tolist(), strict=True):
+        want[d : d + size] = src_buf[s : s + size]
+    return want
+
+
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+def test_sim_copies_are_byte_exact(sim: SimAcl, direction: str) -> None:
+    n, size = 300, 37  # odd size: nothing relies on alignment in the simulation
+    pools = Pools(sim, 2 * n * size)
+    src_buf, dst_buf = (
+        (pools.pinned, pools.device)
+        if direction == "h2d"
+        else (pools.device, pools.pinned)
+    )
+    src_off, dst_off = scattered(n, size)
+    want = expected_after(src_buf, dst_buf, src_off, dst_off, size)
+    report = sim.copy(
+        Pools.addr(src_buf, src_off), Pools.addr(dst_buf, dst_off), [size] * n
+    )
+    assert report == {
+        "direction": direction,
+        "fallback_started": False,
+        "batch_calls": 1,
+        "single_calls": 0,
+    }
+    np.testing.assert_array_equal(dst_buf, want)
+    assert sim.lib.simacl_last_stream() == STREAM  # the caller's stream is used
+    assert sim.calls(ATTRS) == 2  # direction read once, from fragment 0
+    assert sim.lib.simacl_sync_copies() == 0  # pinned: queued, not synchronous
+
+
+def test_sim_10000_fragments_take_three_batch_calls(sim: SimAcl) -> None:
+    n, size = 10_000, 8
+    pools = Pools(sim, 2 * n * size)
+    src_off, dst_off = scattered(n, size, seed=1)
+    want = expected_after(pools.pinned, pools.device, src_off, dst_off, size)
+    report = sim.copy(
+        Pools.addr(pools.pinned, src_off), Pools.addr(pools.device, dst_off), [size] * n
+    )
+    assert (report["batch_calls"], report["single_calls"]) == (3, 0)
+    assert sim.calls(BATCH) == 3 and sim.calls(SINGLE) == 0
+    assert sim.lib.simacl_max_entries() == 4096  # 4096 + 4096 + 1808
+    np.testing.assert_array_equal(pools.device, want)
+
+
+def test_sim_bad_entry_in_second_batch_names_the_callers_fragment(sim: SimAcl) -> None:
+    n, size, bad = 10_000, 8, 5000
+    pools = Pools(sim, 2 * n * size)
+    src_off, dst_off = scattered(n, size, seed=2)
+    src = Pools.addr(pools.pinned, src_off)
+    src[bad] = Pools.addr(pools.pageable, 0)  # not the pinned memory attrs declare
+    before = pools.device.copy()
+    # As if the dispatcher had merged 3 fragments into every region.
+    with pytest.raises(RuntimeError) as info:
+        sim.copy(
+            src,
+            Pools.addr(pools.device, dst_off),
+            [size] * n,
+            fragments=np.arange(n) * 3,
+        )
+    msg = str(info.value)
+    assert msg.startswith("swap_blocks_batch(device='npu'): aclrtMemcpyBatchAsync")
+    assert f"ACL error {ACL_ERROR_RT_INVALID_MEMORY_TYPE}" in msg
+    assert f"at fragment {3 * bad} (entry {bad - 4096} of call 2 of 3" in msg
+    assert "SIMULATED ACL: entry 904: memory location differs" in msg
+    assert sim.calls(BATCH) == 2  # stopped at the failing call
+    # The first call's 4096 copies happened (no rollback); the rest did not.
+    done = expected_after(pools.pinned, before, src_off[:4096], dst_off[:4096], size)
+    np.testing.assert_array_equal(pools.device, done)
+
+
+def test_sim_error_without_entry_names_the_call(sim: SimAcl) -> None:
+    n, size = 5000, 8
+    pools = Pools(sim, 2 * n * size)
+    src_off, dst_off = scattered(n, size)
+    sim.inject(BATCH, 2, ACL_ERROR_RT_INTERNAL_ERROR, SIZE_MAX)
+    with pytest.raises(
+        RuntimeError,
+        match=(
+            r"aclrtMemcpyBatchAsync \(device-to-host\) failed with ACL error 507000 in "
+            r"call 2 of 2 \(904 entries\) starting at fragment 4096; the runtime named "
+            r"no single entry \(failIndex=SIZE_MAX\); ACL reports: SIMULATED ACL"
+        ),
+    ):
+        sim.copy(
+            Pools.addr(pools.device, src_off),
+            Pools.addr(pools.pinned, dst_off),
+            [size] * n,
+        )
+
+
+@pytest.mark.parametrize("runtime", ["batch_unsupported", "no_batch_symbol"])
+def test_sim_unsupported_batch_api_falls_back_to_per_copy_loop(
+    sim_libs, runtime: str
+) -> None:
+    sim = sim_libs["batch" if runtime == "batch_unsupported" else "nobatch"]
+    sim.reset()
+    if runtime == "batch_unsupported":
+        sim.batch_unsupported()
+    n, size = 5000, 16
+    pools = Pools(sim, 2 * n * size)
+    probes = 1 if runtime == "batch_unsupported" else 0  # a missing symbol: none
+    for job, direction in enumerate(("d2h", "h2d")):
+        src_buf, dst_buf = (
+            (pools.device, pools.pinned)
+            if direction == "d2h"
+            else (pools.pinned, pools.device)
+        )
+        src_off, dst_off = scattered(n, size, seed=job)
+        want = expected_after(src_buf, dst_buf, src_off, dst_off, size)
+        report = sim.copy(
+            Pools.addr(src_buf, src_off), Pools.addr(dst_buf, dst_off), [size] * n
+        )
+        # Only the first job finds out (and its caller logs it); the second
+        # does not ask the batch API again.
+        assert report == {
+            "direction": direction,
+            "fallback_started": job == 0,
+            "batch_calls": 0,
+            "single_calls": n,
+        }
+        assert sim.calls(BATCH) == probes
+        assert sim.calls(SINGLE) == n * (job + 1)
+        # An explicit kind, not ACL_MEMCPY_DEFAULT (which makes the runtime
+        # look the pointers up again on every copy).
+        assert sim.lib.simacl_last_kind() == (D2H if direction == "d2h" else H2D)
+        np.testing.assert_array_equal(dst_buf, want)
+
+
+@pytest.mark.parametrize(
+    ("api", "nth", "fail_index", "expected"),
+    [
+        (
+            ATTRS,
+            1,
+            SIZE_MAX,
+            r"aclrtPointerGetAttributes\(src_addrs\[0\]=0x[0-9a-f]+\) "
+            r"failed with ACL error 507000",
+        ),
+        (
+            ATTRS,
+            2,
+            SIZE_MAX,
+            r"aclrtPointerGetAttributes\(dst_addrs\[0\]=0x[0-9a-f]+\) "
+            r"failed with ACL error 507000",
+        ),
+        (
+            BATCH,
+            1,
+            SIZE_MAX,
+            r"aclrtMemcpyBatchAsync \(host-to-device\) failed with ACL "
+            r"error 507000 in call 1 of 1 .*\(failIndex=SIZE_MAX\)",
+        ),
+        (BATCH, 1, 99, r"at fragment 99 \(entry 99 of call 1 of 1"),
+        (BATCH, 1, 123456, r"named no single entry \(failIndex=123456\)"),
+        (
+            SINGLE,
+            3,
+            SIZE_MAX,
+            r"aclrtMemcpyAsync \(host-to-device, per-copy fallback\) "
+            r"failed with ACL error 507000 at fragment 2 ",
+        ),
+    ],
+)
+def test_sim_every_acl_error_raises(sim, api, nth, fail_index, expected) -> None:
+    n, size = 200, 64
+    pools = Pools(sim, 2 * n * size)
+    src_off, dst_off = scattered(n, size)
+    if api == SINGLE:
+        sim.batch_unsupported()
+    sim.inject(api, nth, ACL_ERROR_RT_INTERNAL_ERROR, fail_index)
+    with pytest.raises(RuntimeError, match=expected) as info:
+        sim.copy(
+            Pools.addr(pools.pinned, src_off),
+            Pools.addr(pools.device, dst_off),
+            [size] * n,
+        )
+    assert str(info.value).startswith("swap_blocks_batch(device='npu'): ")
+    assert "ACL reports: SIMULATED ACL: injected failure of " + api in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("src_pool", "dst_pool", "expected"),
+    [
+        ("device", "device", "copies device to device"),
+        ("pinned", "pinned", "has no device side"),
+        ("pageable", "device", "host side is not page-locked"),
+        ("device", "pageable", "host side is not page-locked"),
+    ],
+)
+def test_sim_unsupported_directions_fail_before_copying(
+    sim, src_pool, dst_pool, expected
+) -> None:
+    pools = Pools(sim, 4096)
+    src = getattr(pools, src_pool)
+    dst = getattr(pools, dst_pool)
+    with pytest.raises(RuntimeError, match=expected):
+        sim.copy([src.ctypes.data], [dst.ctypes.data + 1024], [512])
+    assert sim.calls(BATCH) == 0 and sim.calls(SINGLE) == 0
+
+
+class _BatchAttr(ctypes.Structure):  # aclrtMemcpyBatchAttr
+    _fields_ = [
+        ("dst_id", ctypes.c_uint32),
+        ("dst_type", ctypes.c_int),
+        ("src_id", ctypes.c_uint32),
+        ("src_type", ctypes.c_int),
+        ("rsv", ctypes.c_uint8 * 16),
+    ]
+
+
+def _raw_batch(sim, dsts, dmax, srcs, sizes, attrs, idx):
+    """Calls the SIMULATED aclrtMemcpyBatchAsync directly: (rc, failIndex)."""
+    n, k = len(sizes), len(attrs)
+    attr_arr = (_BatchAttr * k)(*[_BatchAttr(*a) for a in attrs])
+    fail = ctypes.c_size_t(0)
+    rc = sim.lib.aclrtMemcpyBatchAsync(
+        (ctypes.c_void_p * n)(*dsts),
+        (ctypes.c_size_t * n)(*dmax),
+        (ctypes.c_void_p * n)(*srcs),
+        (ctypes.c_size_t * n)(*sizes),
+        ctypes.c_size_t(n),
+        attr_arr,
+        (ctypes.c_size_t * k)(*idx),
+        ctypes.c_size_t(k),
+        ctypes.byref(fail),
+        ctypes.c_void_p(STREAM),
+    )
+    return rc, fail.value
+
+
+def test_sim_runtime_follows_the_documented_rules(sim: SimAcl) -> None:
+    """Checks the simulation itself, so that the tests above mean something."""
+    pools = Pools(sim, 1 << 16)
+    dev, pin, page = (
+        p.ctypes.data for p in (pools.device, pools.pinned, pools.pageable)
+    )
+    h2d = (3, LOC_DEVICE, 0, LOC_HOST)  # dstLoc (id, type), srcLoc (id, type)
+
+    def batch(dsts, srcs, dmax=None, attr=h2d, first_index=0):
+        sizes = [8] * len(dsts)
+        return _raw_batch(sim, dsts, dmax or sizes, srcs, sizes, [attr], [first_index])
+
+    n = 4097
+    over_cap = batch([dev + 8 * i for i in range(n)], [pin + 8 * i for i in range(n)])
+    assert batch([dev], [pin]) == (0, SIZE_MAX)
+    assert over_cap == (ACL_ERROR_INVALID_PARAM, SIZE_MAX)
+    assert batch([dev], [pin], first_index=1) == (ACL_ERROR_INVALID_PARAM, SIZE_MAX)
+    too_big = batch([dev, dev + 8], [pin, pin + 8], dmax=[8, 4])
+    assert too_big == (ACL_ERROR_INVALID_PARAM, 1)  # size > destMax
+    undeclared_pageable = batch([dev, dev + 8], [pin, page])
+    assert undeclared_pageable == (ACL_ERROR_RT_INVALID_MEMORY_TYPE, 1)
+    wrong_device = batch([dev], [pin], attr=(4, LOC_DEVICE, 0, LOC_HOST))
+    assert wrong_device == (ACL_ERROR_RT_INVALID_MEMORY_TYPE, 0)
+    host_to_host = batch([pin + 64], [pin], attr=(0, LOC_HOST, 0, LOC_HOST))
+    assert host_to_host == (ACL_ERROR_INVALID_PARAM, 0)
+    # Pageable memory declared as such is allowed and copied synchronously.
+    declared_pageable = batch([dev], [page], attr=(3, LOC_DEVICE, 0, LOC_UNREGISTERED))
+    assert declared_pageable == (0, SIZE_MAX)
+    assert sim.lib.simacl_sync_copies() == 1
+
+    memcpy = sim.lib.aclrtMemcpyAsync
+    memcpy.argtypes = [ctypes.c_void_p, ctypes.c_size_t] * 2 + [
+        ctypes.c_int,
+        ctypes.c_void_p,
+    ]
+    # Host-to-host is documented to return "feature not supported".
+    assert memcpy(pin + 64, 8, pin, 8, H2H, STREAM) == ACL_ERROR_RT_FEATURE_NOT_SUPPORT
+    assert memcpy(dev, 8, pin, 8, D2H, STREAM) == ACL_ERROR_RT_INVALID_MEMORY_TYPE
+
+
+def test_sim_constants_match_the_acl_headers(sim_libs) -> None:
+    include = _load_fetcher().fetch_headers() / "include" / "acl"
+    text = "".join(p.read_text() for p in include.rglob("*.h"))
+    for name, value in [
+        ("ACL_ERROR_INVALID_PARAM", ACL_ERROR_INVALID_PARAM),
+        ("ACL_ERROR_RT_PARAM_INVALID", ACL_ERROR_RT_PARAM_INVALID),
+        ("ACL_ERROR_RT_INVALID_MEMORY_TYPE", ACL_ERROR_RT_INVALID_MEMORY_TYPE),
+        ("ACL_ERROR_RT_FEATURE_NOT_SUPPORT", ACL_ERROR_RT_FEATURE_NOT_SUPPORT),
+        ("ACL_ERROR_RT_INTERNAL_ERROR", ACL_ERROR_RT_INTERNAL_ERROR),
+    ]:
+        assert re.search(rf"\b{name}\b\s*=?\s*{value}\b", text), name
+    assert re.search(
+        r"ACL_MEM_LOCATION_TYPE_HOST = 0[^\n]*\n\s*ACL_MEM_LOCATION_TYPE_DEVICE,"
+        r"\s*\n\s*ACL_MEM_LOCATION_TYPE_UNREGISTERED,",
+        text,
+    )
+    assert re.search(
+        r"ACL_MEMCPY_HOST_TO_HOST,\s*ACL_MEMCPY_HOST_TO_DEVICE,\s*"
+        r"ACL_MEMCPY_DEVICE_TO_HOST,",
+        text,
+    )
