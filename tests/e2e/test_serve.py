@@ -1,0 +1,350 @@
+"""Online serving with offloading: ``examples/serve_kv_offload.sh`` under test.
+
+The example script starts an OpenAI-compatible server with the guide's
+``--kv-transfer-config`` on 127.0.0.1 (test-only additions: fp32, eager, a
+10-block device cache and the development endpoints, for
+``/reset_prefix_cache``). The ``openai`` client sends greedy completions for
+prompts that share 512-token document prefixes; CPU hits are forced twice,
+once by device-cache eviction and once by resetting the device prefix cache.
+The answers must equal those without offloading (the ``reference`` fixture:
+same engine, offloading off), ``/metrics`` must count exactly the blocks
+moved, and SIGINT must stop the server and all its processes.
+
+One server serves the whole module: the ``served`` fixture runs the scenario
+once and records what each test checks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.e2e.conftest import ALL_PROMPTS, PROMPTS_BY_DOC, REPO
+from vllm_ascend.testing.tiny_model import ensure_tiny_model
+
+pytestmark = pytest.mark.e2e
+
+START_TIMEOUT_S = 300
+STOP_TIMEOUT_S = 60
+REQUEST_TIMEOUT_S = 120
+MAX_TOKENS = 16  # as the reference fixture
+BLOCK_TOKENS = 128  # the guide's block_size (= the device block size here)
+DOC_BLOCKS = 4  # each document is 512 tokens
+
+# Test-only flags; the offloading config is the example script's (the guide's).
+SERVE_FLAGS = [
+    "--dtype",
+    "float32",
+    "--enforce-eager",
+    # 10 device blocks hold one document's questions, not all three.
+    "--max-model-len",
+    "1024",
+    "--num-gpu-blocks-override",
+    "10",
+    # usage.prompt_tokens_details.cached_tokens in every response.
+    "--enable-prompt-tokens-details",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_block_bytes(model_dir: str) -> int:
+    """K and V bytes of one 128-token block across all layers (fp32)."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    per_token = 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 4
+    return cfg["num_hidden_layers"] * BLOCK_TOKENS * per_token
+
+
+class Server:
+    """``examples/serve_kv_offload.sh`` as a subprocess on 127.0.0.1."""
+
+    def __init__(self, model: str, log_path: Path):
+        self.model = model
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        env = dict(os.environ)
+        # The script runs `python` and `vllm` from PATH: use this interpreter's.
+        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]])
+        env.update(
+            HOST="127.0.0.1",
+            PORT=str(self.port),
+            VLLM_SERVER_DEV_MODE="1",  # exposes POST /reset_prefix_cache
+        )
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        self._log = open(log_path, "wb")  # closed in stop()
+        self.proc = subprocess.Popen(
+            ["bash", str(REPO / "examples" / "serve_kv_offload.sh"), model]
+            + SERVE_FLAGS,
+            cwd=REPO,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            # Its own session: a Ctrl-C on pytest does not hit it twice.
+            start_new_session=True,
+        )
+        self.children: list[psutil.Process] = []
+
+    def log_tail(self, chars: int = 6000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def wait_ready(self) -> float:
+        start = time.monotonic()
+        while time.monotonic() - start < START_TIMEOUT_S:
+            if self.proc.poll() is not None:
+                raise AssertionError(
+                    f"server exited with {self.proc.returncode} during start-up:\n"
+                    f"{self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(self.base + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        # The script exec's the server: this pid is the API
+                        # server, its descendants the engine core and worker.
+                        parent = psutil.Process(self.proc.pid)
+                        self.children = parent.children(recursive=True)
+                        return time.monotonic() - start
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(1)
+        raise AssertionError(
+            f"server not healthy after {START_TIMEOUT_S} s:\n{self.log_tail()}"
+        )
+
+    def post(self, path: str) -> dict:
+        req = urllib.request.Request(self.base + path, data=b"", method="POST")
+        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
+            return json.loads(r.read())
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample on /metrics, summed over labels except ``source``."""
+        with urllib.request.urlopen(self.base + "/metrics", timeout=30) as r:
+            text = r.read().decode()
+        totals: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                name = sample.name
+                if "source" in sample.labels:
+                    name += f"{{source={sample.labels['source']}}}"
+                totals[name] = totals.get(name, 0.0) + sample.value
+        return totals
+
+    def stop(self) -> dict:
+        """SIGINT, then wait; returns how the server and its children ended."""
+        result = {"returncode": self.proc.poll(), "stop_s": 0.0, "orphans": []}
+        if result["returncode"] is None:
+            start = time.monotonic()
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                result["returncode"] = self.proc.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                result["returncode"] = None
+            result["stop_s"] = time.monotonic() - start
+        # Children get a grace period to notice their parent is gone.
+        _, alive = psutil.wait_procs(self.children, timeout=15)
+        result["orphans"] = [p.pid for p in alive]
+        # Whatever is left was started by this test: end it by pid.
+        if result["returncode"] is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        self._log.close()
+        return result
+
+
+def complete(client: OpenAI, model: str, prompt: str) -> dict:
+    """A greedy completion; its token ids and prompt tokens served by a cache."""
+    resp = client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    ).model_dump()
+    details = resp["usage"].get("prompt_tokens_details") or {}
+    return {
+        "token_ids": resp["choices"][0]["token_ids"],
+        "cached_tokens": details.get("cached_tokens") or 0,
+    }
+
+
+def wait_for_metric(server: Server, client, model: str, name: str, value: float):
+    """Poll /metrics until ``name`` reaches ``value``; short requests drive the
+    engine steps that complete transfers and report their stats."""
+    deadline = time.monotonic() + 60
+    while True:
+        metrics = server.metrics()
+        if metrics.get(name, 0.0) >= value or time.monotonic() > deadline:
+            return metrics
+        client.completions.create(model=model, prompt="flush", max_tokens=2)
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory) -> dict:
+    """Start the example server, run the scenario, stop it; record it all."""
+    model = ensure_tiny_model()
+    log_path = tmp_path_factory.mktemp("serve") / "server.log"
+    server = Server(model, log_path)
+    record: dict = {"block_bytes": cpu_block_bytes(model), "log": log_path}
+    try:
+        record["start_s"] = server.wait_ready()
+        client = OpenAI(
+            base_url=server.base + "/v1",
+            api_key="unused",
+            timeout=REQUEST_TIMEOUT_S,
+            max_retries=0,
+        )
+        block = record["block_bytes"]
+        record["before"] = server.metrics()
+
+        # 1. Every question of every document: each document's 4 full blocks
+        # are offloaded once; documents 1 and 2 evict document 0 from the
+        # 10-block device cache.
+        record["first"] = [complete(client, model, p) for p in ALL_PROMPTS]
+        stored = 3 * DOC_BLOCKS * block
+        record["after_first"] = wait_for_metric(
+            server, client, model, "vllm:kv_offload_store_bytes_total", stored
+        )
+
+        # 2. Document 0 again: its prefix now lives only in the CPU pool.
+        record["evicted"] = complete(client, model, PROMPTS_BY_DOC[0][0])
+        record["after_evicted"] = wait_for_metric(
+            server, client, model, "vllm:kv_offload_load_bytes_total", 4 * block
+        )
+
+        # 3. Empty the device prefix cache (the CPU pool stays), then the
+        # first question of each document: all three prefixes from the CPU.
+        deadline = time.monotonic() + 60
+        while not server.post("/reset_prefix_cache")["success"]:
+            # Refused while transfers are in flight; they finish shortly.
+            assert time.monotonic() < deadline, "reset_prefix_cache kept failing"
+            time.sleep(0.5)
+        record["after_reset"] = [complete(client, model, q[0]) for q in PROMPTS_BY_DOC]
+        record["after_all"] = wait_for_metric(
+            server,
+            client,
+            model,
+            "vllm:kv_offload_load_bytes_total",
+            (DOC_BLOCKS + 3 * DOC_BLOCKS) * block,
+        )
+    except BaseException:
+        record["stop"] = server.stop()
+        print(server.log_tail(), file=sys.stderr)
+        raise
+    record["stop"] = server.stop()
+    record["log_text"] = log_path.read_text(errors="replace")
+    # Shown with `pytest -s`: what the scenario moved.
+    summary = {
+        name: delta(record, name)
+        for name in sorted(record["after_all"])
+        if name.startswith(("vllm:kv_offload", "vllm:external_prefix", "vllm:prompt"))
+        and "_created" not in name
+        and "_bucket" not in name
+    }
+    print(
+        f"\n[test_serve] start {record['start_s']:.1f} s, stop {record['stop']}, "
+        f"block {record['block_bytes']} B, cached tokens "
+        f"{[r['cached_tokens'] for r in record['first']]} / "
+        f"{record['evicted']['cached_tokens']} / "
+        f"{[r['cached_tokens'] for r in record['after_reset']]}\n"
+        + "\n".join(f"  {k} += {v:g}" for k, v in summary.items())
+    )
+    return record
+
+
+def delta(record: dict, name: str, since: str = "before", until: str = "after_all"):
+    return record[until].get(name, 0.0) - record[since].get(name, 0.0)
+
+
+def test_server_starts_with_the_guide_config(served):
+    log = served["log_text"]
+    assert "Loading out-of-tree offloading spec 'NPUOffloadingSpec'" in log
+    assert "NPUOffloadingSpec: 1000 CPU blocks of 128 tokens" in log
+    assert served["start_s"] < START_TIMEOUT_S
+
+
+def test_answers_equal_those_without_offloading(served, reference):
+    assert [r["token_ids"] for r in served["first"]] == reference
+    assert served["evicted"]["token_ids"] == reference[0]
+    first_questions = [reference[3 * d] for d in range(len(PROMPTS_BY_DOC))]
+    assert [r["token_ids"] for r in served["after_reset"]] == first_questions
+
+
+def test_shared_prefixes_are_served_from_a_cache(served):
+    cached = [r["cached_tokens"] for r in served["first"]]
+    # First question of a document: nothing cached; the other two reuse the
+    # document's 4 blocks from the device cache.
+    assert cached[0::3] == [0, 0, 0]
+    assert all(c == DOC_BLOCKS * BLOCK_TOKENS for i, c in enumerate(cached) if i % 3)
+
+
+def test_prefix_evicted_from_device_is_loaded_from_cpu(served):
+    assert served["evicted"]["cached_tokens"] == DOC_BLOCKS * BLOCK_TOKENS
+    # Exactly document 0's 4 blocks were loaded.
+    loaded = delta(
+        served, "vllm:kv_offload_load_bytes_total", "after_first", "after_evicted"
+    )
+    assert loaded == DOC_BLOCKS * served["block_bytes"]
+
+
+def test_after_prefix_cache_reset_prefixes_come_from_cpu(served):
+    cached = [r["cached_tokens"] for r in served["after_reset"]]
+    assert cached == [DOC_BLOCKS * BLOCK_TOKENS] * len(PROMPTS_BY_DOC)
+    loaded = delta(
+        served, "vllm:kv_offload_load_bytes_total", "after_evicted", "after_all"
+    )
+    assert loaded == len(PROMPTS_BY_DOC) * DOC_BLOCKS * served["block_bytes"]
+
+
+def test_metrics_count_the_blocks_moved(served):
+    block = served["block_bytes"]
+    stored = delta(served, "vllm:kv_offload_store_bytes_total")
+    loaded = delta(served, "vllm:kv_offload_load_bytes_total")
+    # Each document's 4 full blocks were stored once (later hits re-store
+    # nothing); 4 + 12 blocks were loaded back.
+    assert stored == 3 * DOC_BLOCKS * block
+    assert loaded == 4 * DOC_BLOCKS * block
+    assert loaded % block == 0
+    assert delta(served, "vllm:kv_offload_store_time_total") > 0
+    assert delta(served, "vllm:kv_offload_load_time_total") > 0
+    # One store job per document, one load job per CPU hit.
+    assert delta(served, "vllm:kv_offload_store_size_count") == 3
+    assert delta(served, "vllm:kv_offload_load_size_count") == 4
+    # The prompt tokens that the loads served, as vLLM's cache counters see them.
+    hit_tokens = 4 * DOC_BLOCKS * BLOCK_TOKENS
+    assert delta(served, "vllm:external_prefix_cache_hits_total") == hit_tokens
+    assert delta(served, "vllm:prompt_tokens_cached_by_source_total{source=host}") == (
+        hit_tokens
+    )
+    # vLLM's deprecated per-direction counters agree.
+    assert delta(served, "vllm:kv_offload_total_bytes_total") == stored + loaded
+
+
+def test_server_stops_cleanly_on_sigint(served):
+    stop = served["stop"]
+    assert stop["returncode"] is not None, "server did not exit after SIGINT"
+    assert stop["returncode"] in (0, -signal.SIGINT), stop
+    assert stop["stop_s"] < STOP_TIMEOUT_S
+    assert stop["orphans"] == [], "engine processes outlived the server"
