@@ -15,9 +15,10 @@ Environment switches:
   stale in-tree ``vllm_ascend/_C_ascend*.so`` from an earlier editable build
   is removed so that the switch takes effect.
 * ``VLLM_ASCEND_WITH_CUDA=0|1`` / ``VLLM_ASCEND_WITH_NPU=0|1`` -- override the
-  auto-detection of the optional backends (CUDA: ``csrc/cuda/*.cu`` exists, a
-  CUDA torch and ``nvcc`` are present; NPU: ``csrc/npu/*.cpp`` exists and
-  ``torch_npu`` is importable).
+  auto-detection of the optional backends (CUDA: ``csrc/cuda/*.cu`` exists,
+  torch is a CUDA build and a CUDA toolkit is found: ``$CUDA_HOME``,
+  ``$CUDA_PATH``, ``/usr/local/cuda`` or the one holding ``nvcc`` on ``PATH``;
+  NPU: ``csrc/npu/*.cpp`` exists and ``torch_npu`` is importable).
 * ``MAX_JOBS`` -- parallel compile jobs (default 2).
 """
 
@@ -43,14 +44,44 @@ def _flag(name: str) -> bool | None:
     return None if value is None else value != "0"
 
 
+def _cuda_home() -> Path | None:
+    """The CUDA toolkit to build with: the first of $CUDA_HOME, $CUDA_PATH,
+    /usr/local/cuda and nvcc's parent on PATH that has bin/nvcc and the
+    runtime headers (a wrapper script on PATH does not count as a toolkit)."""
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
+    candidates.append("/usr/local/cuda")
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(str(Path(nvcc).resolve().parent.parent))
+    for home in filter(None, candidates):
+        if (
+            Path(home, "bin", "nvcc").exists()
+            and Path(home, "include", "cuda_runtime.h").exists()
+        ):
+            return Path(home)
+    return None
+
+
 def _want_cuda(torch_module) -> bool:
     forced = _flag("VLLM_ASCEND_WITH_CUDA")
     if forced is not None:
         return forced
     if not any(ROOT.glob("csrc/cuda/*.cu")) or torch_module.version.cuda is None:
         return False
-    cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
-    return bool(shutil.which("nvcc")) or Path(cuda_home, "bin", "nvcc").exists()
+    return _cuda_home() is not None
+
+
+def _cuda_cmake_args() -> list[str]:
+    """Points CMake (and torch's CUDA config) at the toolkit of _cuda_home();
+    left to CMake's own search when none is found."""
+    home = _cuda_home()
+    if home is None:
+        return []
+    return [
+        f"-DCMAKE_CUDA_COMPILER={home / 'bin' / 'nvcc'}",
+        f"-DCUDAToolkit_ROOT={home}",
+        f"-DCUDA_TOOLKIT_ROOT_DIR={home}",
+    ]
 
 
 def _want_npu() -> bool:
@@ -96,6 +127,7 @@ class CMakeBuild(build_ext):
         build_temp = Path(self.build_temp, "cmake").resolve()
         build_temp.mkdir(parents=True, exist_ok=True)
         prefix_path = f"{torch.utils.cmake_prefix_path};{pybind11.get_cmake_dir()}"
+        with_cuda = _want_cuda(torch)
         configure = [
             "cmake",
             "-S",
@@ -106,9 +138,13 @@ class CMakeBuild(build_ext):
             f"-DPython_EXECUTABLE={sys.executable}",
             f"-DCMAKE_BUILD_TYPE={'Debug' if self.debug else 'Release'}",
             f"-DVLLM_ASCEND_OUTPUT_DIR={target.parent}",
-            f"-DVLLM_ASCEND_WITH_CUDA={'ON' if _want_cuda(torch) else 'OFF'}",
+            f"-DVLLM_ASCEND_WITH_CUDA={'ON' if with_cuda else 'OFF'}",
             f"-DVLLM_ASCEND_WITH_NPU={'ON' if _want_npu() else 'OFF'}",
         ]
+        if with_cuda or torch.version.cuda is not None:
+            # A CUDA torch's CMake config looks for the toolkit even when our
+            # cuda backend is off.
+            configure += _cuda_cmake_args()
         jobs = os.environ.get("MAX_JOBS", "2")
         subprocess.run(configure, check=True)
         subprocess.run(["cmake", "--build", str(build_temp), "-j", jobs], check=True)

@@ -75,6 +75,18 @@
 //       tested against a SIMULATED ACL runtime only; never run on Ascend
 //       hardware (docs/npu_backend.md).
 //
+//   "cuda": asynchronous, on c10::cuda::getCurrentCUDAStream() of the device
+//       holding fragment 0's device side; any direction. Fragment 0 is
+//       inspected once with cudaPointerGetAttributes. The "auto" method uses
+//       a 16-CTA copy kernel over UVA (16-byte accesses where aligned) when
+//       the mean copy is < 256 KiB and one side is pinned host memory, else
+//       one cudaMemcpyBatchAsync; a cudaMemcpyAsync per copy on the legacy
+//       stream, for pageable memory, or when the batch API is unsupported.
+//       VLLM_ASCEND_CUDA_COPY_METHOD=kernel|dma|auto overrides. Overlap and
+//       graph capture are rejected. Status: compiled (sm_80, sm_90) and
+//       linked against a CUDA torch without a GPU; never run on a GPU yet
+//       (docs/cuda_backend.md).
+//
 // Adding a backend
 //   1. Declare `void swap_blocks_<name>(const std::vector<CopyRegion>&)`
 //      below, guarded by VLLM_ASCEND_WITH_<NAME>.

@@ -1,0 +1,138 @@
+#!/usr/bin/env bash
+# One-shot check of the "cuda" backend of swap_blocks_batch on a machine with
+# an NVIDIA GPU and a CUDA torch, but no vLLM and no network (the lent H200;
+# docs/cuda_backend.md says how to start it there). About 5 minutes:
+#   1. build vllm_ascend/_C_ascend in place with the cuda backend:
+#      `python setup.py build_ext --inplace` (CMake, backend auto-detected);
+#      if that fails or lacks "cuda", torch.utils.cpp_extension as a fallback,
+#   2. pytest tests/unit/test_swap_blocks_cuda.py and test_swap_blocks_op.py,
+#   3. the copy benchmark on cuda, once per VLLM_ASCEND_CUDA_COPY_METHOD
+#      (auto with --concurrent; kernel; dma).
+# Everything goes to $OUT (.cache/device_check_cuda when unset), at most 8 files:
+#   summary.txt      versions, GPU, each step's exit status and time
+#   build.log        both build attempts
+#   tests.log        both pytest runs
+#   bench_auto.jsonl bench_kernel.jsonl bench_dma.jsonl   benchmark rows
+#   bench.err        the benchmarks' stderr
+# Exit status: 0 when every step passed, else 1.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+OUT=${OUT:-$PWD/.cache/device_check_cuda}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export MAX_JOBS=${MAX_JOBS:-16}
+failed=0
+
+note() { echo "$*" | tee -a "$OUT/summary.txt"; }
+
+# step NAME LIMIT_S LOG CMD...: runs CMD with a time limit, appending to LOG.
+step() {
+  local name=$1 limit=$2 log=$3 start=$SECONDS rc
+  shift 3
+  echo "=== $name: $*" >>"$log"
+  timeout "$limit" "$@" >>"$log" 2>&1
+  rc=$?
+  note "$name: rc=$rc ($((SECONDS - start)) s)"
+  return "$rc"
+}
+
+has_cuda_backend() {
+  "$PY" -c "import torch; from vllm_ascend import _C_ascend as m; assert 'cuda' in m.backends(), m.backends()"
+}
+
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv 2>&1
+  "$PY" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'gpu', torch.cuda.is_available() and torch.cuda.get_device_name())"
+  "$PY" -c "import setuptools, pybind11; print('setuptools', setuptools.__version__, 'pybind11', pybind11.__version__)"
+  command -v nvcc && nvcc --version | tail -1
+  cmake --version | head -1
+} >>"$OUT/summary.txt" 2>&1
+
+# --- 1. build ----------------------------------------------------------------
+rm -rf vllm_ascend/_C_ascend*.so build/cuda_ext
+if ! step "build (setup.py build_ext --inplace)" 360 "$OUT/build.log" \
+  "$PY" setup.py build_ext --inplace || ! has_cuda_backend >>"$OUT/build.log" 2>&1; then
+  # Same sources, no CMake: torch's own extension builder. It imports the
+  # module as top-level _C_ascend in its own process, so build there and
+  # copy the file into the package.
+  rm -f vllm_ascend/_C_ascend*.so
+  [[ -z ${CUDA_HOME:-} && -x /usr/local/cuda/bin/nvcc ]] && export CUDA_HOME=/usr/local/cuda
+  step "build fallback (torch.utils.cpp_extension)" 360 "$OUT/build.log" \
+    env TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" "$PY" - <<'EOF'
+import os
+import shutil
+
+import torch
+from torch.utils.cpp_extension import load
+
+os.makedirs("build/cuda_ext", exist_ok=True)
+torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+flags = ["-O3", "-DVLLM_ASCEND_WITH_CUDA"]
+sources = ["module.cpp", "dispatch.cpp", "cpu/swap_blocks_cpu.cpp"]
+mod = load(
+    name="_C_ascend",
+    sources=[f"csrc/{s}" for s in sources + ["cuda/swap_blocks_cuda.cu"]],
+    extra_include_paths=["csrc"],
+    extra_cflags=flags,
+    extra_cuda_cflags=flags,
+    extra_ldflags=[f"-Wl,-rpath,{torch_lib}"],
+    build_directory="build/cuda_ext",
+    verbose=True,
+)
+shutil.copy(mod.__file__, "vllm_ascend/_C_ascend.so")
+EOF
+fi
+if ! has_cuda_backend >>"$OUT/build.log" 2>&1; then
+  note "FAILED: no build with the cuda backend; see build.log"
+  exit 1
+fi
+note "backends: $("$PY" -c 'import torch; from vllm_ascend import _C_ascend as m; print(m.backends())')"
+
+# --- 2. tests ----------------------------------------------------------------
+step "pytest test_swap_blocks_cuda.py" 240 "$OUT/tests.log" \
+  "$PY" -m pytest -q -rs -p no:cacheprovider tests/unit/test_swap_blocks_cuda.py ||
+  failed=1
+# test_native_op_can_be_disabled_by_env reloads ops.py without the native op,
+# whose fallback warning imports vllm: not installed on that machine.
+step "pytest test_swap_blocks_op.py" 120 "$OUT/tests.log" \
+  "$PY" -m pytest -q -rs -p no:cacheprovider tests/unit/test_swap_blocks_op.py \
+  -k "not test_native_op_can_be_disabled_by_env" || failed=1
+grep -E "passed|failed|error" "$OUT/tests.log" | tail -4 >>"$OUT/summary.txt"
+
+# --- 3. benchmark --------------------------------------------------------------
+# --descriptor-fragments 0: the descriptor-cost section imports vllm.
+for method in auto kernel dma; do
+  extra=()
+  [[ $method == auto ]] && extra=(--concurrent)
+  echo "=== method=$method" >>"$OUT/bench.err"
+  start=$SECONDS
+  VLLM_ASCEND_CUDA_COPY_METHOD=$method timeout 150 "$PY" -m \
+    vllm_ascend.kv_offload.benchmark --device cuda --json \
+    --descriptor-fragments 0 "${extra[@]}" \
+    >"$OUT/bench_$method.jsonl" 2>>"$OUT/bench.err"
+  rc=$?
+  note "benchmark method=$method: rc=$rc ($((SECONDS - start)) s)"
+  [[ $rc -eq 0 ]] || failed=1
+done
+"$PY" - "$OUT" <<'EOF' >>"$OUT/summary.txt" 2>&1
+import json, pathlib, sys
+
+print("GB/s        dir       fragment  contiguous  loop   op(auto)  op(kernel)  op(dma)")
+rows = {}
+for method in ("auto", "kernel", "dma"):
+    path = pathlib.Path(sys.argv[1], f"bench_{method}.jsonl")
+    for line in path.read_text().splitlines() if path.exists() else []:
+        r = json.loads(line)
+        if r.get("kind") == "copy":
+            key = (r["direction"], r["fragment_bytes"])
+            name = method if r["method"] == "op" else r["method"]
+            rows.setdefault(key, {}).setdefault(name, r["gbps"])
+for (direction, frag), g in rows.items():
+    cells = [g.get(k) for k in ("contiguous", "loop", "auto", "kernel", "dma")]
+    text = "  ".join(f"{c:9.1f}" if c is not None else "      n/a" for c in cells)
+    print(f"            {direction:<9} {frag >> 10:>6} KiB  {text}")
+EOF
+note "done in $SECONDS s, failed=$failed"
+exit "$failed"
