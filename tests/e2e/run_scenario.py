@@ -6,30 +6,52 @@ prompt tokens were served from a cache; at the end it records vLLM's
 offloading counters. A process per scenario keeps engines from leaking state
 into each other.
 
+Optional keys: ``env`` (variables set before the engine starts, e.g. the
+test-only fault injection of ``vllm_ascend.kv_offload.worker``),
+``kv_role`` and ``kv_load_failure_policy`` (for ``KVTransferConfig``), and
+``driver`` (``"module:function"``, called with the scenario instead of the
+phases above, for scenarios that drive the engine step by step).
+
     python -m tests.e2e.run_scenario SCENARIO.json RESULT.json
 """
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
 import sys
 from pathlib import Path
 
 
-def run(scenario: dict) -> dict:
-    from vllm import LLM, SamplingParams
+def kv_transfer_config(scenario: dict):
     from vllm.config import KVTransferConfig
+
+    if scenario.get("offload") is None:
+        return None
+    return KVTransferConfig(
+        kv_connector=scenario.get("connector", "OffloadingConnector"),
+        kv_connector_module_path=scenario.get("connector_module_path"),
+        kv_role=scenario.get("kv_role", "kv_both"),
+        kv_connector_extra_config=scenario["offload"],
+        kv_load_failure_policy=scenario.get("kv_load_failure_policy", "fail"),
+    )
+
+
+def run(scenario: dict) -> dict:
+    os.environ.update(scenario.get("env", {}))
+    if "driver" in scenario:
+        module, function = scenario["driver"].split(":")
+        return getattr(importlib.import_module(module), function)(scenario)
+
+    from vllm import LLM, SamplingParams
 
     from vllm_ascend.testing.tiny_model import ensure_tiny_model
 
     kwargs = dict(scenario.get("engine", {}))
-    if scenario.get("offload") is not None:
-        kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector=scenario.get("connector", "OffloadingConnector"),
-            kv_connector_module_path=scenario.get("connector_module_path"),
-            kv_role="kv_both",
-            kv_connector_extra_config=scenario["offload"],
-        )
+    transfer_config = kv_transfer_config(scenario)
+    if transfer_config is not None:
+        kwargs["kv_transfer_config"] = transfer_config
     llm = LLM(model=ensure_tiny_model(), disable_log_stats=False, **kwargs)
 
     phases = []
@@ -49,6 +71,7 @@ def run(scenario: dict) -> dict:
                 {
                     "token_ids": list(out.outputs[0].token_ids),
                     "num_cached_tokens": out.num_cached_tokens or 0,
+                    "finish_reason": out.outputs[0].finish_reason,
                 }
                 for out in outputs
             ]

@@ -66,17 +66,23 @@ class CpuBlockPool:
         pages = np.asarray(page_bytes, dtype=np.int64) * blocks_per_chunk
         self.tensor_offsets = np.concatenate(([0], np.cumsum(pages)[:-1]))
         self.row_bytes = int(pages.sum())
-        self.tensor = torch.empty(
+        self.tensor: torch.Tensor | None = torch.empty(
             (num_cpu_blocks, self.row_bytes),
             dtype=torch.int8,
             device="cpu",
             pin_memory=pin_memory,
         )
+        self.pinned = pin_memory
         self.base = self.tensor.data_ptr()
 
     @property
     def nbytes(self) -> int:
-        return self.tensor.numel()
+        return self.num_blocks * self.row_bytes
+
+    def release(self) -> None:
+        """Frees the host memory; no job may use the pool afterwards."""
+        self.tensor = None
+        self.base = 0
 
 
 class CopyEngine:

@@ -10,6 +10,11 @@ finished job with its duration.
   destination blocks; its end event fires only when the data is in place.
 * ``ThreadTransferQueue`` (``cpu``, vLLM's CPU backend): a background thread.
   The copy op releases the GIL, so copies overlap the model's forward pass.
+
+Failures: a job whose copy raises is reported with ``success=False`` (never
+re-raised into the engine); ``submit`` raises only if the job could not be
+started, and the caller reports that job failed. ``shutdown`` drops jobs not
+yet started, so it returns after at most the one copy in progress.
 """
 
 from __future__ import annotations
@@ -55,8 +60,12 @@ class TransferQueue(ABC):
         """Block until the named jobs (those still pending here) are done."""
 
     @abstractmethod
-    def shutdown(self) -> None:
-        """Finish or drop pending work and release resources; idempotent."""
+    def shutdown(self) -> bool:
+        """Finish or drop pending work and release resources; idempotent.
+
+        Returns whether no copy can touch memory any more (the caller may
+        then free the buffers the jobs used).
+        """
 
 
 def make_transfer_queue(device: torch.device, name: str) -> TransferQueue:
@@ -86,22 +95,40 @@ class StreamTransferQueue(TransferQueue):
 
     def submit(self, job_id: int, copy: CopyFn) -> None:
         start, end = self._event(), self._event()
+        compute = torch.accelerator.current_stream(self.device)
         # Order after all compute queued so far on the caller's stream.
-        self.stream.wait_stream(torch.accelerator.current_stream(self.device))
+        self.stream.wait_stream(compute)
         with self.stream:
             start.record(self.stream)
-            copy()
+            try:
+                copy()
+            except Exception:
+                # Part of the job may already be queued here. Later compute
+                # (e.g. recomputing the blocks of a failed load) must not race
+                # with it, so the compute stream waits for this stream.
+                compute.wait_stream(self.stream)
+                raise
             end.record(self.stream)
         self._jobs.append(_StreamJob(job_id, start, end))
 
     def poll(self) -> list[FinishedJob]:
         done: list[FinishedJob] = []
         # One stream runs jobs in order: stop at the first unfinished one.
-        while self._jobs and self._jobs[0].end.query():
-            job = self._jobs.popleft()
-            seconds = job.start.elapsed_time(job.end) * 1e-3
-            done.append(FinishedJob(job.job_id, True, seconds))
-            self._events += (job.start, job.end)
+        while self._jobs:
+            job = self._jobs[0]
+            try:
+                if not job.end.query():
+                    break
+                seconds = job.start.elapsed_time(job.end) * 1e-3
+                success = True
+            except RuntimeError:
+                # The runtime reports an asynchronous copy error here.
+                logger.exception("KV offload copy job %d failed", job.job_id)
+                seconds, success = 0.0, False
+            self._jobs.popleft()
+            done.append(FinishedJob(job.job_id, success, seconds))
+            if success:
+                self._events += (job.start, job.end)
         return done
 
     def wait(self, job_ids: set[int]) -> None:
@@ -109,30 +136,38 @@ class StreamTransferQueue(TransferQueue):
             if job.job_id in job_ids:
                 job.end.synchronize()
 
-    def shutdown(self) -> None:
-        if self._jobs:
-            self._jobs[-1].end.synchronize()
+    def shutdown(self) -> bool:
+        # Copies already queued on a stream cannot be withdrawn: wait for them.
+        try:
+            self.stream.synchronize()
+        except RuntimeError:
+            logger.exception("KV offload: stream failed while shutting down")
         self._jobs.clear()
         self._events.clear()
+        return True
 
 
 class ThreadTransferQueue(TransferQueue):
     """Jobs on a background thread, for devices without streams (CPU)."""
 
     _STOP = None
+    # A copy job moves at most a few hundred MiB; if the thread is still busy
+    # after this long, shutdown gives up waiting (and keeps the buffers).
+    SHUTDOWN_TIMEOUT_S = 30.0
 
     def __init__(self, name: str):
         self._todo: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._finished: list[FinishedJob] = []
         self._pending: dict[int, threading.Event] = {}
+        self._closing = False
         self._thread = threading.Thread(
             target=self._run, name=f"kv-offload-{name}", daemon=True
         )
         self._thread.start()
 
     def submit(self, job_id: int, copy: CopyFn) -> None:
-        if not self._thread.is_alive():
+        if self._closing or not self._thread.is_alive():
             raise RuntimeError("transfer queue is shut down")
         with self._lock:
             self._pending[job_id] = threading.Event()
@@ -142,12 +177,13 @@ class ThreadTransferQueue(TransferQueue):
         while (item := self._todo.get()) is not self._STOP:
             job_id, copy = item
             start = time.perf_counter()
-            try:
-                copy()
-                success = True
-            except Exception:
-                logger.exception("KV offload copy job %d failed", job_id)
-                success = False
+            success = False
+            if not self._closing:  # at shutdown, drop jobs not yet started
+                try:
+                    copy()
+                    success = True
+                except Exception:
+                    logger.exception("KV offload copy job %d failed", job_id)
             seconds = time.perf_counter() - start
             with self._lock:
                 self._finished.append(FinishedJob(job_id, success, seconds))
@@ -165,7 +201,16 @@ class ThreadTransferQueue(TransferQueue):
         for event in events:
             event.wait()
 
-    def shutdown(self) -> None:
-        if self._thread.is_alive():
+    def shutdown(self) -> bool:
+        if not self._closing:
+            self._closing = True
             self._todo.put(self._STOP)
-            self._thread.join()
+        self._thread.join(self.SHUTDOWN_TIMEOUT_S)
+        if self._thread.is_alive():
+            logger.warning(
+                "KV offload: copy thread %s still busy after %.0f s at shutdown",
+                self._thread.name,
+                self.SHUTDOWN_TIMEOUT_S,
+            )
+            return False
+        return True

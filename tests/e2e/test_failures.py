@@ -1,0 +1,211 @@
+"""Failed transfers on a real engine (CPU backend): never wrong, never a crash.
+
+Faults are injected with the test-only hook of ``vllm_ascend.kv_offload.
+worker`` (``VLLM_ASCEND_KV_OFFLOAD_FAULTS``): a failing copy first overwrites
+its destination with garbage, so KV from a failed transfer that got used
+would change the greedy output. Every scenario compares against the same
+prompts with offloading off (the ``reference`` fixture); two negative
+controls show that these comparisons do catch failures that are not handled.
+
+Most engines run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``uni``
+executor: three times faster to start); one runs vLLM's default process
+layout, so the failure metadata also crosses the worker -> scheduler
+process boundary.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.conftest import (
+    ALL_PROMPTS,
+    ENGINE,
+    GUIDE_OFFLOAD,
+    cached,
+    run_scenario,
+    token_ids,
+)
+from vllm_ascend.kv_offload.connector import AscendOffloadingConnector
+
+pytestmark = pytest.mark.e2e
+
+FULL_DOC_TOKENS = 512
+FIRST_QUESTIONS = [0, 3, 6]  # indices of each document's first prompt
+IN_PROCESS_ENGINE = dict(ENGINE, distributed_executor_backend="uni")
+IN_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+# Store everything, then ask again with the device prefix cache emptied:
+# the first question of each document must come from the CPU.
+TWICE = [
+    {"prompts": ALL_PROMPTS},
+    {"prompts": ALL_PROMPTS, "reset_prefix_cache": True},
+]
+
+
+def run_with_faults(
+    scenario_dir,
+    name: str,
+    faults: str,
+    phases=TWICE,
+    in_process: bool = True,
+    **scenario,
+) -> tuple[dict, list[str]]:
+    """Runs a scenario with ``faults``; returns its result and the faults."""
+    fault_log = scenario_dir / f"{name}.faults"
+    env = {
+        "VLLM_ASCEND_KV_OFFLOAD_FAULTS": faults,
+        "VLLM_ASCEND_KV_OFFLOAD_FAULTS_LOG": str(fault_log),
+    }
+    if in_process:
+        env.update(IN_PROCESS_ENV)
+    scenario.setdefault("engine", IN_PROCESS_ENGINE if in_process else ENGINE)
+    scenario.setdefault("offload", GUIDE_OFFLOAD)
+    result = run_scenario(scenario_dir, name, dict(scenario, phases=phases, env=env))
+    injected = fault_log.read_text().split("\n")[:-1] if fault_log.exists() else []
+    return result, injected
+
+
+def kinds(injected: list[str]) -> set[str]:
+    return {line.split()[0] for line in injected}
+
+
+# Submit-time failures ("load_submit", "store_submit") take the same reporting
+# path; tests/unit/test_worker_state_machine.py covers them without an engine.
+@pytest.mark.parametrize("kind", ["load"])
+def test_failed_loads_are_recomputed(scenario_dir, reference, kind):
+    result, injected = run_with_faults(
+        scenario_dir,
+        f"failed_{kind}",
+        f"{kind}:1",
+        kv_load_failure_policy="recompute",
+    )
+    # Every load failed (one per document; the other questions then hit the
+    # recomputed blocks on the device), yet every output is right.
+    assert kinds(injected) == {kind} and len(injected) >= 3
+    assert token_ids(result["phases"][0]) == reference
+    assert token_ids(result["phases"][1]) == reference
+    assert result["counters"].get("vllm:kv_offload_load_bytes", 0) == 0
+
+
+def test_failed_load_fails_only_its_request_and_the_engine_serves_on(
+    scenario_dir, reference
+):
+    result, injected = run_with_faults(
+        scenario_dir,
+        "failed_load_policy_fail",
+        "load:1:1",  # only the first load fails
+        phases=[*TWICE, {"prompts": ALL_PROMPTS}],
+        kv_load_failure_policy="fail",  # vLLM's default
+    )
+    assert injected == [injected[0]] and injected[0].startswith("load ")
+    first, second, third = result["phases"]
+    assert token_ids(first) == reference
+    # The request whose load failed ended with an error and no tokens ...
+    assert second[0]["finish_reason"] == "error"
+    assert second[0]["token_ids"] == []
+    # ... every other request, then and after, was served correctly.
+    assert token_ids(second)[1:] == reference[1:]
+    assert all(r["finish_reason"] == "length" for r in second[1:])
+    assert token_ids(third) == reference
+
+
+@pytest.mark.parametrize("kind", ["store"])
+def test_failed_stores_are_never_loaded(scenario_dir, reference, kind):
+    result, injected = run_with_faults(scenario_dir, f"failed_{kind}", f"{kind}:1")
+    assert kinds(injected) == {kind} and len(injected) >= 3
+    first, second = result["phases"]
+    assert token_ids(first) == reference
+    assert token_ids(second) == reference
+    # Nothing was recorded in the CPU cache, so nothing came back from it.
+    assert [cached(second)[i] for i in FIRST_QUESTIONS] == [0, 0, 0]
+    assert result["counters"].get("vllm:kv_offload_load_bytes", 0) == 0
+
+
+def test_random_faults_with_eviction_in_a_multiprocess_engine(scenario_dir, reference):
+    """vLLM's default process layout, a small device cache and a small CPU
+    pool (constant eviction), and faults of every kind."""
+    result, injected = run_with_faults(
+        scenario_dir,
+        "random_faults_multiprocess",
+        "load:0.3,store:0.3,load_submit:0.1,store_submit:0.1,seed:5",
+        phases=[*TWICE, {"prompts": ALL_PROMPTS[::-1]}],
+        in_process=False,
+        engine=dict(ENGINE, max_model_len=1024, num_gpu_blocks_override=10),
+        offload=dict(GUIDE_OFFLOAD, num_cpu_blocks=9),
+        kv_load_failure_policy="recompute",
+    )
+    assert len(injected) >= 3
+    first, second, third = result["phases"]
+    assert token_ids(first) == reference
+    assert token_ids(second) == reference
+    assert token_ids(third) == reference[::-1]
+
+
+# -- negative controls: connectors that do not handle one kind of failure --
+
+
+class IgnoresFailedStores(AscendOffloadingConnector):
+    """Records failed stores as stored, as vLLM 0.32's connector would."""
+
+    def _drop_failed_stores(self, meta) -> None:
+        pass
+
+
+class IgnoresFailedLoads(AscendOffloadingConnector):
+    """Reports no failed load blocks: vLLM uses what the failed load left."""
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        super().get_block_ids_with_load_errors()
+        return set()
+
+
+@pytest.mark.parametrize(
+    "connector, faults",
+    [("IgnoresFailedStores", "store:1"), ("IgnoresFailedLoads", "load:1")],
+)
+def test_negative_control_unhandled_failures_change_the_output(
+    scenario_dir, reference, connector, faults
+):
+    result, injected = run_with_faults(
+        scenario_dir,
+        f"negative_{connector}",
+        faults,
+        connector=connector,
+        connector_module_path="tests.e2e.test_failures",
+        kv_load_failure_policy="recompute",
+    )
+    assert injected
+    second = result["phases"][1]
+    # The same CPU hits as a healthy run, but the KV is garbage.
+    assert all(cached(second)[i] >= FULL_DOC_TOKENS for i in FIRST_QUESTIONS)
+    assert token_ids(second) != reference
+
+
+# -- bad configuration fails at start-up, before the pool is allocated ------
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        # One engine start per case is costly; the other bad values are
+        # covered by tests/unit/test_config_validation.py.
+        (
+            {"offload": dict(GUIDE_OFFLOAD, num_cpu_blocks=10**9)},
+            "lower num_cpu_blocks to",
+        ),
+    ],
+)
+def test_bad_configuration_fails_at_start_up_with_one_error(
+    scenario_dir, change, message
+):
+    scenario = {
+        "engine": IN_PROCESS_ENGINE,
+        "offload": GUIDE_OFFLOAD,
+        "env": IN_PROCESS_ENV,
+        "phases": [{"prompts": ALL_PROMPTS[:1]}],
+        **change,
+    }
+    with pytest.raises(AssertionError) as failure:
+        run_scenario(scenario_dir, "bad_config", scenario)
+    output = str(failure.value)
+    assert "OffloadConfigError" in output and message in output
+    assert "CPU block pool of" not in output  # nothing was allocated

@@ -1,0 +1,218 @@
+"""Bad offloading configuration fails at start-up with one error naming the
+setting, the bad value and the fix (before any pool is allocated)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.unit.kv_helpers import make_config
+from vllm_ascend.kv_offload import npu, worker
+from vllm_ascend.kv_offload.connector import AscendOffloadingConnector
+from vllm_ascend.kv_offload.npu import (
+    NPUOffloadingSpec,
+    OffloadConfigError,
+    validate_connector_config,
+)
+
+GiB = 2**30
+BLOCK = 65536  # bytes of one CPU block in make_config's default
+
+
+@pytest.fixture(autouse=True)
+def one_gib_available(monkeypatch):
+    """Pretend the host has 1 GiB available, whatever this machine has."""
+    monkeypatch.setattr(npu, "host_available_bytes", lambda: GiB)
+
+
+# (extra_config, fragments the one error must contain: the key, the bad value
+# and the fix). Checked by NPUOffloadingSpec, which sees the block size.
+SPEC_CASES = [
+    ({"num_cpu_blocks": 0}, ["'num_cpu_blocks'", "=0", "> 0", "num_cpu_blocks=1000"]),
+    ({"num_cpu_blocks": -3}, ["'num_cpu_blocks'", "=-3", "> 0", "num_cpu_blocks="]),
+    ({"num_cpu_blocks": 2.5}, ["'num_cpu_blocks'", "=2.5", "positive integer"]),
+    ({"num_cpu_blocks": "1000"}, ["'num_cpu_blocks'", "='1000'", "not a string"]),
+    ({"num_cpu_blocks": True}, ["'num_cpu_blocks'", "=True", "positive integer"]),
+    ({"num_cpu_blocks": None}, ["num_cpu_blocks", "cpu_bytes_to_use", "set"]),
+    ({}, ["num_cpu_blocks", "cpu_bytes_to_use", "set 'num_cpu_blocks'"]),
+    (
+        {"num_cpu_blocks": 10**12},
+        ["'num_cpu_blocks'", "=1000000000000", "lower num_cpu_blocks"],
+    ),
+    # 20000 blocks of 64 KiB = 1.22 GiB > 90% of 1 GiB.
+    (
+        {"num_cpu_blocks": 20000},
+        ["'num_cpu_blocks'", "=20000", "lower num_cpu_blocks to 14745"],
+    ),
+    ({"cpu_bytes_to_use": 0}, ["'cpu_bytes_to_use'", "=0", "> 0"]),
+    ({"cpu_bytes_to_use": -1}, ["'cpu_bytes_to_use'", "=-1", "> 0"]),
+    ({"cpu_bytes_to_use": "4GB"}, ["'cpu_bytes_to_use'", "='4GB'", "integer"]),
+    ({"cpu_bytes_to_use": 100}, ["'cpu_bytes_to_use'", "=100", f"at least {BLOCK}"]),
+    (
+        {"cpu_bytes_to_use": 2 * GiB},
+        [
+            "'cpu_bytes_to_use'",
+            f"={2 * GiB}",
+            f"lower cpu_bytes_to_use to {14745 * BLOCK}",
+        ],
+    ),
+    (
+        {"num_cpu_blocks": 4, "cpu_bytes_to_use": 100 * BLOCK},
+        ["num_cpu_blocks=4", f"cpu_bytes_to_use={100 * BLOCK}", "set only one"],
+    ),
+    (
+        {"num_cpu_blocks": 8, "eviction_policy": "fifo"},
+        ["'eviction_policy'", "='fifo'", "use one of lru, arc"],
+    ),
+    (
+        {"num_cpu_blocks": 8, "eviction_policy": 5},
+        ["'eviction_policy'", "=5", "use one of lru, arc"],
+    ),
+    ({"num_cpu_blocks": 8, "blocks_per_chunk": 0}, ["'blocks_per_chunk'", "=0", "> 0"]),
+    (
+        {"num_cpu_blocks": 8, "store_threshold": -1},
+        ["'store_threshold'", "=-1", ">= 0", "store_threshold=2"],
+    ),
+    (
+        {"num_cpu_blocks": 8, "store_threshold": "2"},
+        ["'store_threshold'", "='2'", "non-negative integer"],
+    ),
+]
+
+# (kv_role, extra_config, device block sizes, fragments). Checked by the
+# connector before vLLM derives the chunk size from block_size.
+CONNECTOR_CASES = [
+    ("kv_producer", {}, [16], ["kv_role='kv_producer'", "set kv_role='kv_both'"]),
+    ("kv_consumer", {}, [16], ["kv_role='kv_consumer'", "set kv_role='kv_both'"]),
+    (None, {}, [16], ["kv_role=None", "set kv_role='kv_both'"]),
+    (
+        "kv_both",
+        {"block_size": 100},
+        [128],
+        ["'block_size'", "=100", "(128 tokens)", "set block_size to 128"],
+    ),
+    (
+        "kv_both",
+        {"block_size": 200},
+        [16],
+        ["'block_size'", "=200", "(16 tokens)", "set block_size to 208 or 192"],
+    ),
+    ("kv_both", {"block_size": 0}, [16], ["'block_size'", "=0", "> 0"]),
+    # vLLM alone would take -128 as a multiple of 128 (and a chunk of -1).
+    ("kv_both", {"block_size": -128}, [128], ["'block_size'", "=-128", "> 0"]),
+    ("kv_both", {"block_size": "128"}, [128], ["'block_size'", "='128'", "integer"]),
+    (
+        "kv_both",
+        {"block_size": 128, "blocks_per_chunk": 2},
+        [16],
+        ["block_size=128", "blocks_per_chunk=2", "set only one"],
+    ),
+    ("kv_both", {"blocks_per_chunk": 0}, [16], ["'blocks_per_chunk'", "=0", "> 0"]),
+    ("kv_both", {"blocks_per_chunk": 1.5}, [16], ["'blocks_per_chunk'", "=1.5"]),
+    (
+        "kv_both",
+        {"block_size": 64},
+        [16, 32],
+        ["'block_size'", "=64", "[16, 32]", "set blocks_per_chunk"],
+    ),
+]
+
+
+def _assert_names(error: OffloadConfigError, fragments: list[str]) -> None:
+    message = str(error)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+
+
+@pytest.mark.parametrize("extra, fragments", SPEC_CASES)
+def test_spec_rejects_bad_values_naming_key_value_and_fix(extra, fragments):
+    with pytest.raises(OffloadConfigError) as error:
+        NPUOffloadingSpec(make_config(extra))
+    _assert_names(error.value, fragments)
+
+
+@pytest.mark.parametrize("kv_role, extra, sizes, fragments", CONNECTOR_CASES)
+def test_connector_rejects_bad_values_naming_key_value_and_fix(
+    kv_role, extra, sizes, fragments
+):
+    with pytest.raises(OffloadConfigError) as error:
+        validate_connector_config(kv_role, extra, sizes)
+    _assert_names(error.value, fragments)
+
+
+def test_table_has_at_least_twenty_cases():
+    assert len(SPEC_CASES) + len(CONNECTOR_CASES) >= 20
+
+
+@pytest.mark.parametrize(
+    "extra, sizes",
+    [
+        ({"block_size": 128}, [16]),
+        ({"block_size": 128}, [128]),
+        ({"blocks_per_chunk": 2}, [16, 32]),
+        ({}, [16, 32]),
+        ({"num_cpu_blocks": 1000}, []),
+    ],
+)
+def test_connector_accepts_good_values(extra, sizes):
+    validate_connector_config("kv_both", extra, sizes)
+
+
+def test_pool_just_under_the_memory_limit_is_accepted():
+    spec = NPUOffloadingSpec(make_config({"num_cpu_blocks": 14745}))
+    assert spec.num_chunks == 14745
+
+
+def test_connector_validates_before_building_anything():
+    """The connector refuses kv_role before vLLM's connector init runs."""
+    group = SimpleNamespace(
+        kv_cache_spec=SimpleNamespace(block_size=16, dcp_sharded=False)
+    )
+    kv_cache_config = SimpleNamespace(
+        hisparse_host_num_blocks=None,
+        prefix_cacheable_group_ids=(0,),
+        kv_cache_groups=[group],
+    )
+    vllm_config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(
+            kv_role="kv_producer", kv_connector_extra_config={"num_cpu_blocks": 8}
+        ),
+        parallel_config=SimpleNamespace(decode_context_parallel_size=1),
+    )
+    with pytest.raises(OffloadConfigError, match="kv_role='kv_producer'"):
+        AscendOffloadingConnector(vllm_config, None, kv_cache_config)
+    vllm_config.kv_transfer_config.kv_role = "kv_both"
+    vllm_config.kv_transfer_config.kv_connector_extra_config = {"block_size": 24}
+    with pytest.raises(OffloadConfigError, match="set block_size to 32 or 16"):
+        AscendOffloadingConnector(vllm_config, None, kv_cache_config)
+
+
+def test_unpinnable_pool_falls_back_to_pageable_and_says_so(monkeypatch):
+    real_pool = worker.CpuBlockPool
+    warnings = []
+
+    def pool(page_bytes, bpc, n, pin_memory):
+        if pin_memory:
+            raise RuntimeError("cudaHostAlloc failed")
+        return real_pool(page_bytes, bpc, n, pin_memory)
+
+    monkeypatch.setattr(worker, "CpuBlockPool", pool)
+    monkeypatch.setattr(worker.logger, "warning", lambda *a: warnings.append(a))
+    result = worker.allocate_pool([256, 256], 1, 4, pin=True)
+    assert not result.pinned and result.nbytes == 4 * 512
+    assert "falls back to pageable memory" in warnings[0][0]
+
+
+def test_pool_that_cannot_be_allocated_names_num_cpu_blocks(monkeypatch):
+    def pool(*args):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(worker, "CpuBlockPool", pool)
+    with pytest.raises(MemoryError, match="lower num_cpu_blocks"):
+        worker.allocate_pool([256], 1, 10**6, pin=False)
+
+
+def test_pinning_is_reported_unavailable_on_cpu():
+    assert not worker.host_pinning_available(torch.device("cpu"))
