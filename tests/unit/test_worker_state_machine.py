@@ -436,4 +436,4 @@ def test_fault_spec_is_parsed_and_bad_specs_name_the_variable():
     with pytest.raises(ValueError, match="VLLM_ASCEND_KV_OFFLOAD_FAULTS"):
         FaultInjector.parse("load=1")
     with pytest.raises(ValueError, match="unknown fault kind"):
-        FaultInjector.parse("lod:1")
+        FaultInjector.parse("bogus:1")
