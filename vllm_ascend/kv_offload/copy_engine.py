@@ -66,7 +66,12 @@ class CpuBlockPool:
         pages = np.asarray(page_bytes, dtype=np.int64) * blocks_per_chunk
         self.tensor_offsets = np.concatenate(([0], np.cumsum(pages)[:-1]))
         self.row_bytes = int(pages.sum())
-        self.tensor: torch.Tensor | None = torch.empty(
+        # Pageable memory is zero-filled here so that its pages are faulted in
+        # once at start-up, not by the first store into each block: those
+        # first stores measured 2-7x slower (docs/e2e_benchmark.md). Pinned
+        # memory is resident already.
+        alloc = torch.empty if pin_memory else torch.zeros
+        self.tensor: torch.Tensor | None = alloc(
             (num_cpu_blocks, self.row_bytes),
             dtype=torch.int8,
             device="cpu",
