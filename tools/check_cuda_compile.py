@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+# The scripts run as files (not as a package); their shared step sits beside them.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cmake_objects import ROOT, build_objects  # noqa: E402
+
 BUILD_DIR = ROOT / ".cache" / "cuda_compile"
 EXIT_OK, EXIT_COMPILE_FAILED, EXIT_NO_NVCC = 0, 1, 2
 
@@ -47,29 +49,12 @@ def find_nvcc() -> str | None:
 
 def compile_check(nvcc: str, build_dir: Path = BUILD_DIR) -> int:
     """Configures and builds vllm_ascend_cuda_objs; returns the exit status."""
-    import pybind11
     import torch
 
-    prefix = f"{torch.utils.cmake_prefix_path};{pybind11.get_cmake_dir()}"
-    configure = [
-        "cmake",
-        "-S",
-        str(ROOT),
-        "-B",
-        str(build_dir),
-        f"-DCMAKE_PREFIX_PATH={prefix}",
-        f"-DPython_EXECUTABLE={sys.executable}",
-        "-DCMAKE_BUILD_TYPE=Release",
-        f"-DCMAKE_CUDA_COMPILER={nvcc}",
-        "-DVLLM_ASCEND_CUDA_COMPILE_ONLY=ON",
-    ]
-    jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 2))
-    build = ["cmake", "--build", str(build_dir), "--target", "vllm_ascend_cuda_objs"]
-    for step in (configure, build + ["-j", jobs]):
-        _log("$ " + " ".join(step))
-        if subprocess.run(step).returncode != 0:
-            _log(f"FAILED: the cuda backend does not compile (nvcc {nvcc})")
-            return EXIT_COMPILE_FAILED
+    options = [f"-DCMAKE_CUDA_COMPILER={nvcc}", "-DVLLM_ASCEND_CUDA_COMPILE_ONLY=ON"]
+    if not build_objects("vllm_ascend_cuda_objs", build_dir, options, _log):
+        _log(f"FAILED: the cuda backend does not compile (nvcc {nvcc})")
+        return EXIT_COMPILE_FAILED
     _log(
         f"OK: csrc/cuda/*.cu and dispatch.cpp (cuda on) compile with {nvcc} "
         f"against torch {torch.__version__} headers (compile only, nothing "
