@@ -1,0 +1,97 @@
+"""The copy-engine benchmark runs on cpu, verifies its copies and reports rows."""
+
+import json
+
+import pytest
+
+from vllm_ascend.kv_offload import benchmark
+
+COPY_FIELDS = {
+    "device",
+    "direction",
+    "fragment_bytes",
+    "num_fragments",
+    "method",
+    "gbps",
+    "contiguous_gbps",
+    "ratio_to_contiguous",
+    "verified",
+}
+
+
+def run_json(capsys, *extra: str) -> list[dict]:
+    argv = ["--device", "cpu", "--num-fragments", "16", "--repeats", "2", "--json"]
+    argv += ["--settle-ms", "0"]
+    assert benchmark.main(argv + list(extra)) == 0
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+
+
+def test_cpu_rows_are_complete_and_verified(capsys):
+    rows = run_json(
+        capsys,
+        "--fragment-bytes", "4K", "64K",
+        "--descriptor-fragments", "400",
+        "--descriptor-tensors", "4",
+    )  # fmt: skip
+    copy_rows = [r for r in rows if r["kind"] == "copy"]
+    assert {(r["direction"], r["fragment_bytes"], r["method"]) for r in copy_rows} == {
+        (d, f, m)
+        for d in ("d2h", "h2d")
+        for f in (4096, 65536)
+        for m in ("contiguous", "torch_copy", "loop", "op")
+    }
+    for r in copy_rows:
+        assert COPY_FIELDS <= r.keys()
+        assert r["device"] == "cpu" and r["num_fragments"] == 16
+        assert r["verified"] is True
+        assert r["gbps"] > 0 and r["contiguous_gbps"] > 0
+        assert r["ratio_to_contiguous"] == pytest.approx(
+            r["gbps"] / r["contiguous_gbps"]
+        )
+        if r["method"] == "op":  # the scattered pattern merged nothing
+            assert r["copies_per_direction"] == 16
+
+    (desc,) = [r for r in rows if r["kind"] == "descriptor_cost"]
+    assert desc["num_fragments"] == 400 and desc["verified"] is True
+    assert desc["build_us_per_fragment"] > 0
+    assert desc["build_submit_us_per_fragment"] > 0
+
+
+def test_one_direction_and_no_descriptor_section(capsys):
+    rows = run_json(
+        capsys, "--direction", "h2d", "--fragment-bytes", "1K",
+        "--descriptor-fragments", "0",
+    )  # fmt: skip
+    assert {r["direction"] for r in rows} == {"h2d"}
+    assert {r["kind"] for r in rows} == {"copy"}
+
+
+def test_table_output(capsys):
+    argv = ["--device", "cpu", "--num-fragments", "8", "--repeats", "1"]
+    argv += ["--fragment-bytes", "2K", "--descriptor-fragments", "80"]
+    assert benchmark.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "contiguous" in out and "us/fragment" in out
+    assert "2 KiB" in out
+
+
+def test_scatter_slots_leave_nothing_to_merge():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for n in (2, 3, 10, 1000):
+        src, dst = benchmark.scatter_slots(n, rng)
+        assert sorted(src) == list(range(n)) and sorted(dst) == list(range(n))
+        assert not np.any((np.diff(src) == 1) & (np.diff(dst) == 1))
+
+
+@pytest.mark.parametrize(
+    "text, value", [("4096", 4096), ("16K", 16384), ("64KiB", 65536), ("1M", 1 << 20)]
+)
+def test_parse_bytes(text, value):
+    assert benchmark.parse_bytes(text) == value
+
+
+def test_concurrent_needs_a_device():
+    with pytest.raises(SystemExit):
+        benchmark.parse_args(["--device", "cpu", "--concurrent"])

@@ -1,0 +1,644 @@
+"""Copy-engine benchmark: scattered KV fragments between a device and a host pool.
+
+    python -m vllm_ascend.kv_offload.benchmark [--device cpu|cuda|npu] [--json]
+
+For every direction and fragment size, ``num_fragments`` fragments of
+``fragment_bytes`` are copied from random slots of the source pool to random
+slots of the destination pool (two independent permutations, rejected while
+any neighbouring pair is adjacent on both sides, so the op's coalescer merges
+nothing -- asserted through the count it returns). Measured in the same run,
+with the repeats interleaved (method order rotated each repeat) and the median
+reported, in GB/s = 1e9 bytes/s:
+
+``contiguous``
+    The limit: one copy of the same total bytes. On a device, one
+    ``copy_(non_blocking=True)`` of the whole pool, i.e. one DMA. On cpu,
+    ``swap_blocks_batch`` with a single fragment: one ``std::memcpy`` split
+    over the same threads the scattered call uses, so the ratio isolates the
+    cost of scattering.
+``torch_copy`` (cpu only)
+    One ``Tensor.copy_`` of the whole pool, as a second reference for the limit.
+``loop``
+    The naive baseline: one ``copy_(non_blocking=True)`` per fragment on
+    pre-sliced tensor views (on a device one async memcpy each).
+``op``
+    ``swap_blocks_batch`` through ``vllm_ascend.kv_offload.ops``: one call
+    for the whole batch.
+
+The host pool is pinned on devices; on cpu the "device" pool is host memory
+too and ``d2h`` / ``h2d`` only name which pool is the source. Device timings
+use events on a side stream; cpu timings use ``time.perf_counter`` (the cpu
+backend is synchronous) after an idle gap (``--settle-ms``): torch's OpenMP
+workers keep a core busy for ~10 ms after a parallel region, which on a small
+machine slows whatever is timed next. Before timing, every method copies once
+into a poisoned destination and the result is checked byte for byte against
+the random source; the op is checked again after timing.
+
+The descriptor section times the real ``CopyEngine.build`` on synthetic
+``CanonicalKVCaches`` (tiny pages, e.g. 64 B, so that copying is small),
+alone and together with ``CopyEngine.submit``, and reports host microseconds
+per fragment. On a device the submit time is the enqueue cost only; on cpu
+it includes copying the tiny fragments (an upper bound on the submit cost).
+This section imports vLLM; ``--descriptor-fragments 0`` skips it.
+
+``--json`` prints one object per line: ``"kind": "copy"`` rows (``device``,
+``direction``, ``fragment_bytes``, ``num_fragments``, ``method``, ``gbps``,
+``contiguous_gbps``, ``ratio_to_contiguous``, ``verified``, ...) and one
+``"kind": "descriptor_cost"`` row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vllm_ascend.kv_offload import ops
+
+KiB = 1 << 10
+MiB = 1 << 20
+POISON = -7  # every destination byte holds this until a copy writes it
+DEFAULT_FRAGMENT_BYTES = (16 * KiB, 64 * KiB, 256 * KiB, MiB)
+DEFAULT_TOTAL_BYTES = {"cpu": 64 * MiB, "cuda": 256 * MiB, "npu": 256 * MiB}
+CONTIGUOUS = "contiguous"
+DIRECTIONS = ("d2h", "h2d")
+CONCURRENT = "d2h+h2d"
+
+_UNITS = {"": 1, "B": 1, "K": KiB, "KB": KiB, "KIB": KiB}
+_UNITS |= {"M": MiB, "MB": MiB, "MIB": MiB, "G": 1 << 30, "GB": 1 << 30}
+_UNITS |= {"GIB": 1 << 30}
+
+
+def parse_bytes(text: str) -> int:
+    """``"64K"``, ``"64KiB"``, ``"1M"``, ``"4096"`` -> bytes (binary units)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", text)
+    if m is None or m.group(2).upper() not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"bad size {text!r}; use e.g. 4096, 16K, 64KiB, 1M"
+        )
+    value = int(m.group(1)) * _UNITS[m.group(2).upper()]
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be > 0, got {text!r}")
+    return value
+
+
+def format_bytes(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", MiB), ("KiB", KiB)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n} B"
+
+
+def default_device() -> str:
+    if torch.cuda.is_available():
+        return "cuda"
+    try:
+        import torch_npu  # noqa: F401  (registers torch.npu)
+    except ImportError:
+        return "cpu"
+    return "npu" if torch.npu.is_available() else "cpu"
+
+
+# --------------------------------------------------------------------------
+# Device abstraction: allocation, timing, synchronisation.
+# --------------------------------------------------------------------------
+
+
+class Device:
+    """What differs between cpu and an accelerator (torch.cuda / torch.npu)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        if name == "npu":
+            import torch_npu  # noqa: F401  (registers torch.npu)
+        self.mod = None if name == "cpu" else getattr(torch, name)
+        if self.mod is not None and not self.mod.is_available():
+            raise SystemExit(f"benchmark: device '{name}' is not available here")
+        self.pinned = name != "cpu"
+        self.settle_s = 0.0
+        self._streams: list = []
+
+    def empty(self, nbytes: int, on_device: bool) -> torch.Tensor:
+        if on_device and self.mod is not None:
+            return torch.empty(nbytes, dtype=torch.int8, device=self.name)
+        return torch.empty(nbytes, dtype=torch.int8, pin_memory=self.pinned)
+
+    def synchronize(self) -> None:
+        if self.mod is not None:
+            self.mod.synchronize()
+
+    def streams(self, k: int) -> list:
+        while len(self._streams) < k:
+            self._streams.append(self.mod.Stream())
+        return self._streams[:k]
+
+    def time(self, fns: Sequence[Callable[[], object]]) -> float:
+        """Seconds to run ``fns``: on a device each on its own side stream, all
+        at once, between events; on cpu one after another (synchronous)."""
+        if self.mod is None:
+            # Let the previous method's OpenMP workers go to sleep first: they
+            # spin for ~10 ms after a parallel region and would take a core
+            # from the op's copy threads (measured on a 2-core VM).
+            time.sleep(self.settle_s)
+            t0 = time.perf_counter()
+            for fn in fns:
+                fn()
+            return time.perf_counter() - t0
+        streams = self.streams(len(fns))
+        start = self.mod.Event(enable_timing=True)
+        end = self.mod.Event(enable_timing=True)
+        with self.mod.stream(streams[0]):
+            start.record()
+        for s in streams[1:]:
+            s.wait_event(start)
+        for s, fn in zip(streams, fns, strict=True):
+            with self.mod.stream(s):
+                fn()
+        for s in streams[1:]:
+            done = self.mod.Event()
+            done.record(s)
+            streams[0].wait_event(done)
+        with self.mod.stream(streams[0]):
+            end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    def run(self, fns: Sequence[Callable[[], object]]) -> None:
+        """Runs ``fns`` as ``time`` does and waits for them (not timed)."""
+        self.time(fns)
+        self.synchronize()
+
+
+# --------------------------------------------------------------------------
+# One direction at one fragment size.
+# --------------------------------------------------------------------------
+
+
+def scatter_slots(n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Source and destination slot of each fragment: two random permutations
+    in which no neighbouring fragments are adjacent on both sides (so nothing
+    can be merged)."""
+    while True:
+        src, dst = rng.permutation(n), rng.permutation(n)
+        if not np.any((np.diff(src) == 1) & (np.diff(dst) == 1)):
+            return src, dst
+
+
+@dataclass
+class Case:
+    """``n`` fragments of ``frag`` bytes from ``src`` to ``dst`` (flat pools)."""
+
+    device: Device
+    direction: str
+    src: torch.Tensor
+    dst: torch.Tensor
+    frag: int
+    n: int
+    src_slots: np.ndarray
+    dst_slots: np.ndarray
+
+    def __post_init__(self) -> None:
+        self.nbytes = self.n * self.frag
+        self.src = self.src[: self.nbytes]
+        self.dst = self.dst[: self.nbytes]
+        s_base, d_base, f = self.src.data_ptr(), self.dst.data_ptr(), self.frag
+        self.src_addrs = torch.from_numpy(s_base + self.src_slots.astype(np.int64) * f)
+        self.dst_addrs = torch.from_numpy(d_base + self.dst_slots.astype(np.int64) * f)
+        self.sizes = torch.full((self.n,), f, dtype=torch.int64)
+        self.one_src = torch.tensor([s_base], dtype=torch.int64)
+        self.one_dst = torch.tensor([d_base], dtype=torch.int64)
+        self.one_size = torch.tensor([self.nbytes], dtype=torch.int64)
+        src2d, dst2d = self.src.view(self.n, f), self.dst.view(self.n, f)
+        slots = zip(self.src_slots.tolist(), self.dst_slots.tolist(), strict=True)
+        self.pairs = [(src2d[s], dst2d[d]) for s, d in slots]
+        self.op_copies: int | None = None
+
+    # Methods: each copies the whole case once (asynchronously on a device).
+    def contiguous(self) -> None:
+        if self.device.name == "cpu":
+            ops.swap_blocks_batch(self.one_src, self.one_dst, self.one_size, "cpu")
+        else:
+            self.dst.copy_(self.src, non_blocking=True)
+
+    def torch_copy(self) -> None:
+        self.dst.copy_(self.src, non_blocking=True)
+
+    def loop(self) -> None:
+        for s, d in self.pairs:
+            d.copy_(s, non_blocking=True)
+
+    def op(self) -> None:
+        self.op_copies = ops.swap_blocks_batch(
+            self.src_addrs, self.dst_addrs, self.sizes, self.device.name
+        )
+
+    # Verification.
+    def fill_source(self, gen: torch.Generator) -> None:
+        if self.device.mod is None:
+            self.src.random_(-128, 128, generator=gen)
+        else:  # faster on the device (its default generator, seeded in main())
+            data = torch.empty_like(self.src, device=self.device.name)
+            self.src.copy_(data.random_(-128, 128))
+
+    def poison(self) -> None:
+        self.dst.fill_(POISON)
+
+    def check(self, method: str) -> None:
+        """Raises unless ``dst`` holds exactly what ``method`` should copy."""
+        where = self.device.name  # compare on the device: much faster there
+        src, dst = self.src.to(where), self.dst.to(where)
+        if method in (CONTIGUOUS, "torch_copy"):
+            ok = torch.equal(src, dst)
+        else:
+            src2d, dst2d = src.view(self.n, self.frag), dst.view(self.n, self.frag)
+            ok = torch.equal(
+                dst2d[torch.from_numpy(self.dst_slots).to(where)],
+                src2d[torch.from_numpy(self.src_slots).to(where)],
+            )
+        if not ok:
+            raise SystemExit(
+                f"benchmark: {method} copied wrong bytes ({self.device.name} "
+                f"{self.direction}, {self.n} x {self.frag} B)"
+            )
+        if method == "op" and self.op_copies != self.n:
+            raise SystemExit(
+                f"benchmark: swap_blocks_batch merged fragments: {self.n} "
+                f"submitted, {self.op_copies} copies; the pattern must not be "
+                "contiguous"
+            )
+
+
+def methods_for(device: Device) -> tuple[list[str], str | None]:
+    """Methods to time, and why the op is missing (None when present)."""
+    names = [CONTIGUOUS] + (["torch_copy"] if device.name == "cpu" else [])
+    names.append("loop")
+    have_op = device.name == "cpu" or device.name in ops.native_backends()
+    if not have_op:
+        return names, (
+            f"swap_blocks_batch has no '{device.name}' backend in this build "
+            f"(compiled: {', '.join(ops.native_backends()) or 'none, Python fallback'})"
+        )
+    return names + ["op"], None
+
+
+def bench_cases(
+    device: Device,
+    direction: str,
+    cases: list[Case],
+    methods: list[str],
+    repeats: int,
+    gen: torch.Generator,
+) -> list[dict]:
+    """Verifies, then times, every method on ``cases`` run together."""
+    for case in cases:
+        case.fill_source(gen)
+    device.synchronize()
+    for name in methods:  # also the warm-up
+        for case in cases:
+            case.poison()
+        device.synchronize()  # the fill ran on the default stream
+        device.run([getattr(case, name) for case in cases])
+        for case in cases:
+            case.check(name)
+
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    for r in range(repeats):
+        k = r % len(methods)
+        for name in methods[k:] + methods[:k]:
+            times[name].append(device.time([getattr(c, name) for c in cases]))
+    if "op" in methods:  # and once more after the timed runs
+        for case in cases:
+            case.poison()
+        device.synchronize()
+        device.run([case.op for case in cases])
+        for case in cases:
+            case.check("op")
+
+    nbytes = sum(c.nbytes for c in cases)
+    gbps = {name: nbytes / statistics.median(t) / 1e9 for name, t in times.items()}
+    copies = {CONTIGUOUS: 1, "torch_copy": 1, "loop": cases[0].n}
+    copies["op"] = cases[0].op_copies
+    return [
+        {
+            "kind": "copy",
+            "device": device.name,
+            "direction": direction,
+            "fragment_bytes": cases[0].frag,
+            "num_fragments": cases[0].n,
+            "total_bytes": nbytes,
+            "method": name,
+            "gbps": gbps[name],
+            "contiguous_gbps": gbps[CONTIGUOUS],
+            "ratio_to_contiguous": gbps[name] / gbps[CONTIGUOUS],
+            "median_s": statistics.median(times[name]),
+            "repeats": repeats,
+            "copies_per_direction": copies[name],
+            "host_pinned": device.pinned,
+            "verified": True,
+        }
+        for name in methods
+    ]
+
+
+def run_copies(
+    args: argparse.Namespace, device: Device
+) -> tuple[list[dict], str | None]:
+    methods, op_missing = methods_for(device)
+    total = args.total_bytes or DEFAULT_TOTAL_BYTES[device.name]
+    plan = []
+    for frag in args.fragment_bytes:
+        n = args.num_fragments or max(1, total // frag)
+        plan.append((frag, n))
+    pool_bytes = max(frag * n for frag, n in plan)
+    pairs = 2 if args.concurrent else 1
+    pools = [
+        (device.empty(pool_bytes, on_device=True), device.empty(pool_bytes, False))
+        for _ in range(pairs)
+    ]
+    directions = list(DIRECTIONS) if args.direction == "both" else [args.direction]
+    rng = np.random.default_rng(args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
+
+    def case(direction: str, pool: int, frag: int, n: int) -> Case:
+        dev, host = pools[pool]
+        src, dst = (dev, host) if direction == "d2h" else (host, dev)
+        s, d = scatter_slots(n, rng)
+        return Case(device, direction, src, dst, frag, n, s, d)
+
+    rows: list[dict] = []
+    for frag, n in plan:
+        for direction in directions:
+            cases = [case(direction, 0, frag, n)]
+            rows += bench_cases(device, direction, cases, methods, args.repeats, gen)
+        if args.concurrent:
+            cases = [case("d2h", 0, frag, n), case("h2d", 1, frag, n)]
+            rows += bench_cases(device, CONCURRENT, cases, methods, args.repeats, gen)
+    return rows, op_missing
+
+
+# --------------------------------------------------------------------------
+# Host cost of building descriptors and submitting them.
+# --------------------------------------------------------------------------
+
+
+def descriptor_cost(
+    device: Device,
+    num_fragments: int,
+    fragment_bytes: int,
+    num_tensors: int,
+    repeats: int,
+    seed: int,
+) -> dict:
+    """Times CopyEngine.build, and build + submit, for one store job of
+    ``num_fragments`` tiny fragments (``num_tensors`` cached tensors, e.g.
+    layers x K/V, times ``ceil(num_fragments / num_tensors)`` blocks)."""
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCacheRef,
+        CanonicalKVCaches,
+        CanonicalKVCacheTensor,
+        GPULoadStoreSpec,
+    )
+
+    from vllm_ascend.kv_offload.copy_engine import CopyEngine, CpuBlockPool
+
+    num_tensors = max(1, min(num_tensors, num_fragments))
+    blocks = -(-num_fragments // num_tensors)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = []
+    for _ in range(num_tensors):
+        t = device.empty(blocks * fragment_bytes, on_device=True)
+        data = torch.randint(
+            -128, 128, (blocks * fragment_bytes,), dtype=torch.int8, generator=gen
+        )
+        t.copy_(data)
+        tensors.append(t.view(blocks, fragment_bytes))
+    kv = CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(t, fragment_bytes) for t in tensors],
+        group_data_refs=[
+            [CanonicalKVCacheRef(i, fragment_bytes) for i in range(num_tensors)]
+        ],
+    )
+    pool = CpuBlockPool([fragment_bytes] * num_tensors, 1, blocks, device.pinned)
+    engine = CopyEngine(kv, pool)
+    rng = np.random.default_rng(seed)
+    dev_ids, cpu_ids = scatter_slots(blocks, rng)
+    spec = GPULoadStoreSpec(dev_ids.tolist(), group_sizes=[blocks], block_indices=[0])
+    device.synchronize()
+
+    merged = 0
+
+    def build():
+        return engine.build(spec, cpu_ids, to_cpu=True)
+
+    def build_submit():
+        nonlocal merged
+        merged = engine.submit(engine.build(spec, cpu_ids, to_cpu=True))
+
+    t_build: list[float] = []
+    t_both: list[float] = []
+    timed = ((build, t_build), (build_submit, t_both))
+    for r in range(repeats + 1):  # the first round warms up; order alternates
+        for fn, out in timed if r % 2 else timed[::-1]:
+            t0 = time.perf_counter()
+            fn()
+            elapsed = time.perf_counter() - t0
+            device.synchronize()
+            if r:
+                out.append(elapsed)
+
+    n = build().num_fragments
+    # The store must have put block dev_ids[j] of tensor t in CPU row cpu_ids[j].
+    rows = pool.tensor.view(blocks, num_tensors, fragment_bytes)
+    cpu_idx, dev_idx = torch.from_numpy(cpu_ids), torch.from_numpy(dev_ids)
+    verified = all(
+        torch.equal(rows[cpu_idx, t], tensors[t].cpu()[dev_idx])
+        for t in range(num_tensors)
+    )
+    if not verified:
+        raise SystemExit("benchmark: CopyEngine build + submit copied wrong bytes")
+    return {
+        "kind": "descriptor_cost",
+        "device": device.name,
+        "num_fragments": n,
+        "fragment_bytes": fragment_bytes,
+        "num_tensors": num_tensors,
+        "blocks": blocks,
+        "build_us_per_fragment": statistics.median(t_build) / n * 1e6,
+        "build_submit_us_per_fragment": statistics.median(t_both) / n * 1e6,
+        "build_ms": statistics.median(t_build) * 1e3,
+        "build_submit_ms": statistics.median(t_both) * 1e3,
+        "copies_after_merging": merged,
+        "repeats": repeats,
+        "verified": verified,
+    }
+
+
+# --------------------------------------------------------------------------
+# Output and entry point.
+# --------------------------------------------------------------------------
+
+
+def print_table(
+    args: argparse.Namespace,
+    device: Device,
+    rows: list[dict],
+    desc: dict | None,
+    op_missing: str | None,
+) -> None:
+    print(
+        f"copy-engine benchmark: device={device.name}, host pool "
+        f"{'pinned' if device.pinned else 'pageable'}, median of {args.repeats} "
+        f"interleaved repeats, GB/s = 1e9 B/s, (x%) = of contiguous"
+    )
+    if device.name == "cpu":
+        print(
+            f"torch threads {torch.get_num_threads()}; settle "
+            f"{device.settle_s * 1e3:g} ms; swap_blocks_batch "
+            f"{'native' if ops.HAS_NATIVE_OP else 'Python fallback'}; contiguous = "
+            "swap_blocks_batch with one fragment (one memcpy over the op's threads)"
+        )
+    else:
+        print("contiguous = one copy_(non_blocking=True) of all bytes")
+    if op_missing:
+        print(f"op: n/a, {op_missing}")
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    head = f"{'dir':<8}{'fragment':>10}{'n':>8}"
+    for m in methods:
+        head += f"{m:>18}"
+    print(head + f"{'op copies':>11}")
+    groups: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        key = (r["direction"], r["fragment_bytes"], r["num_fragments"])
+        groups.setdefault(key, {})[r["method"]] = r
+    for (direction, frag, n), by_method in groups.items():
+        line = f"{direction:<8}{format_bytes(frag):>10}{n:>8}"
+        for m in methods:
+            r = by_method[m]
+            if m == CONTIGUOUS:
+                line += f"{r['gbps']:>18.2f}"
+            else:
+                line += f"{r['gbps']:>11.2f} ({r['ratio_to_contiguous']:>3.0%})"
+        op = by_method.get("op")
+        line += f"{op['copies_per_direction'] if op else 'n/a':>11}"
+        print(line)
+    if desc:
+        print(
+            f"\ndescriptors: CopyEngine.build of one store job, "
+            f"{desc['num_fragments']} fragments of {desc['fragment_bytes']} B "
+            f"({desc['num_tensors']} tensors x {desc['blocks']} blocks), median of "
+            f"{desc['repeats']}"
+        )
+        print(
+            f"  build           {desc['build_ms']:8.2f} ms  "
+            f"{desc['build_us_per_fragment']:.3f} us/fragment"
+        )
+        print(
+            f"  build + submit  {desc['build_submit_ms']:8.2f} ms  "
+            f"{desc['build_submit_us_per_fragment']:.3f} us/fragment  "
+            f"({desc['copies_after_merging']} copies after merging)"
+        )
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m vllm_ascend.kv_offload.benchmark",
+        description="Scattered KV-fragment copies: contiguous limit vs per-fragment "
+        "loop vs swap_blocks_batch, plus descriptor build cost.",
+    )
+    p.add_argument("--device", choices=("cpu", "cuda", "npu"), default=None)
+    p.add_argument(
+        "--fragment-bytes",
+        nargs="+",
+        type=parse_bytes,
+        default=list(DEFAULT_FRAGMENT_BYTES),
+        help="fragment sizes (default 16K 64K 256K 1M)",
+    )
+    p.add_argument(
+        "--num-fragments",
+        type=int,
+        default=None,
+        help="fragments per row (default: --total-bytes / fragment size)",
+    )
+    p.add_argument(
+        "--total-bytes",
+        type=parse_bytes,
+        default=None,
+        help="bytes per row when --num-fragments is not given "
+        "(default 256M on devices, 64M on cpu)",
+    )
+    p.add_argument("--direction", choices=("d2h", "h2d", "both"), default="both")
+    p.add_argument(
+        "--concurrent",
+        action="store_true",
+        help="also time d2h and h2d at once on two streams (devices only)",
+    )
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument(
+        "--settle-ms",
+        type=float,
+        default=30.0,
+        help="cpu only: idle gap before each timed copy, so that torch's "
+        "OpenMP workers (spinning ~10 ms after the previous method) are asleep",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--descriptor-fragments",
+        type=int,
+        default=50_000,
+        help="fragments of the descriptor-cost job (0 skips that section)",
+    )
+    p.add_argument("--descriptor-fragment-bytes", type=parse_bytes, default=64)
+    p.add_argument(
+        "--descriptor-tensors",
+        type=int,
+        default=40,
+        help="cached tensors of the descriptor-cost job (e.g. 20 layers x K/V)",
+    )
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    args = p.parse_args(argv)
+    args.device = args.device or default_device()
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
+    if args.num_fragments is not None and args.num_fragments < 1:
+        p.error("--num-fragments must be >= 1")
+    if args.concurrent and args.device == "cpu":
+        p.error("--concurrent needs a device (the cpu backend is synchronous)")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = Device(args.device)
+    device.settle_s = args.settle_ms / 1e3
+    torch.manual_seed(args.seed)  # device-side random sources
+    rows, op_missing = run_copies(args, device)
+    desc = None
+    if args.descriptor_fragments > 0:
+        desc = descriptor_cost(
+            device,
+            args.descriptor_fragments,
+            args.descriptor_fragment_bytes,
+            args.descriptor_tensors,
+            args.repeats,
+            args.seed,
+        )
+    if args.json:
+        for row in rows + ([desc] if desc else []):
+            print(json.dumps(row))
+    else:
+        print_table(args, device, rows, desc, op_missing)
+    if op_missing:
+        print(f"benchmark: op not timed: {op_missing}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
