@@ -95,3 +95,62 @@ def test_parse_bytes(text, value):
 def test_concurrent_needs_a_device():
     with pytest.raises(SystemExit):
         benchmark.parse_args(["--device", "cpu", "--concurrent"])
+
+
+class _FakeAccelerator:
+    """Just enough of torch.cuda / torch.npu for the benchmark's stream and
+    event code; the "device" memory is host memory and copies are synchronous."""
+
+    class Event:
+        def __init__(self, enable_timing: bool = False):
+            self.t = 0.0
+
+        def record(self, stream=None):
+            import time
+
+            self.t = time.perf_counter()
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end) -> float:
+            return (end.t - self.t) * 1e3
+
+    class Stream:
+        def wait_event(self, event):
+            pass
+
+    @staticmethod
+    def stream(s):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def synchronize():
+        pass
+
+
+def test_stream_timing_and_concurrent_rows_with_a_fake_accelerator():
+    import argparse
+
+    device = benchmark.Device("cpu")
+    device.mod = _FakeAccelerator()  # takes the events-on-streams path
+    args = argparse.Namespace(
+        fragment_bytes=[4096],
+        num_fragments=16,
+        total_bytes=None,
+        direction="both",
+        concurrent=True,
+        repeats=2,
+        seed=0,
+    )
+    rows, op_missing = benchmark.run_copies(args, device)
+    assert op_missing is None
+    by_dir = {}
+    for r in rows:
+        by_dir.setdefault(r["direction"], []).append(r)
+    assert set(by_dir) == {"d2h", "h2d", "d2h+h2d"}
+    both = by_dir["d2h+h2d"]
+    assert all(r["total_bytes"] == 2 * 16 * 4096 and r["verified"] for r in both)
+    assert all(r["gbps"] > 0 for r in rows)
