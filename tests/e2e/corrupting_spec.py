@@ -6,8 +6,6 @@ loads, the loaded KV would not be what the model reads.
 
 from __future__ import annotations
 
-from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingWorker
-
 from vllm_ascend.kv_offload.npu import NPUOffloadingSpec
 from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
 
@@ -22,11 +20,4 @@ class CorruptingWorker(NPUOffloadingWorker):
 
 
 class CorruptingOffloadingSpec(NPUOffloadingSpec):
-    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
-        if self._worker is None:
-            self._worker = CorruptingWorker(
-                kv_caches,
-                blocks_per_chunk=self.blocks_per_chunk,
-                num_cpu_blocks=self.num_chunks,
-            )
-        return self._worker
+    worker_cls = CorruptingWorker

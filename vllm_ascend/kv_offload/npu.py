@@ -251,13 +251,16 @@ class NPUOffloadingSpec(CPUOffloadingSpec):
             self.eviction_policy,
         )
 
+    # The worker this spec builds; a subclass may substitute its own.
+    worker_cls: type[NPUOffloadingWorker] = NPUOffloadingWorker
+
     def _uses_shared_region(self) -> bool:
         # Each worker owns a private pool; no cross-rank shared mmap region.
         return False
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
-            self._worker = NPUOffloadingWorker(
+            self._worker = self.worker_cls(
                 kv_caches,
                 blocks_per_chunk=self.blocks_per_chunk,
                 num_cpu_blocks=self.num_chunks,
