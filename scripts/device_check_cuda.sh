@@ -102,7 +102,7 @@ step "pytest test_swap_blocks_op.py" 120 "$OUT/tests.log" \
 grep -E "passed|failed|error" "$OUT/tests.log" | tail -4 >>"$OUT/summary.txt"
 
 # --- 3. benchmark --------------------------------------------------------------
-# --descriptor-fragments 0: the descriptor-cost section imports vllm.
+# --descriptor-fragments 0 and --layout-blocks 0: those sections import vllm.
 for method in auto kernel dma; do
   extra=()
   [[ $method == auto ]] && extra=(--concurrent)
@@ -110,7 +110,7 @@ for method in auto kernel dma; do
   start=$SECONDS
   VLLM_ASCEND_CUDA_COPY_METHOD=$method timeout 150 "$PY" -m \
     vllm_ascend.kv_offload.benchmark --device cuda --json \
-    --descriptor-fragments 0 "${extra[@]}" \
+    --descriptor-fragments 0 --layout-blocks 0 "${extra[@]}" \
     >"$OUT/bench_$method.jsonl" 2>>"$OUT/bench.err"
   rc=$?
   note "benchmark method=$method: rc=$rc ($((SECONDS - start)) s)"

@@ -21,7 +21,7 @@ COPY_FIELDS = {
 
 def run_json(capsys, *extra: str) -> list[dict]:
     argv = ["--device", "cpu", "--num-fragments", "16", "--repeats", "2", "--json"]
-    argv += ["--settle-ms", "0"]
+    argv += ["--settle-ms", "0", "--layout-blocks", "0"]
     assert benchmark.main(argv + list(extra)) == 0
     return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
 
@@ -69,10 +69,28 @@ def test_one_direction_and_no_descriptor_section(capsys):
 def test_table_output(capsys):
     argv = ["--device", "cpu", "--num-fragments", "8", "--repeats", "1"]
     argv += ["--fragment-bytes", "2K", "--descriptor-fragments", "80"]
+    argv += ["--layout-blocks", "0"]
     assert benchmark.main(argv) == 0
     out = capsys.readouterr().out
     assert "contiguous" in out and "us/fragment" in out
     assert "2 KiB" in out
+
+
+def test_ascend_layout_jobs_are_verified_with_their_fragment_sizes(capsys):
+    rows = run_json(
+        capsys, "--direction", "h2d", "--fragment-bytes", "1K",
+        "--descriptor-fragments", "0", "--layout-blocks", "2",
+    )  # fmt: skip
+    layouts = {r["layout"]: r for r in rows if r["kind"] == "layout_job"}
+    kv, mla = layouts["kv_tuple_28x(8x128)"], layouts["mla_61x(512,64)"]
+    # (K, V) of 28 layers: 56 parts of 128 x 8 x 128 bf16, one per block.
+    assert kv["num_fragments"] == 56 * 2
+    assert kv["mean_fragment_bytes"] == 128 * 8 * 128 * 2
+    # MLA: 61 (nope, rope) pairs of 128 KiB and 16 KiB per block.
+    assert mla["num_fragments"] == 122 * 2
+    assert mla["mean_fragment_bytes"] == (128 * 512 * 2 + 128 * 64 * 2) / 2
+    for r in (kv, mla):
+        assert r["verified"] is True and r["gbps"] > 0
 
 
 def test_scatter_slots_leave_nothing_to_merge():

@@ -41,6 +41,13 @@ per fragment. On a device the submit time is the enqueue cost only; on cpu
 it includes copying the tiny fragments (an upper bound on the submit cost).
 This section imports vLLM; ``--descriptor-fragments 0`` skips it.
 
+The layout section runs one real store job per Ascend KV-cache shape
+(28 layers of bf16 ``(K, V)`` with 8 KV heads x 128; 61 MLA layers of
+``(nope 512, rope 64)``) through ``kv_layout.canonicalize`` and
+``CopyEngine``, scattered blocks, against one contiguous copy of the same
+bytes, verified byte for byte (``"kind": "layout_job"`` rows). It imports vLLM
+too; ``--layout-blocks 0`` skips it.
+
 ``--json`` prints one object per line: ``"kind": "copy"`` rows (``device``,
 ``direction``, ``fragment_bytes``, ``num_fragments``, ``method``, ``gbps``,
 ``contiguous_gbps``, ``ratio_to_contiguous``, ``verified``, ...) and one
@@ -481,6 +488,105 @@ def descriptor_cost(
     }
 
 
+# Ascend KV-cache shapes (bf16, 128-token blocks): the parts of one layer.
+LAYOUTS: dict[str, tuple[int, tuple[tuple[int, ...], ...]]] = {
+    # 28 standard-attention layers, (K, V) of 8 KV heads x 128.
+    "kv_tuple_28x(8x128)": (28, ((128, 8, 128), (128, 8, 128))),
+    # 61 MLA layers, (nope, rope) of widths 512 and 64.
+    "mla_61x(512,64)": (61, ((128, 1, 512), (128, 1, 64))),
+}
+
+
+def layout_jobs(device: Device, blocks: int, repeats: int, seed: int) -> list[dict]:
+    """One real store job per Ascend layout through ``kv_layout`` and
+    ``CopyEngine`` (scattered blocks), timed against one contiguous copy of
+    the same bytes, and checked byte for byte."""
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from vllm_ascend.kv_offload.copy_engine import CopyEngine, CpuBlockPool
+    from vllm_ascend.kv_offload.kv_layout import canonicalize
+
+    rows = []
+    rng = np.random.default_rng(seed)
+    for name, (layers, part_shapes) in LAYOUTS.items():
+        caches = {}
+        for layer in range(layers):
+            parts = []
+            for shape in part_shapes:
+                numel = blocks * int(np.prod(shape))
+                t = device.empty(numel * 2, on_device=True).view(torch.bfloat16)
+                parts.append(t.view(blocks, *shape))
+            caches[f"layers.{layer}"] = tuple(parts)
+        kv = canonicalize(caches, [list(caches)], blocks)
+        for t in kv.tensors:
+            t.tensor.copy_(torch.randint(-128, 128, t.tensor.shape, dtype=torch.int8))
+        pages = [t.page_size_bytes for t in kv.tensors]
+        pool = CpuBlockPool(pages, 1, blocks, device.pinned)
+        engine = CopyEngine(kv, pool)
+        dev_ids, cpu_ids = scatter_slots(blocks, rng)
+        spec = GPULoadStoreSpec(dev_ids.tolist(), [blocks], [0])
+        desc = engine.build(spec, cpu_ids, to_cpu=True)
+        flat_src = device.empty(desc.num_bytes, on_device=True)
+        flat_dst = device.empty(desc.num_bytes, on_device=False)
+
+        def contiguous(src=flat_src, dst=flat_dst) -> None:
+            if device.name == "cpu":
+                one = torch.tensor([src.data_ptr()], dtype=torch.int64)
+                to = torch.tensor([dst.data_ptr()], dtype=torch.int64)
+                size = torch.tensor([src.numel()], dtype=torch.int64)
+                ops.swap_blocks_batch(one, to, size, "cpu")
+            else:
+                dst.copy_(src, non_blocking=True)
+
+        def job(desc=desc, engine=engine) -> None:
+            engine.submit(desc)
+
+        times: dict[str, list[float]] = {"contiguous": [], "op": []}
+        for r in range(repeats + 1):  # the first round warms up
+            for method, fn in (("contiguous", contiguous), ("op", job))[
+                :: 1 if r % 2 else -1
+            ]:
+                device.synchronize()
+                if device.name == "cpu":
+                    time.sleep(device.settle_s)
+                t0 = time.perf_counter()
+                fn()
+                device.synchronize()
+                if r:
+                    times[method].append(time.perf_counter() - t0)
+        rows_cpu = pool.tensor.view(blocks, -1)
+        cpu_idx, dev_idx = torch.from_numpy(cpu_ids), torch.from_numpy(dev_ids)
+        offsets = [0, *np.cumsum(pages)]
+        verified = all(
+            torch.equal(
+                rows_cpu[cpu_idx, offsets[i] : offsets[i + 1]],
+                t.tensor.cpu()[dev_idx],
+            )
+            for i, t in enumerate(kv.tensors)
+        )
+        if not verified:
+            raise SystemExit(f"benchmark: layout job {name} copied wrong bytes")
+        op_s = statistics.median(times["op"])
+        cont_s = statistics.median(times["contiguous"])
+        rows.append(
+            {
+                "kind": "layout_job",
+                "device": device.name,
+                "layout": name,
+                "blocks": blocks,
+                "num_fragments": desc.num_fragments,
+                "mean_fragment_bytes": desc.num_bytes / desc.num_fragments,
+                "bytes": desc.num_bytes,
+                "gbps": desc.num_bytes / op_s / 1e9,
+                "contiguous_gbps": desc.num_bytes / cont_s / 1e9,
+                "ratio_to_contiguous": cont_s / op_s,
+                "repeats": repeats,
+                "verified": verified,
+            }
+        )
+    return rows
+
+
 # --------------------------------------------------------------------------
 # Output and entry point.
 # --------------------------------------------------------------------------
@@ -590,6 +696,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--layout-blocks",
+        type=int,
+        default=8,
+        help="device blocks per Ascend-layout store job (0 skips; imports vLLM)",
+    )
+    p.add_argument(
         "--descriptor-fragments",
         type=int,
         default=50_000,
@@ -630,11 +742,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.repeats,
             args.seed,
         )
+    layouts = []
+    if args.layout_blocks > 0 and not op_missing:
+        layouts = layout_jobs(device, args.layout_blocks, args.repeats, args.seed)
     if args.json:
-        for row in rows + ([desc] if desc else []):
+        for row in rows + ([desc] if desc else []) + layouts:
             print(json.dumps(row))
     else:
         print_table(args, device, rows, desc, op_missing)
+        for row in layouts:
+            print(
+                f"layout {row['layout']:<22} {row['num_fragments']:6d} fragments "
+                f"of {format_bytes(int(row['mean_fragment_bytes']))} mean: "
+                f"{row['gbps']:6.2f} GB/s vs contiguous {row['contiguous_gbps']:6.2f} "
+                f"({row['ratio_to_contiguous']:.0%})"
+            )
     if op_missing:
         print(f"benchmark: op not timed: {op_missing}", file=sys.stderr)
     return 0
