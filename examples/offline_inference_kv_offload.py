@@ -23,13 +23,10 @@ from vllm.config import KVTransferConfig
 
 
 def offload_counters(llm: LLM) -> dict[str, float]:
-    """Totals of vLLM's offloading and prefix-cache metrics so far."""
+    """Bytes stored to and loaded from the CPU so far (vLLM's counters)."""
     wanted = {
         "vllm:kv_offload_store_bytes": "stored_bytes",
         "vllm:kv_offload_load_bytes": "loaded_bytes",
-        "vllm:kv_offload_store_time": "store_seconds",
-        "vllm:kv_offload_load_time": "load_seconds",
-        "vllm:external_prefix_cache_hits": "external_hit_tokens",
     }
     totals = dict.fromkeys(wanted.values(), 0.0)
     for metric in llm.get_metrics():
