@@ -42,10 +42,15 @@
 // Backend semantics
 //   "cpu": synchronous; the copy is finished when the op returns. Runs in the
 //       calling thread, plus extra std::threads for large volumes:
-//       threads = max(1, min(hardware threads, total_bytes / 4 MiB)); the
-//       merged copies are split among them by byte range, so even a single
-//       huge copy is parallelised. The GIL is not held while copying (calls
-//       through torch.ops release it before entering the kernel).
+//       threads = max(1, min(CPUs in the calling thread's affinity mask,
+//       total_bytes / 4 MiB)); the merged copies are split among them by byte
+//       range, so even a single huge copy is parallelised. Jobs of >= 8 MiB
+//       are copied with AVX2 non-temporal stores where the CPU has AVX2
+//       (x86-64; checked at run time), memcpy otherwise and for smaller jobs;
+//       VLLM_ASCEND_CPU_COPY_METHOD=auto|memcpy|stream overrides ("stream"
+//       without AVX2 uses memcpy; any other value raises). The GIL is not
+//       held while copying (calls through torch.ops release it before
+//       entering the kernel).
 //   "npu": asynchronous. Enqueued on torch_npu's current stream of the current
 //       device, c10_npu::getCurrentNPUStream().stream(), which first flushes
 //       torch_npu's task queue, so the copies are ordered after torch ops

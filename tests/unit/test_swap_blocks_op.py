@@ -295,6 +295,73 @@ def test_fallback_refuses_device_copies(device: str) -> None:
         ops.fallback_swap_blocks_batch(*descriptors([]), device)
 
 
+# --- copy routines of the native cpu backend -------------------------------
+#
+# Large jobs use non-temporal (streaming) stores on AVX2 CPUs, small ones
+# memcpy; VLLM_ASCEND_CPU_COPY_METHOD forces one. Every routine must copy the
+# same bytes whatever the alignment of source and destination.
+
+COPY_METHOD_ENV = "VLLM_ASCEND_CPU_COPY_METHOD"
+
+
+@needs_native
+@pytest.mark.parametrize("method", ["auto", "memcpy", "stream"])
+def test_every_copy_routine_is_byte_exact_at_any_alignment(
+    method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(COPY_METHOD_ENV, method)
+    rng = random.Random(5)
+    # Sizes around the streaming loop's steps (32 B stores, 128 B iterations,
+    # 1 KiB minimum piece) plus three large ones, so the job is > 8 MiB and
+    # "auto" streams it too; gaps of 0-63 bytes misalign both sides.
+    sizes = [1, 31, 32, 33, 127, 129, 1023, 1024, 1025, 4095, 65_553, 300_001]
+    sizes = sizes * 4 + [3 * MiB + 5] * 3
+    src_offsets = scattered_layout(sizes, rng, max_gap=63)
+    dst_offsets = scattered_layout(sizes, rng, max_gap=63)
+    src = random_bytes(max(o + n for o, n in zip(src_offsets, sizes, strict=True)))
+    dst = poisoned(max(o + n for o, n in zip(dst_offsets, sizes, strict=True)) + 64)
+    frags = list(zip(src_offsets, dst_offsets, sizes, strict=True))
+
+    copies, expected = run_copy(NATIVE, src, dst, frags)
+
+    assert copies == len(frags)
+    assert torch.equal(dst, expected)
+
+
+@needs_native
+def test_unknown_copy_method_raises_naming_the_variable_and_copies_nothing(
+    buffers: tuple[torch.Tensor, torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(COPY_METHOD_ENV, "fast")
+    src, dst = buffers
+    with pytest.raises(
+        RuntimeError, match=rf"{COPY_METHOD_ENV}='fast' is not one of 'auto'"
+    ):
+        run_copy(NATIVE, src, dst, [(0, 0, 4096)])
+    assert (dst == POISON).all()
+
+
+@needs_native
+def test_copies_from_a_thread_bound_to_one_cpu() -> None:
+    # vLLM binds its CPU worker threads to cores; the op sizes its fan-out by
+    # the calling thread's affinity and must copy everything all the same.
+    n = 32 * MiB + 7
+    src, dst = random_bytes(n, seed=6), poisoned(n)
+    result: list[object] = []
+
+    def bound() -> None:
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+        result.append(run_copy(NATIVE, src, dst, [(0, 0, n)]))
+
+    t = threading.Thread(target=bound)
+    t.start()
+    t.join()
+
+    copies, expected = result[0]
+    assert copies == 1
+    assert torch.equal(dst, expected)
+
+
 # --- threading and loading -------------------------------------------------
 
 

@@ -13,11 +13,15 @@ reported, in GB/s = 1e9 bytes/s:
 ``contiguous``
     The limit: one copy of the same total bytes. On a device, one
     ``copy_(non_blocking=True)`` of the whole pool, i.e. one DMA. On cpu,
-    ``swap_blocks_batch`` with a single fragment: one ``std::memcpy`` split
-    over the same threads the scattered call uses, so the ratio isolates the
-    cost of scattering.
+    ``swap_blocks_batch`` with a single fragment: one copy split over the
+    same threads, with the same copy routine (non-temporal stores for large
+    jobs on AVX2 CPUs), as the scattered call, so the ratio isolates the cost
+    of scattering.
+``memcpy`` (cpu only, native op)
+    The same single fragment with ``VLLM_ASCEND_CPU_COPY_METHOD=memcpy``:
+    one plain glibc ``memcpy`` of all the bytes over the same threads.
 ``torch_copy`` (cpu only)
-    One ``Tensor.copy_`` of the whole pool, as a second reference for the limit.
+    One ``Tensor.copy_`` of the whole pool, as another reference for the limit.
 ``loop``
     The naive baseline: one ``copy_(non_blocking=True)`` per fragment on
     pre-sliced tensor views (on a device one async memcpy each).
@@ -57,7 +61,9 @@ too; ``--layout-blocks 0`` skips it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import re
 import statistics
 import sys
@@ -78,6 +84,24 @@ DEFAULT_TOTAL_BYTES = {"cpu": 64 * MiB, "cuda": 256 * MiB, "npu": 256 * MiB}
 CONTIGUOUS = "contiguous"
 DIRECTIONS = ("d2h", "h2d")
 CONCURRENT = "d2h+h2d"
+# Methods that copy the whole pool in one piece (verified as such).
+WHOLE_COPIES = (CONTIGUOUS, "memcpy", "torch_copy")
+CPU_COPY_METHOD_ENV = "VLLM_ASCEND_CPU_COPY_METHOD"
+
+
+@contextlib.contextmanager
+def cpu_copy_method(method: str):
+    """The native cpu backend reads its copy routine from the environment on
+    every call; this sets it for the calls inside the block."""
+    old = os.environ.get(CPU_COPY_METHOD_ENV)
+    os.environ[CPU_COPY_METHOD_ENV] = method
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[CPU_COPY_METHOD_ENV]
+        else:
+            os.environ[CPU_COPY_METHOD_ENV] = old
 
 _UNITS = {"": 1, "B": 1, "K": KiB, "KB": KiB, "KIB": KiB}
 _UNITS |= {"M": MiB, "MB": MiB, "MIB": MiB, "G": 1 << 30, "GB": 1 << 30}
@@ -235,6 +259,10 @@ class Case:
         else:
             self.dst.copy_(self.src, non_blocking=True)
 
+    def memcpy(self) -> None:
+        with cpu_copy_method("memcpy"):
+            ops.swap_blocks_batch(self.one_src, self.one_dst, self.one_size, "cpu")
+
     def torch_copy(self) -> None:
         self.dst.copy_(self.src, non_blocking=True)
 
@@ -262,7 +290,7 @@ class Case:
         """Raises unless ``dst`` holds exactly what ``method`` should copy."""
         where = self.device.name  # compare on the device: much faster there
         src, dst = self.src.to(where), self.dst.to(where)
-        if method in (CONTIGUOUS, "torch_copy"):
+        if method in WHOLE_COPIES:
             ok = torch.equal(src, dst)
         else:
             src2d, dst2d = src.view(self.n, self.frag), dst.view(self.n, self.frag)
@@ -285,7 +313,9 @@ class Case:
 
 def methods_for(device: Device) -> tuple[list[str], str | None]:
     """Methods to time, and why the op is missing (None when present)."""
-    names = [CONTIGUOUS] + (["torch_copy"] if device.name == "cpu" else [])
+    names = [CONTIGUOUS]
+    if device.name == "cpu":
+        names += (["memcpy"] if ops.HAS_NATIVE_OP else []) + ["torch_copy"]
     names.append("loop")
     have_op = device.name == "cpu" or device.name in ops.native_backends()
     if not have_op:
@@ -331,7 +361,7 @@ def bench_cases(
 
     nbytes = sum(c.nbytes for c in cases)
     gbps = {name: nbytes / statistics.median(t) / 1e9 for name, t in times.items()}
-    copies = {CONTIGUOUS: 1, "torch_copy": 1, "loop": cases[0].n}
+    copies = dict.fromkeys(WHOLE_COPIES, 1) | {"loop": cases[0].n}
     copies["op"] = cases[0].op_copies
     return [
         {
@@ -609,7 +639,9 @@ def print_table(
             f"torch threads {torch.get_num_threads()}; settle "
             f"{device.settle_s * 1e3:g} ms; swap_blocks_batch "
             f"{'native' if ops.HAS_NATIVE_OP else 'Python fallback'}; contiguous = "
-            "swap_blocks_batch with one fragment (one memcpy over the op's threads)"
+            "swap_blocks_batch with one fragment (the op's own copy routine and "
+            f"threads); {CPU_COPY_METHOD_ENV}="
+            f"{os.environ.get(CPU_COPY_METHOD_ENV, 'auto')}"
         )
     else:
         print("contiguous = one copy_(non_blocking=True) of all bytes")
@@ -619,7 +651,8 @@ def print_table(
     head = f"{'dir':<8}{'fragment':>10}{'n':>8}"
     for m in methods:
         head += f"{m:>18}"
-    print(head + f"{'op copies':>11}")
+    vs_memcpy = "memcpy" in methods and "op" in methods
+    print(head + f"{'op copies':>11}" + (f"{'op/memcpy':>11}" if vs_memcpy else ""))
     groups: dict[tuple, dict[str, dict]] = {}
     for r in rows:
         key = (r["direction"], r["fragment_bytes"], r["num_fragments"])
@@ -634,6 +667,8 @@ def print_table(
                 line += f"{r['gbps']:>11.2f} ({r['ratio_to_contiguous']:>3.0%})"
         op = by_method.get("op")
         line += f"{op['copies_per_direction'] if op else 'n/a':>11}"
+        if vs_memcpy:
+            line += f"{op['gbps'] / by_method['memcpy']['gbps']:>11.0%}"
         print(line)
     if desc:
         print(
