@@ -1,7 +1,7 @@
 """Where a CPU hit's time goes: a timeline of engine steps and copy jobs.
 
     python benchmarks/trace_cpu_hit.py [--length 8192] [--hits 16]
-        [--blocking-poll-ms 20] [--json out.json]
+        [--compare-no-wait] [--json out.json]
 
 Starts one engine (offloading on, the same model, configuration and core
 layout as ``bench_e2e_offload.py``), computes one prompt of ``length + 1``
@@ -22,10 +22,11 @@ result. Per request, with ``t0``/``t1`` the front-end's ``generate`` call:
 ``after_forward``      its end -> ``generate`` returns (sampling, output);
 ``steps``              ``execute_model`` calls during the request.
 
-``--blocking-poll-ms N`` also measures a prototype fix, interleaved with the
-stock behaviour (alternating hit by hit): while a load is in flight,
-``get_finished`` waits up to N ms for it instead of returning at once, so the
-engine does not busy-step while the copy runs (see docs/e2e_benchmark.md).
+``--compare-no-wait`` also measures, interleaved hit by hit with the stock
+behaviour, the engine without the idle-step wait (``connector.IDLE_STEP_WAIT_S``
+set to 0 in the worker): each step that computes nothing then returns at once
+and vLLM steps again, busy-polling while the copy runs (see
+docs/e2e_benchmark.md).
 """
 
 from __future__ import annotations
@@ -49,7 +50,6 @@ from vllm_ascend.kv_offload import npu as _npu  # noqa: E402
 __all__ = ["NPUOffloadingSpec"]
 
 _DIR_ENV = "TRACE_CPU_HIT_DIR"
-_BLOCK_ENV = "TRACE_CPU_HIT_BLOCKING_MS"
 _lock = threading.Lock()
 _out = None
 
@@ -69,6 +69,7 @@ def _install_tracing() -> None:
     """Wrap the worker-side methods; they only fire in the worker process."""
     from vllm.v1.worker import gpu_worker
 
+    import vllm_ascend.kv_offload.connector as cn
     import vllm_ascend.kv_offload.transfer_queue as tq
     import vllm_ascend.kv_offload.worker as wk
 
@@ -99,17 +100,17 @@ def _install_tracing() -> None:
     wk.NPUOffloadingWorker.submit_load = traced_submit_load
 
     get_finished = wk.NPUOffloadingWorker.get_finished
-    wait_s = float(os.environ.get(_BLOCK_ENV, "0")) / 1e3
-    flag = Path(os.environ[_DIR_ENV]) / "blocking_poll"
+    connector_get_finished = cn.AscendOffloadingConnector.get_finished
+    default_wait_s = cn.IDLE_STEP_WAIT_S
+    flag = Path(os.environ[_DIR_ENV]) / "no_wait"
+
+    def switched_get_finished(self, finished_req_ids):
+        cn.IDLE_STEP_WAIT_S = 0.0 if flag.exists() else default_wait_s
+        return connector_get_finished(self, finished_req_ids)
+
+    cn.AscendOffloadingConnector.get_finished = switched_get_finished
 
     def traced_get_finished(self):
-        queue = self._loads
-        if wait_s > 0 and isinstance(queue, tq.ThreadTransferQueue) and flag.exists():
-            # The prototype: wait (bounded) for the oldest load in flight.
-            with queue._lock:
-                pending = next(iter(queue._pending.values()), None)
-            if pending is not None:
-                pending.wait(wait_s)
         results = get_finished(self)
         if results:
             _log("get_finished", jobs=[r.job_id for r in results])
@@ -201,14 +202,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--length", type=int, default=8192)
     p.add_argument("--hits", type=int, default=16)
-    p.add_argument("--blocking-poll-ms", type=float, default=0.0)
+    p.add_argument("--compare-no-wait", action="store_true")
     p.add_argument("--reserved-cpus", type=int, default=1)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
 
     trace_dir = Path(tempfile.mkdtemp(prefix="trace_cpu_hit."))
     os.environ[_DIR_ENV] = str(trace_dir)
-    os.environ[_BLOCK_ENV] = str(args.blocking_poll_ms)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if args.reserved_cpus >= 0:
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(args.reserved_cpus))
@@ -238,12 +238,12 @@ def main() -> None:
     for _ in range(3):
         llm.generate(["flush"], SamplingParams(max_tokens=4), use_tqdm=False)
 
-    modes = ["stock"] + (["blocking"] if args.blocking_poll_ms > 0 else [])
-    flag = trace_dir / "blocking_poll"
+    modes = ["stock"] + (["no_wait"] if args.compare_no_wait else [])
+    flag = trace_dir / "no_wait"
     requests = []
     for i in range(args.hits):
         for mode in modes if i % 2 == 0 else modes[::-1]:
-            if mode == "blocking":
+            if mode == "no_wait":
                 flag.touch()
             else:
                 flag.unlink(missing_ok=True)

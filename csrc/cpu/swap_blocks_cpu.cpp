@@ -68,10 +68,10 @@ bool stream_copy_supported() {
 // stream_copy_supported() first. Stores are weakly ordered: the thread must
 // _mm_sfence() before its copies may be observed (copy_share does).
 __attribute__((target("avx2"))) void stream_copy(uint8_t* dst,
-                                                  const uint8_t* src,
-                                                  uint64_t n) {
-  const uint64_t head =
-      std::min<uint64_t>(n, (32 - (reinterpret_cast<uintptr_t>(dst) & 31)) & 31);
+                                                 const uint8_t* src,
+                                                 uint64_t n) {
+  const uint64_t head = std::min<uint64_t>(
+      n, (32 - (reinterpret_cast<uintptr_t>(dst) & 31)) & 31);
   std::memcpy(dst, src, head);
   dst += head;
   src += head;
@@ -126,8 +126,8 @@ void copy_piece(uint64_t dst, uint64_t src, uint64_t n, bool stream) {
     stream_copy(reinterpret_cast<uint8_t*>(dst),
                 reinterpret_cast<const uint8_t*>(src), n);
   } else {
-    std::memcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src),
-                n);
+    std::memcpy(reinterpret_cast<void*>(dst),
+                reinterpret_cast<const void*>(src), n);
   }
 }
 

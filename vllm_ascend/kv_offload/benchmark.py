@@ -103,6 +103,7 @@ def cpu_copy_method(method: str):
         else:
             os.environ[CPU_COPY_METHOD_ENV] = old
 
+
 _UNITS = {"": 1, "B": 1, "K": KiB, "KB": KiB, "KIB": KiB}
 _UNITS |= {"M": MiB, "MB": MiB, "MIB": MiB, "G": 1 << 30, "GB": 1 << 30}
 _UNITS |= {"GIB": 1 << 30}

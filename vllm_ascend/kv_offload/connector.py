@@ -26,6 +26,13 @@ vLLM's connector, with three changes:
     "completed"), and the scheduler side drops its CPU blocks with
     ``complete_store(success=False)`` instead of recording them as stored.
 
+* idle steps: while every request waits for its KV, vLLM steps its engine
+  again as soon as a step returns, each step polling the transfers once. The
+  scheduler side marks such steps (nothing scheduled) in the metadata, and the
+  worker side then waits, at most ``IDLE_STEP_WAIT_S``, for a transfer to
+  finish before polling: on the CPU backend the busy loop took CPU from the
+  very copy it waited for (docs/e2e_benchmark.md).
+
 The ``vllm.general_plugins`` entry point ``register`` puts this class under
 the name ``OffloadingConnector``, so the guide's
 ``kv_connector="OffloadingConnector"`` selects it with no extra setting.
@@ -33,7 +40,7 @@ the name ``OffloadingConnector``, so the guide's
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
@@ -58,6 +65,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
 from vllm.v1.core.kv_cache_utils import resolve_dcp_kv_block_size
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, TransferResult
 from vllm.v1.outputs import KVConnectorOutput
@@ -70,6 +78,18 @@ from vllm_ascend.logger import init_logger
 logger = init_logger(__name__)
 
 CONNECTOR_NAME = "OffloadingConnector"
+# Longest a step with nothing to compute waits for a transfer to finish. It
+# returns as soon as one does, so this only bounds how late the engine sees a
+# request that arrives meanwhile.
+IDLE_STEP_WAIT_S = 0.02
+
+
+@dataclass
+class AscendOffloadingConnectorMetadata(OffloadingConnectorMetadata):
+    """vLLM's scheduler -> worker metadata, plus whether the step computes
+    nothing (the worker may then wait for transfers instead of returning)."""
+
+    idle_step: bool = False
 
 
 @dataclass
@@ -321,7 +341,24 @@ class AscendOffloadingConnector(OffloadingConnector):
         assert isinstance(worker, AscendOffloadingConnectorWorker)
         return worker.take_load_error_block_ids()
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        meta = self._connector_metadata
+        wait = getattr(self.connector_worker.worker, "wait_for_progress", None)
+        if getattr(meta, "idle_step", False) and wait is not None:
+            wait(IDLE_STEP_WAIT_S)
+        return super().get_finished(finished_req_ids)
+
     # -- scheduler side ----------------------------------------------------
+
+    def build_connector_meta(
+        self, scheduler_output: SchedulerOutput
+    ) -> AscendOffloadingConnectorMetadata:
+        meta = super().build_connector_meta(scheduler_output)
+        # Every field of vLLM's metadata, whatever its version has.
+        values = {f.name: getattr(meta, f.name) for f in fields(meta)}
+        return AscendOffloadingConnectorMetadata(
+            **values, idle_step=scheduler_output.total_num_scheduled_tokens == 0
+        )
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int

@@ -11,6 +11,12 @@ finished job with its duration.
 * ``ThreadTransferQueue`` (``cpu``, vLLM's CPU backend): a background thread.
   The copy op releases the GIL, so copies overlap the model's forward pass.
 
+``wait_any`` lets the worker block, briefly, while jobs are in flight and the
+engine has nothing else to do: on the CPU backend an engine loop that polls
+as fast as it can takes CPU time from the copy (docs/e2e_benchmark.md). A
+stream's copies run on a DMA engine, which polling does not slow, so there it
+returns at once.
+
 Failures: a job whose copy raises is reported with ``success=False`` (never
 re-raised into the engine); ``submit`` raises only if the job could not be
 started, and the caller reports that job failed. ``shutdown`` drops jobs not
@@ -58,6 +64,12 @@ class TransferQueue(ABC):
     @abstractmethod
     def wait(self, job_ids: set[int]) -> None:
         """Block until the named jobs (those still pending here) are done."""
+
+    @abstractmethod
+    def wait_any(self, timeout_s: float) -> bool:
+        """Block until some job finishes (or one awaits ``poll``), at most
+        ``timeout_s``. Returns False at once, without waiting, if there is
+        nothing to wait for here."""
 
     @abstractmethod
     def shutdown(self) -> bool:
@@ -136,6 +148,10 @@ class StreamTransferQueue(TransferQueue):
             if job.job_id in job_ids:
                 job.end.synchronize()
 
+    def wait_any(self, timeout_s: float) -> bool:
+        # The copies run on a DMA engine: polling costs them nothing.
+        return False
+
     def shutdown(self) -> bool:
         # Copies already queued on a stream cannot be withdrawn: wait for them.
         try:
@@ -157,7 +173,8 @@ class ThreadTransferQueue(TransferQueue):
 
     def __init__(self, name: str):
         self._todo: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
+        # Guards the fields below; notified whenever a job finishes.
+        self._lock = threading.Condition()
         self._finished: list[FinishedJob] = []
         self._pending: dict[int, threading.Event] = {}
         self._closing = False
@@ -188,6 +205,7 @@ class ThreadTransferQueue(TransferQueue):
             with self._lock:
                 self._finished.append(FinishedJob(job_id, success, seconds))
                 done = self._pending.pop(job_id)
+                self._lock.notify_all()
             done.set()
 
     def poll(self) -> list[FinishedJob]:
@@ -200,6 +218,13 @@ class ThreadTransferQueue(TransferQueue):
             events = [self._pending[j] for j in job_ids if j in self._pending]
         for event in events:
             event.wait()
+
+    def wait_any(self, timeout_s: float) -> bool:
+        with self._lock:
+            if not self._pending and not self._finished:
+                return False
+            self._lock.wait_for(lambda: bool(self._finished), timeout_s)
+        return True
 
     def shutdown(self) -> bool:
         if not self._closing:

@@ -323,6 +323,18 @@ class NPUOffloadingWorker(OffloadingWorker):
         self._stores.wait(job_ids)
         self._loads.wait(job_ids)
 
+    def wait_for_progress(self, timeout_s: float) -> None:
+        """Blocks until a job in flight finishes, at most ``timeout_s``.
+
+        For engine steps that compute nothing and only wait for transfers:
+        without it vLLM steps again at once, over and over, and on the CPU
+        backend each step takes CPU time from the copy it is waiting for.
+        Loads come first (requests wait on them); stores only when no load is
+        in flight. Returns at once on streams (their DMA does not compete).
+        """
+        if not self._loads.wait_any(timeout_s):
+            self._stores.wait_any(timeout_s)
+
     def shutdown(self) -> None:
         """Drops queued jobs, waits for copies in progress, frees the pool."""
         if self._closed:

@@ -1,0 +1,156 @@
+"""Steps that compute nothing wait for transfers instead of spinning.
+
+While every request waits for its KV, vLLM steps the engine again as soon as
+a step returns. On the CPU backend those steps take CPU from the copy they
+wait for, so a step with nothing scheduled waits (bounded) until a transfer
+finishes; a step that computes tokens never waits.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingConnectorMetadata,
+)
+from vllm.v1.kv_offload.base import GPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+from tests.unit.kv_helpers import make_kv_caches
+from vllm_ascend.kv_offload import connector
+from vllm_ascend.kv_offload.connector import (
+    AscendOffloadingConnector,
+    AscendOffloadingConnectorMetadata,
+)
+from vllm_ascend.kv_offload.transfer_queue import ThreadTransferQueue
+from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
+
+
+def gated_job(gate: threading.Event):
+    return lambda: gate.wait(5)
+
+
+# -- TransferQueue.wait_any --------------------------------------------------
+
+
+def test_wait_any_returns_false_at_once_when_nothing_is_in_flight():
+    q = ThreadTransferQueue("test")
+    start = time.perf_counter()
+    assert q.wait_any(1.0) is False
+    assert time.perf_counter() - start < 0.1
+    q.shutdown()
+
+
+def test_wait_any_returns_as_soon_as_a_job_finishes():
+    q = ThreadTransferQueue("test")
+    gate = threading.Event()
+    q.submit(1, gated_job(gate))
+    threading.Timer(0.05, gate.set).start()
+    start = time.perf_counter()
+    assert q.wait_any(5.0) is True
+    assert time.perf_counter() - start < 1.0  # the job's 0.05 s, not the 5 s
+    assert [j.job_id for j in q.poll()] == [1]
+    q.shutdown()
+
+
+def test_wait_any_gives_up_at_the_timeout_while_a_copy_runs():
+    q = ThreadTransferQueue("test")
+    gate = threading.Event()
+    q.submit(1, gated_job(gate))
+    start = time.perf_counter()
+    assert q.wait_any(0.05) is True
+    assert 0.04 < time.perf_counter() - start < 1.0
+    assert q.poll() == []  # still running: nothing to report yet
+    gate.set()
+    q.shutdown()
+
+
+def test_wait_any_returns_at_once_when_a_finished_job_awaits_polling():
+    q = ThreadTransferQueue("test")
+    q.submit(1, lambda: None)
+    q.wait({1})
+    start = time.perf_counter()
+    assert q.wait_any(1.0) is True
+    assert time.perf_counter() - start < 0.1
+    q.shutdown()
+
+
+# -- NPUOffloadingWorker.wait_for_progress ------------------------------------
+
+
+def test_worker_waits_for_a_load_in_flight_then_reports_it():
+    kv = make_kv_caches(8, [1 << 12])
+    worker = NPUOffloadingWorker(kv, blocks_per_chunk=1, num_cpu_blocks=8)
+    gate = threading.Event()
+    worker._loads.submit(99, gated_job(gate))  # a load that takes 0.05 s
+    threading.Timer(0.05, gate.set).start()
+    start = time.perf_counter()
+    worker.wait_for_progress(5.0)
+    assert time.perf_counter() - start < 1.0
+    assert [r.job_id for r in worker.get_finished()] == [99]
+    worker.shutdown()
+
+
+def test_worker_with_nothing_in_flight_does_not_wait():
+    kv = make_kv_caches(8, [1 << 12])
+    worker = NPUOffloadingWorker(kv, blocks_per_chunk=1, num_cpu_blocks=8)
+    spec = GPULoadStoreSpec([0], group_sizes=[1], block_indices=[0])
+    assert worker.submit_store(1, spec, CPULoadStoreSpec([0]))
+    worker.wait({1})
+    assert [r.job_id for r in worker.get_finished()] == [1]
+    start = time.perf_counter()
+    worker.wait_for_progress(1.0)
+    assert time.perf_counter() - start < 0.1
+    worker.shutdown()
+
+
+# -- the connector: only steps that compute nothing wait ---------------------
+
+
+class RecordingWorker:
+    def __init__(self):
+        self.waits: list[float] = []
+
+    def wait_for_progress(self, timeout_s: float) -> None:
+        self.waits.append(timeout_s)
+
+
+def worker_side_connector(meta) -> AscendOffloadingConnector:
+    # Only the attributes get_finished uses; building a real one needs an engine.
+    c = object.__new__(AscendOffloadingConnector)
+    c._connector_metadata = meta
+    c.connector_worker = SimpleNamespace(
+        worker=RecordingWorker(), get_finished=lambda ids: (set(), set())
+    )
+    return c
+
+
+def test_scheduler_marks_steps_that_schedule_no_tokens_as_idle():
+    c = object.__new__(AscendOffloadingConnector)
+    vllm_meta = OffloadingConnectorMetadata(load_jobs={}, store_jobs={})
+    c.connector_scheduler = SimpleNamespace(build_connector_meta=lambda so: vllm_meta)
+
+    idle = c.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=0))
+    busy = c.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=17))
+
+    assert isinstance(idle, AscendOffloadingConnectorMetadata)
+    assert idle.idle_step and not busy.idle_step
+    assert idle.load_jobs is vllm_meta.load_jobs  # vLLM's fields carried over
+
+
+def test_idle_step_waits_for_transfers_before_polling():
+    meta = AscendOffloadingConnectorMetadata(load_jobs={}, store_jobs={})
+    meta.idle_step = True
+    c = worker_side_connector(meta)
+    assert c.get_finished(set()) == (set(), set())
+    assert c.connector_worker.worker.waits == [connector.IDLE_STEP_WAIT_S]
+
+
+def test_step_that_computes_does_not_wait():
+    c = worker_side_connector(
+        AscendOffloadingConnectorMetadata(load_jobs={}, store_jobs={})
+    )
+    c.get_finished(set())
+    assert c.connector_worker.worker.waits == []
