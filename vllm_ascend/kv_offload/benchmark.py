@@ -559,6 +559,10 @@ def layout_jobs(device: Device, blocks: int, repeats: int, seed: int) -> list[di
         desc = engine.build(spec, cpu_ids, to_cpu=True)
         flat_src = device.empty(desc.num_bytes, on_device=True)
         flat_dst = device.empty(desc.num_bytes, on_device=False)
+        # Written before timing: never-touched pageable memory reads as the
+        # kernel's shared zero page, from cache, and would flatter the limit.
+        flat_src.fill_(1)
+        flat_dst.fill_(POISON)
 
         def contiguous(src=flat_src, dst=flat_dst) -> None:
             if device.name == "cpu":
