@@ -84,6 +84,20 @@ def scattered_layout(sizes: list[int], rng: random.Random, max_gap: int) -> list
     return offsets
 
 
+def scattered_case(
+    sizes: list[int], rng: random.Random, max_gap: int
+) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, int]]]:
+    """Random source, poisoned destination (with ``max_gap`` spare bytes at
+    the end) and (src_offset, dst_offset, size) fragments scattered in both."""
+    src_offsets = scattered_layout(sizes, rng, max_gap)
+    dst_offsets = scattered_layout(sizes, rng, max_gap)
+    src = random_bytes(max(o + n for o, n in zip(src_offsets, sizes, strict=True)))
+    dst = poisoned(
+        max(o + n for o, n in zip(dst_offsets, sizes, strict=True)) + max_gap
+    )
+    return src, dst, list(zip(src_offsets, dst_offsets, sizes, strict=True))
+
+
 def run_copy(
     swap: Swap, src: torch.Tensor, dst: torch.Tensor, frags: list[tuple[int, int, int]]
 ) -> tuple[int, torch.Tensor]:
@@ -102,11 +116,7 @@ def run_copy(
 def test_copies_scattered_fragments_of_mixed_sizes_byte_exact(swap: Swap) -> None:
     rng = random.Random(1)
     sizes = [rng.choice([1, 3, 64, 511, 4096, 65536, 300_000]) for _ in range(200)]
-    src_offsets = scattered_layout(sizes, rng, max_gap=100)
-    dst_offsets = scattered_layout(sizes, rng, max_gap=100)
-    src = random_bytes(max(o + n for o, n in zip(src_offsets, sizes, strict=True)))
-    dst = poisoned(max(o + n for o, n in zip(dst_offsets, sizes, strict=True)) + 100)
-    frags = list(zip(src_offsets, dst_offsets, sizes, strict=True))
+    src, dst, frags = scattered_case(sizes, rng, max_gap=100)
 
     _, expected = run_copy(swap, src, dst, frags)
 
@@ -316,11 +326,7 @@ def test_every_copy_routine_is_byte_exact_at_any_alignment(
     # "auto" streams it too; gaps of 0-63 bytes misalign both sides.
     sizes = [1, 31, 32, 33, 127, 129, 1023, 1024, 1025, 4095, 65_553, 300_001]
     sizes = sizes * 4 + [3 * MiB + 5] * 3
-    src_offsets = scattered_layout(sizes, rng, max_gap=63)
-    dst_offsets = scattered_layout(sizes, rng, max_gap=63)
-    src = random_bytes(max(o + n for o, n in zip(src_offsets, sizes, strict=True)))
-    dst = poisoned(max(o + n for o, n in zip(dst_offsets, sizes, strict=True)) + 64)
-    frags = list(zip(src_offsets, dst_offsets, sizes, strict=True))
+    src, dst, frags = scattered_case(sizes, rng, max_gap=63)
 
     copies, expected = run_copy(NATIVE, src, dst, frags)
 
