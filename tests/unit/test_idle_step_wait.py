@@ -122,7 +122,9 @@ def worker_side_connector(meta) -> AscendOffloadingConnector:
     c = object.__new__(AscendOffloadingConnector)
     c._connector_metadata = meta
     c.connector_worker = SimpleNamespace(
-        worker=RecordingWorker(), get_finished=lambda ids: (set(), set())
+        worker=RecordingWorker(),
+        get_finished=lambda ids: (set(), set()),
+        prepare_store_kv=lambda meta: None,  # vLLM 0.30 calls it from here
     )
     return c
 
