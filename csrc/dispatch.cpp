@@ -135,6 +135,20 @@ int64_t swap_blocks_batch(const at::Tensor& src_addrs,
   return static_cast<int64_t>(regions.size());
 }
 
+uint64_t total_bytes_of_disjoint_copies(const std::vector<CopyRegion>& regions,
+                                        std::string_view op) {
+  uint64_t total = 0;
+  for (const CopyRegion& r : regions) {
+    TORCH_CHECK(r.src + r.size <= r.dst || r.dst + r.size <= r.src, op,
+                ": source and destination of fragment ", r.first_fragment,
+                " (after merging adjacent fragments) overlap (src_addrs=",
+                r.src, ", dst_addrs=", r.dst, ", bytes=", r.size,
+                "); source and destination ranges must be disjoint");
+    total += r.size;
+  }
+  return total;
+}
+
 std::vector<std::string> compiled_backends() {
   std::vector<std::string> names;
   for (const BackendEntry& b : kBackends) names.emplace_back(b.name);

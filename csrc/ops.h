@@ -124,6 +124,12 @@ void swap_blocks_cuda(const std::vector<CopyRegion>& regions);
 void swap_blocks_npu(const std::vector<CopyRegion>& regions);
 #endif
 
+// For backends whose copies must not overlap (memcpy-like): raises, naming
+// `op` and the fragment, if any copy's source and destination ranges overlap;
+// else returns the total bytes. Call before the first byte moves.
+uint64_t total_bytes_of_disjoint_copies(const std::vector<CopyRegion>& regions,
+                                        std::string_view op);
+
 // The op registered as torch.ops._C_ascend.swap_blocks_batch.
 int64_t swap_blocks_batch(const at::Tensor& src_addrs,
                           const at::Tensor& dst_addrs, const at::Tensor& sizes,

@@ -172,15 +172,7 @@ void copy_byte_range(const std::vector<CopyRegion>& regions,
 void swap_blocks_cpu(const std::vector<CopyRegion>& regions) {
   const Method method = method_from_env();  // a bad value raises first
   // memcpy on overlapping ranges is undefined: reject before copying anything.
-  uint64_t total = 0;
-  for (const CopyRegion& r : regions) {
-    TORCH_CHECK(r.src + r.size <= r.dst || r.dst + r.size <= r.src, kOp,
-                ": source and destination of fragment ", r.first_fragment,
-                " (after merging adjacent fragments) overlap (src_addrs=",
-                r.src, ", dst_addrs=", r.dst, ", bytes=", r.size,
-                "); source and destination ranges must be disjoint");
-    total += r.size;
-  }
+  const uint64_t total = total_bytes_of_disjoint_copies(regions, kOp);
   if (regions.empty()) return;
 
   const bool stream = use_stream_copy(method, total);

@@ -376,15 +376,7 @@ bool device_accessible(const cudaPointerAttributes& a, uint64_t addr,
 void swap_blocks_cuda(const std::vector<CopyRegion>& regions) {
   if (regions.empty()) return;
   const Method method = method_from_env();  // a bad value raises first
-  uint64_t total = 0;
-  for (const CopyRegion& r : regions) {
-    TORCH_CHECK(r.src + r.size <= r.dst || r.dst + r.size <= r.src, kOp,
-                ": source and destination of fragment ", r.first_fragment,
-                " (after merging adjacent fragments) overlap (src_addrs=",
-                r.src, ", dst_addrs=", r.dst, ", bytes=", r.size,
-                "); source and destination ranges must be disjoint");
-    total += r.size;
-  }
+  const uint64_t total = total_bytes_of_disjoint_copies(regions, kOp);
 
   TORCH_CHECK(c10::cuda::device_count() > 0, kOp,
               ": no CUDA device is visible to this process (check the "
