@@ -174,9 +174,9 @@ class ThreadTransferQueue(TransferQueue):
     def __init__(self, name: str):
         self._todo: queue.SimpleQueue = queue.SimpleQueue()
         # Guards the fields below; notified whenever a job finishes.
-        self._lock = threading.Condition()
+        self._changed = threading.Condition()
         self._finished: list[FinishedJob] = []
-        self._pending: dict[int, threading.Event] = {}
+        self._pending: set[int] = set()
         self._closing = False
         self._thread = threading.Thread(
             target=self._run, name=f"kv-offload-{name}", daemon=True
@@ -186,8 +186,8 @@ class ThreadTransferQueue(TransferQueue):
     def submit(self, job_id: int, copy: CopyFn) -> None:
         if self._closing or not self._thread.is_alive():
             raise RuntimeError("transfer queue is shut down")
-        with self._lock:
-            self._pending[job_id] = threading.Event()
+        with self._changed:
+            self._pending.add(job_id)
         self._todo.put((job_id, copy))
 
     def _run(self) -> None:
@@ -202,28 +202,25 @@ class ThreadTransferQueue(TransferQueue):
                 except Exception:
                     logger.exception("KV offload copy job %d failed", job_id)
             seconds = time.perf_counter() - start
-            with self._lock:
+            with self._changed:
                 self._finished.append(FinishedJob(job_id, success, seconds))
-                done = self._pending.pop(job_id)
-                self._lock.notify_all()
-            done.set()
+                self._pending.discard(job_id)
+                self._changed.notify_all()
 
     def poll(self) -> list[FinishedJob]:
-        with self._lock:
+        with self._changed:
             done, self._finished = self._finished, []
         return done
 
     def wait(self, job_ids: set[int]) -> None:
-        with self._lock:
-            events = [self._pending[j] for j in job_ids if j in self._pending]
-        for event in events:
-            event.wait()
+        with self._changed:
+            self._changed.wait_for(lambda: self._pending.isdisjoint(job_ids))
 
     def wait_any(self, timeout_s: float) -> bool:
-        with self._lock:
+        with self._changed:
             if not self._pending and not self._finished:
                 return False
-            self._lock.wait_for(lambda: bool(self._finished), timeout_s)
+            self._changed.wait_for(lambda: bool(self._finished), timeout_s)
         return True
 
     def shutdown(self) -> bool:
