@@ -1,6 +1,6 @@
 """``OffloadingConnector`` for Ascend, registered by plugin.
 
-vLLM's connector, with three changes:
+vLLM's connector, with four changes:
 
 * layouts: vLLM turns each layer's cache into one block view and fails on
   vllm-ascend's tuples (``(k, v)``, MLA's ``(nope, rope)``, Mamba state
