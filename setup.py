@@ -1,4 +1,8 @@
-"""Build script for vllm-ascend: Python package plus the CMake-built extension.
+"""Build script for vllm-ascend-kv-offload: KV-cache CPU offloading for vLLM.
+
+Installs ``vllm_ascend/kv_offload/`` and nothing else under ``vllm_ascend``:
+upstream vllm-ascend owns that package (its ``__init__.py``, ``logger.py``,
+...), and this distribution installs next to it (docs/user_guide.md).
 
 Install (development):
 
@@ -12,13 +16,13 @@ Environment switches:
 
 * ``VLLM_ASCEND_BUILD_NATIVE=0`` -- install without native code; the Python
   fallback in ``vllm_ascend.kv_offload.ops`` is used (CPU copies only). A
-  stale in-tree ``vllm_ascend/_C_ascend*.so`` from an earlier editable build
-  is removed so that the switch takes effect.
+  stale in-tree ``vllm_ascend/kv_offload/_C_kv_offload*.so`` from an earlier
+  editable build is removed so that the switch takes effect.
 * ``VLLM_ASCEND_WITH_CUDA=0|1`` / ``VLLM_ASCEND_WITH_NPU=0|1`` -- override the
-  auto-detection of the optional backends (CUDA: ``csrc/cuda/*.cu`` exists,
+  auto-detection of the optional backends (CUDA: ``csrc/kv_offload/cuda/*.cu`` exists,
   torch is a CUDA build and a CUDA toolkit is found: ``$CUDA_HOME``,
   ``$CUDA_PATH``, ``/usr/local/cuda`` or the one holding ``nvcc`` on ``PATH``;
-  NPU: ``csrc/npu/*.cpp`` exists and ``torch_npu`` is importable).
+  NPU: ``csrc/kv_offload/npu/*.cpp`` exists and ``torch_npu`` is importable).
 * ``MAX_JOBS`` -- parallel compile jobs (default 2).
 """
 
@@ -66,7 +70,10 @@ def _want_cuda(torch_module) -> bool:
     forced = _flag("VLLM_ASCEND_WITH_CUDA")
     if forced is not None:
         return forced
-    if not any(ROOT.glob("csrc/cuda/*.cu")) or torch_module.version.cuda is None:
+    if (
+        not any(ROOT.glob("csrc/kv_offload/cuda/*.cu"))
+        or torch_module.version.cuda is None
+    ):
         return False
     return _cuda_home() is not None
 
@@ -88,7 +95,7 @@ def _want_npu() -> bool:
     forced = _flag("VLLM_ASCEND_WITH_NPU")
     if forced is not None:
         return forced
-    if not any(ROOT.glob("csrc/npu/*.cpp")):
+    if not any(ROOT.glob("csrc/kv_offload/npu/*.cpp")):
         return False  # checked first: importing torch_npu is slow
     try:
         import torch_npu  # noqa: F401
@@ -158,16 +165,21 @@ class BuildPy(build_py):
 
     def run(self) -> None:
         if not BUILD_NATIVE:
-            for stale in ROOT.glob("vllm_ascend/_C_ascend*.so"):
+            for stale in ROOT.glob("vllm_ascend/kv_offload/_C_kv_offload*.so"):
                 print(f"VLLM_ASCEND_BUILD_NATIVE=0: removing stale {stale}")
                 stale.unlink()
         super().run()
 
 
 setup(
+    # Only the kv_offload subtree: "vllm_ascend" itself stays a namespace
+    # (no __init__.py) that upstream's regular package may fill.
     packages=find_namespace_packages(
-        include=["vllm_ascend", "vllm_ascend.*"], exclude=["*.__pycache__"]
+        include=["vllm_ascend.kv_offload", "vllm_ascend.kv_offload.*"],
+        exclude=["*.__pycache__"],
     ),
-    ext_modules=[CMakeExtension("vllm_ascend._C_ascend")] if BUILD_NATIVE else [],
+    ext_modules=(
+        [CMakeExtension("vllm_ascend.kv_offload._C_kv_offload")] if BUILD_NATIVE else []
+    ),
     cmdclass={"build_ext": CMakeBuild, "build_py": BuildPy},
 )

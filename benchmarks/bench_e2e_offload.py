@@ -9,7 +9,8 @@ with the guide's offloading configuration (``OffloadingConnector`` +
 ``NPUOffloadingSpec``, 128-token CPU blocks; only ``num_cpu_blocks`` is sized
 to the workload) on a generated Qwen3 large enough that prefill is real work
 (``--layers``/``--hidden``/...; random weights, word-level tokenizer, see
-``vllm_ascend.testing.tiny_model``). Results and method: docs/e2e_benchmark.md.
+``vllm_ascend.kv_offload.testing.tiny_model``). Results and method:
+docs/e2e_benchmark.md.
 
 Part 1, time to first token (one engine, offloading on). TTFT is the wall
 time of ``llm.generate([prompt], max_tokens=1)`` for a single request:
@@ -107,7 +108,7 @@ class ModelArgs:
     vocab: int = 512
 
     def spec(self, max_positions: int):
-        from vllm_ascend.testing.tiny_model import TinyModelSpec
+        from vllm_ascend.kv_offload.testing.tiny_model import TinyModelSpec
 
         return TinyModelSpec(
             hidden_size=self.hidden,
@@ -309,7 +310,7 @@ class HostCopy:
 def role_ttft(cfg: dict) -> dict:
     from vllm import SamplingParams
 
-    from vllm_ascend.testing.tiny_model import make_prompt
+    from vllm_ascend.kv_offload.testing.tiny_model import make_prompt
 
     llm = make_llm(cfg, offload=True)
     facts = engine_facts(llm)
@@ -446,7 +447,7 @@ def role_serve(cfg: dict, config: str, cmd_fd: int, res_fd: int) -> None:
     """A throughput engine; batches are run on command (line protocol)."""
     from vllm import SamplingParams
 
-    from vllm_ascend.testing.tiny_model import make_prompt
+    from vllm_ascend.kv_offload.testing.tiny_model import make_prompt
 
     offload = config != "off"
     _, _, spec_module = config.partition(":")
@@ -982,7 +983,7 @@ def main(argv: list[str] | None = None) -> None:
             role_serve(cfg, args._role[1], *args._fds)
         return
 
-    from vllm_ascend.testing.tiny_model import ensure_tiny_model
+    from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model
 
     model = ModelArgs(**{f: getattr(args, f) for f in asdict(ModelArgs())})
     max_len = max(max(args.lengths) + 1, args.tp_prompt_len + args.tp_output_len)

@@ -219,7 +219,7 @@ def main() -> None:
     from vllm import SamplingParams
 
     from benchmarks.bench_e2e_offload import CPU_BLOCK_TOKENS, ModelArgs, make_llm
-    from vllm_ascend.testing.tiny_model import ensure_tiny_model, make_prompt
+    from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model, make_prompt
 
     model = ModelArgs()
     path = ensure_tiny_model(

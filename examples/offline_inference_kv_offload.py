@@ -61,7 +61,10 @@ def main() -> None:
     model = args.model
     long_prompt = "Hello, my name is " * (args.prompt_words // 4)
     if model is None:
-        from vllm_ascend.testing.tiny_model import ensure_tiny_model, make_prompt
+        from vllm_ascend.kv_offload.testing.tiny_model import (
+            ensure_tiny_model,
+            make_prompt,
+        )
 
         model = ensure_tiny_model()
         long_prompt = make_prompt(args.prompt_words, seed=1)

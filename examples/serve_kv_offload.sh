@@ -17,7 +17,7 @@ if [[ $# -gt 0 && $1 != -* ]]; then
   shift
 fi
 if [[ -z $model ]]; then
-  model=$(python -m vllm_ascend.testing.tiny_model)
+  model=$(python -m vllm_ascend.kv_offload.testing.tiny_model)
 fi
 host=${HOST:-127.0.0.1}
 port=${PORT:-8000}

@@ -2,7 +2,7 @@
 # One-shot check of the "cuda" backend of swap_blocks_batch on a machine with
 # an NVIDIA GPU and a CUDA torch, but no vLLM and no network (the lent H200;
 # docs/cuda_backend.md says how to start it there). About 5 minutes:
-#   1. build vllm_ascend/_C_ascend in place with the cuda backend:
+#   1. build vllm_ascend/kv_offload/_C_kv_offload in place with the cuda backend:
 #      `python setup.py build_ext --inplace` (CMake, backend auto-detected);
 #      if that fails or lacks "cuda", torch.utils.cpp_extension as a fallback,
 #   2. pytest tests/unit/test_swap_blocks_cuda.py and test_swap_blocks_op.py,
@@ -38,7 +38,7 @@ step() {
 }
 
 has_cuda_backend() {
-  "$PY" -c "import torch; from vllm_ascend import _C_ascend as m; assert 'cuda' in m.backends(), m.backends()"
+  "$PY" -c "import torch; from vllm_ascend.kv_offload import ops; assert 'cuda' in ops.native_backends(), ops.native_backends()"
 }
 
 {
@@ -51,13 +51,13 @@ has_cuda_backend() {
 } >>"$OUT/summary.txt" 2>&1
 
 # --- 1. build ----------------------------------------------------------------
-rm -rf vllm_ascend/_C_ascend*.so build/cuda_ext
+rm -rf vllm_ascend/kv_offload/_C_kv_offload*.so build/cuda_ext
 if ! step "build (setup.py build_ext --inplace)" 360 "$OUT/build.log" \
   "$PY" setup.py build_ext --inplace || ! has_cuda_backend >>"$OUT/build.log" 2>&1; then
   # Same sources, no CMake: torch's own extension builder. It imports the
-  # module as top-level _C_ascend in its own process, so build there and
+  # module as top-level _C_kv_offload in its own process, so build there and
   # copy the file into the package.
-  rm -f vllm_ascend/_C_ascend*.so
+  rm -f vllm_ascend/kv_offload/_C_kv_offload*.so
   [[ -z ${CUDA_HOME:-} && -x /usr/local/cuda/bin/nvcc ]] && export CUDA_HOME=/usr/local/cuda
   step "build fallback (torch.utils.cpp_extension)" 360 "$OUT/build.log" \
     env TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" "$PY" - <<'EOF'
@@ -72,23 +72,23 @@ torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
 flags = ["-O3", "-DVLLM_ASCEND_WITH_CUDA"]
 sources = ["module.cpp", "dispatch.cpp", "cpu/swap_blocks_cpu.cpp"]
 mod = load(
-    name="_C_ascend",
-    sources=[f"csrc/{s}" for s in sources + ["cuda/swap_blocks_cuda.cu"]],
-    extra_include_paths=["csrc"],
+    name="_C_kv_offload",
+    sources=[f"csrc/kv_offload/{s}" for s in sources + ["cuda/swap_blocks_cuda.cu"]],
+    extra_include_paths=["csrc/kv_offload"],
     extra_cflags=flags,
     extra_cuda_cflags=flags,
     extra_ldflags=[f"-Wl,-rpath,{torch_lib}"],
     build_directory="build/cuda_ext",
     verbose=True,
 )
-shutil.copy(mod.__file__, "vllm_ascend/_C_ascend.so")
+shutil.copy(mod.__file__, "vllm_ascend/kv_offload/_C_kv_offload.so")
 EOF
 fi
 if ! has_cuda_backend >>"$OUT/build.log" 2>&1; then
   note "FAILED: no build with the cuda backend; see build.log"
   exit 1
 fi
-note "backends: $("$PY" -c 'import torch; from vllm_ascend import _C_ascend as m; print(m.backends())')"
+note "backends: $("$PY" -c 'from vllm_ascend.kv_offload import ops; print(ops.native_backends())')"
 
 # --- 2. tests ----------------------------------------------------------------
 step "pytest test_swap_blocks_cuda.py" 240 "$OUT/tests.log" \

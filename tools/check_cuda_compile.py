@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""Compile-only check of the "cuda" backend (csrc/cuda/) on a machine without GPU.
+"""Compile-only check of the "cuda" backend (csrc/kv_offload/cuda/), no GPU needed.
 
 Configures CMakeLists.txt with ``VLLM_ASCEND_CUDA_COMPILE_ONLY=ON`` against the
 installed torch (a CPU-only torch is enough: its wheel ships the c10/cuda
 headers) and builds the OBJECT library ``vllm_ascend_cuda_objs`` with nvcc:
-``csrc/cuda/*.cu`` for sm_80, sm_90 and compute_90 PTX, plus ``dispatch.cpp``
+``csrc/kv_offload/cuda/*.cu`` for sm_80, sm_90 and compute_90 PTX, plus ``dispatch.cpp``
 with the cuda entry, warnings as errors. Nothing is linked or run. Build dir:
 ``.cache/cuda_compile`` (git-ignored).
 
@@ -56,7 +56,7 @@ def compile_check(nvcc: str, build_dir: Path = BUILD_DIR) -> int:
         _log(f"FAILED: the cuda backend does not compile (nvcc {nvcc})")
         return EXIT_COMPILE_FAILED
     _log(
-        f"OK: csrc/cuda/*.cu and dispatch.cpp (cuda on) compile with {nvcc} "
+        f"OK: csrc/kv_offload/cuda/*.cu and dispatch.cpp (cuda on) compile with {nvcc} "
         f"against torch {torch.__version__} headers (compile only, nothing "
         "linked or run)"
     )

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Compile-only check of the "npu" backend (csrc/npu/) on a machine without NPU.
+"""Compile-only check of the "npu" backend (csrc/kv_offload/npu/), no NPU needed.
 
 1. Fetches the C++ headers of the torch-npu 2.13.0 wheel WITHOUT installing
    torch_npu (an importable torch_npu would change vLLM's platform detection):
@@ -111,7 +111,7 @@ def compile_check(torch_npu_dir: Path, build_dir: Path = CACHE / "npu_compile") 
         )
         return EXIT_COMPILE_FAILED
     _log(
-        f"OK: csrc/npu/*.cpp and dispatch.cpp (npu on) compile against "
+        f"OK: csrc/kv_offload/npu/*.cpp and dispatch.cpp (npu on) compile against "
         f"torch-npu {TORCH_NPU_VERSION} headers (compile only, nothing linked or run)"
     )
     return EXIT_OK

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_ascend.testing.tiny_model import ensure_tiny_model, make_prompt
+from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model, make_prompt
 
 REPO = Path(__file__).resolve().parents[2]
 

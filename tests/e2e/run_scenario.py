@@ -46,7 +46,7 @@ def run(scenario: dict) -> dict:
 
     from vllm import LLM, SamplingParams
 
-    from vllm_ascend.testing.tiny_model import ensure_tiny_model
+    from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model
 
     kwargs = dict(scenario.get("engine", {}))
     transfer_config = kv_transfer_config(scenario)

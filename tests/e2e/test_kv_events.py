@@ -42,7 +42,7 @@ def run_engine(port: int) -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVEventsConfig, KVTransferConfig
 
-    from vllm_ascend.testing.tiny_model import ensure_tiny_model
+    from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model
 
     kv_events_config = KVEventsConfig(
         enable_kv_cache_events=True,

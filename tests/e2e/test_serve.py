@@ -34,7 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import ALL_PROMPTS, PROMPTS_BY_DOC, REPO
 from tests.vllm_version import VLLM_VERSION
-from vllm_ascend.testing.tiny_model import ensure_tiny_model
+from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model
 
 pytestmark = pytest.mark.e2e
 

@@ -50,7 +50,7 @@ def make_requests(seed: int = 0) -> list[dict]:
     """Prompts that share prefixes: 1-3 blocks of one of 6 documents, then
     sometimes the first block of another, then a unique tail (5 blocks at
     most: 1024 tokens of model length)."""
-    from vllm_ascend.testing.tiny_model import make_prompt
+    from vllm_ascend.kv_offload.testing.tiny_model import make_prompt
 
     rng = random.Random(seed)
     docs = [make_prompt(3 * TOKENS_PER_BLOCK, seed=500 + d).split() for d in range(6)]
@@ -80,7 +80,7 @@ def drive(scenario: dict) -> dict:
     from vllm.v1.engine.llm_engine import LLMEngine
 
     from tests.e2e.run_scenario import kv_transfer_config
-    from vllm_ascend.testing.tiny_model import ensure_tiny_model
+    from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model
 
     engine = LLMEngine.from_engine_args(
         EngineArgs(

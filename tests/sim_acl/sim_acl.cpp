@@ -1,8 +1,9 @@
-// SIMULATION of the ACL runtime functions that csrc/npu/acl_batch_copy.cpp
-// calls -- NOT CANN. There is no device, no stream and no DMA here: "device"
-// memory is host memory a test registered as such, every copy is a
-// synchronous memcpy, and streams are only recorded. Compiled against the
-// real declarations (torch-npu wheel's acl/acl_rt.h), so signatures match.
+// SIMULATION of the ACL runtime functions that
+// csrc/kv_offload/npu/acl_batch_copy.cpp calls -- NOT CANN. There is no device,
+// no stream and no DMA here: "device" memory is host memory a test registered
+// as such, every copy is a synchronous memcpy, and streams are only recorded.
+// Compiled against the real declarations (torch-npu wheel's acl/acl_rt.h), so
+// signatures match.
 //
 // Semantics follow the CANN documentation of aclrtMemcpyBatchAsync,
 // aclrtMemcpyAsync, aclrtMemLocationType and aclrtMemcpyBatchAttr:

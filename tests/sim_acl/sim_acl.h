@@ -1,6 +1,7 @@
 // SIMULATION ONLY -- test hooks of the simulated ACL runtime in sim_acl.cpp
 // and the C entry point of sim_shim.cpp. None of this exists in CANN; it lets
-// pytest (through ctypes) drive csrc/npu/acl_batch_copy.cpp without an NPU.
+// pytest (through ctypes) drive csrc/kv_offload/npu/acl_batch_copy.cpp without
+// an NPU.
 #pragma once
 
 #include <cstddef>

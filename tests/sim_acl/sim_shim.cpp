@@ -1,6 +1,7 @@
 // SIMULATION harness: a C entry point (for ctypes) that runs the real
-// ACL-facing core of the npu backend, csrc/npu/acl_batch_copy.cpp, which in
-// this library is linked against the simulated ACL runtime of sim_acl.cpp.
+// ACL-facing core of the npu backend, csrc/kv_offload/npu/acl_batch_copy.cpp,
+// which in this library is linked against the simulated ACL runtime of
+// sim_acl.cpp.
 #include <cstring>
 #include <exception>
 #include <memory>
@@ -11,8 +12,9 @@
 
 namespace {
 
-std::unique_ptr<vllm_ascend::npu::AclBatchCopier>& copier() {
-  static auto c = std::make_unique<vllm_ascend::npu::AclBatchCopier>();
+std::unique_ptr<vllm_ascend::kv_offload::npu::AclBatchCopier>& copier() {
+  static auto c =
+      std::make_unique<vllm_ascend::kv_offload::npu::AclBatchCopier>();
   return c;
 }
 
@@ -22,14 +24,17 @@ int simacl_core_copy(const uint64_t* src, const uint64_t* dst,
                      const uint64_t* sizes, const int64_t* first_fragment,
                      size_t n, void* stream, SimCopyReport* report, char* err,
                      size_t err_len) {
-  std::vector<vllm_ascend::CopyRegion> regions(n);
+  std::vector<vllm_ascend::kv_offload::CopyRegion> regions(n);
   for (size_t i = 0; i < n; ++i) {
     regions[i] = {src[i], dst[i], sizes[i], first_fragment[i]};
   }
   try {
     const auto r = copier()->copy(regions, stream);
     report->direction =
-        r.direction == vllm_ascend::npu::CopyDirection::kHostToDevice ? 0 : 1;
+        r.direction ==
+                vllm_ascend::kv_offload::npu::CopyDirection::kHostToDevice
+            ? 0
+            : 1;
     report->fallback_started = r.fallback_started ? 1 : 0;
     report->batch_calls = r.batch_calls;
     report->single_calls = r.single_calls;
@@ -42,5 +47,5 @@ int simacl_core_copy(const uint64_t* src, const uint64_t* dst,
 }
 
 void simacl_core_reset(void) {
-  copier() = std::make_unique<vllm_ascend::npu::AclBatchCopier>();
+  copier() = std::make_unique<vllm_ascend::kv_offload::npu::AclBatchCopier>();
 }

@@ -1,7 +1,7 @@
 """The "cuda" backend compiles with nvcc against torch's headers (no GPU).
 
 Runs tools/check_cuda_compile.py: CMake's compile-only mode builds
-csrc/cuda/*.cu (sm_80, sm_90, compute_90 PTX) and dispatch.cpp with the cuda
+csrc/kv_offload/cuda/*.cu (sm_80, sm_90, compute_90 PTX) and dispatch.cpp with the cuda
 backend on, warnings as errors, against the installed torch -- a CPU-only
 torch is enough. Nothing is linked or run: that needs a CUDA torch and a GPU
 (docs/cuda_backend.md). No nvcc skips the test; with nvcc a failed compile

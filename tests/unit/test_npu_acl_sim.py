@@ -1,6 +1,6 @@
 """SIMULATION tests of the npu backend's ACL-facing core.
 
-``csrc/npu/acl_batch_copy.cpp`` -- the code of the "npu" backend that calls
+``csrc/kv_offload/npu/acl_batch_copy.cpp`` -- the code of the "npu" backend that calls
 ACL -- is linked against ``tests/sim_acl/sim_acl.cpp``, a SIMULATED ACL
 runtime: "device" memory is host memory registered as such, copies are
 synchronous memcpy. It is NOT CANN and no NPU is involved. These tests show

@@ -1,7 +1,7 @@
 """The "npu" backend compiles against the torch-npu 2.13.0 headers (no NPU).
 
 Runs tools/check_npu_compile.py: it fetches the wheel's headers once (without
-installing torch_npu) and compiles csrc/npu/*.cpp plus dispatch.cpp with the
+installing torch_npu) and compiles csrc/kv_offload/npu/*.cpp plus dispatch.cpp with the
 npu backend on, in CMake's compile-only mode. Nothing is linked or run -- that
 needs CANN and an NPU (docs/npu_backend.md). Headers that cannot be fetched
 skip the test locally but fail it in CI (CI=true).

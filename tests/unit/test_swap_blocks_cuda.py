@@ -1,4 +1,4 @@
-"""The "cuda" backend of swap_blocks_batch (csrc/cuda/swap_blocks_cuda.cu).
+"""The "cuda" backend of swap_blocks_batch (csrc/kv_offload/cuda/swap_blocks_cuda.cu).
 
 Needs a build with the cuda backend (``'cuda' in ops.native_backends()``):
 the validation tests run on any such build, the copy tests also need a GPU.
@@ -80,7 +80,7 @@ def random_bytes(n: int, seed: int) -> torch.Tensor:
 
 
 def merged_count(frags: list[tuple[int, int, int]]) -> int:
-    """Copies left after the op's coalescing (csrc/ops.h)."""
+    """Copies left after the op's coalescing (csrc/kv_offload/ops.h)."""
     pairs = zip(frags, frags[1:], strict=False)
     return 1 + sum(
         not (s + n == s2 and d + n == d2) for (s, d, n), (s2, d2, _) in pairs

@@ -1,7 +1,7 @@
-"""Behaviour of swap_blocks_batch (contract: csrc/ops.h).
+"""Behaviour of swap_blocks_batch (contract: csrc/kv_offload/ops.h).
 
 Every test runs against both implementations -- the native op
-torch.ops._C_ascend.swap_blocks_batch and the Python fallback in
+torch.ops._C_ascend.kv_offload_swap_blocks and the Python fallback in
 vllm_ascend.kv_offload.ops -- which must behave the same on device "cpu".
 """
 
@@ -26,12 +26,12 @@ MiB = 1 << 20
 
 def _load_native() -> tuple[Swap | None, tuple[str, ...], str]:
     try:
-        from vllm_ascend import _C_ascend
+        from vllm_ascend.kv_offload import _C_kv_offload  # noqa: F401
     except ImportError as e:
         return None, (), str(e)
     return (
-        torch.ops._C_ascend.swap_blocks_batch.default,
-        tuple(_C_ascend.backends()),
+        torch.ops._C_ascend.kv_offload_swap_blocks.default,
+        tuple(torch.ops._C_ascend.kv_offload_backends.default()),
         "",
     )
 
@@ -39,7 +39,7 @@ def _load_native() -> tuple[Swap | None, tuple[str, ...], str]:
 NATIVE, NATIVE_BACKENDS, NATIVE_ERROR = _load_native()
 needs_native = pytest.mark.skipif(
     NATIVE is None,
-    reason="native extension vllm_ascend._C_ascend is not built "
+    reason="native extension vllm_ascend.kv_offload._C_kv_offload is not built "
     f"({NATIVE_ERROR}); build it with `pip install --no-build-isolation -e .`",
 )
 

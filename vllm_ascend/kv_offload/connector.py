@@ -33,9 +33,11 @@ vLLM's connector, with four changes:
   finish before polling: on the CPU backend the busy loop took CPU from the
   very copy it waited for (docs/e2e_benchmark.md).
 
-The ``vllm.general_plugins`` entry point ``register`` puts this class under
-the name ``OffloadingConnector``, so the guide's
-``kv_connector="OffloadingConnector"`` selects it with no extra setting.
+The ``vllm.general_plugins`` entry point (``plugin.register``) puts this class
+under the name ``OffloadingConnector``, so the guide's
+``kv_connector="OffloadingConnector"`` selects it with no extra setting. A
+config whose spec is not ours gets the class that had the name before
+(vLLM's, or upstream vllm-ascend's): see ``__new__`` and ``plugin.py``.
 """
 
 from __future__ import annotations
@@ -72,12 +74,12 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
 from vllm_ascend.kv_offload.kv_layout import KVCacheParts, canonicalize
+from vllm_ascend.kv_offload.logger import init_logger
 from vllm_ascend.kv_offload.npu import validate_connector_config
-from vllm_ascend.logger import init_logger
+from vllm_ascend.kv_offload.plugin import fallback_connector_class, names_our_spec
 
 logger = init_logger(__name__)
 
-CONNECTOR_NAME = "OffloadingConnector"
 # Longest a step with nothing to compute waits for a transfer to finish. It
 # returns as soon as one does, so this only bounds how late the engine sees a
 # request that arrives meanwhile.
@@ -271,6 +273,25 @@ def _device_block_sizes(
 class AscendOffloadingConnector(OffloadingConnector):
     """vLLM's offloading connector, plus tuple layouts and failure handling."""
 
+    def __new__(
+        cls,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ):
+        # Registered under vLLM's name, this class also receives configs for
+        # other specs (vLLM's CPUOffloadingSpec, upstream vllm-ascend's): those
+        # get the connector that served the name before us, untouched. The
+        # class methods vLLM calls on the connector class are vLLM's
+        # OffloadingConnector's for every one of them.
+        transfer_config = vllm_config.kv_transfer_config
+        if cls is AscendOffloadingConnector and transfer_config is not None:
+            extra = transfer_config.kv_connector_extra_config
+            if not names_our_spec(extra):
+                other = fallback_connector_class() or OffloadingConnector
+                return other(vllm_config, role, kv_cache_config)
+        return super().__new__(cls)
+
     def __init__(
         self,
         vllm_config: VllmConfig,
@@ -425,13 +446,3 @@ class AscendOffloadingConnector(OffloadingConnector):
             self._failed_store_jobs.discard(job_id)
             req_context = scheduler._req_status[job.req_id].req_context
             scheduler.manager.complete_store(job.keys, req_context, success=False)
-
-
-def register() -> None:
-    """``vllm.general_plugins`` hook: serve ``OffloadingConnector`` with ours.
-
-    vLLM may load plugins several times per process; this is idempotent.
-    """
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-
-    KVConnectorFactory._registry[CONNECTOR_NAME] = lambda: AscendOffloadingConnector

@@ -21,7 +21,7 @@ import torch
 from vllm.v1.kv_offload.base import CanonicalKVCaches, GPULoadStoreSpec
 
 from vllm_ascend.kv_offload import ops
-from vllm_ascend.logger import init_logger
+from vllm_ascend.kv_offload.logger import init_logger
 
 logger = init_logger(__name__)
 

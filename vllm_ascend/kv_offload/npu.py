@@ -35,8 +35,8 @@ from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingWorker
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
+from vllm_ascend.kv_offload.logger import init_logger
 from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
-from vllm_ascend.logger import init_logger
 
 logger = init_logger(__name__)
 

@@ -5,10 +5,12 @@ fragment i, ``sizes[i]`` bytes, from address ``src_addrs[i]`` to
 ``dst_addrs[i]``; the three descriptors are 1-D contiguous CPU int64 tensors of
 equal length. Runs of adjacent fragments (source AND destination contiguous)
 are merged first and the number of copies actually performed is returned.
-The full contract (validation, backends, threading) is in ``csrc/ops.h``.
+The full contract (validation, backends, threading) is in ``csrc/kv_offload/ops.h``.
 
-The native op ``torch.ops._C_ascend.swap_blocks_batch`` comes from the
-extension ``vllm_ascend._C_ascend`` (``pip install --no-build-isolation -e .``).
+The native op ``torch.ops._C_ascend.kv_offload_swap_blocks`` comes from the
+extension ``vllm_ascend.kv_offload._C_kv_offload`` (``pip install
+--no-build-isolation -e .``), or from upstream vllm-ascend's own library when
+this subtree is grafted into it (docs/upstream_graft.md).
 Without it, or with ``VLLM_ASCEND_NATIVE_OP=0``, a pure-Python fallback is
 used: same validation and coalescing, single-threaded ``ctypes.memmove``, CPU
 device only.
@@ -42,13 +44,25 @@ def _load_native() -> tuple[_SwapFn | None, tuple[str, ...], str | None]:
     if os.environ.get("VLLM_ASCEND_NATIVE_OP", "1") == "0":
         return None, (), "VLLM_ASCEND_NATIVE_OP=0 is set"
     try:
-        from vllm_ascend import _C_ascend  # registers torch.ops._C_ascend
+        # Standalone build: loading the library registers the ops.
+        from vllm_ascend.kv_offload import _C_kv_offload  # noqa: F401
     except ImportError as e:
-        return None, (), f"vllm_ascend._C_ascend is not importable ({e}); {_BUILD_HINT}"
-    # The OpOverload skips the packet's overload resolution on every call.
+        missing = f"vllm_ascend.kv_offload._C_kv_offload is not importable ({e})"
+        try:
+            # Grafted into upstream vllm-ascend: its library carries the ops.
+            import vllm_ascend.vllm_ascend_C  # noqa: F401
+        except ImportError:
+            pass
+    else:
+        missing = None
+    namespace = torch.ops._C_ascend
+    if not hasattr(namespace, "kv_offload_swap_blocks"):
+        return None, (), f"{missing or 'the op is not registered'}; {_BUILD_HINT}"
+    # The exact overload: the namespace is shared with upstream's ops, and the
+    # OpOverload skips the packet's overload resolution on every call.
     return (
-        torch.ops._C_ascend.swap_blocks_batch.default,
-        tuple(_C_ascend.backends()),
+        namespace.kv_offload_swap_blocks.default,
+        tuple(namespace.kv_offload_backends.default()),
         None,
     )
 
@@ -73,7 +87,7 @@ def swap_blocks_batch(
 
 
 def _check_descriptor(t: torch.Tensor, name: str) -> None:
-    # Same checks and wording as check_descriptor() in csrc/dispatch.cpp.
+    # Same checks and wording as check_descriptor() in csrc/kv_offload/dispatch.cpp.
     prefix = f"swap_blocks_batch: {name} must be"
     if t.device.type != "cpu":
         raise RuntimeError(
@@ -106,7 +120,8 @@ def fallback_swap_blocks_batch(
     if device != "cpu":
         raise RuntimeError(
             f"swap_blocks_batch: device '{device}' requires the native extension "
-            "vllm_ascend._C_ascend (the Python fallback only copies host memory); "
+            "vllm_ascend.kv_offload._C_kv_offload (the Python fallback only copies "
+            "host memory); "
             f"{_BUILD_HINT} on a machine with the {device} toolchain "
             f"(fallback in use because {_fallback_reason or 'it was called directly'})"
         )
@@ -173,10 +188,8 @@ def fallback_swap_blocks_batch(
 
 def _warn_fallback(reason: str) -> None:
     # Imported lazily: vllm's logger pulls in much of vllm, and the native
-    # path must not pay for that at import. vllm_ascend.logger wraps
-    # vllm.logger.init_logger so that vllm_ascend.* records reach vLLM's
-    # handlers.
-    from vllm_ascend.logger import init_logger
+    # path must not pay for that at import.
+    from vllm_ascend.kv_offload.logger import init_logger
 
     init_logger(__name__).warning_once(
         "swap_blocks_batch: using the Python fallback (CPU only, single-threaded) "

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_ascend.logger import init_logger
+from vllm_ascend.kv_offload.logger import init_logger
 
 logger = init_logger(__name__)
 

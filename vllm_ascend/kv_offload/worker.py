@@ -34,8 +34,8 @@ from vllm.v1.kv_offload.base import (
 )
 
 from vllm_ascend.kv_offload.copy_engine import CopyEngine, CpuBlockPool, Descriptors
+from vllm_ascend.kv_offload.logger import init_logger
 from vllm_ascend.kv_offload.transfer_queue import TransferQueue, make_transfer_queue
-from vllm_ascend.logger import init_logger
 
 logger = init_logger(__name__)
 

@@ -1,5 +1,5 @@
 // ACL-facing core of the "npu" backend of swap_blocks_batch (contract:
-// csrc/ops.h). It depends on the ACL headers only -- not on torch or
+// csrc/kv_offload/ops.h). It depends on the ACL headers only -- not on torch or
 // torch_npu -- so that tests/sim_acl/ can link it against a simulated ACL
 // runtime on machines without CANN. swap_blocks_npu.cpp supplies the stream.
 #pragma once
@@ -12,7 +12,7 @@
 
 #include "copy_region.h"
 
-namespace vllm_ascend::npu {
+namespace vllm_ascend::kv_offload::npu {
 
 // Most entries per aclrtMemcpyBatchAsync call. The documentation gives no
 // limit; another project splits at 4096, so we do too (unverified on
@@ -50,4 +50,4 @@ class AclBatchCopier {
   std::atomic<bool> batch_unsupported_{false};
 };
 
-}  // namespace vllm_ascend::npu
+}  // namespace vllm_ascend::kv_offload::npu

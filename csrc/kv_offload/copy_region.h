@@ -1,11 +1,12 @@
 // CopyRegion: one copy of swap_blocks_batch after coalescing (see ops.h).
 // Kept free of torch headers so that torch-independent backend cores (e.g.
-// csrc/npu/acl_batch_copy.cpp) can be built and tested without torch.
+// csrc/kv_offload/npu/acl_batch_copy.cpp) can be built and tested without
+// torch.
 #pragma once
 
 #include <cstdint>
 
-namespace vllm_ascend {
+namespace vllm_ascend::kv_offload {
 
 // Addresses are unsigned so that range arithmetic is well defined.
 struct CopyRegion {
@@ -15,4 +16,4 @@ struct CopyRegion {
   int64_t first_fragment;  // index of the first merged fragment, for errors
 };
 
-}  // namespace vllm_ascend
+}  // namespace vllm_ascend::kv_offload

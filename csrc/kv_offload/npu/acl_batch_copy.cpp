@@ -14,7 +14,7 @@
 #pragma weak aclrtMemcpyBatchAsync
 #pragma weak aclrtPointerGetAttributes
 
-namespace vllm_ascend::npu {
+namespace vllm_ascend::kv_offload::npu {
 namespace {
 
 // What a job needs besides its regions: one attribute set for the batch API,
@@ -209,4 +209,4 @@ BatchCopyReport AclBatchCopier::copy(const std::vector<CopyRegion>& regions,
   return report;
 }
 
-}  // namespace vllm_ascend::npu
+}  // namespace vllm_ascend::kv_offload::npu

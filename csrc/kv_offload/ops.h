@@ -1,10 +1,16 @@
 // Native ops of vllm-ascend's KV-cache offloading.
 //
-// swap_blocks_batch
-// =================
+// kv_offload_swap_blocks
+// ======================
 //
-//   torch.ops._C_ascend.swap_blocks_batch(
+//   torch.ops._C_ascend.kv_offload_swap_blocks(
 //       Tensor src_addrs, Tensor dst_addrs, Tensor sizes, str device) -> int
+//   torch.ops._C_ascend.kv_offload_backends() -> str[]
+//
+// Namespace _C_ascend is shared with upstream vllm-ascend's library, which
+// owns it (TORCH_LIBRARY) and has an unrelated swap_blocks_batch; ours are
+// added as a fragment under names of their own (dispatch.cpp). Python calls
+// the .default overloads. In C++ the function is still swap_blocks_batch.
 //
 // Copies a batch of raw memory fragments: fragment i copies sizes[i] bytes
 // from address src_addrs[i] to address dst_addrs[i].
@@ -95,12 +101,14 @@
 // Adding a backend
 //   1. Declare `void swap_blocks_<name>(const std::vector<CopyRegion>&)`
 //      below, guarded by VLLM_ASCEND_WITH_<NAME>.
-//   2. Implement it in csrc/<name>/ (one translation unit per backend).
-//   3. Add it to kBackends in csrc/dispatch.cpp and a CMake option
+//   2. Implement it in csrc/kv_offload/<name>/ (one translation unit per
+//   backend).
+//   3. Add it to kBackends in csrc/kv_offload/dispatch.cpp and a CMake option
 //      VLLM_ASCEND_WITH_<NAME> that compiles the file and defines the macro.
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <torch/library.h>
 
 #include <cstdint>
 #include <string>
@@ -109,7 +117,7 @@
 
 #include "copy_region.h"  // CopyRegion: one copy after coalescing
 
-namespace vllm_ascend {
+namespace vllm_ascend::kv_offload {
 
 // A backend copies every region. Regions arrive validated (non-null, size >
 // 0, no wrap-around) and coalesced; backend-specific checks (e.g. overlap on
@@ -130,12 +138,17 @@ void swap_blocks_npu(const std::vector<CopyRegion>& regions);
 uint64_t total_bytes_of_disjoint_copies(const std::vector<CopyRegion>& regions,
                                         std::string_view op);
 
-// The op registered as torch.ops._C_ascend.swap_blocks_batch.
+// The op registered as torch.ops._C_ascend.kv_offload_swap_blocks.
 int64_t swap_blocks_batch(const at::Tensor& src_addrs,
                           const at::Tensor& dst_addrs, const at::Tensor& sizes,
                           std::string_view device);
 
-// Names of the backends compiled into this build, e.g. {"cpu"}.
+// Names of the backends compiled into this build, e.g. {"cpu"}
+// (torch.ops._C_ascend.kv_offload_backends).
 std::vector<std::string> compiled_backends();
 
-}  // namespace vllm_ascend
+// Defines and implements both ops in `m`, a library block of namespace
+// _C_ascend: our own fragment (standalone build) or upstream's block (graft).
+void register_kv_offload_ops(torch::Library& m);
+
+}  // namespace vllm_ascend::kv_offload

@@ -13,7 +13,7 @@
 
 #include "ops.h"
 
-namespace vllm_ascend {
+namespace vllm_ascend::kv_offload {
 namespace {
 
 struct BackendEntry {
@@ -155,14 +155,29 @@ std::vector<std::string> compiled_backends() {
   return names;
 }
 
-}  // namespace vllm_ascend
-
-// Descriptor tensors are always CPU and the `device` string picks the
-// backend, so one CompositeExplicitAutograd kernel serves every dispatch key.
-TORCH_LIBRARY(_C_ascend, m) {
+void register_kv_offload_ops(torch::Library& m) {
+  // Descriptor tensors are always CPU and the `device` string picks the
+  // backend, so one CompositeExplicitAutograd kernel serves every dispatch
+  // key. The names carry a kv_offload_ prefix: the namespace is shared with
+  // upstream vllm-ascend's library (which has its own swap_blocks_batch).
   m.def(
-      "swap_blocks_batch(Tensor src_addrs, Tensor dst_addrs, Tensor sizes, "
-      "str device) -> int");
-  m.impl("swap_blocks_batch", c10::DispatchKey::CompositeExplicitAutograd,
-         TORCH_FN(vllm_ascend::swap_blocks_batch));
+      "kv_offload_swap_blocks(Tensor src_addrs, Tensor dst_addrs, "
+      "Tensor sizes, str device) -> int");
+  m.impl("kv_offload_swap_blocks", c10::DispatchKey::CompositeExplicitAutograd,
+         TORCH_FN(swap_blocks_batch));
+  m.def("kv_offload_backends() -> str[]");
+  m.impl("kv_offload_backends", c10::DispatchKey::CompositeExplicitAutograd,
+         TORCH_FN(compiled_backends));
 }
+
+}  // namespace vllm_ascend::kv_offload
+
+// Standalone build: a FRAGMENT, never TORCH_LIBRARY, so that upstream
+// vllm-ascend's TORCH_LIBRARY(_C_ascend) loads in the same process in either
+// order. Grafted into upstream, its own block calls register_kv_offload_ops
+// instead (docs/upstream_graft.md).
+#ifndef VLLM_ASCEND_KV_OFFLOAD_GRAFTED
+TORCH_LIBRARY_FRAGMENT(_C_ascend, m) {
+  vllm_ascend::kv_offload::register_kv_offload_ops(m);
+}
+#endif

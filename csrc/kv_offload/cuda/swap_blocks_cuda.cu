@@ -1,5 +1,5 @@
-// "cuda" backend of swap_blocks_batch (contract: csrc/ops.h; design, status
-// and device checks: docs/cuda_backend.md).
+// "cuda" backend of swap_blocks_batch (contract: csrc/kv_offload/ops.h; design,
+// status and device checks: docs/cuda_backend.md).
 //
 // One call is one job. It is enqueued on the current stream of the device
 // that holds the device side of fragment 0, and the call returns once the
@@ -41,7 +41,7 @@
 
 #include "ops.h"
 
-namespace vllm_ascend {
+namespace vllm_ascend::kv_offload {
 namespace {
 
 // Auto mode: jobs with a smaller mean copy use the kernel. Measured on an H200
@@ -434,4 +434,4 @@ void swap_blocks_cuda(const std::vector<CopyRegion>& regions) {
   }
 }
 
-}  // namespace vllm_ascend
+}  // namespace vllm_ascend::kv_offload

@@ -29,7 +29,7 @@
 
 #include "ops.h"
 
-namespace vllm_ascend {
+namespace vllm_ascend::kv_offload {
 namespace {
 
 constexpr const char* kOp = "swap_blocks_batch(device='cpu')";
@@ -209,4 +209,4 @@ void swap_blocks_cpu(const std::vector<CopyRegion>& regions) {
   for (std::thread& w : workers) w.join();
 }
 
-}  // namespace vllm_ascend
+}  // namespace vllm_ascend::kv_offload

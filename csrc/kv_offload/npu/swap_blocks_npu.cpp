@@ -1,7 +1,7 @@
-// "npu" backend of swap_blocks_batch (contract: csrc/ops.h). The only part
-// that needs torch_npu: it picks the stream and turns errors into c10::Error.
-// The ACL calls live in acl_batch_copy.cpp, which is also tested against a
-// simulated ACL runtime (tests/sim_acl/).
+// "npu" backend of swap_blocks_batch (contract: csrc/kv_offload/ops.h). The
+// only part that needs torch_npu: it picks the stream and turns errors into
+// c10::Error. The ACL calls live in acl_batch_copy.cpp, which is also tested
+// against a simulated ACL runtime (tests/sim_acl/).
 #include <c10/util/Exception.h>
 #include <torch_npu/csrc/core/npu/NPUStream.h>
 
@@ -11,7 +11,7 @@
 #include "acl_batch_copy.h"
 #include "ops.h"
 
-namespace vllm_ascend {
+namespace vllm_ascend::kv_offload {
 
 void swap_blocks_npu(const std::vector<CopyRegion>& regions) {
   // One per process: once the batch API is found unsupported, every later
@@ -35,4 +35,4 @@ void swap_blocks_npu(const std::vector<CopyRegion>& regions) {
   }
 }
 
-}  // namespace vllm_ascend
+}  // namespace vllm_ascend::kv_offload

@@ -8,7 +8,7 @@ and any wrong byte changes the greedy output.
 
 Usage::
 
-    python -m vllm_ascend.testing.tiny_model [--out DIR] [--layers N] ...
+    python -m vllm_ascend.kv_offload.testing.tiny_model [--out DIR] [--layers N] ...
 """
 
 from __future__ import annotations

@@ -1,0 +1,103 @@
+"""``vllm.general_plugins`` hook: which class serves ``OffloadingConnector``.
+
+The guide's config names ``kv_connector="OffloadingConnector"`` and our spec
+(``spec_module_path: vllm_ascend.kv_offload.npu``). That config must get our
+connector variant (``connector.AscendOffloadingConnector``), and every other
+offloading config must keep the connector it had without us: vLLM's own, or
+upstream vllm-ascend's when its general plugin replaced vLLM's.
+
+Two things make that independent of the order in which vLLM runs general
+plugins (entry-point discovery order, i.e. file-system order):
+
+* ``register`` files our class under the name and keeps the class it
+  replaces as the *fallback*. Our class, when the config's spec is not ours,
+  constructs the fallback instead (``AscendOffloadingConnector.__new__``).
+* upstream's plugin replaces the name unconditionally. If it runs after us it
+  would drop ours, so ``register`` wraps upstream's ``register_connector``
+  once: upstream registers first, then we take the name again with upstream's
+  class as the fallback.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from vllm_ascend.kv_offload import vllm_compat
+
+CONNECTOR_NAME = "OffloadingConnector"
+_CONNECTOR_MODULE = "vllm_ascend.kv_offload.connector"
+_CONNECTOR_CLASS = "AscendOffloadingConnector"
+# Upstream vllm-ascend (>= 0.30) registers its connectors here.
+UPSTREAM_REGISTRATION_MODULE = "vllm_ascend.distributed.kv_transfer"
+_FOLLOWS_MARK = "_kv_offload_registers_after"
+
+# Loader of the class that served CONNECTOR_NAME before us (None: vLLM's).
+_fallback_loader: Callable[[], type] | None = None
+
+
+def _is_ours(loader: Callable[[], type]) -> bool:
+    return getattr(loader, _FOLLOWS_MARK, False)
+
+
+def _our_loader() -> type:
+    module = importlib.import_module(_CONNECTOR_MODULE)
+    return getattr(module, _CONNECTOR_CLASS)
+
+
+setattr(_our_loader, _FOLLOWS_MARK, True)
+
+
+def _claim_connector_name() -> None:
+    """Files our class under CONNECTOR_NAME; remembers what it replaces."""
+    global _fallback_loader
+    previous = vllm_compat.replace_connector_loader(CONNECTOR_NAME, _our_loader)
+    if previous is not None and not _is_ours(previous):
+        _fallback_loader = previous
+
+
+def _follow_upstream_registration() -> None:
+    """Makes upstream's ``register_connector`` re-claim the name after it."""
+    if importlib.util.find_spec(UPSTREAM_REGISTRATION_MODULE.rsplit(".", 1)[0]) is None:
+        return
+    try:
+        upstream = importlib.import_module(UPSTREAM_REGISTRATION_MODULE)
+    except ImportError:
+        return
+    original = getattr(upstream, "register_connector", None)
+    if original is None or getattr(original, _FOLLOWS_MARK, False):
+        return
+
+    @functools.wraps(original)
+    def register_connector_then_kv_offload(*args, **kwargs):
+        result = original(*args, **kwargs)
+        _claim_connector_name()
+        return result
+
+    setattr(register_connector_then_kv_offload, _FOLLOWS_MARK, True)
+    upstream.register_connector = register_connector_then_kv_offload
+
+
+def register() -> None:
+    """Entry point ``ascend_kv_offload``; idempotent (vLLM may call it again)."""
+    _claim_connector_name()
+    _follow_upstream_registration()
+
+
+def fallback_connector_class() -> type | None:
+    """The class that served CONNECTOR_NAME before us (None: vLLM's own)."""
+    return _fallback_loader() if _fallback_loader is not None else None
+
+
+def names_our_spec(extra_config: Mapping[str, Any]) -> bool:
+    """Whether an offloading config's spec is ours (or derives from it)."""
+    from vllm_ascend.kv_offload.npu import NPUOffloadingSpec
+
+    try:
+        spec_cls = vllm_compat.offloading_spec_class(extra_config)
+    except (ImportError, AttributeError, ValueError):
+        return False  # vLLM reports an unusable spec itself, with its message
+    return isinstance(spec_cls, type) and issubclass(spec_cls, NPUOffloadingSpec)

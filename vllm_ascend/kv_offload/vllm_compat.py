@@ -1,0 +1,52 @@
+"""Every use of a private vLLM name in this package, in one place.
+
+Each function says which vLLM releases it was checked against and what it
+needs; ``tests/unit/test_vllm_compat.py`` fails with a clear message when a
+release changes one of them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+
+def replace_connector_loader(
+    name: str, loader: Callable[[], type]
+) -> Callable[[], type] | None:
+    """Serves connector ``name`` with ``loader``; returns the loader it replaced.
+
+    ``KVConnectorFactory.register_connector`` is the public way in, but it
+    refuses a name that is taken (vLLM's own ``OffloadingConnector``) and
+    takes a module path, not a loader. vLLM 0.30-0.33 keep the loaders in
+    ``KVConnectorFactory._registry`` (name -> zero-argument callable returning
+    the class); upstream vllm-ascend 0.30 replaces entries the same way.
+    """
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    registry: dict[str, Callable[[], type]] = KVConnectorFactory._registry
+    previous = registry.get(name)
+    registry[name] = loader
+    return previous
+
+
+def offloading_spec_class(extra_config: Mapping[str, Any]) -> type:
+    """The spec class vLLM would build for ``kv_connector_extra_config``.
+
+    Public in vLLM 0.32-0.33 (``OffloadingSpecFactory.get_spec_cls``); the
+    same lookup is spelled out for releases without it.
+    """
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    get_spec_cls = getattr(OffloadingSpecFactory, "get_spec_cls", None)
+    if get_spec_cls is not None:
+        return get_spec_cls(extra_config)
+    spec_name = extra_config.get("spec_name", "CPUOffloadingSpec")
+    registry = OffloadingSpecFactory._registry
+    if spec_name in registry:
+        return registry[spec_name]()
+    module_path = extra_config.get("spec_module_path")
+    if module_path is None:
+        raise ValueError(f"Unsupported spec type: {spec_name}")
+    return getattr(importlib.import_module(module_path), spec_name)
