@@ -1,0 +1,1 @@
+"""Tests against the real upstream vllm-ascend package (pytest marker ``packaging``)."""

