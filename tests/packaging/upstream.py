@@ -292,6 +292,14 @@ def _wheel_inputs(files: list[Path]) -> list[Path]:
     return [f for f in files if str(f) in top or str(f).startswith(roots)]
 
 
+def copy_source_tree(dest: Path) -> Path:
+    """Copies what the package is built from (see _wheel_inputs) to ``dest``."""
+    for f in _wheel_inputs(_source_files()):
+        (dest / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO_ROOT / f, dest / f)
+    return dest
+
+
 def repo_wheel(python: str | os.PathLike = sys.executable) -> Path:
     """A wheel of this repo built with ``python``'s torch; cached by content."""
     files = _wheel_inputs(_source_files())
@@ -313,10 +321,7 @@ def repo_wheel(python: str | os.PathLike = sys.executable) -> Path:
             shutil.rmtree(stale, ignore_errors=True)
         wheels.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=wheels, prefix="build-") as tmp:
-            src = Path(tmp, "src")
-            for f in files:
-                (src / f).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(REPO_ROOT / f, src / f)
+            src = copy_source_tree(Path(tmp, "src"))
             staged = Path(tmp, "wheel")
             _log(f"building a wheel of this repo against torch {torch_version}")
             run(
