@@ -144,10 +144,14 @@ def test_random_faults_with_eviction_in_a_multiprocess_engine(scenario_dir, refe
 
 
 class IgnoresFailedStores(AscendOffloadingConnector):
-    """Records failed stores as stored, as vLLM 0.32's connector would."""
+    """Records failed stores as stored, as vLLM's connector would: the
+    scheduler side never hears which jobs failed."""
 
-    def _drop_failed_stores(self, meta) -> None:
-        pass
+    def update_connector_output(self, connector_output) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if meta is not None and hasattr(meta, "failed_jobs"):
+            meta.failed_jobs = set()
+        super().update_connector_output(connector_output)
 
 
 class IgnoresFailedLoads(AscendOffloadingConnector):

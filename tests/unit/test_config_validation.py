@@ -19,6 +19,10 @@ from vllm_ascend.kv_offload.npu import (
 
 GiB = 2**30
 BLOCK = 65536  # bytes of one CPU block in make_config's default
+OUR_SPEC = {
+    "spec_name": "NPUOffloadingSpec",
+    "spec_module_path": "vllm_ascend.kv_offload.npu",
+}
 
 
 @pytest.fixture(autouse=True)
@@ -177,14 +181,19 @@ def test_connector_validates_before_building_anything():
     )
     vllm_config = SimpleNamespace(
         kv_transfer_config=SimpleNamespace(
-            kv_role="kv_producer", kv_connector_extra_config={"num_cpu_blocks": 8}
+            kv_role="kv_producer",
+            kv_connector_extra_config={"num_cpu_blocks": 8, **OUR_SPEC},
         ),
         parallel_config=SimpleNamespace(decode_context_parallel_size=1),
     )
+    # Only configs naming our spec get our connector (and its checks).
     with pytest.raises(OffloadConfigError, match="kv_role='kv_producer'"):
         AscendOffloadingConnector(vllm_config, None, kv_cache_config)
     vllm_config.kv_transfer_config.kv_role = "kv_both"
-    vllm_config.kv_transfer_config.kv_connector_extra_config = {"block_size": 24}
+    vllm_config.kv_transfer_config.kv_connector_extra_config = {
+        "block_size": 24,
+        **OUR_SPEC,
+    }
     with pytest.raises(OffloadConfigError, match="set block_size to 32 or 16"):
         AscendOffloadingConnector(vllm_config, None, kv_cache_config)
 

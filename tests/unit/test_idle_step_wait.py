@@ -116,6 +116,9 @@ class RecordingWorker:
     def wait_for_progress(self, timeout_s: float) -> None:
         self.waits.append(timeout_s)
 
+    def take_failed_jobs(self) -> list[int]:
+        return []
+
 
 def worker_side_connector(meta) -> AscendOffloadingConnector:
     # Only the attributes get_finished uses; building a real one needs an engine.

@@ -4,6 +4,7 @@ import pytest
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
 from tests.unit.kv_helpers import make_config, make_kv_caches
+from vllm_ascend.kv_offload.manager import FailureAwareManager
 from vllm_ascend.kv_offload.npu import (
     NPUOffloadingSpec,
     OffloadConfigError,
@@ -22,7 +23,9 @@ def test_guide_num_cpu_blocks_is_the_number_of_cpu_blocks():
     spec = NPUOffloadingSpec(make_config(GUIDE_EXTRA))
     assert spec.num_chunks == 1000
     manager = spec.get_manager()
-    assert isinstance(manager, CPUOffloadingManager)
+    # vLLM's manager, wrapped to hear about failed transfers.
+    assert isinstance(manager, FailureAwareManager)
+    assert isinstance(manager.inner, CPUOffloadingManager)
 
 
 @pytest.mark.parametrize("bpc", [1, 2, 4])
@@ -78,7 +81,7 @@ def test_vllm_eviction_policies_are_reused(policy):
         make_config({"num_cpu_blocks": 8, "eviction_policy": policy})
     )
     assert spec.eviction_policy == policy
-    assert isinstance(spec.get_manager(), CPUOffloadingManager)
+    assert isinstance(spec.get_manager().inner, CPUOffloadingManager)
 
 
 def test_worker_pool_is_exactly_num_cpu_blocks_times_one_cpu_block():

@@ -7,8 +7,8 @@ while a job uses it. A reference model maps every (CPU block, slot) to the
 bytes it must hold; every successfully loaded byte is checked against it, and
 every job is reported exactly once, failed exactly when a fault was injected.
 
-Then: the connector's bookkeeping of failed jobs, and shutdown with jobs in
-flight (prompt, no thread left, pool freed).
+Then: shutdown with jobs in flight (prompt, no thread left, pool freed). How
+the connector reports failed jobs to vLLM: test_failure_reporting.py.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -37,10 +36,6 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec, TransferResult
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
 from tests.unit.kv_helpers import make_kv_caches
-from vllm_ascend.kv_offload.connector import (
-    AscendOffloadingConnectorWorker,
-    AscendOffloadingWorkerMetadata,
-)
 from vllm_ascend.kv_offload.transfer_queue import ThreadTransferQueue
 from vllm_ascend.kv_offload.worker import FaultInjector, NPUOffloadingWorker
 
@@ -238,9 +233,10 @@ class WorkerMachine(RuleBasedStateMachine):
         assert ids <= self._poll()
 
     @invariant()
-    def no_more_than_two_threads(self):
+    def one_thread_per_queue(self):
+        # stores, loads, expedited loads
         if hasattr(self, "worker"):
-            assert len(kv_offload_threads()) <= len(self.threads_before) + 2
+            assert len(kv_offload_threads()) <= len(self.threads_before) + 3
 
     def teardown(self):
         if not hasattr(self, "worker"):
@@ -306,128 +302,6 @@ def test_worker_shutdown_with_large_jobs_in_flight_frees_everything():
     gc.collect()
     assert pool() is None
     worker.shutdown()  # idempotent
-
-
-# -- the connector's bookkeeping of failed jobs ------------------------------
-
-
-class ScriptedWorker:
-    """An offloading worker whose submits and results the test decides."""
-
-    def __init__(self):
-        self.refuse: set[int] = set()
-        self.results: list[TransferResult] = []
-
-    def submit_store(self, job_id, src, dst):
-        return job_id not in self.refuse
-
-    def submit_load(self, job_id, src, dst):
-        return job_id not in self.refuse
-
-    def get_finished(self):
-        results, self.results = self.results, []
-        return results
-
-    def wait(self, job_ids):
-        pass
-
-    def shutdown(self):
-        pass
-
-
-def connector_worker(num_groups: int = 1) -> AscendOffloadingConnectorWorker:
-    spec = SimpleNamespace(
-        replicated_layout=False,
-        config=SimpleNamespace(
-            canonical_layout=False, parallel=SimpleNamespace(rank=0)
-        ),
-    )
-    kv_cache_config = SimpleNamespace(kv_cache_groups=[None] * num_groups)
-    cw = AscendOffloadingConnectorWorker(spec, None, kv_cache_config)
-    cw.worker = ScriptedWorker()
-    return cw
-
-
-def metadata(load_jobs=None, store_jobs=None, flush=None):
-    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
-        OffloadingConnectorMetadata,
-        TransferJob,
-    )
-
-    def jobs(spec):
-        return {
-            job_id: TransferJob(req, CPULoadStoreSpec([0]), dev)
-            if load_jobs is spec
-            else TransferJob(req, dev, CPULoadStoreSpec([0]))
-            for job_id, (req, dev) in (spec or {}).items()
-        }
-
-    return OffloadingConnectorMetadata(
-        load_jobs=jobs(load_jobs), store_jobs=jobs(store_jobs), jobs_to_flush=flush
-    )
-
-
-def gpu(*blocks):
-    return GPULoadStoreSpec(list(blocks), group_sizes=[len(blocks)], block_indices=[0])
-
-
-def test_failed_load_reports_its_device_blocks_with_its_request():
-    cw = connector_worker()
-    cw.worker.refuse = {2}
-    load_jobs = {1: ("a", gpu(4, 5)), 2: ("b", gpu(7)), 3: ("c", gpu(9))}
-    cw.start_kv_transfers(metadata(load_jobs=load_jobs))
-    cw.worker.results = [TransferResult(1, False), TransferResult(3, True, 64, 0.1)]
-    # Failed (1), refused (2) and good (3) loads all finish receiving ...
-    assert cw.get_finished(set()) == (set(), {"a", "b", "c"})
-    # ... and in the same step the failed ones' device blocks are reported.
-    assert cw.take_load_error_block_ids() == {4, 5, 7}
-    assert cw.take_load_error_block_ids() == set()
-    meta = cw.build_connector_worker_meta()
-    assert meta.completed_jobs == {1: 1, 2: 1, 3: 1}
-    assert meta.failed_jobs == {1, 2}
-    assert meta.transfer_stats.load.bytes == 64  # failed jobs count no bytes
-
-
-def test_with_several_kv_cache_groups_failed_loads_are_reported_per_request():
-    cw = connector_worker(num_groups=2)
-    cw.start_kv_transfers(metadata(load_jobs={1: ("a", gpu(4))}))
-    cw.worker.results = [TransferResult(1, False)]
-    assert cw.get_finished(set()) == (set(), {"a"})
-    assert cw.take_load_error_block_ids() == set()
-    assert cw.take_failed_recving() == {"a"}
-
-
-def test_failed_and_refused_stores_are_flagged_for_the_scheduler():
-    cw = connector_worker()
-    cw.prepare_store_kv(metadata(store_jobs={5: ("a", gpu(1)), 6: ("a", gpu(2))}))
-    cw.worker.refuse = {6}
-    cw.start_kv_transfers(metadata())
-    cw.worker.results = [TransferResult(5, False)]
-    assert cw.get_finished(set()) == (set(), set())
-    meta = cw.build_connector_worker_meta()
-    assert meta.failed_jobs == {5, 6} and meta.completed_jobs == {5: 1, 6: 1}
-    assert cw.take_load_error_block_ids() == set()  # stores never invalidate
-
-
-def test_flushed_stores_refused_at_preemption_are_flagged():
-    cw = connector_worker()
-    cw.worker.refuse = {7}
-    cw.handle_preemptions(metadata(store_jobs={7: ("a", gpu(3))}, flush={7}))
-    cw.get_finished(set())
-    assert cw.build_connector_worker_meta().failed_jobs == {7}
-
-
-def test_metadata_aggregates_failures_across_workers():
-    a = AscendOffloadingWorkerMetadata()
-    a.mark_completed(1)
-    a.mark_failed(2)
-    b = AscendOffloadingWorkerMetadata()
-    b.mark_failed(1)
-    b.mark_completed(2)
-    merged = a.aggregate(b)
-    assert isinstance(merged, AscendOffloadingWorkerMetadata)
-    assert merged.completed_jobs == {1: 2, 2: 2}
-    assert merged.failed_jobs == {1, 2}
 
 
 def test_fault_spec_is_parsed_and_bad_specs_name_the_variable():

@@ -1,6 +1,7 @@
 """``OffloadingConnector`` for Ascend, registered by plugin.
 
-vLLM's connector, with four changes:
+vLLM's connector, unchanged in its transfer logic, with four additions made
+through its public hooks only (no vLLM method is copied here):
 
 * layouts: vLLM turns each layer's cache into one block view and fails on
   vllm-ascend's tuples (``(k, v)``, MLA's ``(nope, rope)``, Mamba state
@@ -9,22 +10,24 @@ vLLM's connector, with four changes:
 * configuration: ``kv_role`` and ``block_size`` are checked before vLLM
   derives the chunk size from them (``npu.validate_connector_config``), so a
   bad value fails at start-up with the key and the fix.
-* failed transfers: vLLM 0.32's connector worker asserts that every transfer
-  succeeded, so one failed copy would bring the engine down. Here:
+* failed transfers: vLLM's connector asserts that every transfer succeeded.
+  Our offloading worker diverts failures (``worker.divert_failures``): vLLM
+  sees the job finish, and this connector reports the failure:
 
-  - a failed load reports its device blocks through
-    ``get_block_ids_with_load_errors`` in the same step as its request
-    finishes receiving (the contract of ``KVConnectorBase_V1``); vLLM then
+  - a failed load, async or (vLLM >= 0.33) sync, reports its device blocks
+    through ``get_block_ids_with_load_errors`` in the same step as vLLM sees
+    the job finish (the contract of ``KVConnectorBase_V1``); vLLM then
     recomputes them (``kv_load_failure_policy="recompute"``) or fails only
     that request (``"fail"``, vLLM's default). With several KV cache groups,
-    whose block ids vLLM cannot map back to requests, the request is
-    reported in ``KVConnectorTransferResults.failed_recving`` instead.
-  - a request whose load failed is not offered CPU hits again: it
-    recomputes, so a fault that repeats cannot make it retry forever.
-  - a failed store is reported to the scheduler in
-    ``AscendOffloadingWorkerMetadata.failed_jobs`` (vLLM's metadata only says
-    "completed"), and the scheduler side drops its CPU blocks with
-    ``complete_store(success=False)`` instead of recording them as stored.
+    whose block ids vLLM cannot map back to requests, an async load's
+    request is reported in ``failed_recving`` instead (sync loads are refused
+    at start-up there: nothing could report them).
+  - the scheduler side tells the manager (``manager.FailureAwareManager``):
+    a request whose load failed gets no CPU hits again (it recomputes, so a
+    fault that repeats cannot make it retry forever); a failed store's CPU
+    blocks are freed by ``complete_store(success=False)`` instead of being
+    recorded as stored. Failed job ids travel in
+    ``AscendOffloadingWorkerMetadata.failed_jobs``.
 
 * idle steps: while every request waits for its KV, vLLM steps its engine
   again as soon as a step returns, each step polling the transfers once. The
@@ -49,6 +52,7 @@ import torch
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
     KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
 )
@@ -60,23 +64,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
     get_offloading_group_ids,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
-    OffloadingConnectorWorker,
-)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
 from vllm.v1.core.kv_cache_utils import resolve_dcp_kv_block_size
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import KVCacheConfig
-from vllm.v1.kv_offload.base import GPULoadStoreSpec, TransferResult
+from vllm.v1.kv_offload.base import GPULoadStoreSpec
 from vllm.v1.outputs import KVConnectorOutput
-from vllm.v1.request import Request
 
+from vllm_ascend.kv_offload import vllm_compat
 from vllm_ascend.kv_offload.kv_layout import KVCacheParts, canonicalize
 from vllm_ascend.kv_offload.logger import init_logger
-from vllm_ascend.kv_offload.npu import validate_connector_config
+from vllm_ascend.kv_offload.manager import FailureAwareManager
+from vllm_ascend.kv_offload.npu import OffloadConfigError, validate_connector_config
 from vllm_ascend.kv_offload.plugin import fallback_connector_class, names_our_spec
+from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
 
 logger = init_logger(__name__)
 
@@ -98,16 +101,12 @@ class AscendOffloadingConnectorMetadata(OffloadingConnectorMetadata):
 class AscendOffloadingWorkerMetadata(OffloadingWorkerMetadata):
     """vLLM's worker -> scheduler metadata, plus the jobs that failed.
 
-    A failed job is also in ``completed_jobs``, so vLLM's bookkeeping (one
-    count per worker) is unchanged; ``failed_jobs`` only tells the scheduler
-    side not to record a failed store's blocks as stored.
+    A failed job is also in ``completed_jobs`` (vLLM saw it finish), so vLLM's
+    bookkeeping (one count per worker) is unchanged; ``failed_jobs`` tells
+    the scheduler side what the job did not do.
     """
 
     failed_jobs: set[int] = field(default_factory=set)
-
-    def mark_failed(self, job_id: int) -> None:
-        self.failed_jobs.add(job_id)
-        self.mark_completed(job_id)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         merged = super().aggregate(other)
@@ -119,144 +118,13 @@ class AscendOffloadingWorkerMetadata(OffloadingWorkerMetadata):
         )
 
 
-class AscendOffloadingConnectorWorker(OffloadingConnectorWorker):
-    """vLLM's connector worker, reporting failed transfers instead of asserting.
+@dataclass(frozen=True)
+class _LoadJob:
+    """What the worker side must know to report a failed load."""
 
-    A job fails either when the offloading worker refuses it (``submit_*``
-    returns False) or when it finishes with ``success=False``; both end in
-    ``_finish_failed`` during ``get_finished``.
-    """
-
-    def __init__(self, spec, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig):
-        super().__init__(spec, vllm_config, kv_cache_config)
-        self._connector_worker_meta = AscendOffloadingWorkerMetadata()
-        # job_id -> device blocks of an in-flight load, to report if it fails.
-        self._load_dst_specs: dict[int, GPULoadStoreSpec] = {}
-        # Jobs the offloading worker refused; they finish (failed) next poll.
-        self._refused_jobs: list[int] = []
-        self._load_error_block_ids: set[int] = set()
-        self._failed_recving: set[ReqId] = set()
-        # vLLM maps failed block ids back to requests only with one KV cache
-        # group (Scheduler._handle_invalid_blocks); else report per request.
-        self._report_block_ids = len(kv_cache_config.kv_cache_groups) == 1
-
-    def _submit_deferred_stores(self) -> None:
-        assert self.worker is not None
-        for job_id, src_spec, dst_spec in self._unsubmitted_store_jobs:
-            assert isinstance(src_spec, GPULoadStoreSpec)
-            if not self.worker.submit_store(job_id, src_spec, dst_spec):
-                self._refused_jobs.append(job_id)
-        self._unsubmitted_store_jobs.clear()
-
-    def handle_preemptions(self, kv_connector_metadata: OffloadingConnectorMetadata):
-        # vLLM's, with refused stores reported instead of asserted.
-        assert self.worker is not None
-        jobs_to_flush = kv_connector_metadata.jobs_to_flush
-        # Stores of this step that must land before their blocks are reused
-        # go out now, ahead of the rest of the step's stores.
-        for job_id in jobs_to_flush or ():
-            entry = kv_connector_metadata.store_jobs.pop(job_id, None)
-            if entry is None:
-                continue
-            if not self._is_store_writer:
-                self._connector_worker_meta.mark_completed(job_id)
-                continue
-            assert isinstance(entry.src_spec, GPULoadStoreSpec)
-            self._unsubmitted_store_jobs.append(
-                (job_id, entry.src_spec, entry.dst_spec)
-            )
-        self._submit_deferred_stores()
-        if jobs_to_flush:
-            self.worker.wait(jobs_to_flush)
-
-    def start_kv_transfers(self, metadata: OffloadingConnectorMetadata):
-        # vLLM's, with refused jobs reported instead of asserted.
-        assert self.worker is not None
-        self._submit_deferred_stores()
-        for job_id, entry in metadata.load_jobs.items():
-            assert isinstance(entry.dst_spec, GPULoadStoreSpec)
-            self._load_jobs[job_id] = entry.req_id
-            self._load_dst_specs[job_id] = entry.dst_spec
-            if not self.worker.submit_load(job_id, entry.src_spec, entry.dst_spec):
-                self._refused_jobs.append(job_id)
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        """Like vLLM's: loads report ``finished_recving``, stores only
-        ``completed_jobs``; failed jobs are finished too, and flagged."""
-        assert self.worker is not None
-        refused = [TransferResult(j, success=False) for j in self._refused_jobs]
-        self._refused_jobs.clear()
-        results = self.worker.get_finished() + refused
-
-        meta = self._connector_worker_meta
-        finished_recving: set[str] = set()
-        for result in results:
-            job_id = result.job_id
-            req_id = self._load_jobs.pop(job_id, None)
-            dst_spec = self._load_dst_specs.pop(job_id, None)
-            if not result.success:
-                self._finish_failed(job_id, req_id, dst_spec)
-                meta.mark_failed(job_id)
-                # Failed jobs moved no useful bytes: no transfer stats.
-            elif result.transfer_time is not None and result.transfer_size:
-                stats = meta.transfer_stats
-                direction = stats.load if req_id is not None else stats.store
-                direction.record(result.transfer_size, result.transfer_time)
-                meta.mark_completed(job_id)
-            else:
-                meta.mark_completed(job_id)
-            if req_id is not None:
-                # Failed or not, the request stops waiting for this load.
-                finished_recving.add(req_id)
-        return set(), finished_recving
-
-    def _finish_failed(
-        self, job_id: int, req_id: ReqId | None, dst_spec: GPULoadStoreSpec | None
-    ) -> None:
-        if req_id is None:
-            logger.warning(
-                "KV offload: store job %d failed; its blocks are not kept in the "
-                "CPU cache",
-                job_id,
-            )
-            return
-        assert dst_spec is not None
-        # The job may have written some of its blocks, or garbage: all of
-        # them must be recomputed before anything reads them.
-        block_ids = np.asarray(dst_spec.block_ids, dtype=np.int64).tolist()
-        if self._report_block_ids:
-            self._load_error_block_ids.update(block_ids)
-        else:
-            self._failed_recving.add(req_id)
-        logger.warning(
-            "KV offload: load job %d of request %s failed; its %d device blocks "
-            "are reported as not loaded (kv_load_failure_policy decides: "
-            "recompute them, or fail the request)",
-            job_id,
-            req_id,
-            len(block_ids),
-        )
-
-    def take_load_error_block_ids(self) -> set[int]:
-        block_ids, self._load_error_block_ids = self._load_error_block_ids, set()
-        return block_ids
-
-    def take_failed_recving(self) -> set[ReqId]:
-        req_ids, self._failed_recving = self._failed_recving, set()
-        return req_ids
-
-    def build_connector_worker_meta(self) -> OffloadingWorkerMetadata | None:
-        if not self._connector_worker_meta.completed_jobs:
-            return None
-        meta = self._connector_worker_meta
-        self._connector_worker_meta = AscendOffloadingWorkerMetadata()
-        return meta
-
-    def shutdown(self) -> None:
-        super().shutdown()
-        self._connector_worker_meta = AscendOffloadingWorkerMetadata()
-        self._load_dst_specs.clear()
-        self._refused_jobs.clear()
+    req_id: ReqId
+    block_ids: tuple[int, ...]
+    sync: bool
 
 
 def _device_block_sizes(
@@ -300,74 +168,154 @@ class AscendOffloadingConnector(OffloadingConnector):
     ):
         transfer_config = vllm_config.kv_transfer_config
         assert transfer_config is not None
+        extra = transfer_config.kv_connector_extra_config
         validate_connector_config(
             transfer_config.kv_role,
-            transfer_config.kv_connector_extra_config,
+            extra,
             _device_block_sizes(vllm_config, kv_cache_config),
         )
+        groups = get_offloading_group_ids(kv_cache_config)
+        # vLLM maps failed block ids back to requests only with one KV cache
+        # group (Scheduler._handle_invalid_blocks); else report per request.
+        self._report_block_ids = len(groups) <= 1
+        if not self._report_block_ids and extra.get("sync_load_budget_bytes"):
+            raise OffloadConfigError(
+                "kv_connector_extra_config['sync_load_budget_bytes']="
+                f"{extra['sync_load_budget_bytes']!r} cannot be used with a model "
+                f"whose KV cache has {len(groups)} offloaded groups: a failed "
+                "synchronous load could not be reported to vLLM there; remove "
+                "sync_load_budget_bytes (loads then run asynchronously)"
+            )
         super().__init__(vllm_config, role, kv_cache_config)
-        if self.connector_worker is not None:
-            # Nothing is allocated before register_kv_caches, so replacing
-            # vLLM's connector worker with ours costs nothing.
-            self.connector_worker = AscendOffloadingConnectorWorker(
-                self.connector_worker.spec, vllm_config, kv_cache_config
-            )
-        # Scheduler side: failed store jobs whose completion is still to come
-        # from some worker, and requests that had a load fail.
-        self._failed_store_jobs: set[int] = set()
-        self._load_failed_req_ids: set[str] = set()
-        policy = getattr(transfer_config, "kv_load_failure_policy", "fail")
-        if role == KVConnectorRole.SCHEDULER and policy != "recompute":
-            logger.info(
-                "KV offload: kv_load_failure_policy=%r: a request whose CPU->device "
-                "load fails will fail; 'recompute' recomputes its blocks instead",
-                policy,
-            )
+        self._num_workers = vllm_config.parallel_config.world_size
+        # Worker side: load jobs of the bound metadata and earlier steps, and
+        # what the current step has to report.
+        self._load_jobs: dict[int, _LoadJob] = {}
+        self._load_error_block_ids: set[int] = set()
+        self._failed_recving: set[ReqId] = set()
+        self._failed_jobs: set[int] = set()
+        # Scheduler side: per job, what a failure means (store -> its keys,
+        # load -> its request) and how many workers have yet to report it.
+        self._job_failure_target: dict[int, tuple[bool, object]] = {}
+        self._job_reports_due: dict[int, int] = {}
+        if self.connector_scheduler is not None:
+            manager = self.connector_scheduler.manager
+            if not isinstance(manager, FailureAwareManager):
+                raise TypeError(
+                    "AscendOffloadingConnector needs NPUOffloadingSpec's manager "
+                    f"(FailureAwareManager), got {type(manager).__name__}"
+                )
+            self._manager = manager
+            policy = getattr(transfer_config, "kv_load_failure_policy", "fail")
+            if policy != "recompute":
+                logger.info(
+                    "KV offload: kv_load_failure_policy=%r: a request whose "
+                    "CPU->device load fails will fail; 'recompute' recomputes "
+                    "its blocks instead",
+                    policy,
+                )
 
     # -- worker side -------------------------------------------------------
 
+    @property
+    def _worker(self) -> NPUOffloadingWorker:
+        worker = self.connector_worker.worker if self.connector_worker else None
+        assert worker is not None, "KV caches are not registered yet"
+        return worker
+
     def register_kv_caches(self, kv_caches: dict[str, KVCacheParts]) -> None:
-        worker = self.connector_worker
-        assert worker is not None
+        connector_worker = self.connector_worker
+        assert connector_worker is not None
         if all(isinstance(c, torch.Tensor) for c in kv_caches.values()):
-            worker.register_kv_caches(kv_caches)
-            return
-        config = worker.kv_cache_config
-        groups = [
-            config.kv_cache_groups[g].layer_names
-            for g in get_offloading_group_ids(config)
-        ]
-        canonical = canonicalize(kv_caches, groups, config.num_blocks)
-        logger.info(
-            "KV offload: %d layers in %d groups as %d per-part block views",
-            sum(len(g) for g in groups),
-            len(groups),
-            len(canonical.tensors),
-        )
-        worker._init_worker(canonical)
+            connector_worker.register_kv_caches(kv_caches)
+        else:
+            config = connector_worker.kv_cache_config
+            groups = [
+                config.kv_cache_groups[g].layer_names
+                for g in get_offloading_group_ids(config)
+            ]
+            canonical = canonicalize(kv_caches, groups, config.num_blocks)
+            logger.info(
+                "KV offload: %d layers in %d groups as %d per-part block views",
+                sum(len(g) for g in groups),
+                len(groups),
+                len(canonical.tensors),
+            )
+            vllm_compat.init_offloading_worker(connector_worker, canonical)
+        self._worker.divert_failures()
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, OffloadingConnectorMetadata)
+        for job_id, entry in connector_metadata.load_jobs.items():
+            assert isinstance(entry.dst_spec, GPULoadStoreSpec)
+            self._load_jobs[job_id] = _LoadJob(
+                req_id=entry.req_id,
+                block_ids=tuple(
+                    np.asarray(entry.dst_spec.block_ids, dtype=np.int64).tolist()
+                ),
+                sync=bool(getattr(entry, "sync", False)),
+            )
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        meta = self._get_connector_metadata()
+        if getattr(meta, "idle_step", False):
+            self._worker.wait_for_progress(IDLE_STEP_WAIT_S)
+        finished = super().get_finished(finished_req_ids)
+        for job_id in self._worker.take_failed_jobs():
+            self._failed_jobs.add(job_id)
+            load = self._load_jobs.pop(job_id, None)
+            if load is None:
+                logger.warning(
+                    "KV offload: store job %d failed; its blocks are not kept in "
+                    "the CPU cache",
+                    job_id,
+                )
+                continue
+            # The job may have written some of its blocks, or garbage: all of
+            # them must be recomputed before anything uses them.
+            if self._report_block_ids:
+                self._load_error_block_ids.update(load.block_ids)
+            else:
+                self._failed_recving.add(load.req_id)
+            logger.warning(
+                "KV offload: %s load job %d of request %s failed; its %d device "
+                "blocks are reported as not loaded (kv_load_failure_policy "
+                "decides: recompute them, or fail the request)",
+                "sync" if load.sync else "async",
+                job_id,
+                load.req_id,
+                len(load.block_ids),
+            )
+        return finished
 
     def get_transfer_results(
         self, finished_req_ids: set[str]
     ) -> KVConnectorTransferResults:
         results = super().get_transfer_results(finished_req_ids)
-        worker = self.connector_worker
-        assert isinstance(worker, AscendOffloadingConnectorWorker)
-        results.failed_recving |= worker.take_failed_recving()
+        results.failed_recving |= self._failed_recving
+        self._failed_recving = set()
         return results
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         # Called after get_transfer_results in the same step, so a failed
         # load's blocks arrive with its request's finished_recving.
-        worker = self.connector_worker
-        assert isinstance(worker, AscendOffloadingConnectorWorker)
-        return worker.take_load_error_block_ids()
+        block_ids, self._load_error_block_ids = self._load_error_block_ids, set()
+        return block_ids
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        meta = self._connector_metadata
-        wait = getattr(self.connector_worker.worker, "wait_for_progress", None)
-        if getattr(meta, "idle_step", False) and wait is not None:
-            wait(IDLE_STEP_WAIT_S)
-        return super().get_finished(finished_req_ids)
+    def build_connector_worker_meta(self) -> OffloadingWorkerMetadata | None:
+        meta = super().build_connector_worker_meta()
+        if meta is None:
+            return None
+        for job_id in meta.completed_jobs:
+            self._load_jobs.pop(job_id, None)
+        failed = self._failed_jobs & set(meta.completed_jobs)
+        self._failed_jobs -= failed
+        return AscendOffloadingWorkerMetadata(
+            completed_jobs=meta.completed_jobs,
+            transfer_stats=meta.transfer_stats,
+            failed_jobs=failed,
+        )
 
     # -- scheduler side ----------------------------------------------------
 
@@ -375,74 +323,42 @@ class AscendOffloadingConnector(OffloadingConnector):
         self, scheduler_output: SchedulerOutput
     ) -> AscendOffloadingConnectorMetadata:
         meta = super().build_connector_meta(scheduler_output)
+        for job_id, entry in meta.store_jobs.items():
+            keys = self._manager.keys_of_store(entry.dst_spec)
+            self._expect_reports(job_id, (True, keys))
+        for job_id, entry in meta.load_jobs.items():
+            self._expect_reports(job_id, (False, entry.req_id))
         # Every field of vLLM's metadata, whatever its version has.
         values = {f.name: getattr(meta, f.name) for f in fields(meta)}
         return AscendOffloadingConnectorMetadata(
             **values, idle_step=scheduler_output.total_num_scheduled_tokens == 0
         )
 
-    def get_num_new_matched_tokens(
-        self, request: Request, num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
-        hits, load_async = super().get_num_new_matched_tokens(
-            request, num_computed_tokens
-        )
-        if not hits or request.request_id not in self._load_failed_req_ids:
-            return hits, load_async
-        # This request's load failed before: recompute instead of loading
-        # again. The lookup above still ran for its bookkeeping; undo the
-        # part that assumed a load.
-        req_status = self.scheduler._req_status[request.request_id]
-        req_status.update_num_hit_chunks(num_computed_tokens)
-        req_status.partial_tail_boundary = None
-        return 0, False
+    def _expect_reports(self, job_id: int, target: tuple[bool, object]) -> None:
+        self._job_failure_target[job_id] = target
+        self._job_reports_due[job_id] = self._num_workers
 
     def update_connector_output(self, connector_output: KVConnectorOutput):
         meta = connector_output.kv_connector_worker_meta
-        if isinstance(meta, AscendOffloadingWorkerMetadata) and meta.failed_jobs:
-            for job_id in meta.failed_jobs:
-                job = self.scheduler._jobs.get(job_id)
-                if job is None:
-                    continue  # stale: issued before a cache reset
-                if job.is_store:
-                    self._failed_store_jobs.add(job_id)
+        failed = getattr(meta, "failed_jobs", ())
+        # Before vLLM completes the jobs below: complete_store must already
+        # know that a failed store's keys hold nothing.
+        for job_id in failed:
+            is_store, target = self._job_failure_target.get(job_id, (None, None))
+            if target is None:
+                continue  # stale (issued before a cache reset) or unknown
+            if is_store:
+                self._manager.store_failed(target)
+            else:
+                self._manager.load_failed(target)
+        if isinstance(meta, OffloadingWorkerMetadata):
+            for job_id, count in meta.completed_jobs.items():
+                due = self._job_reports_due.get(job_id)
+                if due is None:
                     continue
-                # Under "fail" the request is already finished by now.
-                req_status = self.scheduler._req_status.get(job.req_id)
-                if req_status is not None and not req_status.req.is_finished():
-                    self._load_failed_req_ids.add(job.req_id)
-        if self._failed_store_jobs and meta is not None:
-            self._drop_failed_stores(meta)
+                if due - count > 0:
+                    self._job_reports_due[job_id] = due - count
+                else:
+                    del self._job_reports_due[job_id]
+                    self._job_failure_target.pop(job_id, None)
         super().update_connector_output(connector_output)
-
-    def request_finished(self, request: Request, block_ids: list[int]):
-        self._load_failed_req_ids.discard(request.request_id)
-        return super().request_finished(request, block_ids)
-
-    def request_finished_all_groups(
-        self, request: Request, block_ids: tuple[list[int], ...]
-    ):
-        self._load_failed_req_ids.discard(request.request_id)
-        return super().request_finished_all_groups(request, block_ids)
-
-    def _drop_failed_stores(self, meta: OffloadingWorkerMetadata) -> None:
-        """Un-records the CPU blocks of failed stores that complete now.
-
-        vLLM then calls ``complete_store`` (success) on the same keys, which
-        skips keys that are no longer pending: the blocks stay unrecorded and
-        their CPU space is free for the next store.
-        """
-        scheduler = self.scheduler
-        for job_id, count in meta.completed_jobs.items():
-            if job_id not in self._failed_store_jobs:
-                continue
-            job = scheduler._jobs.get(job_id)
-            if job is None or job.pending_count > count:
-                # Stale (cache reset), or other workers are still copying:
-                # the blocks must stay reserved until the last one is done.
-                if job is None:
-                    self._failed_store_jobs.discard(job_id)
-                continue
-            self._failed_store_jobs.discard(job_id)
-            req_context = scheduler._req_status[job.req_id].req_context
-            scheduler.manager.complete_store(job.keys, req_context, success=False)

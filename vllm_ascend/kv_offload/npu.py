@@ -31,11 +31,16 @@ from typing import Any
 
 import psutil
 from vllm.utils.math_utils import round_up
-from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingWorker
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    OffloadingManager,
+    OffloadingWorker,
+)
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 from vllm_ascend.kv_offload.logger import init_logger
+from vllm_ascend.kv_offload.manager import FailureAwareManager
 from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
 
 logger = init_logger(__name__)
@@ -253,10 +258,18 @@ class NPUOffloadingSpec(CPUOffloadingSpec):
 
     # The worker this spec builds; a subclass may substitute its own.
     worker_cls: type[NPUOffloadingWorker] = NPUOffloadingWorker
+    _failure_aware_manager: FailureAwareManager | None = None
 
     def _uses_shared_region(self) -> bool:
         # Each worker owns a private pool; no cross-rank shared mmap region.
         return False
+
+    def get_manager(self) -> OffloadingManager:
+        """vLLM's manager (LRU/ARC, events, metrics), told about failed
+        transfers by our connector (``manager.py``)."""
+        if self._failure_aware_manager is None:
+            self._failure_aware_manager = FailureAwareManager(super().get_manager())
+        return self._failure_aware_manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:

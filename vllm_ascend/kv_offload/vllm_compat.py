@@ -50,3 +50,14 @@ def offloading_spec_class(extra_config: Mapping[str, Any]) -> type:
     if module_path is None:
         raise ValueError(f"Unsupported spec type: {spec_name}")
     return getattr(importlib.import_module(module_path), spec_name)
+
+
+def init_offloading_worker(connector_worker: Any, kv_caches: Any) -> None:
+    """Hands canonical KV caches that we built (Ascend tuple layouts) to vLLM's
+    connector worker, which then builds the offloading worker from the spec.
+
+    ``OffloadingConnectorWorker.register_kv_caches`` only accepts one tensor
+    per layer and ends in ``_init_worker(CanonicalKVCaches)``; that method
+    exists with this signature in vLLM 0.30, 0.31, 0.32 and 0.33.
+    """
+    connector_worker._init_worker(kv_caches)

@@ -1,15 +1,21 @@
 """Worker side of NPU offloading: submits and tracks KV transfers.
 
 The same worker runs on ``npu``, ``cuda`` and ``cpu``: the copy engine builds a
-job's descriptors, and a per-direction ``TransferQueue`` decides where the
-copies run (a dedicated stream, or a thread on the CPU backend).
+job's descriptors, and a ``TransferQueue`` per kind of job decides where the
+copies run (a dedicated stream, or a thread on the CPU backend). There are
+three: stores, loads, and expedited loads (vLLM >= 0.33 waits for those
+within the step, so they must not queue behind regular loads).
 
-Failures never escape into the engine. ``submit_store``/``submit_load``
-return False for a job that could not be started (nothing is reported for it
-later); every job they accepted is reported exactly once by ``get_finished``,
-with ``success=False`` if its copy failed. The connector
-(``connector.py``) turns a failed load into "recompute these device blocks"
-and a failed store into "these CPU blocks were never stored".
+Failures never escape into the engine, and are never hidden. Every job
+``submit_store``/``submit_load`` accepted is reported exactly once by
+``get_finished``; one that failed (at submission or while copying) is
+reported with ``success=False``, which vLLM's own connector does not handle
+(it asserts). ``connector.AscendOffloadingConnector`` therefore calls
+``divert_failures()``: from then on failed jobs are reported to vLLM as
+finished without transfer stats, and the connector collects them with
+``take_failed_jobs()`` and reports them through vLLM's public connector hooks
+(blocks to recompute, CPU blocks never stored). Without that call a failure
+stays loud.
 """
 
 from __future__ import annotations
@@ -35,7 +41,11 @@ from vllm.v1.kv_offload.base import (
 
 from vllm_ascend.kv_offload.copy_engine import CopyEngine, CpuBlockPool, Descriptors
 from vllm_ascend.kv_offload.logger import init_logger
-from vllm_ascend.kv_offload.transfer_queue import TransferQueue, make_transfer_queue
+from vllm_ascend.kv_offload.transfer_queue import (
+    FinishedJob,
+    TransferQueue,
+    make_transfer_queue,
+)
 
 logger = init_logger(__name__)
 
@@ -250,9 +260,26 @@ class NPUOffloadingWorker(OffloadingWorker):
         self.engine = CopyEngine(kv_caches, self.pool)
         self._stores = make_transfer_queue(self.device, "store")
         self._loads = make_transfer_queue(self.device, "load")
+        self._expedited_loads = make_transfer_queue(self.device, "load-expedited")
+        self._queues = (self._stores, self._loads, self._expedited_loads)
         # job_id -> bytes, for the TransferResult.
         self._job_bytes: dict[int, int] = {}
+        # Jobs that failed at submission; reported by the next get_finished.
+        self._refused: list[int] = []
+        self._divert_failures = False
+        self._failed_jobs: list[int] = []
         self._closed = False
+
+    def divert_failures(self) -> None:
+        """Report failed jobs to vLLM as finished (without stats) and keep
+        them for ``take_failed_jobs``; for a connector that reports failures
+        through vLLM's public hooks itself."""
+        self._divert_failures = True
+
+    def take_failed_jobs(self) -> list[int]:
+        """Jobs reported failed since the last call (diverted failures)."""
+        failed, self._failed_jobs = self._failed_jobs, []
+        return failed
 
     def _submit(
         self,
@@ -265,7 +292,7 @@ class NPUOffloadingWorker(OffloadingWorker):
         direction = "store" if to_cpu else "load"
         if self._closed:
             logger.warning("KV offload: %s job %d after shutdown", direction, job_id)
-            return False
+            return self._refuse(job_id)
         try:
             assert isinstance(device_spec, GPULoadStoreSpec)
             assert isinstance(cpu_spec, BlockIDsLoadStoreSpec)
@@ -286,7 +313,14 @@ class NPUOffloadingWorker(OffloadingWorker):
                 "KV offload: %s job %d could not be submitted", direction, job_id
             )
             self._job_bytes.pop(job_id, None)
-            return False
+            return self._refuse(job_id)
+        return True
+
+    def _refuse(self, job_id: int) -> bool:
+        if not self._divert_failures:
+            return False  # vLLM's contract: nothing is reported for it later
+        # Accepted as far as vLLM knows; finishes failed at the next poll.
+        self._refused.append(job_id)
         return True
 
     def submit_store(
@@ -302,26 +336,33 @@ class NPUOffloadingWorker(OffloadingWorker):
         dst_spec: GPULoadStoreSpec,
         expedited: bool = False,
     ) -> bool:
-        """CPU -> device. ``expedited`` (vLLM >= 0.33) changes nothing here:
-        loads already have a queue of their own."""
-        return self._submit(self._loads, job_id, dst_spec, src_spec, to_cpu=False)
+        """CPU -> device. An ``expedited`` load (vLLM >= 0.33: the step waits
+        for it before its forward pass) runs on a queue of its own, so it never
+        waits behind regular loads."""
+        queue = self._expedited_loads if expedited else self._loads
+        return self._submit(queue, job_id, dst_spec, src_spec, to_cpu=False)
 
     def get_finished(self) -> list[TransferResult]:
+        finished = [FinishedJob(j, False, 0.0) for j in self._refused]
+        self._refused.clear()
+        for queue in self._queues:
+            finished += queue.poll()
         results = []
-        for job in self._stores.poll() + self._loads.poll():
-            results.append(
-                TransferResult(
-                    job_id=job.job_id,
-                    success=job.success,
-                    transfer_size=self._job_bytes.pop(job.job_id, 0),
-                    transfer_time=job.seconds,
-                )
-            )
+        for job in finished:
+            size = self._job_bytes.pop(job.job_id, 0)
+            if job.success:
+                results.append(TransferResult(job.job_id, True, size, job.seconds))
+            elif self._divert_failures:
+                # Failed jobs moved no useful bytes: no transfer stats.
+                self._failed_jobs.append(job.job_id)
+                results.append(TransferResult(job.job_id, True, None, None))
+            else:
+                results.append(TransferResult(job.job_id, False, size, job.seconds))
         return results
 
     def wait(self, job_ids: set[int]) -> None:
-        self._stores.wait(job_ids)
-        self._loads.wait(job_ids)
+        for queue in self._queues:
+            queue.wait(job_ids)
 
     def wait_for_progress(self, timeout_s: float) -> None:
         """Blocks until a job in flight finishes, at most ``timeout_s``.
@@ -332,15 +373,16 @@ class NPUOffloadingWorker(OffloadingWorker):
         Loads come first (requests wait on them); stores only when no load is
         in flight. Returns at once on streams (their DMA does not compete).
         """
-        if not self._loads.wait_any(timeout_s):
-            self._stores.wait_any(timeout_s)
+        for queue in (self._expedited_loads, self._loads, self._stores):
+            if queue.wait_any(timeout_s):
+                return
 
     def shutdown(self) -> None:
         """Drops queued jobs, waits for copies in progress, frees the pool."""
         if self._closed:
             return
         self._closed = True
-        stopped = [q.shutdown() for q in (self._stores, self._loads)]
+        stopped = [q.shutdown() for q in self._queues]
         self._job_bytes.clear()
         if all(stopped):
             # Release the (possibly pinned) host memory now, not at GC.
