@@ -17,10 +17,12 @@ as fast as it can takes CPU time from the copy (docs/e2e_benchmark.md). A
 stream's copies run on a DMA engine, which polling does not slow, so there it
 returns at once.
 
-Failures: a job whose copy raises is reported with ``success=False`` (never
-re-raised into the engine); ``submit`` raises only if the job could not be
-started, and the caller reports that job failed. ``shutdown`` drops jobs not
-yet started, so it returns after at most the one copy in progress.
+Failures: a job whose copy raises (anything, even ``SystemExit``) is
+reported with ``success=False`` (never re-raised into the engine); ``submit``
+raises only if the job could not be started, and the caller reports that job
+failed. Every job ``submit`` accepted is reported exactly once, also when
+``shutdown`` races with it. ``shutdown`` drops jobs not yet started, so it
+returns after at most the one copy in progress.
 """
 
 from __future__ import annotations
@@ -178,34 +180,59 @@ class ThreadTransferQueue(TransferQueue):
         self._finished: list[FinishedJob] = []
         self._pending: set[int] = set()
         self._closing = False
+        self._stopped = False  # the thread has ended (normally or not)
         self._thread = threading.Thread(
             target=self._run, name=f"kv-offload-{name}", daemon=True
         )
         self._thread.start()
 
     def submit(self, job_id: int, copy: CopyFn) -> None:
-        if self._closing or not self._thread.is_alive():
-            raise RuntimeError("transfer queue is shut down")
+        # Checked and enqueued under the lock that shutdown takes: a job is
+        # either refused here or queued ahead of the thread's stop marker.
         with self._changed:
+            if self._closing or self._stopped or not self._thread.is_alive():
+                raise RuntimeError("transfer queue is shut down")
             self._pending.add(job_id)
-        self._todo.put((job_id, copy))
+            self._todo.put((job_id, copy))
 
     def _run(self) -> None:
-        while (item := self._todo.get()) is not self._STOP:
-            job_id, copy = item
-            start = time.perf_counter()
-            success = False
-            if not self._closing:  # at shutdown, drop jobs not yet started
-                try:
-                    copy()
-                    success = True
-                except Exception:
-                    logger.exception("KV offload copy job %d failed", job_id)
-            seconds = time.perf_counter() - start
-            with self._changed:
-                self._finished.append(FinishedJob(job_id, success, seconds))
-                self._pending.discard(job_id)
-                self._changed.notify_all()
+        try:
+            while (item := self._todo.get()) is not self._STOP:
+                job_id, copy = item
+                start = time.perf_counter()
+                success = False
+                if not self._closing:  # at shutdown, drop jobs not yet started
+                    try:
+                        copy()
+                        success = True
+                    except BaseException:
+                        # Even SystemExit fails only this job: the thread
+                        # must live on to report every later one.
+                        logger.exception("KV offload copy job %d failed", job_id)
+                seconds = time.perf_counter() - start
+                with self._changed:
+                    self._finished.append(FinishedJob(job_id, success, seconds))
+                    self._pending.discard(job_id)
+                    self._changed.notify_all()
+        finally:
+            self._fail_pending()
+
+    def _fail_pending(self) -> None:
+        """The thread is ending: whatever it has not reported fails now, and
+        nothing more is accepted, so no waiter is left behind."""
+        with self._changed:
+            self._stopped = True
+            for job_id in sorted(self._pending):
+                self._finished.append(FinishedJob(job_id, False, 0.0))
+            if self._pending:
+                logger.error(
+                    "KV offload: copy thread %s ended with %d jobs unreported; "
+                    "they are reported failed",
+                    self._thread.name,
+                    len(self._pending),
+                )
+            self._pending.clear()
+            self._changed.notify_all()
 
     def poll(self) -> list[FinishedJob]:
         with self._changed:
@@ -224,9 +251,10 @@ class ThreadTransferQueue(TransferQueue):
         return True
 
     def shutdown(self) -> bool:
-        if not self._closing:
-            self._closing = True
-            self._todo.put(self._STOP)
+        with self._changed:  # after any submit under way (see submit)
+            if not self._closing:
+                self._closing = True
+                self._todo.put(self._STOP)
         self._thread.join(self.SHUTDOWN_TIMEOUT_S)
         if self._thread.is_alive():
             logger.warning(
