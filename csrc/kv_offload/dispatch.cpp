@@ -82,6 +82,7 @@ std::vector<CopyRegion> coalesce(const int64_t* src, const int64_t* dst,
   constexpr uint64_t kMax = std::numeric_limits<uint64_t>::max();
   std::vector<CopyRegion> regions;
   regions.reserve(static_cast<size_t>(n));
+  uint64_t total = 0;  // backends count bytes in uint64_t: it must not wrap
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK(sizes[i] > 0, "swap_blocks_batch: sizes[", i, "] = ", sizes[i],
                 " but every size must be > 0; drop empty fragments first");
@@ -99,6 +100,13 @@ std::vector<CopyRegion> coalesce(const int64_t* src, const int64_t* dst,
         s <= kMax - size && d <= kMax - size, "swap_blocks_batch: fragment ", i,
         " wraps around the end of the address space (src_addrs=", s,
         ", dst_addrs=", d, ", sizes=", size, "); check the address arithmetic");
+    TORCH_CHECK(total <= kMax - size,
+                "swap_blocks_batch: the sizes add up to more than 2^64 - 1 "
+                "bytes at fragment ",
+                i, " (sizes[", i, "]=", size,
+                "); no batch can copy more than the address space holds, "
+                "check the sizes");
+    total += size;
     if (!regions.empty()) {
       CopyRegion& last = regions.back();
       if (last.src + last.size == s && last.dst + last.size == d) {

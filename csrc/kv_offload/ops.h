@@ -38,7 +38,8 @@
 //   - wrong dtype / device / dim / contiguity of a descriptor tensor,
 //   - descriptor tensors of unequal length,
 //   - a size <= 0, a null source or destination address, a range that wraps
-//     around the end of the address space,
+//     around the end of the address space, sizes that add up to more than
+//     2^64 - 1 bytes,
 //   - "cpu" only: a (merged) copy whose source and destination ranges
 //     overlap. Overlap *between* different fragments is not checked; the
 //     copies may run concurrently and in any order, so the result is then
@@ -120,8 +121,9 @@
 namespace vllm_ascend::kv_offload {
 
 // A backend copies every region. Regions arrive validated (non-null, size >
-// 0, no wrap-around) and coalesced; backend-specific checks (e.g. overlap on
-// cpu) are the backend's job and must happen before the first byte moves.
+// 0, no wrap-around, total bytes < 2^64) and coalesced; backend-specific
+// checks (e.g. overlap on cpu) are the backend's job and must happen before
+// the first byte moves.
 using SwapBlocksBackend = void (*)(const std::vector<CopyRegion>& regions);
 
 void swap_blocks_cpu(const std::vector<CopyRegion>& regions);

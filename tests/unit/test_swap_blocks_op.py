@@ -250,6 +250,11 @@ def _bad_descriptors(
         return descriptors(ok + [(s + 100, -8, 16)])
     if case == "overlap":
         return descriptors(ok + [(s + 100, s + 108, 16)])
+    if case == "sizes-overflow":
+        # Each fragment alone is valid (no wrap, source and destination
+        # disjoint), but the batch adds up to 2^64 + 14 bytes.
+        huge = 2**63 - 1
+        return descriptors(ok + [(1, -(2**63), huge), (1, -(2**63), huge)])
     if case == "overlap-after-merge":
         # each fragment alone is disjoint, but the merged copy is not
         return descriptors(ok + [(s + 100, s + 110, 10), (s + 110, s + 120, 10)])
@@ -269,6 +274,10 @@ def _bad_descriptors(
         ("null-src", r"src_addrs\[1\] is a null address"),
         ("null-dst", r"dst_addrs\[1\] is a null address"),
         ("wraps", r"fragment 1 wraps around the end of the address space"),
+        (
+            "sizes-overflow",
+            r"sizes add up to more than 2\^64 - 1 bytes at fragment 2",
+        ),
         ("overlap", r"fragment 1 \(after merging adjacent fragments\) overlap"),
         ("overlap-after-merge", r"fragment 1 \(after merging .*\) overlap"),
     ],

@@ -164,6 +164,19 @@ def fallback_swap_blocks_batch(
             "check the address arithmetic"
         )
 
+    # Same check as coalesce() in dispatch.cpp: byte counts are uint64 and
+    # must not wrap. Each size is < 2^63, so a running sum wraps at most once
+    # per step, and a wrap shows as a decrease.
+    running = np.cumsum(size, dtype=np.uint64)
+    wrapped = running[1:] < running[:-1]
+    if wrapped.any():
+        i = _first(wrapped) + 1
+        raise RuntimeError(
+            "swap_blocks_batch: the sizes add up to more than 2^64 - 1 bytes at "
+            f"fragment {i} (sizes[{i}]={size[i]}); no batch can copy more than "
+            "the address space holds, check the sizes"
+        )
+
     # A fragment starts a new copy unless it continues the previous one on
     # both sides; chains of continuations merge into one copy.
     src_end, dst_end = src[:-1] + size[:-1], dst[:-1] + size[:-1]
