@@ -51,12 +51,19 @@ def run_scenario(tmp_path: Path, name: str, scenario: dict) -> dict:
         text=True,
         timeout=600,
     )
+    # Everything the process printed (the error below keeps only the end).
+    (tmp_path / f"{name}.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         raise AssertionError(
             f"scenario {name} failed (exit {proc.returncode}):\n"
             f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
         )
     return json.loads(out_file.read_text())
+
+
+def scenario_log(tmp_path: Path, name: str) -> str:
+    """The whole output (stdout, then stderr) of the last run of ``name``."""
+    return (tmp_path / f"{name}.log").read_text()
 
 
 def token_ids(phase: list[dict]) -> list[list[int]]:

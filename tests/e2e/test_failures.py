@@ -23,6 +23,7 @@ from tests.e2e.conftest import (
     GUIDE_OFFLOAD,
     cached,
     run_scenario,
+    scenario_log,
     token_ids,
 )
 from vllm_ascend.kv_offload.connector import AscendOffloadingConnector
@@ -184,32 +185,40 @@ def test_negative_control_unhandled_failures_change_the_output(
     assert token_ids(second) != reference
 
 
-# -- bad configuration fails at start-up, before the pool is allocated ------
+# -- start-up: an oversized pool fails with one error, before it exists -----
 
 
 @pytest.mark.parametrize(
-    "change, message",
+    "num_cpu_blocks, allocated",
     [
-        # One engine start per case is costly; the other bad values are
-        # covered by tests/unit/test_config_validation.py.
-        (
-            {"offload": dict(GUIDE_OFFLOAD, num_cpu_blocks=10**9)},
-            "lower num_cpu_blocks to",
-        ),
+        (1000, True),
+        # One engine start per bad value is costly; the other bad values are
+        # covered by tests/unit/test_config_validation.py and
+        # tests/unit/test_host_memory_guard.py.
+        (10**9, False),
     ],
 )
-def test_bad_configuration_fails_at_start_up_with_one_error(
-    scenario_dir, change, message
+def test_start_up_logs_the_pool_exactly_when_it_allocates_one(
+    scenario_dir, num_cpu_blocks, allocated
 ):
+    """In-process engines log through vLLM's logger like the others, so the
+    pool's start-up line is in the log when the pool was allocated; its
+    absence after a refused start then means that nothing was allocated."""
+    name = f"start_up_{num_cpu_blocks}_blocks"
     scenario = {
         "engine": IN_PROCESS_ENGINE,
-        "offload": GUIDE_OFFLOAD,
+        "offload": dict(GUIDE_OFFLOAD, num_cpu_blocks=num_cpu_blocks),
         "env": IN_PROCESS_ENV,
         "phases": [{"prompts": ALL_PROMPTS[:1]}],
-        **change,
     }
-    with pytest.raises(AssertionError) as failure:
-        run_scenario(scenario_dir, "bad_config", scenario)
-    output = str(failure.value)
-    assert "OffloadConfigError" in output and message in output
-    assert "CPU block pool of" not in output  # nothing was allocated
+    if allocated:
+        run_scenario(scenario_dir, name, scenario)
+    else:
+        with pytest.raises(AssertionError):
+            run_scenario(scenario_dir, name, scenario)
+    log = scenario_log(scenario_dir, name)
+    if allocated:
+        assert f"KV offload: CPU block pool of {num_cpu_blocks} blocks" in log
+    else:
+        assert "OffloadConfigError" in log and "lower num_cpu_blocks to" in log
+        assert "CPU block pool of" not in log
