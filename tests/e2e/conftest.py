@@ -41,7 +41,10 @@ def run_scenario(tmp_path: Path, name: str, scenario: dict) -> dict:
     out_file = tmp_path / f"{name}.result.json"
     spec_file.write_text(json.dumps(scenario))
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    # "pythonpath": entries ahead of the repo, from interpreter start on (the
+    # vLLM 0.33 overlay's sitecustomize must run before vllm is imported).
+    path = [*scenario.get("pythonpath", []), str(REPO), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(path)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     proc = subprocess.run(
         [sys.executable, "-m", "tests.e2e.run_scenario", str(spec_file), str(out_file)],
@@ -89,3 +92,18 @@ def reference(scenario_dir) -> list[list[int]]:
         {"engine": ENGINE, "offload": None, "phases": [{"prompts": ALL_PROMPTS}]},
     )
     return token_ids(result["phases"][0])
+
+
+@pytest.fixture(
+    scope="module",
+    params=["installed", "0.33"],
+    ids=["vllm-installed", "vllm-0.33-offloading"],
+)
+def offloading_code(request) -> dict:
+    """Scenario keys that pick vLLM's offloading code: the installed release
+    (0.32), or vLLM 0.33's offloading packages over it (tests/vllm033)."""
+    if request.param == "installed":
+        return {}
+    from tests.vllm033.overlay import overlay_dir
+
+    return {"pythonpath": [str(overlay_dir())]}

@@ -21,6 +21,7 @@ import importlib
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 
@@ -36,6 +37,34 @@ def kv_transfer_config(scenario: dict):
         kv_connector_extra_config=scenario["offload"],
         kv_load_failure_policy=scenario.get("kv_load_failure_policy", "fail"),
     )
+
+
+def _stored_bytes(llm) -> float:
+    return sum(
+        getattr(m, "value", 0.0)
+        for m in llm.get_metrics()
+        if m.name == "vllm:kv_offload_store_bytes"
+    )
+
+
+def settle_stores(llm, max_rounds: int = 50) -> None:
+    """Lets the stores of the last phase land before the next one looks the
+    blocks up. Stores are submitted at the start of the next engine step and
+    finish asynchronously, so short requests step the engine until the stored
+    byte count has stayed the same over two rounds (on a loaded machine one
+    round of steps was not always enough)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=4)
+    last, steady = -1.0, 0
+    for _ in range(max_rounds):
+        llm.generate(["flush"], params, use_tqdm=False)
+        time.sleep(0.05)
+        stored = _stored_bytes(llm)
+        steady = steady + 1 if stored == last else 0
+        if steady >= 2:
+            return
+        last = stored
 
 
 def run(scenario: dict) -> dict:
@@ -76,16 +105,15 @@ def run(scenario: dict) -> dict:
                 for out in outputs
             ]
         )
-        # Stores are submitted at the start of the next engine step and land
-        # asynchronously; a few short steps let them finish before the next
-        # phase looks the blocks up.
-        llm.generate(["flush"], SamplingParams(max_tokens=4), use_tqdm=False)
+        settle_stores(llm)
 
     counters: dict[str, float] = {}
+    # Which vLLM offloading code ran: "0.33.0" under tests/vllm033's overlay.
+    overlay = os.environ.get("VLLM_KV_OFFLOAD_OVERLAY")
     for metric in llm.get_metrics():
         if metric.name.startswith("vllm:kv_offload") and hasattr(metric, "value"):
             counters[metric.name] = counters.get(metric.name, 0.0) + metric.value
-    return {"phases": phases, "counters": counters}
+    return {"phases": phases, "counters": counters, "offloading_overlay": overlay}
 
 
 def main() -> None:

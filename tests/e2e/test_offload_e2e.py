@@ -1,7 +1,8 @@
 """End to end on a real vLLM engine (CPU backend): offloading changes no output.
 
 Every scenario compares greedy token ids against the same prompts run with
-offloading off (the ``reference`` fixture).
+offloading off (the ``reference`` fixture). Each runs twice: with the
+installed vLLM's offloading code and with vLLM 0.33's (``offloading_code``).
 """
 
 from __future__ import annotations
@@ -25,12 +26,13 @@ FULL_DOC_TOKENS = 512  # 4 blocks of 128 tokens
 
 
 @pytest.fixture(scope="module")
-def guide_run(scenario_dir) -> dict:
+def guide_run(scenario_dir, offloading_code) -> dict:
     """The guide's exact config: all prompts, then again from the CPU only."""
     return run_scenario(
         scenario_dir,
         "guide",
         {
+            **offloading_code,
             "engine": ENGINE,
             "offload": GUIDE_OFFLOAD,
             "phases": [
@@ -41,8 +43,13 @@ def guide_run(scenario_dir) -> dict:
     )
 
 
-def test_outputs_with_offloading_equal_outputs_without(guide_run, reference):
+def test_outputs_with_offloading_equal_outputs_without(
+    guide_run, reference, offloading_code
+):
     assert token_ids(guide_run["phases"][0]) == reference
+    # The overlay really served vLLM 0.33's offloading modules.
+    want = "0.33.0" if offloading_code else None
+    assert guide_run["offloading_overlay"] == want
 
 
 def test_after_prefix_cache_reset_prompts_are_served_from_cpu(guide_run, reference):
@@ -58,7 +65,7 @@ def test_after_prefix_cache_reset_prompts_are_served_from_cpu(guide_run, referen
 
 
 def test_blocks_evicted_from_a_small_device_cache_come_back_from_cpu(
-    scenario_dir, reference
+    scenario_dir, reference, offloading_code
 ):
     # 10 device blocks hold one document's questions, not all three.
     engine = dict(ENGINE, max_model_len=1024, num_gpu_blocks_override=10)
@@ -66,6 +73,7 @@ def test_blocks_evicted_from_a_small_device_cache_come_back_from_cpu(
         scenario_dir,
         "small_device",
         {
+            **offloading_code,
             "engine": engine,
             "offload": GUIDE_OFFLOAD,
             "phases": [
@@ -82,7 +90,7 @@ def test_blocks_evicted_from_a_small_device_cache_come_back_from_cpu(
 
 
 def test_cpu_pool_smaller_than_working_set_evicts_least_recently_used(
-    scenario_dir, reference
+    scenario_dir, reference, offloading_code
 ):
     # 9 CPU blocks: room for two documents' 4-block prefixes, not three, so
     # storing the third evicts 3 blocks of the least recently used document.
@@ -92,6 +100,7 @@ def test_cpu_pool_smaller_than_working_set_evicts_least_recently_used(
         scenario_dir,
         "small_cpu",
         {
+            **offloading_code,
             "engine": ENGINE,
             "offload": offload,
             "phases": [
@@ -115,7 +124,9 @@ def test_cpu_pool_smaller_than_working_set_evicts_least_recently_used(
     assert cached(again)[2] == (128 if VLLM_VERSION >= (0, 31) else 0)
 
 
-def test_negative_control_corrupted_loads_change_the_output(scenario_dir, reference):
+def test_negative_control_corrupted_loads_change_the_output(
+    scenario_dir, reference, offloading_code
+):
     offload = dict(
         GUIDE_OFFLOAD,
         spec_name="CorruptingOffloadingSpec",
@@ -125,6 +136,7 @@ def test_negative_control_corrupted_loads_change_the_output(scenario_dir, refere
         scenario_dir,
         "corrupting",
         {
+            **offloading_code,
             "engine": ENGINE,
             "offload": offload,
             "phases": [
@@ -141,12 +153,13 @@ def test_negative_control_corrupted_loads_change_the_output(scenario_dir, refere
     assert token_ids(second) != reference
 
 
-def test_ascend_tuple_layout_runs_end_to_end(scenario_dir, reference):
+def test_ascend_tuple_layout_runs_end_to_end(scenario_dir, reference, offloading_code):
     """Layers registered as unequal (part0, part1) tuples, as on Ascend."""
     result = run_scenario(
         scenario_dir,
         "tuple_layout",
         {
+            **offloading_code,
             "engine": ENGINE,
             "offload": GUIDE_OFFLOAD,
             "connector": "TupleLayoutOffloadingConnector",

@@ -51,7 +51,14 @@ logger = init_logger(__name__)
 
 FAULTS_ENV = "VLLM_ASCEND_KV_OFFLOAD_FAULTS"
 FAULTS_LOG_ENV = "VLLM_ASCEND_KV_OFFLOAD_FAULTS_LOG"
-FAULT_KINDS = ("store", "load", "store_submit", "load_submit")
+FAULT_KINDS = (
+    "store",
+    "load",
+    "expedited_load",
+    "store_submit",
+    "load_submit",
+    "expedited_load_submit",
+)
 # What a failed copy leaves behind in the injected faults: recognisably wrong
 # bytes, so that using them would change the model's output.
 GARBAGE_BYTE = 0x5A
@@ -68,7 +75,10 @@ class FaultInjector:
     * ``store``, ``load``: the job's copy runs, then its destination is
       overwritten with garbage (host memory only, so on the CPU backend) and
       the job raises on the copy thread or stream: a copy that failed half-way.
-    * ``store_submit``, ``load_submit``: submitting the job raises.
+    * ``expedited_load``: the same, for expedited loads only (vLLM >= 0.33's
+      synchronous loads); ``load`` covers regular loads.
+    * ``store_submit``, ``load_submit``, ``expedited_load_submit``: submitting
+      the job raises.
 
     ``MAX_COUNT`` caps how many faults of that kind are injected. With
     ``VLLM_ASCEND_KV_OFFLOAD_FAULTS_LOG=PATH`` each injected fault appends a
@@ -290,6 +300,8 @@ class NPUOffloadingWorker(OffloadingWorker):
         to_cpu: bool,
     ) -> bool:
         direction = "store" if to_cpu else "load"
+        if queue is self._expedited_loads:
+            direction = "expedited_load"
         if self._closed:
             logger.warning("KV offload: %s job %d after shutdown", direction, job_id)
             return self._refuse(job_id)
