@@ -31,7 +31,12 @@ fi
 echo "[setup] building vllm-ascend (native op against $(python -c 'import torch; print(torch.__version__)'))"
 # A leftover egg-info from a non-editable build would shadow the installed
 # metadata (and its vllm.general_plugins entry point) when run from here.
-rm -rf vllm_ascend.egg-info
+rm -rf vllm_ascend.egg-info vllm_ascend_kv_offload.egg-info
+# This repo used to install as "vllm-ascend" (upstream's name); such a
+# leftover in a kept venv would be taken for upstream vllm-ascend 0.1.
+if python -m pip show vllm-ascend 2>/dev/null | grep -q '^Version: 0\.1\.'; then
+  python -m pip uninstall -q -y vllm-ascend
+fi
 python -m pip install -q --no-build-isolation --no-deps -e .
 python - <<'PY'
 from vllm_ascend.kv_offload import ops

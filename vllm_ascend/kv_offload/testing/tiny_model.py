@@ -19,12 +19,20 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-DEFAULT_DIR = Path(
-    os.environ.get(
-        "VLLM_ASCEND_TINY_MODEL_DIR",
-        Path(__file__).resolve().parents[2] / ".models" / "tiny-qwen3",
-    )
-)
+def _default_dir() -> Path:
+    """``.models/`` of the checkout (editable installs); an installed package
+    writes to the user's cache instead, never into site-packages."""
+    env = os.environ.get("VLLM_ASCEND_TINY_MODEL_DIR")
+    if env:
+        return Path(env)
+    checkout = Path(__file__).resolve().parents[3]
+    if (checkout / "pyproject.toml").exists() and (checkout / "csrc").is_dir():
+        return checkout / ".models" / "tiny-qwen3"
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return cache / "vllm-ascend-kv-offload" / "tiny-qwen3"
+
+
+DEFAULT_DIR = _default_dir()
 
 _SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
 _CONSONANTS = "bdfgklmnprstvz"
