@@ -19,6 +19,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+
 def _default_dir() -> Path:
     """``.models/`` of the checkout (editable installs); an installed package
     writes to the user's cache instead, never into site-packages."""
