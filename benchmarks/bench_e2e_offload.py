@@ -921,8 +921,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--tp-configs",
         nargs="+",
         default=["on", "off"],
-        help="engines compared: off, on, or on:SPEC_MODULE (e.g. "
-        "on:benchmarks.copy_thread_affinity); ratios are to 'off'",
+        help="engines compared: off, on, or on:SPEC_MODULE (a module with an "
+        "NPUOffloadingSpec variant); ratios are to 'off'",
     )
     p.add_argument(
         "--spec-module",

@@ -1,6 +1,6 @@
 """Copy-engine benchmark: scattered KV fragments between a device and a host pool.
 
-    python -m vllm_ascend.kv_offload.benchmark [--device cpu|cuda|npu] [--json]
+    python -m benchmarks.copy_benchmark [--device cpu|cuda|npu] [--json]
 
 For every direction and fragment size, ``num_fragments`` fragments of
 ``fragment_bytes`` are copied from random slots of the source pool to random
@@ -445,7 +445,8 @@ def descriptor_cost(
         GPULoadStoreSpec,
     )
 
-    from vllm_ascend.kv_offload.copy_engine import CopyEngine, CpuBlockPool
+    from vllm_ascend.kv_offload.copy_engine import CopyEngine
+    from vllm_ascend.kv_offload.cpu_pool import CpuBlockPool
 
     num_tensors = max(1, min(num_tensors, num_fragments))
     blocks = -(-num_fragments // num_tensors)
@@ -534,7 +535,8 @@ def layout_jobs(device: Device, blocks: int, repeats: int, seed: int) -> list[di
     the same bytes, and checked byte for byte."""
     from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
-    from vllm_ascend.kv_offload.copy_engine import CopyEngine, CpuBlockPool
+    from vllm_ascend.kv_offload.copy_engine import CopyEngine
+    from vllm_ascend.kv_offload.cpu_pool import CpuBlockPool
     from vllm_ascend.kv_offload.kv_layout import canonicalize
 
     rows = []
@@ -695,7 +697,7 @@ def print_table(
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m vllm_ascend.kv_offload.benchmark",
+        prog="python -m benchmarks.copy_benchmark",
         description="Scattered KV-fragment copies: contiguous limit vs per-fragment "
         "loop vs swap_blocks_batch, plus descriptor build cost.",
     )

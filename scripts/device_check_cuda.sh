@@ -109,7 +109,7 @@ for method in auto kernel dma; do
   echo "=== method=$method" >>"$OUT/bench.err"
   start=$SECONDS
   VLLM_ASCEND_CUDA_COPY_METHOD=$method timeout 150 "$PY" -m \
-    vllm_ascend.kv_offload.benchmark --device cuda --json \
+    benchmarks.copy_benchmark --device cuda --json \
     --descriptor-fragments 0 --layout-blocks 0 "${extra[@]}" \
     >"$OUT/bench_$method.jsonl" 2>>"$OUT/bench.err"
   rc=$?

@@ -21,6 +21,14 @@ GUIDE_OFFLOAD = {
     "spec_module_path": "vllm_ascend.kv_offload.npu",
 }
 
+# The guide's config with the test-only spec whose worker injects the faults
+# named by VLLM_ASCEND_KV_OFFLOAD_FAULTS (tests/fault_injection.py).
+FAULTY_OFFLOAD = dict(
+    GUIDE_OFFLOAD,
+    spec_name="FaultInjectingOffloadingSpec",
+    spec_module_path="tests.fault_injection",
+)
+
 # fp32 keeps recomputed and reloaded prefixes numerically identical; a small
 # KV cache keeps engine start-up cheap.
 ENGINE = {"dtype": "float32", "max_model_len": 2048, "enforce_eager": True}

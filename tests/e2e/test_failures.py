@@ -1,7 +1,7 @@
 """Failed transfers on a real engine (CPU backend): never wrong, never a crash.
 
-Faults are injected with the test-only hook of ``vllm_ascend.kv_offload.
-worker`` (``VLLM_ASCEND_KV_OFFLOAD_FAULTS``): a failing copy first overwrites
+Faults are injected by the test-only spec of ``tests/fault_injection.py``
+(``VLLM_ASCEND_KV_OFFLOAD_FAULTS``): a failing copy first overwrites
 its destination with garbage, so KV from a failed transfer that got used
 would change the greedy output. Every scenario compares against the same
 prompts with offloading off (the ``reference`` fixture); two negative
@@ -20,6 +20,7 @@ import pytest
 from tests.e2e.conftest import (
     ALL_PROMPTS,
     ENGINE,
+    FAULTY_OFFLOAD,
     GUIDE_OFFLOAD,
     cached,
     run_scenario,
@@ -59,7 +60,7 @@ def run_with_faults(
     if in_process:
         env.update(IN_PROCESS_ENV)
     scenario.setdefault("engine", IN_PROCESS_ENGINE if in_process else ENGINE)
-    scenario.setdefault("offload", GUIDE_OFFLOAD)
+    scenario.setdefault("offload", FAULTY_OFFLOAD)
     result = run_scenario(scenario_dir, name, dict(scenario, phases=phases, env=env))
     injected = fault_log.read_text().split("\n")[:-1] if fault_log.exists() else []
     return result, injected
@@ -131,7 +132,7 @@ def test_random_faults_with_eviction_in_a_multiprocess_engine(scenario_dir, refe
         phases=[*TWICE, {"prompts": ALL_PROMPTS[::-1]}],
         in_process=False,
         engine=dict(ENGINE, max_model_len=1024, num_gpu_blocks_override=10),
-        offload=dict(GUIDE_OFFLOAD, num_cpu_blocks=9),
+        offload=dict(FAULTY_OFFLOAD, num_cpu_blocks=9),
         kv_load_failure_policy="recompute",
     )
     assert len(injected) >= 3

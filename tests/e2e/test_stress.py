@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from tests.e2e.conftest import GUIDE_OFFLOAD, run_scenario
+from tests.e2e.conftest import FAULTY_OFFLOAD, GUIDE_OFFLOAD, run_scenario
 
 pytestmark = pytest.mark.e2e
 
@@ -147,6 +147,7 @@ def _shut_down(engine) -> dict:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     worker = get_kv_transfer_group().connector_worker.worker
+    faults = getattr(worker, "faults", None)  # tests/fault_injection.py
     start = time.perf_counter()
     engine.engine_core.shutdown()
     seconds = time.perf_counter() - start
@@ -154,7 +155,7 @@ def _shut_down(engine) -> dict:
         "seconds": seconds,
         "threads": [t.name for t in threading.enumerate() if "kv-offload" in t.name],
         "pool_released": worker.pool.tensor is None,
-        "faults_injected": len(worker.faults.injected) if worker.faults else 0,
+        "faults_injected": len(faults.injected) if faults else 0,
     }
 
 
@@ -214,7 +215,7 @@ def test_stress_with_transfer_faults_changes_no_output(scenario_dir, stress_refe
     result = _run(
         scenario_dir,
         "stress_faults",
-        OFFLOAD,
+        dict(FAULTY_OFFLOAD, num_cpu_blocks=OFFLOAD["num_cpu_blocks"]),
         env={"VLLM_ASCEND_KV_OFFLOAD_FAULTS": FAULTS},
         kv_load_failure_policy="recompute",
     )

@@ -19,6 +19,7 @@ import pytest
 from tests.e2e.conftest import (
     ALL_PROMPTS,
     ENGINE,
+    FAULTY_OFFLOAD,
     GUIDE_OFFLOAD,
     cached,
     run_scenario,
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.e2e
 FULL_DOC_TOKENS = 512
 FIRST_QUESTIONS = [0, 3, 6]
 # A 512-token prefix of the tiny model is 512 KiB of KV; 16 MiB takes all.
-SYNC_OFFLOAD = dict(GUIDE_OFFLOAD, sync_load_budget_bytes=16 * 2**20)
+SYNC = {"sync_load_budget_bytes": 16 * 2**20}
 TWICE = [
     {"prompts": ALL_PROMPTS},
     {"prompts": ALL_PROMPTS, "reset_prefix_cache": True},
@@ -51,7 +52,7 @@ def run_sync(scenario_dir, name: str, faults: str | None = None, **scenario):
         {
             "pythonpath": [str(overlay_dir())],
             "engine": dict(ENGINE, distributed_executor_backend="uni"),
-            "offload": SYNC_OFFLOAD,
+            "offload": dict(FAULTY_OFFLOAD if faults else GUIDE_OFFLOAD, **SYNC),
             "phases": TWICE,
             "env": env,
             **scenario,

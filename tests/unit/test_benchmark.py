@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from vllm_ascend.kv_offload import benchmark, ops
+from benchmarks import copy_benchmark as benchmark
+from vllm_ascend.kv_offload import ops
 
 COPY_FIELDS = {
     "device",

@@ -7,7 +7,8 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
 from tests.unit.kv_helpers import make_kv_caches
-from vllm_ascend.kv_offload.copy_engine import CopyEngine, CpuBlockPool
+from vllm_ascend.kv_offload.copy_engine import CopyEngine
+from vllm_ascend.kv_offload.cpu_pool import CpuBlockPool
 from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
 
 PAGES = [256, 256, 512]  # e.g. K, V and a larger third part

@@ -13,8 +13,8 @@ import pytest
 
 from tests.unit.kv_helpers import make_config
 from vllm_ascend.kv_offload import connector as connector_module
+from vllm_ascend.kv_offload.config import KEYS
 from vllm_ascend.kv_offload.connector import AscendOffloadingConnector
-from vllm_ascend.kv_offload.extra_config import KEYS
 from vllm_ascend.kv_offload.npu import (
     NPUOffloadingSpec,
     OffloadConfigError,

@@ -12,7 +12,7 @@ sees the job finish, and ``AscendOffloadingConnector`` reports what failed:
   (``complete_store(success=False)``) and offers a request whose load failed
   no more hits.
 
-Failures are injected with the worker's fault injector (rate 1 = every job).
+Failures are injected with tests/fault_injection.py (rate 1 = every job).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec, LookupResult, ReqContext
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
+from tests.fault_injection import FaultInjectingWorker, FaultInjector
 from tests.unit.kv_helpers import make_kv_caches
 from vllm_ascend.kv_offload.connector import (
     AscendOffloadingConnector,
@@ -40,7 +41,7 @@ from vllm_ascend.kv_offload.connector import (
     AscendOffloadingWorkerMetadata,
 )
 from vllm_ascend.kv_offload.manager import FailureAwareManager
-from vllm_ascend.kv_offload.worker import FaultInjector, NPUOffloadingWorker
+from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
 
 PAGES = [256, 128]
 NUM_DEVICE_BLOCKS = 16
@@ -69,7 +70,7 @@ class WorkerSide:
     """A worker-side connector over vLLM's real connector worker and ours."""
 
     def __init__(self, faults: str | None = None, num_groups: int = 1):
-        self.worker = NPUOffloadingWorker(
+        self.worker = FaultInjectingWorker(
             make_kv_caches(NUM_DEVICE_BLOCKS, PAGES),
             blocks_per_chunk=1,
             num_cpu_blocks=NUM_CPU_BLOCKS,
@@ -184,7 +185,7 @@ def test_a_failed_store_is_flagged_for_the_scheduler_and_invalidates_nothing(
 
 
 def test_without_diversion_the_worker_reports_failures_to_vllm_truthfully():
-    worker = NPUOffloadingWorker(
+    worker = FaultInjectingWorker(
         make_kv_caches(NUM_DEVICE_BLOCKS, PAGES), 1, NUM_CPU_BLOCKS
     )
     worker.faults = FaultInjector.parse("load:1,store_submit:1")

@@ -3,7 +3,7 @@ that allocates it, right before it does, against the host memory available
 then (after vLLM's own allocations: on its CPU backend the KV cache is host
 memory too). The scheduler side allocates nothing and checks nothing.
 
-Host memory is faked (``npu.host_available_bytes``); the worker is a
+Host memory is faked (``cpu_pool.host_available_bytes``); the worker is a
 recorder, so no test allocates a pool.
 """
 
@@ -18,7 +18,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from tests.unit.kv_helpers import make_config, make_kv_caches
-from vllm_ascend.kv_offload import npu
+from vllm_ascend.kv_offload import cpu_pool
 from vllm_ascend.kv_offload.npu import NPUOffloadingSpec, OffloadConfigError
 
 GiB, MiB = 2**30, 2**20
@@ -50,7 +50,7 @@ def available(monkeypatch):
     class Available:
         bytes = 0
 
-    monkeypatch.setattr(npu, "host_available_bytes", lambda: Available.bytes)
+    monkeypatch.setattr(cpu_pool, "host_available_bytes", lambda: Available.bytes)
     return Available
 
 

@@ -93,7 +93,6 @@ def test_both_libraries_load_and_each_op_reaches_its_own_kernel(
         cwd=ROOT,
     )
     assert proc.returncode == 0, (
-        f"exit {proc.returncode} (-6/134: abort at library load)\n"
-        f"{proc.stderr[-4000:]}"
+        f"exit {proc.returncode} (-6/134: abort at library load)\n{proc.stderr[-4000:]}"
     )
     assert "both ops reached their own kernels" in proc.stdout

@@ -4,12 +4,9 @@ import pytest
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
 from tests.unit.kv_helpers import make_config, make_kv_caches
+from vllm_ascend.kv_offload.config import OffloadConfigError, cpu_block_bytes
 from vllm_ascend.kv_offload.manager import FailureAwareManager
-from vllm_ascend.kv_offload.npu import (
-    NPUOffloadingSpec,
-    OffloadConfigError,
-    cpu_block_bytes,
-)
+from vllm_ascend.kv_offload.npu import NPUOffloadingSpec
 
 GUIDE_EXTRA = {
     "num_cpu_blocks": 1000,

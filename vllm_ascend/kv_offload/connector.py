@@ -218,7 +218,7 @@ class AscendOffloadingConnector(OffloadingConnector):
     # -- worker side -------------------------------------------------------
 
     @property
-    def _worker(self) -> NPUOffloadingWorker:
+    def _offloading_worker(self) -> NPUOffloadingWorker:
         worker = self.connector_worker.worker if self.connector_worker else None
         assert worker is not None, "KV caches are not registered yet"
         return worker
@@ -242,7 +242,7 @@ class AscendOffloadingConnector(OffloadingConnector):
                 len(canonical.tensors),
             )
             vllm_compat.init_offloading_worker(connector_worker, canonical)
-        self._worker.divert_failures()
+        self._offloading_worker.divert_failures()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -258,11 +258,11 @@ class AscendOffloadingConnector(OffloadingConnector):
             )
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        meta = self._get_connector_metadata()
+        meta = vllm_compat.bound_metadata(self)
         if getattr(meta, "idle_step", False):
-            self._worker.wait_for_progress(IDLE_STEP_WAIT_S)
+            self._offloading_worker.wait_for_progress(IDLE_STEP_WAIT_S)
         finished = super().get_finished(finished_req_ids)
-        for job_id in self._worker.take_failed_jobs():
+        for job_id in self._offloading_worker.take_failed_jobs():
             self._failed_jobs.add(job_id)
             load = self._load_jobs.pop(job_id, None)
             if load is None:

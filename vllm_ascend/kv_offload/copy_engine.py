@@ -21,6 +21,7 @@ import torch
 from vllm.v1.kv_offload.base import CanonicalKVCaches, GPULoadStoreSpec
 
 from vllm_ascend.kv_offload import ops
+from vllm_ascend.kv_offload.cpu_pool import CpuBlockPool
 from vllm_ascend.kv_offload.logger import init_logger
 
 logger = init_logger(__name__)
@@ -49,45 +50,6 @@ class _GroupTensors:
     cpu_offset: np.ndarray  # offset of the tensor's pages in a CPU row
     page_bytes: np.ndarray  # stride of the tensor's pages in a CPU row
     copy_bytes: np.ndarray  # bytes copied per page (un-padded page size)
-
-
-class CpuBlockPool:
-    """The host memory that offloaded KV lives in, allocated once."""
-
-    def __init__(
-        self,
-        page_bytes: list[int],
-        blocks_per_chunk: int,
-        num_cpu_blocks: int,
-        pin_memory: bool,
-    ):
-        self.blocks_per_chunk = blocks_per_chunk
-        self.num_blocks = num_cpu_blocks
-        pages = np.asarray(page_bytes, dtype=np.int64) * blocks_per_chunk
-        self.tensor_offsets = np.concatenate(([0], np.cumsum(pages)[:-1]))
-        self.row_bytes = int(pages.sum())
-        # Pageable memory is zero-filled here so that its pages are faulted in
-        # once at start-up, not by the first store into each block: those
-        # first stores measured 2-7x slower (docs/e2e_benchmark.md). Pinned
-        # memory is resident already.
-        alloc = torch.empty if pin_memory else torch.zeros
-        self.tensor: torch.Tensor | None = alloc(
-            (num_cpu_blocks, self.row_bytes),
-            dtype=torch.int8,
-            device="cpu",
-            pin_memory=pin_memory,
-        )
-        self.pinned = pin_memory
-        self.base = self.tensor.data_ptr()
-
-    @property
-    def nbytes(self) -> int:
-        return self.num_blocks * self.row_bytes
-
-    def release(self) -> None:
-        """Frees the host memory; no job may use the pool afterwards."""
-        self.tensor = None
-        self.base = 0
 
 
 class CopyEngine:

@@ -12,6 +12,20 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 
+class PrivatePoolSpec:
+    """Mixin for a ``CPUOffloadingSpec`` whose workers each own a private CPU
+    pool (ours), not vLLM's shared ``/dev/shm`` region.
+
+    ``CPUOffloadingSpec.__init__`` asks ``_uses_shared_region()`` (True on
+    CUDA) to decide whether a replicated KV layout (e.g. MLA under TP) is
+    stored by rank 0 only; with private pools every rank must store its own.
+    Present with this meaning in vLLM 0.30, 0.31, 0.32 and 0.33.
+    """
+
+    def _uses_shared_region(self) -> bool:
+        return False
+
+
 def replace_connector_loader(
     name: str, loader: Callable[[], type]
 ) -> Callable[[], type] | None:
@@ -61,3 +75,13 @@ def init_offloading_worker(connector_worker: Any, kv_caches: Any) -> None:
     exists with this signature in vLLM 0.30, 0.31, 0.32 and 0.33.
     """
     connector_worker._init_worker(kv_caches)
+
+
+def bound_metadata(connector: Any) -> Any:
+    """The metadata bound for this step (``bind_connector_metadata``).
+
+    ``KVConnectorBase_V1._get_connector_metadata`` is the accessor vLLM gives
+    connector subclasses ("only called inside the connector"); present in
+    vLLM 0.30, 0.31, 0.32 and 0.33.
+    """
+    return connector._get_connector_metadata()

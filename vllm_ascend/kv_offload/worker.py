@@ -20,16 +20,10 @@ stays loud.
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import os
-import random
-import threading
 import time
-from collections.abc import Callable
 
 import numpy as np
-import torch
 from vllm.v1.kv_offload.base import (
     BlockIDsLoadStoreSpec,
     CanonicalKVCaches,
@@ -40,190 +34,16 @@ from vllm.v1.kv_offload.base import (
 )
 
 from vllm_ascend.kv_offload.copy_engine import CopyEngine, CpuBlockPool, Descriptors
+from vllm_ascend.kv_offload.cpu_pool import allocate_pool, host_pinning_available
 from vllm_ascend.kv_offload.logger import init_logger
 from vllm_ascend.kv_offload.transfer_queue import (
+    CopyFn,
     FinishedJob,
     TransferQueue,
     make_transfer_queue,
 )
 
 logger = init_logger(__name__)
-
-FAULTS_ENV = "VLLM_ASCEND_KV_OFFLOAD_FAULTS"
-FAULTS_LOG_ENV = "VLLM_ASCEND_KV_OFFLOAD_FAULTS_LOG"
-FAULT_KINDS = (
-    "store",
-    "load",
-    "expedited_load",
-    "store_submit",
-    "load_submit",
-    "expedited_load_submit",
-)
-# What a failed copy leaves behind in the injected faults: recognisably wrong
-# bytes, so that using them would change the model's output.
-GARBAGE_BYTE = 0x5A
-
-
-class FaultInjector:
-    """TEST ONLY: makes chosen transfer jobs fail, to exercise failure handling.
-
-    Off unless ``VLLM_ASCEND_KV_OFFLOAD_FAULTS`` is set when this module is
-    first imported (``FAULTS`` below), or a test passes one to the worker.
-    The value is a comma-separated list of ``KIND:PROBABILITY[:MAX_COUNT]``
-    and an optional ``seed:N``, e.g. ``"load:0.5,store:1:3,seed:7"``:
-
-    * ``store``, ``load``: the job's copy runs, then its destination is
-      overwritten with garbage (host memory only, so on the CPU backend) and
-      the job raises on the copy thread or stream: a copy that failed half-way.
-    * ``expedited_load``: the same, for expedited loads only (vLLM >= 0.33's
-      synchronous loads); ``load`` covers regular loads.
-    * ``store_submit``, ``load_submit``, ``expedited_load_submit``: submitting
-      the job raises.
-
-    ``MAX_COUNT`` caps how many faults of that kind are injected. With
-    ``VLLM_ASCEND_KV_OFFLOAD_FAULTS_LOG=PATH`` each injected fault appends a
-    line ``KIND JOB_ID`` to PATH, so a test in another process can count them.
-    """
-
-    def __init__(
-        self,
-        rates: dict[str, tuple[float, int | None]],
-        seed: int = 0,
-        log_path: str | None = None,
-    ):
-        unknown = set(rates) - set(FAULT_KINDS)
-        if unknown:
-            raise ValueError(
-                f"{FAULTS_ENV}: unknown fault kind(s) {sorted(unknown)}; "
-                f"use {', '.join(FAULT_KINDS)}"
-            )
-        self.rates = rates
-        self.rng = random.Random(seed)
-        self.log_path = log_path
-        self.injected: list[tuple[str, int]] = []
-        self._lock = threading.Lock()
-
-    @classmethod
-    def parse(cls, spec: str, log_path: str | None = None) -> FaultInjector:
-        rates: dict[str, tuple[float, int | None]] = {}
-        seed = 0
-        for item in filter(None, (p.strip() for p in spec.split(","))):
-            kind, *values = item.split(":")
-            try:
-                if kind == "seed" and len(values) == 1:
-                    seed = int(values[0])
-                    continue
-                if len(values) not in (1, 2):
-                    raise ValueError(item)
-                rate = float(values[0])
-                limit = int(values[1]) if len(values) == 2 else None
-            except ValueError:
-                raise ValueError(
-                    f"{FAULTS_ENV}={spec!r}: cannot read {item!r}; write "
-                    "KIND:PROBABILITY[:MAX_COUNT] or seed:N, e.g. load:0.5,store:1"
-                ) from None
-            rates[kind] = (rate, limit)
-        return cls(rates, seed=seed, log_path=log_path)
-
-    @classmethod
-    def from_env(cls) -> FaultInjector | None:
-        spec = os.environ.get(FAULTS_ENV)
-        if not spec:
-            return None
-        faults = cls.parse(spec, os.environ.get(FAULTS_LOG_ENV))
-        logger.warning(
-            "KV offload: TEST fault injection is on: %s=%s",
-            FAULTS_ENV,
-            spec,
-        )
-        return faults
-
-    def count(self, kind: str) -> int:
-        return sum(1 for k, _ in self.injected if k == kind)
-
-    def _draw(self, kind: str, job_id: int) -> bool:
-        rate, limit = self.rates.get(kind, (0.0, None))
-        if rate <= 0 or (limit is not None and self.count(kind) >= limit):
-            return False
-        if self.rng.random() >= rate:
-            return False
-        with self._lock:
-            self.injected.append((kind, job_id))
-            if self.log_path:
-                with open(self.log_path, "a") as f:
-                    f.write(f"{kind} {job_id}\n")
-        return True
-
-    def apply(
-        self,
-        direction: str,
-        job_id: int,
-        desc: Descriptors,
-        copy: Callable[[], object],
-        host_destination: bool,
-    ) -> Callable[[], object]:
-        """The job's copy function, possibly replaced by a failing one.
-
-        ``host_destination``: whether ``desc.dst`` is host memory, which the
-        failing copy can then overwrite with garbage.
-        """
-        if self._draw(f"{direction}_submit", job_id):
-            raise RuntimeError(f"injected fault: {direction} job {job_id} at submit")
-        if not self._draw(direction, job_id):
-            return copy
-
-        def failing_copy() -> None:
-            copy()
-            if host_destination:
-                _scribble(desc)
-            raise RuntimeError(f"injected fault: {direction} job {job_id} copy")
-
-        return failing_copy
-
-
-def _scribble(desc: Descriptors) -> None:
-    # Test-only path: one memset per fragment is fine here.
-    for addr, size in zip(desc.dst.tolist(), desc.sizes.tolist(), strict=True):
-        ctypes.memset(addr, GARBAGE_BYTE, size)
-
-
-# Parsed once per process; None (no faults) unless the test variable is set.
-FAULTS: FaultInjector | None = FaultInjector.from_env()
-
-
-def host_pinning_available(device: torch.device) -> bool:
-    """Whether page-locked host memory can be allocated for ``device``."""
-    if device.type == "cpu":
-        return False
-    try:
-        return bool(torch.empty(1, pin_memory=True, device="cpu").is_pinned())
-    except RuntimeError:
-        return False
-
-
-def allocate_pool(
-    page_bytes: list[int], blocks_per_chunk: int, num_cpu_blocks: int, pin: bool
-) -> CpuBlockPool:
-    """The CPU block pool, pinned if possible, else pageable (and says so)."""
-    try:
-        return CpuBlockPool(page_bytes, blocks_per_chunk, num_cpu_blocks, pin)
-    except RuntimeError as e:
-        row_bytes = sum(page_bytes) * blocks_per_chunk
-        gib = num_cpu_blocks * row_bytes / 2**30
-        if pin:
-            logger.warning(
-                "KV offload: could not pin %.2f GiB of host memory (%s); the CPU "
-                "block pool falls back to pageable memory (slower transfers)",
-                gib,
-                e,
-            )
-            return allocate_pool(page_bytes, blocks_per_chunk, num_cpu_blocks, False)
-        raise MemoryError(
-            f"KV offload: the CPU block pool of {num_cpu_blocks} blocks x "
-            f"{row_bytes} bytes ({gib:.2f} GiB) could not be allocated ({e}); "
-            "lower num_cpu_blocks (or cpu_bytes_to_use) in "
-            "kv_connector_extra_config"
-        ) from e
 
 
 class NPUOffloadingWorker(OffloadingWorker):
@@ -234,12 +54,18 @@ class NPUOffloadingWorker(OffloadingWorker):
         kv_caches: CanonicalKVCaches,
         blocks_per_chunk: int,
         num_cpu_blocks: int,
-        faults: FaultInjector | None = None,
+        pool: CpuBlockPool | None = None,
     ):
+        """``pool``: host memory someone else owns (e.g. the tiering spec's
+        shared region, ``tiering.RegionBlockPool``) instead of a pool of our
+        own; it must have ``num_cpu_blocks`` rows."""
         if not kv_caches.tensors:
             raise ValueError("NPUOffloadingWorker needs at least one KV cache tensor")
         self.device = kv_caches.tensors[0].tensor.device
-        self.faults = faults if faults is not None else FAULTS
+        if pool is not None:
+            self.pool = pool
+            self._start(kv_caches)
+            return
         pin = host_pinning_available(self.device)
         if not pin:
             # Expected on the CPU backend; on an accelerator it costs speed.
@@ -267,6 +93,9 @@ class NPUOffloadingWorker(OffloadingWorker):
             len(kv_caches.tensors),
             self.device,
         )
+        self._start(kv_caches)
+
+    def _start(self, kv_caches: CanonicalKVCaches) -> None:
         self.engine = CopyEngine(kv_caches, self.pool)
         self._stores = make_transfer_queue(self.device, "store")
         self._loads = make_transfer_queue(self.device, "load")
@@ -311,12 +140,7 @@ class NPUOffloadingWorker(OffloadingWorker):
             desc: Descriptors = self.engine.build(
                 device_spec, np.asarray(cpu_spec.block_ids), to_cpu=to_cpu
             )
-            copy = functools.partial(self.engine.submit, desc)
-            if self.faults is not None:
-                host_destination = to_cpu or self.device.type == "cpu"
-                copy = self.faults.apply(
-                    direction, job_id, desc, copy, host_destination
-                )
+            copy = self._copy_job(direction, job_id, desc)
             self._job_bytes[job_id] = desc.num_bytes
             queue.submit(job_id, copy)
         except Exception:
@@ -327,6 +151,12 @@ class NPUOffloadingWorker(OffloadingWorker):
             self._job_bytes.pop(job_id, None)
             return self._refuse(job_id)
         return True
+
+    def _copy_job(self, kind: str, job_id: int, desc: Descriptors) -> CopyFn:
+        """What the job's queue runs: the copy engine's submission of ``desc``.
+        ``kind``: "store", "load" or "expedited_load". A seam for tests
+        (tests/fault_injection.py), which make chosen jobs fail."""
+        return functools.partial(self.engine.submit, desc)
 
     def _refuse(self, job_id: int) -> bool:
         if not self._divert_failures:
