@@ -106,12 +106,11 @@ def test_cpu_bytes_to_use_is_checked_in_its_own_terms(available):
 
 
 def test_memory_vllm_allocated_after_start_up_counts_and_the_fix_names_it(
-    available, monkeypatch
+    available,
 ):
     """vLLM's CPU backend allocates its KV cache (host memory) after the
     spec is built and before the pool: the pool must fit in what is left,
-    and the error says which of the two to lower."""
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    and the error says which of the two to lower, and to what."""
     available.bytes = 200 * MiB  # when the spec is built
     spec = RecordingSpec(make_config({"num_cpu_blocks": 2400}))  # 150 MiB
     kv_cache = make_kv_caches(1024, [BLOCK])  # 64 MiB of host memory
@@ -120,7 +119,30 @@ def test_memory_vllm_allocated_after_start_up_counts_and_the_fix_names_it(
         spec.get_worker(kv_cache)
     message = str(error.value)
     assert "lower num_cpu_blocks to 1958" in message  # 90 % of 136 MiB
-    assert "64.00 MiB" in message and "VLLM_CPU_KVCACHE_SPACE" in message
+    # 150 MiB fit in 90 % of 136 + 30.67 MiB: the KV cache may keep 33.33 MiB.
+    assert "takes 64.00 MiB of host memory" in message
+    assert "set kv_cache_memory_bytes to at most 34952533" in message
+    assert PoolRecorder.built == []
+
+
+def test_the_fix_for_vllm_cpu_kvcache_space_is_in_its_unit(available, monkeypatch):
+    """VLLM_CPU_KVCACHE_SPACE counts whole GiB: the fix says which value."""
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "8")
+    page = 64 * MiB
+    # 8 GiB of KV cache, never written: no memory is used for it.
+    tensor = torch.empty((128, page), dtype=torch.int8)
+    kv_cache = CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(tensor=tensor, page_size_bytes=page)],
+        group_data_refs=[[CanonicalKVCacheRef(tensor_idx=0, page_size_bytes=page)]],
+    )
+    available.bytes = 12 * GiB  # what the KV cache left
+    spec = RecordingSpec(make_config({"num_cpu_blocks": 240}, page))  # 15 GiB
+    with pytest.raises(OffloadConfigError) as error:
+        spec.get_worker(kv_cache)
+    message = str(error.value)
+    assert "lower num_cpu_blocks to 172" in message  # 90 % of 12 GiB
+    # 15 GiB fit in 90 % of 12 + 4.67 GiB: 3 of the 8 GiB may stay.
+    assert "lower VLLM_CPU_KVCACHE_SPACE from 8 to 3" in message
     assert PoolRecorder.built == []
 
 

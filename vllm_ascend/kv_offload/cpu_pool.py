@@ -120,8 +120,8 @@ def check_host_memory(pool: PoolRequest, host_kv_bytes: int) -> None:
         else f"lower cpu_bytes_to_use to {fit * pool.all_workers_block_bytes}"
     )
     raise OffloadConfigError(
-        f"{asked}, more than {room}; {fix}{_kv_cache_fix(need - limit, host_kv_bytes)}"
-        ", or free host memory"
+        f"{asked}, more than {room}; {fix}"
+        f"{_kv_cache_fix(need, available, host_kv_bytes)}, or free host memory"
     )
 
 
@@ -138,22 +138,34 @@ def _smaller_blocks(pool: PoolRequest) -> str:
     )
 
 
-def _kv_cache_fix(excess: int, host_kv_bytes: int) -> str:
-    """The other fix where the device KV cache is host memory as well."""
-    # The pool may take this share of whatever the KV cache gives back.
-    shrink = math.ceil(excess / MAX_HOST_MEMORY_FRACTION)
-    if host_kv_bytes == 0 or shrink >= host_kv_bytes:
+def _kv_cache_fix(need: int, available: int, host_kv_bytes: int) -> str:
+    """The other fix where the device KV cache is host memory as well: how
+    small it must be for the pool to fit, in the unit of its setting."""
+    if host_kv_bytes == 0:
         return ""
-    setting = os.environ.get(CPU_KV_CACHE_ENV)
-    how = (
-        f"{CPU_KV_CACHE_ENV}={setting} GiB sets it"
-        if setting
-        else "kv_cache_memory_bytes or gpu_memory_utilization sets it"
+    # Whatever the KV cache gives back becomes available to the pool.
+    shrink = math.ceil(
+        (need - available * MAX_HOST_MEMORY_FRACTION) / MAX_HOST_MEMORY_FRACTION
     )
+    while int((available + shrink) * MAX_HOST_MEMORY_FRACTION) < need:
+        shrink += 1  # float rounding in the limit
+    keep = host_kv_bytes - shrink
+    setting = os.environ.get(CPU_KV_CACHE_ENV)
+    if setting:
+        keep_gib = keep // 2**30  # the variable counts whole GiB
+        if keep_gib < 1:
+            return ""
+        fix = f"lower {CPU_KV_CACHE_ENV} from {setting} to {keep_gib}"
+    else:
+        if keep <= 0:
+            return ""
+        fix = (
+            f"set kv_cache_memory_bytes to at most {keep} (it is sized by "
+            "kv_cache_memory_bytes or gpu_memory_utilization now)"
+        )
     return (
         f", or shrink the KV cache of vLLM's CPU backend, which takes "
-        f"{_size(host_kv_bytes)} of host memory ({how}), by at least "
-        f"{_size(shrink)}"
+        f"{_size(host_kv_bytes)} of host memory: {fix}"
     )
 
 
