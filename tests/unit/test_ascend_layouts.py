@@ -166,3 +166,47 @@ def test_a_layout_not_contiguous_within_a_block_is_rejected_by_name():
 def test_a_part_without_a_block_dimension_is_rejected():
     with pytest.raises(KVLayoutError, match="multiple of 6 blocks"):
         block_view(torch.randn(5, 4), NUM_BLOCKS, "layers.0.attn[0]")
+
+
+# -- what canonicalize refuses ------------------------------------------------
+
+
+def kv_page(heads=2, dim=64, dtype_bytes=2) -> int:
+    return BLOCK * heads * dim * dtype_bytes
+
+
+def test_parts_must_add_up_to_the_page_of_vllms_kv_cache_spec():
+    kv = kv_tuple_layers(1, heads=2, dim=64)
+    page = 2 * kv_page()  # K and V
+    ok = canonicalize(kv, [list(kv)], NUM_BLOCKS, {"layers.0.attn": (page, page)})
+    assert len(ok.tensors) == 2
+    # A spec page between unpadded and padded size is fine too.
+    canonicalize(kv, [list(kv)], NUM_BLOCKS, {"layers.0.attn": (page, 2 * page)})
+    with pytest.raises(KVLayoutError, match=rf"layers\.0\.attn .* says {page + 4096};"):
+        canonicalize(
+            kv, [list(kv)], NUM_BLOCKS, {"layers.0.attn": (page + 4096, page + 4096)}
+        )
+
+
+def test_interleaved_k_and_v_of_one_allocation_are_two_disjoint_views():
+    base = torch.randn(NUM_BLOCKS, 2, BLOCK, 64)  # per block: K then V
+    canonical = canonicalize(
+        {"layers.0.attn": (base[:, 0], base[:, 1])}, [["layers.0.attn"]], NUM_BLOCKS
+    )
+    assert len(canonical.tensors) == 2
+
+
+def test_views_that_overlap_without_being_the_same_are_refused_by_name():
+    page = kv_page()
+    buf = torch.zeros((NUM_BLOCKS + 1) * page, dtype=torch.int8)
+    layer0 = buf[: NUM_BLOCKS * page].view(NUM_BLOCKS, page)
+    # Layer 1 starts half a block into layer 0: every block straddles two.
+    layer1 = buf[page // 2 : page // 2 + NUM_BLOCKS * page].view(NUM_BLOCKS, page)
+    kv = {"layers.0.attn": (layer0,), "layers.1.attn": (layer1,)}
+    with pytest.raises(
+        KVLayoutError, match=r"layers\.0\.attn\[0\] and layers\.1\.attn\[0\] overlap"
+    ):
+        canonicalize(kv, [list(kv)], NUM_BLOCKS)
+    # The same view twice is sharing, not overlap: copied once.
+    shared = {"layers.0.attn": (layer0,), "layers.1.attn": (layer0,)}
+    assert len(canonicalize(shared, [list(shared)], NUM_BLOCKS).tensors) == 1

@@ -45,7 +45,8 @@ config whose spec is not ours gets the class that had the name before
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 import torch
@@ -69,7 +70,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 )
 from vllm.v1.core.kv_cache_utils import resolve_dcp_kv_block_size
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig, MambaSpec
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 from vllm.v1.outputs import KVConnectorOutput
 
@@ -136,6 +137,26 @@ def _device_block_sizes(
         resolve_dcp_kv_block_size(kv_cache_config.kv_cache_groups[g].kv_cache_spec, dcp)
         for g in get_offloading_group_ids(kv_cache_config)
     ]
+
+
+def _spec_page_bytes(
+    kv_cache_config: KVCacheConfig, group_ids: Iterable[int]
+) -> dict[str, tuple[int, int]]:
+    """Per layer: (unpadded, padded) page bytes of vLLM's KV cache spec."""
+    out: dict[str, tuple[int, int]] = {}
+    for g in group_ids:
+        group = kv_cache_config.kv_cache_groups[g]
+        per_layer = getattr(group.kv_cache_spec, "kv_cache_specs", {})
+        for layer in group.layer_names:
+            spec = per_layer.get(layer, group.kv_cache_spec)
+            if isinstance(spec, AttentionSpec):
+                unpadded = spec.unpadded_page_size_bytes
+            elif isinstance(spec, MambaSpec):
+                unpadded = replace(spec, page_size_padded=None).page_size_bytes
+            else:
+                continue  # no page size to check against
+            out[layer] = (unpadded, spec.page_size_bytes)
+    return out
 
 
 class AscendOffloadingConnector(OffloadingConnector):
@@ -230,11 +251,14 @@ class AscendOffloadingConnector(OffloadingConnector):
             connector_worker.register_kv_caches(kv_caches)
         else:
             config = connector_worker.kv_cache_config
-            groups = [
-                config.kv_cache_groups[g].layer_names
-                for g in get_offloading_group_ids(config)
-            ]
-            canonical = canonicalize(kv_caches, groups, config.num_blocks)
+            group_ids = get_offloading_group_ids(config)
+            groups = [config.kv_cache_groups[g].layer_names for g in group_ids]
+            canonical = canonicalize(
+                kv_caches,
+                groups,
+                config.num_blocks,
+                page_bytes=_spec_page_bytes(config, group_ids),
+            )
             logger.info(
                 "KV offload: %d layers in %d groups as %d per-part block views",
                 sum(len(g) for g in groups),
