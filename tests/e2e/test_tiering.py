@@ -1,0 +1,233 @@
+"""Tiering end to end on vLLM's CPU backend: two "nodes" share an fs tier.
+
+Engine A (one process) serves three prompts and writes the fs tier; engine
+B (another process, cold CPU tier, same directory) serves the same prefixes
+from the files. Every engine's greedy outputs must equal offloading off (the
+``reference`` fixture). The safety cases run readers on copies of A's
+directory: an incompatible engine, corrupted files, a directory that
+disappears, and a stale shared-memory region; a forged directory (garbage
+under valid headers) is the negative control showing that the output
+comparison does catch wrong KV.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+import zlib
+
+import pytest
+
+from tests.e2e.conftest import (
+    ENGINE,
+    PROMPTS_BY_DOC,
+    run_scenario,
+    scenario_log,
+)
+from vllm_ascend.kv_offload.tiering import HEADER_BYTES, region_path
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = [questions[0] for questions in PROMPTS_BY_DOC]
+PREFIX_TOKENS = 512  # each prompt's document: 4 blocks of 128 tokens
+BLOCKS = 4 * len(PROMPTS)
+
+
+def tiering(root: str, write_threads: int = 2, **changes) -> dict:
+    return {
+        "num_cpu_blocks": 64,
+        "block_size": 128,
+        "spec_name": "NPUTieringOffloadingSpec",
+        "spec_module_path": "vllm_ascend.kv_offload.tiering",
+        "secondary_tiers": [
+            {
+                "type": "fs",
+                "root_dir": root,
+                "n_read_threads": 2,
+                "n_write_threads": write_threads,
+            }
+        ],
+        **changes,
+    }
+
+
+def run_engine(tmp, name: str, root: str, **extra) -> dict:
+    scenario = {
+        "driver": "tests.e2e.tiering_driver:run",
+        "engine": ENGINE,
+        "offload": tiering(root, **extra.pop("offload", {})),
+        "root_dir": root,
+        "prompts": PROMPTS,
+        **extra,
+    }
+    return run_scenario(tmp, name, scenario)
+
+
+def tokens(result: dict) -> list[list[int]]:
+    return [r["token_ids"] for r in result["results"]]
+
+
+def cached(result: dict) -> list[int]:
+    return [r["num_cached_tokens"] for r in result["results"]]
+
+
+@pytest.fixture(scope="module")
+def expected(reference) -> list[list[int]]:
+    # PROMPTS are ALL_PROMPTS[0], [3], [6] (the first question of each doc).
+    return [reference[3 * d] for d in range(len(PROMPTS))]
+
+
+@pytest.fixture(scope="module")
+def written(scenario_dir) -> tuple[str, dict]:
+    """Engine A: serves the prompts, writes the fs tier at ``root``."""
+    root = str(scenario_dir / "tier-a")
+    # One writer thread: files are written in the order blocks were stored,
+    # which the corruption test relies on to find each prompt's blocks.
+    return root, run_engine(
+        scenario_dir, "tier_writer", root, offload={"write_threads": 1}
+    )
+
+
+def copy_of(written, scenario_dir, name: str) -> tuple[str, list[str]]:
+    root, result = written
+    dst = str(scenario_dir / name)
+    shutil.copytree(root, dst)
+    files = [f.replace(root, dst, 1) for f in result["files"]]
+    return dst, files
+
+
+def test_writer_serves_prompts_and_writes_every_block(written, expected):
+    _, a = written
+    assert tokens(a) == expected
+    assert cached(a) == [0, 0, 0]
+    assert len(a["files"]) == BLOCKS
+    assert "/ascend-kv-" in a["files"][0]
+    assert a["counters"]["vllm:kv_offload_tiering_write_bytes"] > 0
+    # The region lived in /dev/shm while the engine ran, and is gone after.
+    assert a["region_while_running"] and not a["region_after_shutdown"]
+
+
+def test_second_engine_serves_the_prefixes_from_the_files(
+    written, expected, scenario_dir
+):
+    root, a = written
+    b = run_engine(scenario_dir, "tier_reader", root)
+    assert tokens(b) == expected
+    assert all(c >= PREFIX_TOKENS for c in cached(b)), cached(b)
+    counters = b["counters"]
+    assert counters["vllm:kv_offload_tiering_chunk_hits"] == BLOCKS
+    read = counters["vllm:kv_offload_tiering_read_bytes"]
+    assert read > 0
+    # Bytes read from the files = bytes loaded into the device cache.
+    assert read == counters["vllm:kv_offload_load_bytes"]
+    assert not b["region_after_shutdown"]
+
+
+def test_an_incompatible_engine_gets_misses_never_wrong_output(
+    written, expected, scenario_dir
+):
+    root, _ = written
+    # Another CPU block size: another identity directory, so no file of A's.
+    c = run_engine(scenario_dir, "tier_incompatible", root, offload={"block_size": 256})
+    assert tokens(c) == expected
+    assert cached(c) == [0, 0, 0]
+    assert c["counters"].get("vllm:kv_offload_tiering_chunk_hits", 0) == 0
+    assert len({f.split("/ascend-kv-")[1][:16] for f in c["files"]}) == 2
+
+
+def _truncate(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 1000)
+
+
+def _flip_payload(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(HEADER_BYTES + 100)
+        byte = f.read(1)
+        f.seek(HEADER_BYTES + 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def _foreign_identity(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(24)  # the identity digest in the header
+        f.write(b"\x00" * 32)
+
+
+CORRUPTIONS = {
+    "size": _truncate,
+    "checksum mismatch": _flip_payload,
+    "written by another identity": _foreign_identity,
+}
+
+
+def test_corrupted_files_are_misses_logged_and_removed(written, expected, scenario_dir):
+    root, _ = copy_of(written, scenario_dir, "tier-corrupt")
+    # Prompt p's 4 files all get corruption p, so whichever the reader opens
+    # first is rejected for that reason, and the whole prefix recomputes.
+    for corrupt, chain in zip(
+        CORRUPTIONS.values(), _chains(written, root), strict=True
+    ):
+        for path in chain:
+            corrupt(path)
+    d = run_engine(scenario_dir, "tier_corrupt", root)
+    assert tokens(d) == expected
+    assert cached(d) == [0, 0, 0]
+    log = scenario_log(scenario_dir, "tier_corrupt")
+    for reason in CORRUPTIONS:
+        assert f"is not loaded ({reason}" in log, reason
+    assert d["counters"].get("vllm:kv_offload_tiering_promotion_job_failures", 0) > 0
+
+
+def _chains(written, root: str) -> list[list[str]]:
+    """Each prompt's 4 files in ``root`` (a copy of A's directory): A wrote
+    them with one thread, prompt after prompt, so in modification order."""
+    src_root, a = written
+    by_time = sorted(a["files"], key=os.path.getmtime)
+    files = [f.replace(src_root, root, 1) for f in by_time]
+    return [files[4 * p : 4 * p + 4] for p in range(len(PROMPTS))]
+
+
+def test_control_forged_files_change_the_output(written, expected, scenario_dir):
+    """Negative control: garbage under a valid header is loaded (it passes
+    every check), and the outputs differ, so the comparisons above would
+    catch corrupted KV that got through."""
+    root, files = copy_of(written, scenario_dir, "tier-forged")
+    for path in files:
+        with open(path, "r+b") as f:
+            size = os.path.getsize(path) - HEADER_BYTES
+            garbage = bytes([0x5A]) * size
+            f.seek(HEADER_BYTES)
+            f.write(garbage)
+            f.seek(20)  # crc32 after magic(8), version(4), length(8)
+            f.write(zlib.crc32(garbage).to_bytes(4, "little"))
+    e = run_engine(scenario_dir, "tier_forged", root)
+    assert all(c >= PREFIX_TOKENS for c in cached(e))
+    assert tokens(e) != expected
+
+
+def test_stale_region_and_vanishing_directory(written, expected, scenario_dir):
+    """A region file of a dead run with this engine_id, and the tier's
+    directory deleted once the engine is up: the engine starts, serves the
+    prompts by recomputing, logs both, removes its region at shutdown."""
+    root, _ = copy_of(written, scenario_dir, "tier-vanish")
+    engine_id = f"kvoff-test-{uuid.uuid4().hex[:8]}"
+    try:
+        f = run_engine(
+            scenario_dir,
+            "tier_stale_vanish",
+            root,
+            engine_id=engine_id,
+            before={"stale_region": engine_id},
+            remove_root_after_start=True,
+        )
+    finally:
+        if os.path.exists(region_path(engine_id)):
+            os.unlink(region_path(engine_id))
+    assert tokens(f) == expected
+    # The copy held every block; with its directory gone nothing hits.
+    assert cached(f) == [0, 0, 0]
+    log = scenario_log(scenario_dir, "tier_stale_vanish")
+    assert "a shared region left by a run that ended without cleanup" in log
+    assert f["region_while_running"] and not f["region_after_shutdown"]

@@ -1,0 +1,112 @@
+"""Scenario driver for tests/e2e/test_tiering.py: one engine, tiering on.
+
+Runs ``scenario["prompts"]`` one at a time (greedy), lets the device ->
+CPU stores and the CPU -> fs cascades land, and returns per request the
+token ids and cached tokens, vLLM's offloading counters, the files under
+the fs root and whether the shared-memory region existed while the engine
+ran and after it shut down. Optional: ``before`` (an action run before the
+engine starts: ``{"stale_region": engine_id}`` plants a region file left
+by a dead run), ``remove_root_after_start`` (the fs directory disappears
+once the engine is up).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import time
+
+TIER_WRITE_BYTES = "vllm:kv_offload_tiering_write_bytes"
+
+
+def _counters(llm) -> dict[str, float]:
+    counters: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:kv_offload") and hasattr(metric, "value"):
+            counters[metric.name] = counters.get(metric.name, 0.0) + metric.value
+    return counters
+
+
+def _settle_tier_writes(llm, max_rounds: int = 60) -> None:
+    """Steps the engine until the fs tier's written bytes stop changing
+    (cascades are submitted at the end of a scheduler step)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=2)
+    last, steady = -1.0, 0
+    for _ in range(max_rounds):
+        llm.generate(["flush"], params, use_tqdm=False)
+        time.sleep(0.1)
+        written = _counters(llm).get(TIER_WRITE_BYTES, 0.0)
+        steady = steady + 1 if written == last else 0
+        if steady >= 3:
+            return
+        last = written
+
+
+def _files(root: str) -> list[str]:
+    out = []
+    for d, _, names in os.walk(root):
+        out += [os.path.join(d, n) for n in names if n.endswith(".bin")]
+    return sorted(out)
+
+
+def run(scenario: dict) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    from tests.e2e.run_scenario import settle_stores
+    from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model
+    from vllm_ascend.kv_offload.tiering import region_path
+
+    engine_id = scenario.get("engine_id")
+    stale = (scenario.get("before") or {}).get("stale_region")
+    if stale:
+        with open(region_path(stale), "wb") as f:
+            f.write(b"\0" * 4096)  # smaller than any region: vLLM would wait 30 s
+    transfer = KVTransferConfig(
+        kv_connector="OffloadingConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config=scenario["offload"],
+        kv_load_failure_policy="recompute",
+        engine_id=engine_id,
+    )
+    llm = LLM(
+        model=ensure_tiny_model(),
+        disable_log_stats=False,
+        kv_transfer_config=transfer,
+        **scenario["engine"],
+    )
+    engine_id = transfer.engine_id
+    region_while_running = os.path.exists(region_path(engine_id))
+    root = scenario.get("root_dir")
+    if scenario.get("remove_root_after_start") and root:
+        shutil.rmtree(root)
+
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    results = []
+    for prompt in scenario["prompts"]:
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        results.append(
+            {
+                "token_ids": list(out.outputs[0].token_ids),
+                "num_cached_tokens": out.num_cached_tokens or 0,
+            }
+        )
+    settle_stores(llm)
+    _settle_tier_writes(llm)
+    counters = _counters(llm)
+    files = _files(root) if root and os.path.isdir(root) else []
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    return {
+        "results": results,
+        "counters": counters,
+        "files": files,
+        "engine_id": engine_id,
+        "region_while_running": region_while_running,
+        "region_after_shutdown": os.path.exists(region_path(engine_id)),
+    }

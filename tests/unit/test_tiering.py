@@ -1,0 +1,272 @@
+"""NPUTieringOffloadingSpec's pieces without an engine: identity, verified
+files, the stale-region check, configuration errors, the region pool."""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import mmap
+import os
+import uuid
+
+import numpy as np
+import pytest
+from vllm.v1.kv_offload.base import make_offload_key
+from vllm.v1.kv_offload.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+from vllm.v1.kv_offload.file_mapper import FileMapper
+
+from vllm_ascend.kv_offload import tiering
+from vllm_ascend.kv_offload.config import OffloadConfigError, check_keys
+from vllm_ascend.kv_offload.tiering import (
+    HEADER_BYTES,
+    RegionBlockPool,
+    StoredBlockError,
+    check_tiering_config,
+    identity_digest,
+    read_block,
+    remove_stale_region,
+    storage_identity,
+    write_block,
+)
+
+
+def offloading_config(tp: int = 1, dtype: str = "float32", **changes):
+    config = OffloadingConfig(
+        groups=(OffloadingGroupConfig(128, ("layers.0", "layers.1"), 0),),
+        worker_kv_bytes_per_block=65536 // tp,
+        enable_kv_cache_events=False,
+        extra_config={},
+        engine_id="e",
+        model=OffloadingModelConfig(name="/nonexistent/model", dtype=dtype),
+        cache=OffloadingCacheConfig(tokens_per_hash=128, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(
+            rank=0,
+            world_size=tp,
+            tp_size=tp,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=True,
+        ),
+    )
+    return dataclasses.replace(config, **changes)
+
+
+def digest(config, device="cpu") -> str:
+    return identity_digest(storage_identity(config, device))
+
+
+def test_identity_separates_what_makes_bytes_incompatible():
+    base = digest(offloading_config())
+    assert digest(offloading_config()) == base  # deterministic
+    assert digest(offloading_config(tp=2)) != base
+    assert digest(offloading_config(dtype="bfloat16")) != base
+    assert digest(offloading_config(), device="npu") != base
+    assert digest(offloading_config(kv_cache_layout="HND")) != base
+    other_model = dataclasses.replace(
+        offloading_config(), model=OffloadingModelConfig("/other", "float32")
+    )
+    assert digest(other_model) != base
+    other_blocks = dataclasses.replace(
+        offloading_config(), cache=OffloadingCacheConfig(128, 2)
+    )
+    assert digest(other_blocks) != base
+
+
+def test_vllm_file_naming_alone_would_mix_tp_sizes(tmp_path):
+    """Why the identity directory exists: vLLM's fs tier names files the same
+    for TP 1 and TP 2 when it deems the layout parallelism-agnostic, which a
+    per-rank row of this package's worker is not."""
+
+    def base_path(tp: int) -> str:
+        spec = type("S", (), {"config": offloading_config(tp=tp)})()
+        return FileMapper.from_offloading_spec(
+            str(tmp_path), spec, parallel_agnostic=True
+        ).base_path
+
+    assert base_path(1) == base_path(2)
+    assert digest(offloading_config(tp=1)) != digest(offloading_config(tp=2))
+
+
+def test_model_config_is_part_of_the_identity(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"hidden_size": 64}')
+    config = dataclasses.replace(
+        offloading_config(), model=OffloadingModelConfig(str(model), "float32")
+    )
+    before = digest(config)
+    (model / "config.json").write_text('{"hidden_size": 128}')
+    assert digest(config) != before
+
+
+# -- verified files -----------------------------------------------------------
+
+IDENTITY = bytes(range(32))
+KEY = make_offload_key(b"\x01" * 32, 0)
+KEY_ID = tiering.key_digest(KEY)
+
+
+def payload(size: int = 2 * mmap.PAGESIZE, fill: int = 7) -> memoryview:
+    buf = mmap.mmap(-1, size)
+    buf[:] = bytes([fill]) * size
+    return memoryview(buf)
+
+
+def test_a_written_block_reads_back(tmp_path):
+    path = str(tmp_path / "a" / "b.bin")
+    data = payload()
+    assert write_block(path, data, IDENTITY, KEY_ID, 0)
+    assert os.path.getsize(path) == HEADER_BYTES + len(data)
+    assert not write_block(path, data, IDENTITY, KEY_ID, 0)  # exists: skipped
+    out = payload(fill=0)
+    read_block(path, out, IDENTITY, KEY_ID, 0)
+    assert bytes(out) == bytes(data)
+
+
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (lambda f, n: f.truncate(n - 1), "size"),
+        (lambda f, n: f.truncate(n + 1), "size"),
+        (lambda f, n: (f.seek(n - 1), f.write(b"\xff")), "checksum mismatch"),
+        (lambda f, n: (f.seek(0), f.write(b"X")), "not a KV block file"),
+    ],
+)
+def test_damaged_files_are_refused(tmp_path, damage, reason):
+    path = str(tmp_path / "b.bin")
+    write_block(path, payload(), IDENTITY, KEY_ID, 0)
+    with open(path, "r+b") as f:
+        damage(f, os.path.getsize(path))
+    with pytest.raises(StoredBlockError, match=reason):
+        read_block(path, payload(fill=0), IDENTITY, KEY_ID, 0)
+
+
+def test_files_of_another_identity_or_key_are_refused(tmp_path):
+    path = str(tmp_path / "b.bin")
+    write_block(path, payload(), IDENTITY, KEY_ID, 0)
+    with pytest.raises(StoredBlockError, match="another identity"):
+        read_block(path, payload(), bytes(32), KEY_ID, 0)
+    other = tiering.key_digest(make_offload_key(b"\x02" * 32, 0))
+    with pytest.raises(StoredBlockError, match="another block"):
+        read_block(path, payload(), IDENTITY, other, 0)
+
+
+def test_a_failed_write_leaves_no_file(tmp_path, monkeypatch):
+    def full(fd, buffers):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tiering.os, "writev", full)
+    path = str(tmp_path / "b.bin")
+    with pytest.raises(OSError, match="No space"):
+        write_block(path, payload(), IDENTITY, KEY_ID, 0)
+    assert os.listdir(tmp_path) == []
+
+
+def test_an_uncreatable_tier_directory_is_dropped_with_a_log_line(tmp_path, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    identity = storage_identity(offloading_config(), "cpu")
+    assert not tiering._tier_dir_usable(str(blocker / "kv"), identity)
+    assert "cannot be created" in caplog.text
+    assert tiering._tier_dir_usable(str(tmp_path / "kv"), identity)
+
+
+# -- the shared region --------------------------------------------------------
+
+
+def test_a_stale_region_is_removed_a_held_one_is_kept(tmp_path):
+    path = str(tmp_path / "region.mmap")
+    with open(path, "wb") as f:
+        f.write(b"\0" * 4096)
+    holder = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(holder, fcntl.LOCK_SH)  # a live engine maps it
+        assert not remove_stale_region(path)
+        assert os.path.exists(path)
+    finally:
+        os.close(holder)  # the engine died
+    assert remove_stale_region(path)
+    assert not os.path.exists(path)
+    assert not remove_stale_region(path)  # nothing there: nothing to do
+
+
+def test_region_pool_addresses_this_ranks_slot_of_each_row():
+    page = mmap.PAGESIZE
+    region = tiering.open_region(
+        engine_id=f"unit-{uuid.uuid4().hex[:8]}",
+        num_chunks=3,
+        rank=1,
+        kv_bytes_per_chunk=4 * page,
+        cpu_page_size=2 * page,
+    )
+    try:
+        pool = RegionBlockPool(
+            region,
+            page_bytes=[page // 2, page // 2, page],
+            blocks_per_chunk=1,
+            slot_offset=2 * page,
+            slot_capacity=2 * page,
+            row_stride=4 * page,
+        )
+        assert pool.row_bytes == 4 * page  # the stride CopyEngine uses
+        assert pool.slot_bytes == 2 * page
+        assert pool.nbytes == 3 * 2 * page
+        assert list(pool.tensor_offsets) == [2 * page, 2 * page + page // 2, 3 * page]
+        assert pool.base == region.base_tensor.data_ptr()
+        with pytest.raises(OffloadConfigError, match="more than its slot"):
+            RegionBlockPool(region, [3 * page], 1, 0, 2 * page, 4 * page)
+        pool.release()
+        assert region.base_tensor is not None  # the pool frees nothing
+        assert np.all(region.base_tensor.numpy() == 0)
+    finally:
+        region.cleanup()
+    assert not os.path.exists(region.mmap_path)
+
+
+# -- configuration ------------------------------------------------------------
+
+TIERING = {
+    "spec_name": "NPUTieringOffloadingSpec",
+    "spec_module_path": "vllm_ascend.kv_offload.tiering",
+}
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"canonical_layout": True}, "canonical_layout"),
+        ({"store_threshold": 2}, "store_threshold"),
+        ({"secondary_tiers": {"type": "fs"}}, "must be a list"),
+        ({"secondary_tiers": [{"root_dir": "/x"}]}, "with a 'type'"),
+        ({"secondary_tiers": [{"type": "fs"}]}, "needs 'root_dir'"),
+        ({"backpressure": 1}, "must be a dict"),
+    ],
+)
+def test_what_the_spec_cannot_do_is_refused(extra, message):
+    with pytest.raises(OffloadConfigError, match=message):
+        check_tiering_config({**TIERING, **extra})
+
+
+def test_tiering_keys_need_the_tiering_spec():
+    tiers = [{"type": "fs", "root_dir": "/x"}]
+    check_keys({**TIERING, "secondary_tiers": tiers})
+    with pytest.raises(OffloadConfigError, match="NPUTieringOffloadingSpec only"):
+        check_keys({"spec_name": "NPUOffloadingSpec", "secondary_tiers": tiers})
+    with pytest.raises(OffloadConfigError, match="must be a list"):
+        check_keys({**TIERING, "secondary_tiers": "fs"})
+
+
+def test_our_connector_serves_the_tiering_spec():
+    from vllm_ascend.kv_offload.plugin import names_our_spec
+
+    assert names_our_spec(TIERING)
