@@ -191,9 +191,11 @@ class Device:
             start.record()
         for s in streams[1:]:
             s.wait_event(start)
+        # What each fn returns (the op's workspace) lives until `end`.
+        results = []
         for s, fn in zip(streams, fns, strict=True):
             with self.mod.stream(s):
-                fn()
+                results.append(fn())
         for s in streams[1:]:
             done = self.mod.Event()
             done.record(s)
@@ -271,10 +273,12 @@ class Case:
         for s, d in self.pairs:
             d.copy_(s, non_blocking=True)
 
-    def op(self) -> None:
-        self.op_copies = ops.swap_blocks_batch(
+    def op(self) -> torch.Tensor:
+        """Returns the op's workspace: keep it until the copies are done."""
+        self.op_copies, workspace = ops.swap_blocks_batch(
             self.src_addrs, self.dst_addrs, self.sizes, self.device.name
         )
+        return workspace
 
     # Verification.
     def fill_source(self, gen: torch.Generator) -> None:
@@ -479,7 +483,9 @@ def descriptor_cost(
 
     def build_submit():
         nonlocal merged
-        merged = engine.submit(engine.build(spec, cpu_ids, to_cpu=True))
+        # The workspace is returned to be kept until the synchronize below.
+        merged, workspace = engine.submit(engine.build(spec, cpu_ids, to_cpu=True))
+        return workspace
 
     t_build: list[float] = []
     t_both: list[float] = []
@@ -487,9 +493,10 @@ def descriptor_cost(
     for r in range(repeats + 1):  # the first round warms up; order alternates
         for fn, out in timed if r % 2 else timed[::-1]:
             t0 = time.perf_counter()
-            fn()
+            result = fn()
             elapsed = time.perf_counter() - t0
             device.synchronize()
+            del result  # the workspace (if any) outlived the copies
             if r:
                 out.append(elapsed)
 
@@ -575,8 +582,8 @@ def layout_jobs(device: Device, blocks: int, repeats: int, seed: int) -> list[di
             else:
                 dst.copy_(src, non_blocking=True)
 
-        def job(desc=desc, engine=engine) -> None:
-            engine.submit(desc)
+        def job(desc=desc, engine=engine):
+            return engine.submit(desc)  # (copies, workspace)
 
         times: dict[str, list[float]] = {"contiguous": [], "op": []}
         for r in range(repeats + 1):  # the first round warms up
@@ -587,8 +594,9 @@ def layout_jobs(device: Device, blocks: int, repeats: int, seed: int) -> list[di
                 if device.name == "cpu":
                     time.sleep(device.settle_s)
                 t0 = time.perf_counter()
-                fn()
+                result = fn()
                 device.synchronize()
+                del result  # the workspace (if any) outlived the copies
                 if r:
                     times[method].append(time.perf_counter() - t0)
         rows_cpu = pool.tensor.view(blocks, -1)

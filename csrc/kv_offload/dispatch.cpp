@@ -1,6 +1,7 @@
 // Backend-agnostic part of swap_blocks_batch: descriptor validation,
 // coalescing, backend selection and the torch op registration. See ops.h for
 // the contract.
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
@@ -9,6 +10,7 @@
 #include <limits>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <vector>
 
 #include "ops.h"
@@ -121,9 +123,17 @@ std::vector<CopyRegion> coalesce(const int64_t* src, const int64_t* dst,
 
 }  // namespace
 
-int64_t swap_blocks_batch(const at::Tensor& src_addrs,
-                          const at::Tensor& dst_addrs, const at::Tensor& sizes,
-                          std::string_view device) {
+namespace {
+
+// The workspace of a job that has none (see ops.h, Returns).
+at::Tensor no_workspace() { return at::empty({0}, at::kByte); }
+
+}  // namespace
+
+std::tuple<int64_t, at::Tensor> swap_blocks_batch(const at::Tensor& src_addrs,
+                                                  const at::Tensor& dst_addrs,
+                                                  const at::Tensor& sizes,
+                                                  std::string_view device) {
   // Resolve first: a misconfigured device is an error even for empty batches.
   const SwapBlocksBackend backend = resolve_backend(device);
   check_descriptor(src_addrs, "src_addrs");
@@ -135,12 +145,13 @@ int64_t swap_blocks_batch(const at::Tensor& src_addrs,
               "the same length (got ",
               src_addrs.numel(), ", ", dst_addrs.numel(), ", ", n,
               "); pass exactly one entry per fragment in each");
-  if (n == 0) return 0;
+  if (n == 0) return {0, no_workspace()};
   const std::vector<CopyRegion> regions =
       coalesce(src_addrs.data_ptr<int64_t>(), dst_addrs.data_ptr<int64_t>(),
                sizes.data_ptr<int64_t>(), n);
-  backend(regions);
-  return static_cast<int64_t>(regions.size());
+  at::Tensor workspace = backend(regions);
+  if (!workspace.defined()) workspace = no_workspace();
+  return {static_cast<int64_t>(regions.size()), std::move(workspace)};
 }
 
 uint64_t total_bytes_of_disjoint_copies(const std::vector<CopyRegion>& regions,
@@ -170,7 +181,7 @@ void register_kv_offload_ops(torch::Library& m) {
   // upstream vllm-ascend's library (which has its own swap_blocks_batch).
   m.def(
       "kv_offload_swap_blocks(Tensor src_addrs, Tensor dst_addrs, "
-      "Tensor sizes, str device) -> int");
+      "Tensor sizes, str device) -> (int copies, Tensor workspace)");
   m.impl("kv_offload_swap_blocks", c10::DispatchKey::CompositeExplicitAutograd,
          TORCH_FN(swap_blocks_batch));
   m.def("kv_offload_backends() -> str[]");

@@ -4,7 +4,8 @@
 // ======================
 //
 //   torch.ops._C_ascend.kv_offload_swap_blocks(
-//       Tensor src_addrs, Tensor dst_addrs, Tensor sizes, str device) -> int
+//       Tensor src_addrs, Tensor dst_addrs, Tensor sizes, str device)
+//       -> (int copies, Tensor workspace)
 //   torch.ops._C_ascend.kv_offload_backends() -> str[]
 //
 // Namespace _C_ascend is shared with upstream vllm-ascend's library, which
@@ -25,8 +26,21 @@
 //       "backend '<device>' was not compiled into this build"; any other
 //       string raises "unknown device".
 //
-// Returns
-//   The number of copies actually submitted after coalescing (0 when N == 0).
+// Returns (copies, workspace)
+//   copies: the number of copies actually submitted after coalescing (0 when
+//       N == 0).
+//   workspace: a 1-D uint8 CPU tensor holding the host memory that the
+//       backend's asynchronous copies may still read after the op has
+//       returned: the descriptor arrays handed to aclrtMemcpyBatchAsync /
+//       cudaMemcpyBatchAsync, whose documentation does not say that the
+//       runtime has read them when the call returns. The caller keeps a
+//       reference to it until the copies have COMPLETED (e.g. until an event
+//       recorded on that stream after the op has completed), not merely until
+//       the op returns; vllm_ascend's StreamTransferQueue keeps it with the
+//       job until the job's end event. Empty (numel 0) when nothing outlives
+//       the call: "cpu" (synchronous), N == 0, and the paths that pass no
+//       host arrays ("npu" per-copy fallback, "cuda" kernel and per-copy
+//       paths). Its contents are the backend's own business.
 //
 // Coalescing
 //   Consecutive fragments i, i + 1 with src[i] + size[i] == src[i + 1] AND
@@ -74,15 +88,20 @@
 //       to the runtime's own check, whose failure names that fragment.
 //       Copies: aclrtMemcpyBatchAsync with one attribute set per call (the
 //       locations aclrtPointerGetAttributes reported), at most 4096 entries a
-//       call. When the batch API answers "not supported"
+//       call. Its host arrays (srcs, dsts, sizes for every entry of every
+//       call, the attribute set and its index) are built in the returned
+//       workspace, never in memory freed when the op returns. When the batch
+//       API answers "not supported"
 //       (ACL_ERROR_RT_FEATURE_NOT_SUPPORT, ACL_ERROR_FEATURE_UNSUPPORTED or
 //       ACL_ERROR_API_NOT_SUPPORT) or the runtime lacks the symbol (CANN <
 //       8.3), the process switches for good to one aclrtMemcpyAsync per copy
 //       and warns once. Any other ACL error raises, naming the ACL call, the
 //       error code and the caller's fragment index (translated from
 //       failIndex); copies enqueued by earlier calls of the same op are not
-//       undone, so the destination is then undefined. Copies within one call
-//       run in no particular order.
+//       undone, so the destination is then undefined, but the op waits for
+//       them (aclrtSynchronizeStream) before raising, as their arrays are
+//       in the workspace it frees. Copies within one call run in no
+//       particular order.
 //       Status: compiled in CI against the torch-npu 2.13.0 headers and
 //       tested against a SIMULATED ACL runtime only; never run on Ascend
 //       hardware (docs/npu_backend.md).
@@ -92,16 +111,19 @@
 //       inspected once with cudaPointerGetAttributes. The "auto" method uses
 //       a 16-CTA copy kernel over UVA (16-byte accesses where aligned) when
 //       the mean copy is < 256 KiB and one side is pinned host memory, else
-//       one cudaMemcpyBatchAsync; a cudaMemcpyAsync per copy on the legacy
-//       stream, for pageable memory, or when the batch API is unsupported.
+//       one cudaMemcpyBatchAsync (its arrays in the returned workspace); a
+//       cudaMemcpyAsync per copy on the legacy stream, for pageable memory,
+//       or when the batch API is unsupported.
 //       VLLM_ASCEND_CUDA_COPY_METHOD=kernel|dma|auto overrides. Overlap and
 //       graph capture are rejected. Status: compiled (sm_80, sm_90) and
 //       linked against a CUDA torch without a GPU; never run on a GPU yet
 //       (docs/cuda_backend.md).
 //
 // Adding a backend
-//   1. Declare `void swap_blocks_<name>(const std::vector<CopyRegion>&)`
-//      below, guarded by VLLM_ASCEND_WITH_<NAME>.
+//   1. Declare
+//      `at::Tensor swap_blocks_<name>(const std::vector<CopyRegion>&)`
+//      below, guarded by VLLM_ASCEND_WITH_<NAME>; it returns the workspace
+//      (see Returns; an undefined tensor when it needs none).
 //   2. Implement it in csrc/kv_offload/<name>/ (one translation unit per
 //   backend).
 //   3. Add it to kBackends in csrc/kv_offload/dispatch.cpp and a CMake option
@@ -114,6 +136,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <vector>
 
 #include "copy_region.h"  // CopyRegion: one copy after coalescing
@@ -123,15 +146,18 @@ namespace vllm_ascend::kv_offload {
 // A backend copies every region. Regions arrive validated (non-null, size >
 // 0, no wrap-around, total bytes < 2^64) and coalesced; backend-specific
 // checks (e.g. overlap on cpu) are the backend's job and must happen before
-// the first byte moves.
-using SwapBlocksBackend = void (*)(const std::vector<CopyRegion>& regions);
+// the first byte moves. It returns the job's workspace: a CPU tensor holding
+// every host array its enqueued copies may still read (see Returns), or an
+// undefined tensor when there is none (the dispatcher returns an empty one).
+using SwapBlocksBackend =
+    at::Tensor (*)(const std::vector<CopyRegion>& regions);
 
-void swap_blocks_cpu(const std::vector<CopyRegion>& regions);
+at::Tensor swap_blocks_cpu(const std::vector<CopyRegion>& regions);
 #ifdef VLLM_ASCEND_WITH_CUDA
-void swap_blocks_cuda(const std::vector<CopyRegion>& regions);
+at::Tensor swap_blocks_cuda(const std::vector<CopyRegion>& regions);
 #endif
 #ifdef VLLM_ASCEND_WITH_NPU
-void swap_blocks_npu(const std::vector<CopyRegion>& regions);
+at::Tensor swap_blocks_npu(const std::vector<CopyRegion>& regions);
 #endif
 
 // For backends whose copies must not overlap (memcpy-like): raises, naming
@@ -140,10 +166,12 @@ void swap_blocks_npu(const std::vector<CopyRegion>& regions);
 uint64_t total_bytes_of_disjoint_copies(const std::vector<CopyRegion>& regions,
                                         std::string_view op);
 
-// The op registered as torch.ops._C_ascend.kv_offload_swap_blocks.
-int64_t swap_blocks_batch(const at::Tensor& src_addrs,
-                          const at::Tensor& dst_addrs, const at::Tensor& sizes,
-                          std::string_view device);
+// The op registered as torch.ops._C_ascend.kv_offload_swap_blocks:
+// (copies, workspace), see Returns.
+std::tuple<int64_t, at::Tensor> swap_blocks_batch(const at::Tensor& src_addrs,
+                                                  const at::Tensor& dst_addrs,
+                                                  const at::Tensor& sizes,
+                                                  std::string_view device);
 
 // Names of the backends compiled into this build, e.g. {"cpu"}
 // (torch.ops._C_ascend.kv_offload_backends).

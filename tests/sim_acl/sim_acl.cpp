@@ -1,9 +1,9 @@
 // SIMULATION of the ACL runtime functions that
-// csrc/kv_offload/npu/acl_batch_copy.cpp calls -- NOT CANN. There is no device,
-// no stream and no DMA here: "device" memory is host memory a test registered
-// as such, every copy is a synchronous memcpy, and streams are only recorded.
-// Compiled against the real declarations (torch-npu wheel's acl/acl_rt.h), so
-// signatures match.
+// csrc/kv_offload/npu/acl_batch_copy.cpp calls -- NOT CANN. There is no device
+// and no DMA here: "device" memory is host memory a test registered as such,
+// and a stream is a queue of memcpy tasks that runs when it is synchronized
+// (aclrtSynchronizeStream), in submission order. Compiled against the real
+// declarations (torch-npu wheel's acl/acl_rt.h), so signatures match.
 //
 // Semantics follow the CANN documentation of aclrtMemcpyBatchAsync,
 // aclrtMemcpyAsync, aclrtMemLocationType and aclrtMemcpyBatchAttr:
@@ -17,8 +17,19 @@
 //  - aclrtMemcpyAsync with ACL_MEMCPY_HOST_TO_HOST returns
 //    ACL_ERROR_RT_FEATURE_NOT_SUPPORT.
 // Where the docs are silent the simulation makes a choice, marked SIM
-// CHOICE: the 4096-entry cap, the error codes of failed checks, and that a
-// failing batch copies nothing.
+// CHOICE: the 4096-entry cap, the error codes of failed checks, that a
+// failing batch copies nothing, and WHEN the runtime reads a batch's host
+// arrays. The docs do not say that aclrtMemcpyBatchAsync copies dsts,
+// destMaxs, srcs, sizes, attrs and attrsIndexes at enqueue, so the simulation
+// takes the least favourable reading: it validates them at enqueue (errors
+// are returned by the call, as documented) but keeps only the POINTERS, and
+// reads the arrays again when the copy executes, at aclrtSynchronizeStream.
+// A caller that frees or reuses them before then gets copies of whatever the
+// arrays hold by that time; an entry that no longer names the registered
+// memory its attrs declare is skipped (a device would fault) and the
+// synchronize returns ACL_ERROR_RT_COPY_DATA (SIM CHOICE). Copies with a
+// pageable host side run at enqueue, as documented ("if the memory is not
+// page-locked, synchronous copying will be performed").
 #include "sim_acl.h"
 
 #include <acl/acl_rt.h>
@@ -26,6 +37,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <mutex>
 #include <string>
@@ -46,9 +58,29 @@ struct Injection {
   size_t fail_index = SIZE_MAX;
 };
 
+// A copy queued on a stream, run by aclrtSynchronizeStream. A batch keeps
+// the caller's array POINTERS (read at execution, see the header comment); a
+// single copy's arguments are scalars, kept by value.
+struct Task {
+  bool batch = false;
+  void** dsts = nullptr;
+  size_t* destMaxs = nullptr;
+  void** srcs = nullptr;
+  size_t* sizes = nullptr;
+  size_t numBatches = 0;
+  aclrtMemcpyBatchAttr* attrs = nullptr;
+  size_t* attrsIndexes = nullptr;
+  size_t numAttrs = 0;
+  void* dst = nullptr;  // single copy
+  const void* src = nullptr;
+  size_t count = 0;
+};
+
 struct State {
   std::mutex mu;
-  std::map<uintptr_t, Range> ranges;  // keyed by start address
+  std::map<uintptr_t, Range> ranges;                // keyed by start address
+  std::map<aclrtStream, std::deque<Task>> streams;  // queued, not yet run
+  size_t faulted_entries = 0;  // entries skipped when they executed
   std::map<std::string, size_t> calls;
   Injection injection;  // armed while nth_call != 0
   bool batch_unsupported = false;
@@ -107,6 +139,56 @@ bool is_device(const aclrtMemLocation& loc) {
                                     const aclrtMemLocation& actual) {
   return declared.type == actual.type &&
          (!is_device(declared) || declared.id == actual.id);
+}
+
+// Entry i of a batch, read from the caller's arrays NOW: "" when it names
+// registered memory as attrs declare (and may be copied), else why not.
+// Only reads the arrays and the registry, so it is safe on any contents.
+std::string check_entry(const State& s, void** dsts, size_t* destMaxs,
+                        void** srcs, size_t* sizes, size_t i,
+                        const aclrtMemcpyBatchAttr& attr) {
+  const std::string entry = "entry " + std::to_string(i) + ": ";
+  if (srcs[i] == nullptr || dsts[i] == nullptr || sizes[i] == 0 ||
+      sizes[i] > destMaxs[i]) {
+    return entry + "null address, zero size or size > destMax";
+  }
+  aclrtMemLocation src, dst;
+  if (!locate(s, srcs[i], sizes[i], &src) ||
+      !locate(s, dsts[i], sizes[i], &dst) || !same_location(attr.srcLoc, src) ||
+      !same_location(attr.dstLoc, dst)) {
+    return entry + "memory location differs from its attrs";
+  }
+  return "";
+}
+
+// Index k of the attribute set that applies to entry i.
+size_t attr_of(const size_t* attrsIndexes, size_t numAttrs, size_t i) {
+  size_t k = 0;
+  while (k + 1 < numAttrs && attrsIndexes[k + 1] <= i) ++k;
+  return k;
+}
+
+// Runs one queued task, reading a batch's arrays as they are now. Entries
+// that no longer check out are skipped and counted; returns how many.
+size_t execute(State& s, const Task& t) {
+  if (!t.batch) {
+    std::memcpy(t.dst, t.src, t.count);  // scalars, checked at enqueue
+    return 0;
+  }
+  size_t faults = 0;
+  for (size_t i = 0; i < t.numBatches; ++i) {
+    const size_t k = attr_of(t.attrsIndexes, t.numAttrs, i);
+    const std::string why =
+        check_entry(s, t.dsts, t.destMaxs, t.srcs, t.sizes, i, t.attrs[k]);
+    if (!why.empty()) {
+      ++faults;
+      s.last_error = "SIMULATED ACL: batch copy faulted at execution, " + why +
+                     " (were its arrays freed or reused before the copy ran?)";
+      continue;
+    }
+    std::memcpy(t.dsts[i], t.srcs[i], t.sizes[i]);
+  }
+  return faults;
 }
 
 }  // namespace
@@ -187,34 +269,44 @@ aclError aclrtMemcpyBatchAsync(void** dsts, size_t* destMaxs, void** srcs,
     }
   }
   // Check every entry before copying any (SIM CHOICE: all or nothing).
-  size_t k = 0;
   for (size_t i = 0; i < numBatches; ++i) {
-    while (k + 1 < numAttrs && attrsIndexes[k + 1] <= i) ++k;
-    const std::string entry = "entry " + std::to_string(i) + ": ";
+    const size_t k = attr_of(attrsIndexes, numAttrs, i);
     if (srcs[i] == nullptr || dsts[i] == nullptr || sizes[i] == 0 ||
         sizes[i] > destMaxs[i]) {
       *failIndex = i;
       return error(s, ACL_ERROR_INVALID_PARAM,
-                   entry + "null address, zero size or size > destMax");
+                   "entry " + std::to_string(i) +
+                       ": null address, zero size or size > destMax");
     }
-    aclrtMemLocation src, dst;
-    if (!locate(s, srcs[i], sizes[i], &src) ||
-        !locate(s, dsts[i], sizes[i], &dst) ||
-        !same_location(attrs[k].srcLoc, src) ||
-        !same_location(attrs[k].dstLoc, dst)) {
+    if (!check_entry(s, dsts, destMaxs, srcs, sizes, i, attrs[k]).empty()) {
       *failIndex = i;
       return error(s, ACL_ERROR_RT_INVALID_MEMORY_TYPE,  // SIM CHOICE
-                   entry + "memory location differs from attrs[" +
+                   "entry " + std::to_string(i) +
+                       ": memory location differs from attrs[" +
                        std::to_string(k) + "]");
     }
   }
-  for (size_t i = 0; i < numBatches; ++i) {
-    std::memcpy(dsts[i], srcs[i], sizes[i]);
-  }
+  Task task;
+  task.batch = true;
+  task.dsts = dsts;
+  task.destMaxs = destMaxs;
+  task.srcs = srcs;
+  task.sizes = sizes;
+  task.numBatches = numBatches;
+  task.attrs = attrs;
+  task.attrsIndexes = attrsIndexes;
+  task.numAttrs = numAttrs;
   const aclrtMemLocation& host = first_d2h ? attrs[0].dstLoc : attrs[0].srcLoc;
   if (host.type == ACL_MEM_LOCATION_TYPE_UNREGISTERED) {
+    // Documented: pageable memory is copied synchronously, i.e. now (after
+    // the work queued before it, which a synchronous copy waits for).
+    for (const Task& t : s.streams[stream]) s.faulted_entries += execute(s, t);
+    s.streams[stream].clear();
+    s.faulted_entries += execute(s, task);
     s.sync_copies += numBatches;
+    return ACL_SUCCESS;
   }
+  s.streams[stream].push_back(task);
   return ACL_SUCCESS;
 }
 #endif
@@ -261,10 +353,36 @@ aclError aclrtMemcpyAsync(void* dst, size_t destMax, const void* src,
     return error(s, ACL_ERROR_RT_INVALID_MEMORY_TYPE,  // SIM CHOICE
                  "memory locations do not match kind " + std::to_string(kind));
   }
-  std::memcpy(dst, src, count);
+  Task task;
+  task.dst = dst;
+  task.src = src;
+  task.count = count;
   if (from.type == ACL_MEM_LOCATION_TYPE_UNREGISTERED ||
       to.type == ACL_MEM_LOCATION_TYPE_UNREGISTERED) {
+    for (const Task& t : s.streams[stream]) s.faulted_entries += execute(s, t);
+    s.streams[stream].clear();
+    execute(s, task);  // pageable: synchronous, as for the batch API
     ++s.sync_copies;
+    return ACL_SUCCESS;
+  }
+  s.streams[stream].push_back(task);
+  return ACL_SUCCESS;
+}
+
+aclError aclrtSynchronizeStream(aclrtStream stream) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  aclError code;
+  if (count_call(s, "aclrtSynchronizeStream", &code)) return code;
+  size_t faults = 0;
+  const auto it = s.streams.find(stream);
+  if (it != s.streams.end()) {
+    for (const Task& t : it->second) faults += execute(s, t);
+    s.streams.erase(it);
+  }
+  s.faulted_entries += faults;
+  if (faults != 0) {
+    return ACL_ERROR_RT_COPY_DATA;  // SIM CHOICE; last_error set by execute
   }
   return ACL_SUCCESS;
 }
@@ -281,6 +399,8 @@ void simacl_reset(void) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
   s.ranges.clear();
+  s.streams.clear();  // queued copies are dropped, never run
+  s.faulted_entries = 0;
   s.calls.clear();
   s.injection = Injection{};
   s.batch_unsupported = false;
@@ -331,6 +451,19 @@ size_t simacl_sync_copies(void) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
   return s.sync_copies;
+}
+
+size_t simacl_pending(void* stream) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  const auto it = s.streams.find(stream);
+  return it == s.streams.end() ? 0 : it->second.size();
+}
+
+size_t simacl_faulted_entries(void) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  return s.faulted_entries;
 }
 
 int simacl_last_kind(void) {

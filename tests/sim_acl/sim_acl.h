@@ -35,6 +35,13 @@ SIMACL_API size_t simacl_sync_copies(void);
 SIMACL_API void* simacl_last_stream(void);
 // The aclrtMemcpyKind of the most recent aclrtMemcpyAsync call (-1: none).
 SIMACL_API int simacl_last_kind(void);
+// Copy calls queued on `stream` that have not run yet (they run, in order,
+// at aclrtSynchronizeStream(stream); simacl_reset drops them).
+SIMACL_API size_t simacl_pending(void* stream);
+// Batch entries skipped when they executed because their arrays no longer
+// named the memory declared at enqueue (freed or reused too early), since
+// reset.
+SIMACL_API size_t simacl_faulted_entries(void);
 
 // What AclBatchCopier::copy reported (sim_shim.cpp).
 struct SimCopyReport {
@@ -42,14 +49,28 @@ struct SimCopyReport {
   int32_t fallback_started;
   uint64_t batch_calls;
   uint64_t single_calls;
+  uint64_t workspace_bytes;  // the workspace the harness gave copy()
 };
 
 // Runs the real core on regions i = 0..n-1 (src[i], dst[i], sizes[i],
-// first_fragment[i]). Returns 0, or 1 with the exception message in `err`.
+// first_fragment[i]) with a workspace of `workspace_bytes` bytes (< 0: what
+// the core asks for, AclBatchCopier::workspace_bytes). Like the op, the
+// harness owns the workspace: it keeps it until simacl_core_sync has run the
+// stream, or, with `free_workspace_at_return` (what the op did before
+// workspaces existed: its arrays were locals), frees it (= fills it with
+// 0xA5) as soon as copy() returns. It is always freed when copy() throws.
+// Returns 0, or 1 with the exception message in `err`.
 SIMACL_API int simacl_core_copy(const uint64_t* src, const uint64_t* dst,
                                 const uint64_t* sizes,
                                 const int64_t* first_fragment, size_t n,
-                                void* stream, SimCopyReport* report, char* err,
+                                void* stream, int64_t workspace_bytes,
+                                int free_workspace_at_return,
+                                SimCopyReport* report, char* err,
                                 size_t err_len);
-// Replaces the core's copier with a fresh one (forgets a fallback).
+// aclrtSynchronizeStream(stream), i.e. runs the copies queued on it, then
+// frees every workspace the harness holds (as the transfer queue drops a
+// job's workspace once its end event has completed). Returns the ACL code.
+SIMACL_API int simacl_core_sync(void* stream);
+// Replaces the core's copier with a fresh one (forgets a fallback) and frees
+// the workspaces held.
 SIMACL_API void simacl_core_reset(void);

@@ -1,10 +1,14 @@
 // SIMULATION harness: a C entry point (for ctypes) that runs the real
 // ACL-facing core of the npu backend, csrc/kv_offload/npu/acl_batch_copy.cpp,
 // which in this library is linked against the simulated ACL runtime of
-// sim_acl.cpp.
+// sim_acl.cpp. Like the op (csrc/kv_offload/npu/swap_blocks_npu.cpp) it owns
+// each job's workspace; unlike the op, a test decides how long it lives.
+#include <acl/acl_rt.h>
+
 #include <cstring>
 #include <exception>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "acl_batch_copy.h"
@@ -18,18 +22,40 @@ std::unique_ptr<vllm_ascend::kv_offload::npu::AclBatchCopier>& copier() {
   return c;
 }
 
+// Workspaces of jobs whose copies may not have run yet, freed by
+// simacl_core_sync once they have (the transfer queue's end-event wait).
+std::mutex g_mu;
+std::vector<std::unique_ptr<unsigned char[]>> g_workspaces;
+
+constexpr unsigned char kPoison = 0xA5;  // what a freed workspace holds
+
 }  // namespace
 
 int simacl_core_copy(const uint64_t* src, const uint64_t* dst,
                      const uint64_t* sizes, const int64_t* first_fragment,
-                     size_t n, void* stream, SimCopyReport* report, char* err,
-                     size_t err_len) {
+                     size_t n, void* stream, int64_t workspace_bytes,
+                     int free_workspace_at_return, SimCopyReport* report,
+                     char* err, size_t err_len) {
   std::vector<vllm_ascend::kv_offload::CopyRegion> regions(n);
   for (size_t i = 0; i < n; ++i) {
     regions[i] = {src[i], dst[i], sizes[i], first_fragment[i]};
   }
+  const size_t bytes = workspace_bytes < 0
+                           ? copier()->workspace_bytes(n)
+                           : static_cast<size_t>(workspace_bytes);
+  // operator new[] is aligned to max_align_t, as the core requires.
+  std::unique_ptr<unsigned char[]> workspace(new unsigned char[bytes + 1]);
+  // Freeing is modelled as poisoning (plus the real free at the next sync),
+  // so that the simulation reads defined, recognisably wrong contents.
+  auto release = [&] {
+    std::memset(workspace.get(), kPoison, bytes);
+    std::lock_guard<std::mutex> lock(g_mu);
+    g_workspaces.push_back(std::move(workspace));
+  };
+  int rc = 0;
   try {
-    const auto r = copier()->copy(regions, stream);
+    const auto r = copier()->copy(
+        regions, stream, bytes == 0 ? nullptr : workspace.get(), bytes);
     report->direction =
         r.direction ==
                 vllm_ascend::kv_offload::npu::CopyDirection::kHostToDevice
@@ -38,14 +64,32 @@ int simacl_core_copy(const uint64_t* src, const uint64_t* dst,
     report->fallback_started = r.fallback_started ? 1 : 0;
     report->batch_calls = r.batch_calls;
     report->single_calls = r.single_calls;
-    return 0;
+    report->workspace_bytes = bytes;
   } catch (const std::exception& e) {
     std::strncpy(err, e.what(), err_len - 1);
     err[err_len - 1] = '\0';
-    return 1;
+    rc = 1;
+    // The op's workspace tensor is freed as the exception leaves it.
+    free_workspace_at_return = 1;
   }
+  if (free_workspace_at_return) {
+    release();
+  } else {
+    std::lock_guard<std::mutex> lock(g_mu);
+    g_workspaces.push_back(std::move(workspace));
+  }
+  return rc;
+}
+
+int simacl_core_sync(void* stream) {
+  const aclError rc = aclrtSynchronizeStream(stream);
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_workspaces.clear();
+  return rc;
 }
 
 void simacl_core_reset(void) {
   copier() = std::make_unique<vllm_ascend::kv_offload::npu::AclBatchCopier>();
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_workspaces.clear();
 }

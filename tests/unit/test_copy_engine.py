@@ -118,6 +118,31 @@ def test_inconsistent_job_is_rejected():
         engine.build(spec, np.array([0, 1, 2, 3]), to_cpu=True)
 
 
+def test_build_on_a_released_pool_raises():
+    kv = make_kv_caches(16, PAGES)
+    engine, pool = engine_for(kv, bpc=1)
+    spec = GPULoadStoreSpec([5, 9], group_sizes=[2], block_indices=[0])
+    engine.build(spec, np.array([3, 1]), to_cpu=True)  # fine while it lives
+    pool.release()
+    # Its base is 0 now: descriptors would name small non-null addresses.
+    with pytest.raises(RuntimeError, match="the CPU block pool has been released"):
+        engine.build(spec, np.array([3, 1]), to_cpu=True)
+
+
+def test_submit_returns_the_copy_count_and_the_workspace():
+    kv = make_kv_caches(16, PAGES[:1], seed=4)
+    engine, pool = engine_for(kv, bpc=1)
+    # Two adjacent device blocks into two adjacent CPU rows: one merged copy.
+    spec = GPULoadStoreSpec([2, 3], group_sizes=[2], block_indices=[0])
+    desc = engine.build(spec, np.array([4, 5]), to_cpu=True)
+    copies, workspace = engine.submit(desc)
+    assert (desc.num_fragments, copies) == (2, 1)
+    # "cpu" copies synchronously: nothing to keep alive.
+    assert workspace.dtype == torch.uint8 and workspace.numel() == 0
+    stored = pool.tensor[4:6].view(-1)
+    assert torch.equal(stored, kv.tensors[0].tensor[2:4].reshape(-1).view(torch.int8))
+
+
 @pytest.mark.parametrize("bpc, first", [(1, 0), (2, 0), (4, 1), (4, 3)])
 def test_worker_round_trip_is_byte_exact(bpc, first):
     kv = make_kv_caches(32, PAGES, seed=bpc + first)

@@ -2,13 +2,16 @@
 
 ``csrc/kv_offload/npu/acl_batch_copy.cpp`` -- the code of the "npu" backend that calls
 ACL -- is linked against ``tests/sim_acl/sim_acl.cpp``, a SIMULATED ACL
-runtime: "device" memory is host memory registered as such, copies are
-synchronous memcpy. It is NOT CANN and no NPU is involved. These tests show
-that the core batches, fills the batch attributes, detects the direction,
-translates failIndex, falls back and reports errors as intended under the
-documented ACL semantics; they say nothing about real Ascend hardware
-(docs/npu_backend.md). They run everywhere, CI included: only the ACL headers
-of the torch-npu wheel are needed (fetched once by tools/check_npu_compile.py).
+runtime: "device" memory is host memory registered as such, and copies are
+memcpy tasks queued on the stream that run when it is synchronized, reading
+the batch API's host arrays THEN (the docs do not say the runtime copies them
+at enqueue). It is NOT CANN and no NPU is involved. These tests show that the
+core batches, fills the batch attributes, detects the direction, translates
+failIndex, falls back, reports errors and keeps its descriptor arrays in the
+caller's workspace as intended under the documented ACL semantics; they say
+nothing about real Ascend hardware (docs/npu_backend.md). They run everywhere,
+CI included: only the ACL headers of the torch-npu wheel are needed (fetched
+once by tools/check_npu_compile.py).
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ STREAM = 0x5EA  # an opaque stream handle; the simulation only records it
 BATCH = "aclrtMemcpyBatchAsync"
 SINGLE = "aclrtMemcpyAsync"
 ATTRS = "aclrtPointerGetAttributes"
+SYNC = "aclrtSynchronizeStream"
+ACL_ERROR_RT_COPY_DATA = 507052  # the simulation's error for a faulted copy
 POISON = 0xA5
 
 
@@ -52,6 +57,7 @@ class _Report(ctypes.Structure):
         ("fallback_started", ctypes.c_int32),
         ("batch_calls", ctypes.c_uint64),
         ("single_calls", ctypes.c_uint64),
+        ("workspace_bytes", ctypes.c_uint64),
     ]
 
 
@@ -68,6 +74,8 @@ class SimAcl:
             i64p,
             ctypes.c_size_t,
             ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_int,
             ctypes.POINTER(_Report),
             ctypes.c_char_p,
             ctypes.c_size_t,
@@ -86,13 +94,34 @@ class SimAcl:
         ]
         lib.simacl_set_batch_unsupported.argtypes = [ctypes.c_int]
         lib.simacl_calls.argtypes = [ctypes.c_char_p]
-        for fn in ("simacl_calls", "simacl_max_entries", "simacl_sync_copies"):
+        for fn in (
+            "simacl_calls",
+            "simacl_max_entries",
+            "simacl_sync_copies",
+            "simacl_pending",
+            "simacl_faulted_entries",
+        ):
             getattr(lib, fn).restype = ctypes.c_size_t
         lib.simacl_last_stream.restype = ctypes.c_void_p
+        lib.simacl_pending.argtypes = [ctypes.c_void_p]
+        lib.simacl_core_sync.argtypes = [ctypes.c_void_p]
+        # ctypes arrays handed to the simulated runtime directly (_raw_batch):
+        # it may read them until the stream runs, so they live until reset.
+        self.keep_alive: list[object] = []
 
     def reset(self) -> None:
-        self.lib.simacl_reset()
+        self.lib.simacl_reset()  # drops queued copies first
         self.lib.simacl_core_reset()
+        self.keep_alive.clear()
+
+    def sync(self) -> int:
+        """Runs the copies queued on STREAM, then frees the workspaces the
+        harness kept (as the transfer queue does after a job's end event);
+        returns the ACL code of aclrtSynchronizeStream."""
+        return self.lib.simacl_core_sync(STREAM)
+
+    def pending(self) -> int:
+        return self.lib.simacl_pending(STREAM)
 
     def register(self, buf: np.ndarray, location: int, device_id: int = 0) -> None:
         self.lib.simacl_register(buf.ctypes.data, buf.nbytes, location, device_id)
@@ -106,8 +135,26 @@ class SimAcl:
     def calls(self, api: str) -> int:
         return self.lib.simacl_calls(api.encode())
 
-    def copy(self, src, dst, sizes, fragments=None) -> dict:
-        """Runs AclBatchCopier::copy on the regions; raises RuntimeError."""
+    def copy(
+        self,
+        src,
+        dst,
+        sizes,
+        fragments=None,
+        *,
+        sync: bool = True,
+        workspace_bytes: int = -1,
+        free_workspace_at_return: bool = False,
+    ) -> dict:
+        """Runs AclBatchCopier::copy on the regions; raises RuntimeError.
+
+        The harness gives the core a workspace of ``workspace_bytes`` (-1:
+        what the core asks for) and keeps it until the stream has run, unless
+        ``free_workspace_at_return`` (the op's behaviour before workspaces:
+        its arrays were locals) frees, i.e. poisons, it when copy() returns.
+        With ``sync`` the stream is then synchronized (as the transfer queue
+        waits for the job's end event) and a failed synchronize raises.
+        """
         n = len(sizes)
         frags = np.arange(n) if fragments is None else fragments
         cols = [np.ascontiguousarray(c, dtype=np.uint64) for c in (src, dst, sizes)]
@@ -119,17 +166,22 @@ class SimAcl:
             frag.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)),
             n,
             STREAM,
+            workspace_bytes,
+            int(free_workspace_at_return),
             ctypes.byref(report),
             err,
             len(err),
         )
         if rc != 0:
             raise RuntimeError(err.value.decode())
+        if sync and (code := self.sync()) != 0:
+            raise RuntimeError(f"aclrtSynchronizeStream failed with ACL error {code}")
         return {
             "direction": ("h2d", "d2h")[report.direction],
             "fallback_started": bool(report.fallback_started),
             "batch_calls": report.batch_calls,
             "single_calls": report.single_calls,
+            "workspace_bytes": report.workspace_bytes,
         }
 
 
@@ -210,6 +262,13 @@ def scattered(n: int, size: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]
     return np.array(src) * 2 * size, np.array(dst) * 2 * size
 
 
+def batch_workspace_bytes(n: int) -> int:
+    """What the core asks its caller for, n regions: one aclrtMemcpyBatchAttr
+    (32 bytes) and its attrsIndexes entry (8), then srcs, dsts and sizes (8
+    bytes per region each), all of which aclrtMemcpyBatchAsync is given."""
+    return 32 + 8 + 3 * 8 * n
+
+
 def expected_after(src_buf, dst_buf, src_off, dst_off, size) -> np.ndarray:
     want = dst_buf.copy()
     for s, d in zip(src_off.tolist(), dst_off.tolist(), strict=True):
@@ -236,6 +295,7 @@ def test_sim_copies_are_byte_exact(sim: SimAcl, direction: str) -> None:
         "fallback_started": False,
         "batch_calls": 1,
         "single_calls": 0,
+        "workspace_bytes": batch_workspace_bytes(n),
     }
     np.testing.assert_array_equal(dst_buf, want)
     assert sim.lib.simacl_last_stream() == STREAM  # the caller's stream is used
@@ -279,8 +339,123 @@ def test_sim_bad_entry_in_second_batch_names_the_callers_fragment(sim: SimAcl) -
     assert "SIMULATED ACL: entry 904: memory location differs" in msg
     assert sim.calls(BATCH) == 2  # stopped at the failing call
     # The first call's 4096 copies happened (no rollback); the rest did not.
+    # They ran before copy() threw: the harness frees the workspace when it
+    # throws (as the op's tensor is freed), so the core had to wait for them.
+    assert sim.calls(SYNC) == 1 and sim.pending() == 0
+    assert sim.lib.simacl_faulted_entries() == 0
     done = expected_after(pools.pinned, before, src_off[:4096], dst_off[:4096], size)
     np.testing.assert_array_equal(pools.device, done)
+
+
+# --- descriptor lifetime --------------------------------------------------
+# The ACL docs do not say that aclrtMemcpyBatchAsync has read its host arrays
+# when it returns; the simulation reads them when the copy executes.
+
+
+def test_sim_queued_copies_run_when_the_stream_is_synchronized(sim: SimAcl) -> None:
+    """The simulation itself: a pinned job waits on the stream."""
+    n, size = 100, 16
+    pools = Pools(sim, 2 * n * size)
+    src_off, dst_off = scattered(n, size)
+    before = pools.device.copy()
+    want = expected_after(pools.pinned, pools.device, src_off, dst_off, size)
+    sim.copy(
+        Pools.addr(pools.pinned, src_off),
+        Pools.addr(pools.device, dst_off),
+        [size] * n,
+        sync=False,
+    )
+    assert sim.pending() == 1
+    np.testing.assert_array_equal(pools.device, before)  # nothing ran yet
+    assert sim.sync() == 0 and sim.pending() == 0
+    np.testing.assert_array_equal(pools.device, want)
+
+
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+@pytest.mark.parametrize(
+    "free_at_return", [False, True], ids=["kept_until_sync", "freed_at_return"]
+)
+def test_sim_descriptor_arrays_live_until_the_copies_have_run(
+    sim: SimAcl, direction: str, free_at_return: bool
+) -> None:
+    """Kept until the stream has run (what StreamTransferQueue does with the
+    op's workspace: until the job's end event), every byte arrives. Freed
+    when the op returns (what the op did while its arrays were locals), the
+    runtime finds garbage when the copies execute: wrong bytes, and the
+    synchronize reports the fault."""
+    n, size = 10_000, 8  # three batch calls, each reading its own slice
+    pools = Pools(sim, 2 * n * size)
+    src_buf, dst_buf = (
+        (pools.pinned, pools.device)
+        if direction == "h2d"
+        else (pools.device, pools.pinned)
+    )
+    src_off, dst_off = scattered(n, size, seed=3)
+    want = expected_after(src_buf, dst_buf, src_off, dst_off, size)
+    report = sim.copy(
+        Pools.addr(src_buf, src_off),
+        Pools.addr(dst_buf, dst_off),
+        [size] * n,
+        sync=False,
+        free_workspace_at_return=free_at_return,
+    )
+    assert report["batch_calls"] == 3 and sim.pending() == 3
+    assert report["workspace_bytes"] == batch_workspace_bytes(n)
+    rc = sim.sync()
+    wrong = sum(
+        not np.array_equal(dst_buf[d : d + size], want[d : d + size])
+        for d in dst_off.tolist()
+    )
+    if free_at_return:
+        assert rc == ACL_ERROR_RT_COPY_DATA
+        assert sim.lib.simacl_faulted_entries() == n
+        assert wrong == n
+    else:
+        assert rc == 0 and sim.lib.simacl_faulted_entries() == 0
+        assert wrong == 0
+        np.testing.assert_array_equal(dst_buf, want)
+
+
+def test_sim_failed_wait_for_enqueued_calls_is_reported(sim: SimAcl) -> None:
+    n, size = 5000, 8
+    pools = Pools(sim, 2 * n * size)
+    src_off, dst_off = scattered(n, size)
+    src = Pools.addr(pools.pinned, src_off)
+    src[4500] = Pools.addr(pools.pageable, 0)  # call 2 fails, call 1 is queued
+    sim.inject(SYNC, 1, ACL_ERROR_RT_INTERNAL_ERROR)
+    with pytest.raises(RuntimeError) as info:
+        sim.copy(src, Pools.addr(pools.device, dst_off), [size] * n)
+    msg = str(info.value)
+    assert (
+        f"failed with ACL error {ACL_ERROR_RT_INVALID_MEMORY_TYPE} at fragment 4500"
+        in msg
+    )
+    assert msg.endswith(
+        "; waiting for the 1 batch call(s) already enqueued "
+        "(aclrtSynchronizeStream) failed as well, with ACL error 507000; ACL "
+        "reports: SIMULATED ACL: injected failure of aclrtSynchronizeStream call 1"
+    )
+
+
+@pytest.mark.parametrize("workspace_bytes", [0, 8, batch_workspace_bytes(100) - 1])
+def test_sim_too_small_workspace_is_refused_before_anything_is_enqueued(
+    sim: SimAcl, workspace_bytes: int
+) -> None:
+    pools = Pools(sim, 2 * 100 * 8)
+    src_off, dst_off = scattered(100, 8)
+    with pytest.raises(
+        RuntimeError,
+        match=rf"the workspace \({workspace_bytes} bytes at 0x[0-9a-f]+\) must be "
+        rf"at least {batch_workspace_bytes(100)} bytes aligned to 16; allocate "
+        r"AclBatchCopier::workspace_bytes\(\) for this job",
+    ):
+        sim.copy(
+            Pools.addr(pools.pinned, src_off),
+            Pools.addr(pools.device, dst_off),
+            [8] * 100,
+            workspace_bytes=workspace_bytes,
+        )
+    assert sim.calls(BATCH) == 0 and sim.pending() == 0
 
 
 def test_sim_error_without_entry_names_the_call(sim: SimAcl) -> None:
@@ -327,11 +502,15 @@ def test_sim_unsupported_batch_api_falls_back_to_per_copy_loop(
         )
         # Only the first job finds out (and its caller logs it); the second
         # does not ask the batch API again.
+        # The first job of a runtime that has the symbol sizes its workspace
+        # before the batch API answers "not supported"; later jobs need none.
+        workspace = batch_workspace_bytes(n) if job == 0 and probes else 0
         assert report == {
             "direction": direction,
             "fallback_started": job == 0,
             "batch_calls": 0,
             "single_calls": n,
+            "workspace_bytes": workspace,
         }
         assert sim.calls(BATCH) == probes
         assert sim.calls(SINGLE) == n * (job + 1)
@@ -391,6 +570,8 @@ def test_sim_every_acl_error_raises(sim, api, nth, fail_index, expected) -> None
         )
     assert str(info.value).startswith("swap_blocks_batch(device='npu'): ")
     assert "ACL reports: SIMULATED ACL: injected failure of " + api in str(info.value)
+    # Nothing of the job was queued with the workspace: nothing to wait for.
+    assert sim.calls(SYNC) == 0
 
 
 @pytest.mark.parametrize(
@@ -426,16 +607,21 @@ class _BatchAttr(ctypes.Structure):  # aclrtMemcpyBatchAttr
 def _raw_batch(sim, dsts, dmax, srcs, sizes, attrs, idx):
     """Calls the SIMULATED aclrtMemcpyBatchAsync directly: (rc, failIndex)."""
     n, k = len(sizes), len(attrs)
-    attr_arr = (_BatchAttr * k)(*[_BatchAttr(*a) for a in attrs])
-    fail = ctypes.c_size_t(0)
-    rc = sim.lib.aclrtMemcpyBatchAsync(
+    arrays = (
         (ctypes.c_void_p * n)(*dsts),
         (ctypes.c_size_t * n)(*dmax),
         (ctypes.c_void_p * n)(*srcs),
         (ctypes.c_size_t * n)(*sizes),
-        ctypes.c_size_t(n),
-        attr_arr,
+        (_BatchAttr * k)(*[_BatchAttr(*a) for a in attrs]),
         (ctypes.c_size_t * k)(*idx),
+    )
+    sim.keep_alive.append(arrays)  # read again when the copy runs
+    fail = ctypes.c_size_t(0)
+    rc = sim.lib.aclrtMemcpyBatchAsync(
+        *arrays[:4],
+        ctypes.c_size_t(n),
+        arrays[4],
+        arrays[5],
         ctypes.c_size_t(k),
         ctypes.byref(fail),
         ctypes.c_void_p(STREAM),
@@ -469,9 +655,14 @@ def test_sim_runtime_follows_the_documented_rules(sim: SimAcl) -> None:
     host_to_host = batch([pin + 64], [pin], attr=(0, LOC_HOST, 0, LOC_HOST))
     assert host_to_host == (ACL_ERROR_INVALID_PARAM, 0)
     # Pageable memory declared as such is allowed and copied synchronously.
+    assert sim.pending() == 1  # the one valid pinned batch above, queued
+    pools.device[:8] = 0
     declared_pageable = batch([dev], [page], attr=(3, LOC_DEVICE, 0, LOC_UNREGISTERED))
     assert declared_pageable == (0, SIZE_MAX)
     assert sim.lib.simacl_sync_copies() == 1
+    # Copied by the call itself, after the work queued before it.
+    assert sim.pending() == 0
+    np.testing.assert_array_equal(pools.device[:8], pools.pageable[:8])
 
     memcpy = sim.lib.aclrtMemcpyAsync
     memcpy.argtypes = [ctypes.c_void_p, ctypes.c_size_t] * 2 + [

@@ -49,10 +49,10 @@ src = torch.arange(64, dtype=torch.uint8)
 dst = torch.zeros(64, dtype=torch.uint8)
 addr = lambda t, off: t.data_ptr() + off
 desc = lambda *v: torch.tensor(v, dtype=torch.int64)
-n = torch.ops._C_ascend.kv_offload_swap_blocks.default(
+n, workspace = torch.ops._C_ascend.kv_offload_swap_blocks.default(
     desc(addr(src, 0), addr(src, 32)), desc(addr(dst, 32), addr(dst, 0)),
     desc(32, 32), "cpu")
-assert n == 2, n
+assert n == 2 and workspace.numel() == 0, (n, workspace)
 assert torch.equal(dst[32:], src[:32]) and torch.equal(dst[:32], src[32:])
 print("both ops reached their own kernels")
 """

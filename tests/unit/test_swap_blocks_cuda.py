@@ -45,8 +45,24 @@ def descriptors(
     return tuple(torch.tensor(c, dtype=torch.int64) for c in cols)  # type: ignore[return-value]
 
 
+# Workspaces of the jobs a test enqueued: their copies may read them until they
+# have completed (csrc/kv_offload/ops.h), so they live until the test is over.
+_workspaces: list[torch.Tensor] = []
+
+
+@pytest.fixture(autouse=True)
+def _keep_workspaces_until_the_copies_are_done() -> Iterator[None]:
+    yield
+    if HAS_GPU:
+        torch.cuda.synchronize()
+    _workspaces.clear()
+
+
 def swap(frags: list[tuple[int, int, int]]) -> int:
-    return ops.swap_blocks_batch(*descriptors(frags), "cuda")
+    """The copy count; the workspace is kept until the end of the test."""
+    copies, workspace = ops.swap_blocks_batch(*descriptors(frags), "cuda")
+    _workspaces.append(workspace)
+    return copies
 
 
 @pytest.fixture

@@ -2,7 +2,8 @@
 
 Every test runs against both implementations -- the native op
 torch.ops._C_ascend.kv_offload_swap_blocks and the Python fallback in
-vllm_ascend.kv_offload.ops -- which must behave the same on device "cpu".
+vllm_ascend.kv_offload.ops -- which must behave the same on device "cpu":
+both return (copies, workspace), the workspace empty on "cpu".
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import torch
 
 from vllm_ascend.kv_offload import ops
 
-Swap = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, str], int]
+Swap = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, str], tuple[int, torch.Tensor]
+]
 POISON = -7  # what every destination byte holds until something is copied there
 MiB = 1 << 20
 
@@ -98,16 +101,26 @@ def scattered_case(
     return src, dst, list(zip(src_offsets, dst_offsets, sizes, strict=True))
 
 
+def assert_no_workspace(workspace: torch.Tensor) -> None:
+    """The "cpu" backend is synchronous: nothing outlives the call (ops.h)."""
+    assert isinstance(workspace, torch.Tensor)
+    assert workspace.device.type == "cpu" and workspace.dtype == torch.uint8
+    assert workspace.shape == (0,)
+
+
 def run_copy(
     swap: Swap, src: torch.Tensor, dst: torch.Tensor, frags: list[tuple[int, int, int]]
 ) -> tuple[int, torch.Tensor]:
     """Copies (src_offset, dst_offset, size) fragments between two int8
-    tensors; returns the op's result and what dst should now contain."""
+    tensors; returns the op's copy count (having checked that its workspace
+    is empty) and what dst should now contain."""
     expected = dst.clone()
     for s, d, n in frags:
         expected[d : d + n] = src[s : s + n]
     abs_frags = [(src.data_ptr() + s, dst.data_ptr() + d, n) for s, d, n in frags]
-    return swap(*descriptors(abs_frags), "cpu"), expected
+    copies, workspace = swap(*descriptors(abs_frags), "cpu")
+    assert_no_workspace(workspace)
+    return copies, expected
 
 
 # --- copying ---------------------------------------------------------------
@@ -210,7 +223,9 @@ def test_each_run_of_adjacent_fragments_becomes_one_copy(swap: Swap) -> None:
 
 
 def test_empty_batch_copies_nothing_and_returns_zero(swap: Swap) -> None:
-    assert swap(*descriptors([]), "cpu") == 0
+    copies, workspace = swap(*descriptors([]), "cpu")
+    assert copies == 0
+    assert_no_workspace(workspace)
 
 
 # --- validation ------------------------------------------------------------
@@ -375,6 +390,67 @@ def test_copies_from_a_thread_bound_to_one_cpu() -> None:
     copies, expected = result[0]
     assert copies == 1
     assert torch.equal(dst, expected)
+
+
+# --- torch.library.opcheck ------------------------------------------------
+#
+# Which of opcheck's test_utils apply to an op whose effect is on raw memory
+# that its arguments only name by address:
+#   test_schema     YES. Runs the op under SchemaCheckMode on copies of the
+#                   descriptor tensors: the schema matches what the kernel
+#                   returns, the descriptors are not mutated, and the
+#                   workspace aliases no input. The copy itself happens for
+#                   real (the copied descriptors hold the same addresses), so
+#                   it is checked below too; running it again copies the same
+#                   bytes, so opcheck's repeated runs are harmless.
+#   test_autograd_registration  SKIPPED: int64 descriptors cannot require
+#                   grad, so opcheck would return without checking anything.
+#   test_faketensor, test_aot_dispatch_static, test_aot_dispatch_dynamic
+#                   SKIPPED: the op is not traceable, by design. Under fake
+#                   tensors there are no addresses to read (the kernel refuses
+#                   the meta descriptors), the copy count depends on their
+#                   values, and the memory written is invisible to the schema,
+#                   so a compiler could neither shape nor order it; the op is
+#                   called eagerly by the copy engine, never inside a graph.
+
+
+def _opcheck_case() -> tuple[tuple, list[torch.Tensor], int]:
+    """A batch of three runs (4 + 1 + 3 adjacent fragments): the op's
+    arguments, [source, destination, what the destination must hold after
+    the op], and the expected copy count."""
+    src, dst = random_bytes(4096, seed=9), poisoned(4096)
+    frags = (
+        [(i * 64, 2048 + i * 64, 64) for i in range(4)]
+        + [(1000, 10, 7)]
+        + [(3000 + i * 32, 100 + i * 32, 32) for i in range(3)]
+    )
+    expected = dst.clone()
+    for s, d, n in frags:
+        expected[d : d + n] = src[s : s + n]
+    abs_frags = [(src.data_ptr() + s, dst.data_ptr() + d, n) for s, d, n in frags]
+    return (*descriptors(abs_frags), "cpu"), [src, dst, expected], 3
+
+
+@needs_native
+@pytest.mark.parametrize("batch", ["three-runs", "empty"])
+def test_opcheck_schema_of_the_native_op(batch: str) -> None:
+    if batch == "empty":
+        args, buffers, copies = (*descriptors([]), "cpu"), [], 0
+    else:
+        args, buffers, copies = _opcheck_case()
+    torch.library.opcheck(NATIVE, args, test_utils="test_schema")
+    if buffers:
+        _, dst, expected = buffers
+        assert torch.equal(dst, expected)  # it ran, for real
+    got, workspace = NATIVE(*args)
+    assert got == copies
+    assert_no_workspace(workspace)
+
+
+@needs_native
+def test_opcheck_schema_of_the_backends_op() -> None:
+    op = torch.ops._C_ascend.kv_offload_backends.default
+    torch.library.opcheck(op, (), test_utils="test_schema")
 
 
 # --- threading and loading -------------------------------------------------

@@ -100,6 +100,13 @@ class CopyEngine:
         ``blocks_per_chunk`` logical blocks, so a group may start part-way
         into its first CPU block: that many pages are skipped there.
         """
+        if self.pool.tensor is None:
+            # Its base address is 0 now: the descriptors would name small,
+            # non-null addresses that are not ours.
+            raise RuntimeError(
+                "KV offload: cannot build a copy job, the CPU block pool has "
+                "been released (the offloading worker was shut down)"
+            )
         bpc = self.pool.blocks_per_chunk
         device_ids = np.asarray(device_spec.block_ids, dtype=np.int64)
         cpu_ids = np.asarray(cpu_block_ids, dtype=np.int64)
@@ -166,12 +173,18 @@ class CopyEngine:
             num_bytes=int(sizes.sum()),
         )
 
-    def submit(self, desc: Descriptors) -> int:
+    def submit(self, desc: Descriptors) -> tuple[int, torch.Tensor]:
         """Enqueue the job's copies (on the current stream for a device).
 
-        Returns the number of copies after merging contiguous fragments.
+        Returns the op's ``(copies, workspace)``: the number of copies after
+        merging contiguous fragments, and host memory that the enqueued copies
+        may still read. Keep the pair (or the workspace) referenced until the
+        copies have completed: ``StreamTransferQueue`` keeps what a job's copy
+        function returns until the job's end event has completed.
         """
-        merged = ops.swap_blocks_batch(desc.src, desc.dst, desc.sizes, self.device_type)
+        merged, workspace = ops.swap_blocks_batch(
+            desc.src, desc.dst, desc.sizes, self.device_type
+        )
         if logger.isEnabledFor(10):  # DEBUG; skip the formatting otherwise
             logger.debug(
                 "KV offload job: %d fragments (%d after merging), %d bytes, "
@@ -181,7 +194,7 @@ class CopyEngine:
                 desc.num_bytes,
                 desc.num_bytes / max(desc.num_fragments, 1),
             )
-        return merged
+        return merged, workspace
 
 
 def _concat(parts: list[np.ndarray]) -> np.ndarray:

@@ -1,10 +1,15 @@
 """Batched raw-memory copies for KV offloading: native op, or a Python fallback.
 
-``swap_blocks_batch(src_addrs, dst_addrs, sizes, device) -> int`` copies
-fragment i, ``sizes[i]`` bytes, from address ``src_addrs[i]`` to
+``swap_blocks_batch(src_addrs, dst_addrs, sizes, device) -> (copies, workspace)``
+copies fragment i, ``sizes[i]`` bytes, from address ``src_addrs[i]`` to
 ``dst_addrs[i]``; the three descriptors are 1-D contiguous CPU int64 tensors of
 equal length. Runs of adjacent fragments (source AND destination contiguous)
-are merged first and the number of copies actually performed is returned.
+are merged first; ``copies`` is the number of copies actually performed.
+``workspace`` is a CPU uint8 tensor holding host memory that the backend's
+asynchronous copies may still read (the descriptor arrays of the "npu" and
+"cuda" batch APIs): keep a reference to it until the copies have completed
+(an event recorded after the call), not merely until the call returns. It is
+empty where nothing outlives the call, always on "cpu".
 The full contract (validation, backends, threading) is in ``csrc/kv_offload/ops.h``.
 
 The native op ``torch.ops._C_ascend.kv_offload_swap_blocks`` comes from the
@@ -36,7 +41,9 @@ _KNOWN_DEVICES = ("cpu", "cuda", "npu")
 _UINT64_MAX = np.uint64(np.iinfo(np.uint64).max)
 _BUILD_HINT = "build it with `pip install --no-build-isolation -e .`"
 
-_SwapFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, str], int]
+_SwapFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, str], tuple[int, torch.Tensor]
+]
 
 
 def _load_native() -> tuple[_SwapFn | None, tuple[str, ...], str | None]:
@@ -78,9 +85,10 @@ def native_backends() -> tuple[str, ...]:
 
 def swap_blocks_batch(
     src_addrs: torch.Tensor, dst_addrs: torch.Tensor, sizes: torch.Tensor, device: str
-) -> int:
+) -> tuple[int, torch.Tensor]:
     """Copies the batch on ``device`` ("cpu", "cuda", "npu"); returns the number
-    of copies after merging adjacent fragments. See the module docstring."""
+    of copies after merging adjacent fragments and the workspace to keep until
+    they have completed. See the module docstring."""
     if _native_op is not None:
         return _native_op(src_addrs, dst_addrs, sizes, device)
     return fallback_swap_blocks_batch(src_addrs, dst_addrs, sizes, device)
@@ -108,10 +116,16 @@ def _first(mask: np.ndarray) -> int:
     return int(np.flatnonzero(mask)[0])
 
 
+def _no_workspace() -> torch.Tensor:
+    # What the native op returns when nothing outlives the call.
+    return torch.empty(0, dtype=torch.uint8)
+
+
 def fallback_swap_blocks_batch(
     src_addrs: torch.Tensor, dst_addrs: torch.Tensor, sizes: torch.Tensor, device: str
-) -> int:
-    """Pure-Python swap_blocks_batch for device "cpu" (same contract)."""
+) -> tuple[int, torch.Tensor]:
+    """Pure-Python swap_blocks_batch for device "cpu" (same contract; the copy
+    is synchronous, so the workspace is always empty)."""
     if device not in _KNOWN_DEVICES:
         raise RuntimeError(
             f"swap_blocks_batch: unknown device '{device}'; expected one of "
@@ -136,7 +150,7 @@ def fallback_swap_blocks_batch(
             "exactly one entry per fragment in each"
         )
     if n == 0:
-        return 0
+        return 0, _no_workspace()
 
     # Addresses are unsigned; int64 is only the transport type.
     src = src_addrs.numpy().view(np.uint64)
@@ -196,7 +210,7 @@ def fallback_swap_blocks_batch(
         )
     for s, d, k in zip(m_src.tolist(), m_dst.tolist(), m_size.tolist(), strict=True):
         ctypes.memmove(d, s, k)
-    return len(first)
+    return len(first), _no_workspace()
 
 
 def _warn_fallback(reason: str) -> None:

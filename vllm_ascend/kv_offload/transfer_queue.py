@@ -8,6 +8,9 @@ finished job with its duration.
   A job first waits for the compute stream, so a store never reads a block
   the model is still writing and a load lands after pending writes to its
   destination blocks; its end event fires only when the data is in place.
+  Until then the queue keeps what the job's copy function returned: the op's
+  workspace, host memory (the batch copy APIs' descriptor arrays) that the
+  enqueued copies may still read.
 * ``ThreadTransferQueue`` (``cpu``, vLLM's CPU backend): a background thread.
   The copy op releases the GIL, so copies overlap the model's forward pass.
 
@@ -42,6 +45,8 @@ from vllm_ascend.kv_offload.logger import init_logger
 logger = init_logger(__name__)
 
 # A job's copy work: enqueues (or performs) the copies on the current stream.
+# What it returns must stay alive until those copies have completed (e.g.
+# CopyEngine.submit's (copies, workspace)); a stream queue keeps it that long.
 CopyFn = Callable[[], object]
 
 
@@ -93,6 +98,9 @@ class _StreamJob:
     job_id: int
     start: torch.Event
     end: torch.Event
+    # What the copy function returned (the op's workspace): referenced until
+    # ``end`` has completed, then dropped (poll, wait, shutdown).
+    keep_alive: object = None
 
 
 class StreamTransferQueue(TransferQueue):
@@ -115,15 +123,17 @@ class StreamTransferQueue(TransferQueue):
         with self.stream:
             start.record(self.stream)
             try:
-                copy()
+                keep_alive = copy()
             except Exception:
                 # Part of the job may already be queued here. Later compute
                 # (e.g. recomputing the blocks of a failed load) must not race
-                # with it, so the compute stream waits for this stream.
+                # with it, so the compute stream waits for this stream. (The
+                # workspace the op would have returned is gone: the npu op
+                # waits for the batch calls it queued before raising, ops.h.)
                 compute.wait_stream(self.stream)
                 raise
             end.record(self.stream)
-        self._jobs.append(_StreamJob(job_id, start, end))
+        self._jobs.append(_StreamJob(job_id, start, end, keep_alive))
 
     def poll(self) -> list[FinishedJob]:
         done: list[FinishedJob] = []
@@ -149,6 +159,7 @@ class StreamTransferQueue(TransferQueue):
         for job in list(self._jobs):
             if job.job_id in job_ids:
                 job.end.synchronize()
+                job.keep_alive = None  # its copies have completed
 
     def wait_any(self, timeout_s: float) -> bool:
         # The copies run on a DMA engine: polling costs them nothing.
@@ -160,7 +171,7 @@ class StreamTransferQueue(TransferQueue):
             self.stream.synchronize()
         except RuntimeError:
             logger.exception("KV offload: stream failed while shutting down")
-        self._jobs.clear()
+        self._jobs.clear()  # and with them their workspaces, now unused
         self._events.clear()
         return True
 

@@ -169,11 +169,12 @@ void copy_byte_range(const std::vector<CopyRegion>& regions,
 
 }  // namespace
 
-void swap_blocks_cpu(const std::vector<CopyRegion>& regions) {
+// Synchronous: nothing outlives the call, so there is no workspace.
+at::Tensor swap_blocks_cpu(const std::vector<CopyRegion>& regions) {
   const Method method = method_from_env();  // a bad value raises first
   // memcpy on overlapping ranges is undefined: reject before copying anything.
   const uint64_t total = total_bytes_of_disjoint_copies(regions, kOp);
-  if (regions.empty()) return;
+  if (regions.empty()) return {};
 
   const bool stream = use_stream_copy(method, total);
   const uint64_t threads = std::max<uint64_t>(
@@ -193,7 +194,7 @@ void swap_blocks_cpu(const std::vector<CopyRegion>& regions) {
   };
   if (threads == 1) {
     copy_share(0);
-    return;
+    return {};
   }
 
   std::vector<std::thread> workers;
@@ -207,6 +208,7 @@ void swap_blocks_cpu(const std::vector<CopyRegion>& regions) {
   for (; k < threads; ++k) copy_share(k);
   copy_share(0);
   for (std::thread& w : workers) w.join();
+  return {};
 }
 
 }  // namespace vllm_ascend::kv_offload

@@ -14,7 +14,11 @@
 //           on the same stream. Fast for small fragments, but uses SMs.
 //   dma     The copy engines: one cudaMemcpyBatchAsync per job (CUDA >= 12.8,
 //           not on the legacy default stream, not with pageable host memory),
-//           otherwise one cudaMemcpyAsync per copy.
+//           otherwise one cudaMemcpyAsync per copy. The batch API's host
+//           arrays are built in a CPU tensor the op returns (its workspace,
+//           ops.h): the CUDA documentation does not say that they have been
+//           read when the call returns, so the caller keeps them until the
+//           copies have completed.
 //
 // By default a job whose mean copy is smaller than kKernelMaxMeanBytes uses
 // the kernel, when one side of fragment 0 is host memory and both sides are
@@ -22,6 +26,7 @@
 // VLLM_ASCEND_CUDA_COPY_METHOD=auto|kernel|dma overrides the choice ("kernel"
 // still falls back to dma for memory the kernel cannot reach, such as pageable
 // host memory).
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -39,6 +44,7 @@
 #include <string_view>
 #include <vector>
 
+#include "host_arrays.h"
 #include "ops.h"
 
 namespace vllm_ascend::kv_offload {
@@ -270,36 +276,46 @@ void copy_with_kernel(const std::vector<CopyRegion>& regions,
 std::atomic<bool> g_batch_unsupported{false};
 
 #if CUDART_VERSION >= 12080
-// One cudaMemcpyBatchAsync for the whole job. Returns false, having enqueued
+// One cudaMemcpyBatchAsync for the whole job. Returns the job's workspace, a
+// CPU tensor holding every array the call was given (the caller keeps it until
+// the copies have completed), or an undefined tensor, having enqueued
 // nothing, when the batch API is not supported here.
-bool copy_with_batch_api(const std::vector<CopyRegion>& regions,
-                         cudaStream_t stream) {
+at::Tensor copy_with_batch_api(const std::vector<CopyRegion>& regions,
+                               cudaStream_t stream) {
   const size_t n = regions.size();
+  HostArrayLayout layout;
   // Non-const element types convert to both the CUDA 12.8/12.9 signature
   // (void**) and the CUDA 13 one (const void* const*).
-  std::vector<void*> dsts(n);
-  std::vector<void*> srcs(n);
-  std::vector<size_t> sizes(n);
+  const size_t dsts_at = layout.add<void*>(n);
+  const size_t srcs_at = layout.add<void*>(n);
+  const size_t sizes_at = layout.add<size_t>(n);
+  const size_t attr_at = layout.add<cudaMemcpyAttributes>(1);
+  const size_t attr_index_at = layout.add<size_t>(1);
+  at::Tensor workspace =
+      at::empty({static_cast<int64_t>(layout.bytes())}, at::kByte);
+  void* base = workspace.data_ptr();
+  void** dsts = place_array<void*>(base, dsts_at, n);
+  void** srcs = place_array<void*>(base, srcs_at, n);
+  size_t* sizes = place_array<size_t>(base, sizes_at, n);
   for (size_t i = 0; i < n; ++i) {
     dsts[i] = reinterpret_cast<void*>(regions[i].dst);
     srcs[i] = reinterpret_cast<void*>(regions[i].src);
     sizes[i] = regions[i].size;
   }
-  cudaMemcpyAttributes attr{};
-  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-  attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
-  size_t attr_index = 0;
+  auto* attr = place_array<cudaMemcpyAttributes>(base, attr_at, 1);
+  attr->srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  attr->flags = cudaMemcpyFlagPreferOverlapWithCompute;
+  size_t* attr_index = place_array<size_t>(base, attr_index_at, 1);  // 0
 #if CUDART_VERSION >= 13000
   size_t fail_index = SIZE_MAX;  // CUDA 13 no longer reports one
-  const cudaError_t err = cudaMemcpyBatchAsync(
-      dsts.data(), srcs.data(), sizes.data(), n, &attr, &attr_index, 1, stream);
+  const cudaError_t err =
+      cudaMemcpyBatchAsync(dsts, srcs, sizes, n, attr, attr_index, 1, stream);
 #else
   size_t fail_index = SIZE_MAX;
-  const cudaError_t err =
-      cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), n, &attr,
-                           &attr_index, 1, &fail_index, stream);
+  const cudaError_t err = cudaMemcpyBatchAsync(
+      dsts, srcs, sizes, n, attr, attr_index, 1, &fail_index, stream);
 #endif
-  if (err == cudaSuccess) return true;
+  if (err == cudaSuccess) return workspace;
   if (err == cudaErrorNotSupported || err == cudaErrorCallRequiresNewerDriver) {
     (void)cudaGetLastError();
     g_batch_unsupported.store(true);
@@ -307,22 +323,23 @@ bool copy_with_batch_api(const std::vector<CopyRegion>& regions,
                cudaGetErrorName(err),
                "); using one cudaMemcpyAsync per copy from now on (slower "
                "for many small blocks)");
-    return false;
+    return {};
   }
   fail(err, "cudaMemcpyBatchAsync",
        fail_index < n ? fragment_context(regions[fail_index]) : job_context(n));
 }
 #endif
 
-void copy_with_dma(const std::vector<CopyRegion>& regions, cudaStream_t stream,
-                   bool pageable) {
+// Returns the job's workspace (undefined unless the batch API was used).
+at::Tensor copy_with_dma(const std::vector<CopyRegion>& regions,
+                         cudaStream_t stream, bool pageable) {
 #if CUDART_VERSION >= 12080
   // The batch API refuses the legacy default stream; pageable memory takes
   // the long-established per-copy path, which stages it.
   const bool legacy_stream = stream == nullptr || stream == cudaStreamLegacy;
-  if (!pageable && !legacy_stream && !g_batch_unsupported.load() &&
-      copy_with_batch_api(regions, stream)) {
-    return;
+  if (!pageable && !legacy_stream && !g_batch_unsupported.load()) {
+    at::Tensor workspace = copy_with_batch_api(regions, stream);
+    if (workspace.defined()) return workspace;
   }
 #else
   (void)pageable;
@@ -333,6 +350,7 @@ void copy_with_dma(const std::vector<CopyRegion>& regions, cudaStream_t stream,
         r.size, cudaMemcpyDefault, stream);
     if (err != cudaSuccess) fail(err, "cudaMemcpyAsync", fragment_context(r));
   }
+  return {};  // cudaMemcpyAsync takes no arrays
 }
 
 // ---------------------------------------------------------------------------
@@ -373,8 +391,8 @@ bool device_accessible(const cudaPointerAttributes& a, uint64_t addr,
 
 }  // namespace
 
-void swap_blocks_cuda(const std::vector<CopyRegion>& regions) {
-  if (regions.empty()) return;
+at::Tensor swap_blocks_cuda(const std::vector<CopyRegion>& regions) {
+  if (regions.empty()) return {};
   const Method method = method_from_env();  // a bad value raises first
   const uint64_t total = total_bytes_of_disjoint_copies(regions, kOp);
 
@@ -428,10 +446,11 @@ void swap_blocks_cuda(const std::vector<CopyRegion>& regions) {
       kernel_ok && (method == Method::kKernel ||
                     (method == Method::kAuto && small && host_side));
   if (use_kernel) {
+    // Its region table lives in a staging slot guarded by an event.
     copy_with_kernel(regions, stream, device);
-  } else {
-    copy_with_dma(regions, stream, pageable);
+    return {};
   }
+  return copy_with_dma(regions, stream, pageable);
 }
 
 }  // namespace vllm_ascend::kv_offload

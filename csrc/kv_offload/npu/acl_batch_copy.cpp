@@ -121,10 +121,67 @@ Plan classify(const CopyRegion& first) {
   return plan;
 }
 
+// Where copy() builds the arrays of aclrtMemcpyBatchAsync in the caller's
+// workspace: one attribute set and its index, then srcs, dsts and sizes for
+// all n regions (each call of a job passes its own slice of them, so no call
+// overwrites the arrays of an earlier one that may not have run yet).
+struct BatchArrays {
+  explicit BatchArrays(size_t n)
+      : attr(layout.add<aclrtMemcpyBatchAttr>(1)),
+        attr_index(layout.add<size_t>(1)),
+        srcs(layout.add<void*>(n)),
+        dsts(layout.add<void*>(n)),
+        sizes(layout.add<size_t>(n)) {}
+
+  HostArrayLayout layout;  // declared first: the offsets below use it
+  size_t attr;
+  size_t attr_index;
+  size_t srcs;
+  size_t dsts;
+  size_t sizes;
+};
+
+void check_workspace(const void* workspace, size_t bytes, size_t needed) {
+  const auto addr = reinterpret_cast<uintptr_t>(workspace);
+  if (workspace == nullptr || bytes < needed ||
+      addr % HostArrayLayout::kAlignment != 0) {
+    fail("the workspace (" + std::to_string(bytes) + " bytes at " + hex(addr) +
+         ") must be at least " + std::to_string(needed) + " bytes aligned to " +
+         std::to_string(HostArrayLayout::kAlignment) +
+         "; allocate AclBatchCopier::workspace_bytes() for this job");
+  }
+}
+
+// Raises `what`. Batch calls of the failing job that were enqueued already
+// may still read the workspace, which the caller frees once copy() throws:
+// wait for them first.
+[[noreturn]] void fail_after_enqueue(std::string what, size_t batch_calls,
+                                     aclrtStream stream) {
+  if (batch_calls > 0) {
+    const aclError e = aclrtSynchronizeStream(stream);
+    if (e != ACL_SUCCESS) {
+      what += "; waiting for the " + std::to_string(batch_calls) +
+              " batch call(s) already enqueued (aclrtSynchronizeStream) "
+              "failed as well, with ACL error " +
+              std::to_string(e) + acl_detail();
+    }
+  }
+  fail(what);
+}
+
 }  // namespace
 
+size_t AclBatchCopier::workspace_bytes(size_t num_regions) const {
+  if (num_regions == 0 || &aclrtMemcpyBatchAsync == nullptr ||
+      batch_unsupported_.load()) {
+    return 0;
+  }
+  return BatchArrays(num_regions).layout.bytes();
+}
+
 BatchCopyReport AclBatchCopier::copy(const std::vector<CopyRegion>& regions,
-                                     aclrtStream stream) {
+                                     aclrtStream stream, void* workspace,
+                                     size_t workspace_bytes) {
   BatchCopyReport report;
   if (regions.empty()) return report;
   Plan plan = classify(regions.front());
@@ -139,25 +196,28 @@ BatchCopyReport AclBatchCopier::copy(const std::vector<CopyRegion>& regions,
 
   size_t begin = 0;  // first region not submitted yet
   if (!batch_unsupported_.load()) {
+    const BatchArrays arrays(n);
+    check_workspace(workspace, workspace_bytes, arrays.layout.bytes());
+    auto* attr = place_array<aclrtMemcpyBatchAttr>(workspace, arrays.attr, 1);
+    *attr = plan.attr;
+    // 0: the single attribute set applies from entry 0.
+    size_t* attr_index = place_array<size_t>(workspace, arrays.attr_index, 1);
+    void** srcs = place_array<void*>(workspace, arrays.srcs, n);
+    void** dsts = place_array<void*>(workspace, arrays.dsts, n);
+    size_t* sizes = place_array<size_t>(workspace, arrays.sizes, n);
+    for (size_t i = 0; i < n; ++i) {
+      srcs[i] = reinterpret_cast<void*>(regions[i].src);
+      dsts[i] = reinterpret_cast<void*>(regions[i].dst);
+      sizes[i] = static_cast<size_t>(regions[i].size);
+    }
     const size_t calls = (n + kMaxBatchEntries - 1) / kMaxBatchEntries;
-    const size_t cap = std::min(n, kMaxBatchEntries);
-    std::vector<void*> srcs(cap);
-    std::vector<void*> dsts(cap);
-    std::vector<size_t> sizes(cap);
-    size_t attr_index = 0;  // the single attribute set applies from entry 0
     for (size_t call = 1; begin < n; ++call) {
       const size_t count = std::min(n - begin, kMaxBatchEntries);
-      for (size_t i = 0; i < count; ++i) {
-        const CopyRegion& r = regions[begin + i];
-        srcs[i] = reinterpret_cast<void*>(r.src);
-        dsts[i] = reinterpret_cast<void*>(r.dst);
-        sizes[i] = static_cast<size_t>(r.size);
-      }
-      size_t fail_index = SIZE_MAX;
+      size_t fail_index = SIZE_MAX;  // an output of the call itself
       // destMaxs = sizes: each destination range is exactly `size` bytes.
       const aclError e = aclrtMemcpyBatchAsync(
-          dsts.data(), sizes.data(), srcs.data(), sizes.data(), count,
-          &plan.attr, &attr_index, 1, &fail_index, stream);
+          dsts + begin, sizes + begin, srcs + begin, sizes + begin, count, attr,
+          attr_index, 1, &fail_index, stream);
       if (e == ACL_SUCCESS) {
         ++report.batch_calls;
         begin += count;
@@ -172,21 +232,25 @@ BatchCopyReport AclBatchCopier::copy(const std::vector<CopyRegion>& regions,
                                     std::to_string(count) + " entries)";
       if (fail_index < count) {
         const CopyRegion& r = regions[begin + fail_index];
-        fail("aclrtMemcpyBatchAsync (" + std::string(dir) +
-             ") failed with ACL error " + std::to_string(e) + " at fragment " +
-             std::to_string(r.first_fragment) + " (entry " +
-             std::to_string(fail_index) + " of " + call_desc +
-             ", after merging adjacent fragments; " + describe(r) + ")" +
-             acl_detail());
+        fail_after_enqueue("aclrtMemcpyBatchAsync (" + std::string(dir) +
+                               ") failed with ACL error " + std::to_string(e) +
+                               " at fragment " +
+                               std::to_string(r.first_fragment) + " (entry " +
+                               std::to_string(fail_index) + " of " + call_desc +
+                               ", after merging adjacent fragments; " +
+                               describe(r) + ")" + acl_detail(),
+                           report.batch_calls, stream);
       }
-      fail("aclrtMemcpyBatchAsync (" + std::string(dir) +
-           ") failed with ACL error " + std::to_string(e) + " in " + call_desc +
-           " starting at fragment " +
-           std::to_string(regions[begin].first_fragment) +
-           "; the runtime named no single entry (failIndex=" +
-           (fail_index == SIZE_MAX ? std::string("SIZE_MAX")
-                                   : std::to_string(fail_index)) +
-           ")" + acl_detail());
+      fail_after_enqueue(
+          "aclrtMemcpyBatchAsync (" + std::string(dir) +
+              ") failed with ACL error " + std::to_string(e) + " in " +
+              call_desc + " starting at fragment " +
+              std::to_string(regions[begin].first_fragment) +
+              "; the runtime named no single entry (failIndex=" +
+              (fail_index == SIZE_MAX ? std::string("SIZE_MAX")
+                                      : std::to_string(fail_index)) +
+              ")" + acl_detail(),
+          report.batch_calls, stream);
     }
   }
 
@@ -198,11 +262,13 @@ BatchCopyReport AclBatchCopier::copy(const std::vector<CopyRegion>& regions,
         reinterpret_cast<const void*>(r.src), static_cast<size_t>(r.size),
         plan.kind, stream);
     if (e != ACL_SUCCESS) {
-      fail("aclrtMemcpyAsync (" + std::string(dir) +
-           ", per-copy fallback) failed with ACL error " + std::to_string(e) +
-           " at fragment " + std::to_string(r.first_fragment) +
-           " (after merging adjacent fragments; " + describe(r) + ")" +
-           acl_detail());
+      fail_after_enqueue("aclrtMemcpyAsync (" + std::string(dir) +
+                             ", per-copy fallback) failed with ACL error " +
+                             std::to_string(e) + " at fragment " +
+                             std::to_string(r.first_fragment) +
+                             " (after merging adjacent fragments; " +
+                             describe(r) + ")" + acl_detail(),
+                         report.batch_calls, stream);
     }
     ++report.single_calls;
   }

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "copy_region.h"
+#include "host_arrays.h"
 
 namespace vllm_ascend::kv_offload::npu {
 
@@ -34,15 +35,35 @@ struct BatchCopyReport {
 // Thread-safe; the only state is whether the batch API was found unsupported.
 class AclBatchCopier {
  public:
+  // Bytes of host memory copy() needs as its workspace for `num_regions`
+  // regions: the arrays it hands to aclrtMemcpyBatchAsync. 0 when there is
+  // nothing to copy or the batch API is known to be unsupported (the
+  // per-copy fallback passes no arrays). Once 0 for that reason, always 0.
+  size_t workspace_bytes(size_t num_regions) const;
+
   // Enqueues every region on `stream` and returns once they are submitted
   // (completion is ordered on the stream like any other stream work).
   // The direction is read once, from the first region: all regions of a job
   // must share it (a later region that does not is rejected by the runtime,
   // which is reported with that region's fragment index).
+  //
+  // Workspace: `workspace` points to `workspace_bytes` bytes of host memory,
+  // aligned to HostArrayLayout::kAlignment, at least
+  // workspace_bytes(regions.size()) of them, owned by the caller. copy()
+  // builds every array it passes to aclrtMemcpyBatchAsync there (nothing on
+  // its own stack or heap), because the ACL documentation does not say that
+  // the runtime has read them when the call returns: the caller must keep
+  // the workspace unchanged until the copies have completed on `stream`
+  // (event or stream synchronize), not merely until copy() returns.
+  //
   // Throws std::runtime_error naming the ACL call, its error code and the
-  // failing fragment. Regions submitted before the failure are not undone.
+  // failing fragment. Regions submitted before the failure are not undone;
+  // if any batch call of this job had been enqueued, copy() first waits for
+  // the stream (aclrtSynchronizeStream), so that the caller may free the
+  // workspace as soon as copy() has thrown.
   BatchCopyReport copy(const std::vector<CopyRegion>& regions,
-                       aclrtStream stream);
+                       aclrtStream stream, void* workspace,
+                       size_t workspace_bytes);
 
   bool using_fallback() const { return batch_unsupported_.load(); }
 

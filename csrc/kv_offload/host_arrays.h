@@ -1,0 +1,54 @@
+// Arrays packed into one block of caller-owned host memory, a "workspace".
+//
+// Asynchronous batch-copy APIs take their descriptors as host arrays
+// (aclrtMemcpyBatchAsync: dsts, destMaxs, srcs, sizes, attrs, attrsIndexes;
+// cudaMemcpyBatchAsync likewise), and neither the ACL nor the CUDA
+// documentation says that the runtime has copied them when the call returns.
+// So a backend builds them in a workspace that its caller owns and keeps until
+// the job's copies have completed (ops.h, "Workspace"), never in locals freed
+// when the op returns. Kept free of torch headers for the backend cores that
+// are tested without torch (csrc/kv_offload/npu/acl_batch_copy.cpp).
+#pragma once
+
+#include <cstddef>
+#include <new>
+#include <type_traits>
+
+namespace vllm_ascend::kv_offload {
+
+// Byte offsets of consecutive arrays in a workspace. The same sequence of
+// add() calls gives the same layout, so a backend can size a workspace first
+// and fill the one its caller allocated later.
+class HostArrayLayout {
+ public:
+  // What a workspace's address must be a multiple of (operator new and
+  // torch's CPU allocator give at least this).
+  static constexpr size_t kAlignment = alignof(std::max_align_t);
+
+  // Reserves `n` objects of T after the previous array; returns their offset.
+  template <typename T>
+  size_t add(size_t n) {
+    static_assert(std::is_trivially_copyable_v<T> && alignof(T) <= kAlignment);
+    const size_t offset = (bytes_ + alignof(T) - 1) / alignof(T) * alignof(T);
+    bytes_ = offset + n * sizeof(T);
+    return offset;
+  }
+
+  // Bytes of a workspace that holds every array added so far.
+  size_t bytes() const { return bytes_; }
+
+ private:
+  size_t bytes_ = 0;
+};
+
+// The `n` objects of T at byte `offset` of `workspace`, value-initialised
+// (zeroed for plain structs).
+template <typename T>
+T* place_array(void* workspace, size_t offset, size_t n) {
+  auto* first =
+      reinterpret_cast<T*>(static_cast<unsigned char*>(workspace) + offset);
+  for (size_t i = 0; i < n; ++i) ::new (static_cast<void*>(first + i)) T();
+  return first;
+}
+
+}  // namespace vllm_ascend::kv_offload
