@@ -1,8 +1,8 @@
 """Where copies run: the one device-specific seam of the offload worker.
 
-A ``TransferQueue`` runs the jobs of one direction (device->CPU stores or
-CPU->device loads) in submission order, asynchronously, and reports each
-finished job with its duration.
+A ``TransferQueue`` runs the jobs of one kind (device->CPU stores,
+CPU->device loads, or expedited loads) in submission order, asynchronously,
+and reports each finished job with its duration.
 
 * ``StreamTransferQueue`` (``npu``, ``cuda``): a dedicated device stream.
   A job first waits for the compute stream, so a store never reads a block
@@ -24,8 +24,10 @@ Failures: a job whose copy raises (anything, even ``SystemExit``) is
 reported with ``success=False`` (never re-raised into the engine); ``submit``
 raises only if the job could not be started, and the caller reports that job
 failed. Every job ``submit`` accepted is reported exactly once, also when
-``shutdown`` races with it. ``shutdown`` drops jobs not yet started, so it
-returns after at most the one copy in progress.
+``shutdown`` races with it. On the thread queue ``shutdown`` drops jobs not
+yet started, so it returns after at most the one copy in progress; on a
+stream, copies already enqueued cannot be withdrawn, so it waits for all of
+them.
 """
 
 from __future__ import annotations
