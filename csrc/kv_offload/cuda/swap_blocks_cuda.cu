@@ -50,11 +50,12 @@
 namespace vllm_ascend::kv_offload {
 namespace {
 
-// Auto mode: jobs with a smaller mean copy use the kernel. Measured on an H200
-// (PCIe Gen5, docs/cuda_backend.md): the batch API reaches 22 / 36 / 47-50 /
-// 53 GB/s at 16 KiB / 64 KiB / 256 KiB / 1 MiB, a 16-CTA UVA kernel ~52 GB/s
-// at every size; from 256 KiB on the DMA engines are as fast and leave the SMs
-// to the model.
+// Auto mode: jobs with a smaller mean copy use the kernel. The threshold comes
+// from a separate H200 copy benchmark (shared/tools/copybench.cu, figures in
+// docs/cuda_backend.md), not from this backend, which has not run on a GPU:
+// there the batch API reached 22 / 36 / 47-50 / 53 GB/s at 16 KiB / 64 KiB /
+// 256 KiB / 1 MiB, a 16-CTA UVA kernel ~52 GB/s at every size; from 256 KiB on
+// the DMA engines were as fast and leave the SMs to the model.
 constexpr uint64_t kKernelMaxMeanBytes = uint64_t{256} << 10;
 constexpr int kKernelCtas = 16;
 constexpr int kKernelThreads = 512;
