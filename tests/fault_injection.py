@@ -15,6 +15,8 @@ import os
 import random
 import threading
 
+import torch
+
 from vllm_ascend.kv_offload.copy_engine import Descriptors
 from vllm_ascend.kv_offload.logger import init_logger
 from vllm_ascend.kv_offload.npu import NPUOffloadingSpec
@@ -147,7 +149,11 @@ class FaultInjector:
             return copy
 
         def failing_copy() -> None:
-            copy()
+            _, workspace = copy()
+            if workspace.numel():
+                # Enqueued device copies may still read the workspace, which
+                # the raise below drops: let them finish first.
+                torch.accelerator.current_stream().synchronize()
             if host_destination:
                 _scribble(desc)
             raise RuntimeError(f"injected fault: {direction} job {job_id} copy")
