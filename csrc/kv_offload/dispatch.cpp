@@ -168,6 +168,44 @@ uint64_t total_bytes_of_disjoint_copies(const std::vector<CopyRegion>& regions,
   return total;
 }
 
+void host_register(int64_t addr, int64_t size, std::string_view device) {
+  TORCH_CHECK(device == "npu" || device == "cuda" || device == "cpu",
+              "kv_offload_host_register: unknown device '", device,
+              "'; expected 'npu'");
+  TORCH_CHECK(device == "npu", "kv_offload_host_register: device '", device,
+              "' needs no registration through this op (cuda: vLLM's "
+              "host_register, i.e. cudaHostRegister; cpu: pageable memory "
+              "is copied as is); only 'npu' is implemented");
+#ifdef VLLM_ASCEND_WITH_NPU
+  TORCH_CHECK(addr >= 0 && size > 0, "kv_offload_host_register: addr=", addr,
+              ", size=", size, " is not a host range");
+  host_register_npu(static_cast<uint64_t>(addr), static_cast<uint64_t>(size));
+#else
+  (void)addr;
+  (void)size;
+  TORCH_CHECK(false,
+              "kv_offload_host_register: backend 'npu' was not compiled into "
+              "this build (compiled backends: ",
+              compiled_list(),
+              "); rebuild vllm-ascend on a machine with torch_npu "
+              "(CMake option VLLM_ASCEND_WITH_NPU=ON, see setup.py)");
+#endif
+}
+
+void host_unregister(int64_t addr, std::string_view device) {
+  TORCH_CHECK(device == "npu", "kv_offload_host_unregister: device '", device,
+              "' is not supported; only 'npu' is implemented");
+#ifdef VLLM_ASCEND_WITH_NPU
+  host_unregister_npu(static_cast<uint64_t>(addr));
+#else
+  (void)addr;
+  TORCH_CHECK(false,
+              "kv_offload_host_unregister: backend 'npu' was not compiled "
+              "into this build (compiled backends: ",
+              compiled_list(), ")");
+#endif
+}
+
 std::vector<std::string> compiled_backends() {
   std::vector<std::string> names;
   for (const BackendEntry& b : kBackends) names.emplace_back(b.name);
@@ -184,6 +222,13 @@ void register_kv_offload_ops(torch::Library& m) {
       "Tensor sizes, str device) -> (int copies, Tensor workspace)");
   m.impl("kv_offload_swap_blocks", c10::DispatchKey::CompositeExplicitAutograd,
          TORCH_FN(swap_blocks_batch));
+  m.def("kv_offload_host_register(int addr, int size, str device) -> ()");
+  m.impl("kv_offload_host_register",
+         c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(host_register));
+  m.def("kv_offload_host_unregister(int addr, str device) -> ()");
+  m.impl("kv_offload_host_unregister",
+         c10::DispatchKey::CompositeExplicitAutograd,
+         TORCH_FN(host_unregister));
   m.def("kv_offload_backends() -> str[]");
   m.impl("kv_offload_backends", c10::DispatchKey::CompositeExplicitAutograd,
          TORCH_FN(compiled_backends));

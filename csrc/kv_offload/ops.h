@@ -119,6 +119,33 @@
 //       linked against a CUDA torch without a GPU; never run on a GPU yet
 //       (docs/cuda_backend.md).
 //
+// kv_offload_host_register
+// ========================
+//
+//   torch.ops._C_ascend.kv_offload_host_register(int addr, int size, str
+//   device) torch.ops._C_ascend.kv_offload_host_unregister(int addr, str
+//   device)
+//
+// Makes the existing host range [addr, addr + size) page-locked memory that
+// the `device` backend of kv_offload_swap_blocks accepts, and undoes it.
+// For host memory that is not allocated pinned: vLLM's shared /dev/shm
+// offload region (NPUTieringOffloadingSpec), which every worker maps.
+//   "npu": aclrtHostRegisterV2(addr, size, ACL_HOST_REG_PINNED) ("register
+//       pageable host memory as page-locked memory", CANN docs), then
+//       aclrtPointerGetAttributes on its first and last byte must report
+//       page-locked host memory (else it is unregistered again and the call
+//       raises). addr must be 4 KiB-aligned and non-zero, size > 0 (checked
+//       before any ACL call). Unregister with the same addr, after every copy
+//       from or to the range has completed and before it is unmapped:
+//       aclrtHostUnregister(addr). Errors (c10::Error) name the range, the
+//       ACL call, its error code and the runtime's message. Status: compiled
+//       against the torch-npu 2.13.0 headers and tested against a SIMULATED
+//       ACL runtime only; never run on Ascend hardware.
+//   "cuda" and "cpu" raise: cuda registers through vLLM's host_register
+//       (cudaHostRegister); the cpu backend copies pageable memory.
+//   A backend not compiled in raises "backend '<device>' was not compiled
+//   into this build".
+//
 // Adding a backend
 //   1. Declare
 //      `at::Tensor swap_blocks_<name>(const std::vector<CopyRegion>&)`
@@ -158,6 +185,9 @@ at::Tensor swap_blocks_cuda(const std::vector<CopyRegion>& regions);
 #endif
 #ifdef VLLM_ASCEND_WITH_NPU
 at::Tensor swap_blocks_npu(const std::vector<CopyRegion>& regions);
+// kv_offload_host_register / _unregister on "npu" (npu/host_register_npu.cpp).
+void host_register_npu(uint64_t addr, uint64_t size);
+void host_unregister_npu(uint64_t addr);
 #endif
 
 // For backends whose copies must not overlap (memcpy-like): raises, naming
@@ -172,6 +202,11 @@ std::tuple<int64_t, at::Tensor> swap_blocks_batch(const at::Tensor& src_addrs,
                                                   const at::Tensor& dst_addrs,
                                                   const at::Tensor& sizes,
                                                   std::string_view device);
+
+// The ops registered as torch.ops._C_ascend.kv_offload_host_register /
+// kv_offload_host_unregister (see "kv_offload_host_register" above).
+void host_register(int64_t addr, int64_t size, std::string_view device);
+void host_unregister(int64_t addr, std::string_view device);
 
 // Names of the backends compiled into this build, e.g. {"cpu"}
 // (torch.ops._C_ascend.kv_offload_backends).

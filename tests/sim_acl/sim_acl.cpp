@@ -30,6 +30,23 @@
 // synchronize returns ACL_ERROR_RT_COPY_DATA (SIM CHOICE). Copies with a
 // pageable host side run at enqueue, as documented ("if the memory is not
 // page-locked, synchronous copying will be performed").
+//
+// Host registration (aclrtHostRegisterV2 / aclrtHostUnregister), following
+// the CANN docs: "register pageable host memory (malloc, new, a default
+// mmap) as page-locked memory" with ACL_HOST_REG_PINNED; the address must
+// be 4 KiB-aligned; unregister with aclrtHostUnregister(ptr). A registered
+// range becomes page-locked host memory known to ACL: aclrtPointerGetAttributes
+// reports ACL_MEM_LOCATION_TYPE_HOST for it (SIM CHOICE: the docs do not say
+// what it reports; simacl_set_host_register_location changes it), and copies
+// from or to it are queued like any pinned copy. Unregistering makes it
+// pageable again; copies still queued then fault when they run. SIM CHOICES:
+// the codes ACL_ERROR_RT_ADDR_UNALIGNED (unaligned), ACL_ERROR_INVALID_PARAM
+// (null, size 0, a flag without ACL_HOST_REG_PINNED or with unknown bits),
+// ACL_ERROR_HOST_MEMORY_ALREADY_REGISTERED (overlaps any registered range)
+// and ACL_ERROR_HOST_MEMORY_NOT_REGISTERED (unregister of an address that
+// is not the start of a host registration); the two last are the header's
+// own names for these cases. What a real runtime does on kernels <= 5.10
+// (the docs: pageable memory "causes exceptions" there) is not modelled.
 #include "sim_acl.h"
 
 #include <acl/acl_rt.h>
@@ -49,6 +66,7 @@ constexpr size_t kSimMaxBatchEntries = 4096;  // SIM CHOICE, see header
 struct Range {
   uintptr_t end;
   aclrtMemLocation loc;
+  bool host_registered = false;  // by aclrtHostRegisterV2, not a test hook
 };
 
 struct Injection {
@@ -89,6 +107,9 @@ struct State {
   void* last_stream = nullptr;
   int last_kind = -1;  // of the last aclrtMemcpyAsync call
   std::string last_error;
+  // What aclrtPointerGetAttributes reports for host-registered ranges.
+  aclrtMemLocationType host_register_location = ACL_MEM_LOCATION_TYPE_HOST;
+  int64_t last_register_flag = -1;
 };
 
 State& state() {
@@ -211,6 +232,59 @@ aclError aclrtPointerGetAttributes(const void* ptr,
 }
 
 #ifndef SIMACL_OMIT_BATCH_API  // the variant that models CANN < 8.3
+aclError aclrtHostRegisterV2(void* ptr, uint64_t size, uint32_t flag) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.last_register_flag = flag;
+  aclError code;
+  if (count_call(s, "aclrtHostRegisterV2", &code)) return code;
+  const auto p = reinterpret_cast<uintptr_t>(ptr);
+  if (ptr == nullptr || size == 0) {
+    return error(s, ACL_ERROR_INVALID_PARAM, "null ptr or size 0");
+  }
+  constexpr uint32_t kKnown =
+      static_cast<uint32_t>(ACL_HOST_REG_MAPPED | ACL_HOST_REG_PINNED);
+  if ((flag & ACL_HOST_REG_PINNED) == 0 || (flag & ~kKnown) != 0) {
+    return error(s, ACL_ERROR_INVALID_PARAM,
+                 "flag " + std::to_string(flag) +
+                     ": the simulation page-locks with ACL_HOST_REG_PINNED "
+                     "(optionally | ACL_HOST_REG_MAPPED) only");
+  }
+  if (p % 4096 != 0) {
+    return error(s, ACL_ERROR_RT_ADDR_UNALIGNED,
+                 "host address is not 4 KiB-aligned");
+  }
+  // Any overlap with a registered range (host registration or test hook).
+  auto it = s.ranges.lower_bound(p);
+  const bool overlaps_next = it != s.ranges.end() && it->first < p + size;
+  const bool overlaps_prev =
+      it != s.ranges.begin() && std::prev(it)->second.end > p;
+  if (overlaps_next || overlaps_prev) {
+    return error(s, ACL_ERROR_HOST_MEMORY_ALREADY_REGISTERED,
+                 "range overlaps memory already registered");
+  }
+  Range r{p + size, aclrtMemLocation{0, s.host_register_location}};
+  r.host_registered = true;
+  s.ranges[p] = r;
+  return ACL_SUCCESS;
+}
+#endif
+
+aclError aclrtHostUnregister(void* ptr) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  aclError code;
+  if (count_call(s, "aclrtHostUnregister", &code)) return code;
+  const auto it = s.ranges.find(reinterpret_cast<uintptr_t>(ptr));
+  if (it == s.ranges.end() || !it->second.host_registered) {
+    return error(s, ACL_ERROR_HOST_MEMORY_NOT_REGISTERED,
+                 "not the start of a host registration");
+  }
+  s.ranges.erase(it);  // pageable again
+  return ACL_SUCCESS;
+}
+
+#ifndef SIMACL_OMIT_BATCH_API
 aclError aclrtMemcpyBatchAsync(void** dsts, size_t* destMaxs, void** srcs,
                                size_t* sizes, size_t numBatches,
                                aclrtMemcpyBatchAttr* attrs,
@@ -409,6 +483,28 @@ void simacl_reset(void) {
   s.last_stream = nullptr;
   s.last_kind = -1;
   s.last_error.clear();
+  s.host_register_location = ACL_MEM_LOCATION_TYPE_HOST;
+  s.last_register_flag = -1;
+}
+
+void simacl_set_host_register_location(int location_type) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.host_register_location = static_cast<aclrtMemLocationType>(location_type);
+}
+
+int64_t simacl_last_register_flag(void) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  return s.last_register_flag;
+}
+
+int simacl_location_of(const void* ptr) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  aclrtMemLocation loc;
+  locate(s, ptr, 1, &loc);
+  return loc.type;
 }
 
 void simacl_register(const void* ptr, size_t size, int location_type,

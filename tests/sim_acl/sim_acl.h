@@ -43,6 +43,14 @@ SIMACL_API size_t simacl_pending(void* stream);
 // reset.
 SIMACL_API size_t simacl_faulted_entries(void);
 
+// What aclrtPointerGetAttributes reports for ranges registered with
+// aclrtHostRegisterV2 from now on (default ACL_MEM_LOCATION_TYPE_HOST).
+SIMACL_API void simacl_set_host_register_location(int location_type);
+// The flag of the most recent aclrtHostRegisterV2 call (-1: none).
+SIMACL_API int64_t simacl_last_register_flag(void);
+// The aclrtMemLocationType the simulation holds for the byte at `ptr`.
+SIMACL_API int simacl_location_of(const void* ptr);
+
 // What AclBatchCopier::copy reported (sim_shim.cpp).
 struct SimCopyReport {
   int32_t direction;  // 0 host-to-device, 1 device-to-host
@@ -71,6 +79,13 @@ SIMACL_API int simacl_core_copy(const uint64_t* src, const uint64_t* dst,
 // frees every workspace the harness holds (as the transfer queue drops a
 // job's workspace once its end event has completed). Returns the ACL code.
 SIMACL_API int simacl_core_sync(void* stream);
+// The real register_host_range / unregister_host_range of
+// csrc/kv_offload/npu/acl_host_register.cpp. Return 0, or 1 with the
+// exception message in `err`.
+SIMACL_API int simacl_core_host_register(uint64_t addr, uint64_t size,
+                                         char* err, size_t err_len);
+SIMACL_API int simacl_core_host_unregister(uint64_t addr, char* err,
+                                           size_t err_len);
 // Replaces the core's copier with a fresh one (forgets a fallback) and frees
 // the workspaces held.
 SIMACL_API void simacl_core_reset(void);

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "acl_batch_copy.h"
+#include "acl_host_register.h"
 #include "sim_acl.h"
 
 namespace {
@@ -92,4 +93,33 @@ void simacl_core_reset(void) {
   copier() = std::make_unique<vllm_ascend::kv_offload::npu::AclBatchCopier>();
   std::lock_guard<std::mutex> lock(g_mu);
   g_workspaces.clear();
+}
+
+namespace {
+
+template <typename F>
+int run_core(F&& f, char* err, size_t err_len) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    std::strncpy(err, e.what(), err_len - 1);
+    err[err_len - 1] = '\0';
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+
+int simacl_core_host_register(uint64_t addr, uint64_t size, char* err,
+                              size_t err_len) {
+  return run_core(
+      [&] { vllm_ascend::kv_offload::npu::register_host_range(addr, size); },
+      err, err_len);
+}
+
+int simacl_core_host_unregister(uint64_t addr, char* err, size_t err_len) {
+  return run_core(
+      [&] { vllm_ascend::kv_offload::npu::unregister_host_range(addr); }, err,
+      err_len);
 }

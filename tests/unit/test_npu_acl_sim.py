@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import mmap
 import os
 import random
 import re
@@ -49,6 +50,13 @@ ATTRS = "aclrtPointerGetAttributes"
 SYNC = "aclrtSynchronizeStream"
 ACL_ERROR_RT_COPY_DATA = 507052  # the simulation's error for a faulted copy
 POISON = 0xA5
+ACL_HOST_REG_MAPPED = 0x2
+ACL_HOST_REG_PINNED = 0x10000000
+ACL_ERROR_RT_ADDR_UNALIGNED = 107008
+ACL_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 507910
+ACL_ERROR_HOST_MEMORY_NOT_REGISTERED = 507911
+HOST_REGISTER = "aclrtHostRegisterV2"
+HOST_UNREGISTER = "aclrtHostUnregister"
 
 
 class _Report(ctypes.Structure):
@@ -103,6 +111,20 @@ class SimAcl:
         ):
             getattr(lib, fn).restype = ctypes.c_size_t
         lib.simacl_last_stream.restype = ctypes.c_void_p
+        lib.simacl_core_host_register.argtypes = [
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.c_char_p,
+            ctypes.c_size_t,
+        ]
+        lib.simacl_core_host_unregister.argtypes = [
+            ctypes.c_uint64,
+            ctypes.c_char_p,
+            ctypes.c_size_t,
+        ]
+        lib.simacl_last_register_flag.restype = ctypes.c_int64
+        lib.simacl_location_of.argtypes = [ctypes.c_void_p]
+        lib.simacl_set_host_register_location.argtypes = [ctypes.c_int]
         lib.simacl_pending.argtypes = [ctypes.c_void_p]
         lib.simacl_core_sync.argtypes = [ctypes.c_void_p]
         # ctypes arrays handed to the simulated runtime directly (_raw_batch):
@@ -125,6 +147,20 @@ class SimAcl:
 
     def register(self, buf: np.ndarray, location: int, device_id: int = 0) -> None:
         self.lib.simacl_register(buf.ctypes.data, buf.nbytes, location, device_id)
+
+    def host_register(self, addr: int, size: int) -> None:
+        """The core's register_host_range (acl_host_register.cpp)."""
+        err = ctypes.create_string_buffer(4096)
+        if self.lib.simacl_core_host_register(addr, size, err, len(err)):
+            raise RuntimeError(err.value.decode())
+
+    def host_unregister(self, addr: int) -> None:
+        err = ctypes.create_string_buffer(4096)
+        if self.lib.simacl_core_host_unregister(addr, err, len(err)):
+            raise RuntimeError(err.value.decode())
+
+    def location_of(self, addr: int) -> int:
+        return self.lib.simacl_location_of(addr)
 
     def inject(self, api: str, nth_call: int, code: int, fail_index=SIZE_MAX) -> None:
         self.lib.simacl_inject_failure(api.encode(), nth_call, code, fail_index)
@@ -674,6 +710,187 @@ def test_sim_runtime_follows_the_documented_rules(sim: SimAcl) -> None:
     assert memcpy(dev, 8, pin, 8, D2H, STREAM) == ACL_ERROR_RT_INVALID_MEMORY_TYPE
 
 
+# --- host registration (the shared /dev/shm region of the tiering spec) ----
+# csrc/kv_offload/npu/acl_host_register.cpp: aclrtHostRegisterV2(ptr, size,
+# ACL_HOST_REG_PINNED) page-locks pageable host memory (CANN docs); the
+# simulation then reports it as ACL_MEM_LOCATION_TYPE_HOST (SIM CHOICE).
+
+
+class Region:
+    """Page-aligned pageable host memory, as vLLM's mmap region is."""
+
+    def __init__(self, nbytes: int, seed: int = 7) -> None:
+        self.map = mmap.mmap(-1, nbytes)
+        self.buf = np.frombuffer(self.map, dtype=np.uint8)
+        self.buf[:] = np.random.default_rng(seed).integers(0, 256, nbytes, np.uint8)
+        self.addr = self.buf.ctypes.data
+        self.nbytes = nbytes
+
+
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+def test_sim_a_registered_region_is_copied_on_the_batch_path(
+    sim: SimAcl, direction: str
+) -> None:
+    """Pageable: refused by the copy backend. Registered through the core:
+    page-locked host memory known to ACL, copied by a queued batch call.
+    Unregistered: pageable (refused) again."""
+    n, size = 64, 256
+    region = Region(2 * n * size)
+    device = np.random.default_rng(1).integers(0, 256, 2 * n * size, np.uint8)
+    sim.register(device, LOC_DEVICE, device_id=3)
+    src_off, dst_off = scattered(n, size)
+    if direction == "d2h":
+        src_buf, dst_buf = device, region.buf
+    else:
+        src_buf, dst_buf = region.buf, device
+
+    def copy(**kw):
+        return sim.copy(
+            Pools.addr(src_buf, src_off), Pools.addr(dst_buf, dst_off), [size] * n, **kw
+        )
+
+    assert sim.location_of(region.addr) == LOC_UNREGISTERED
+    with pytest.raises(RuntimeError, match="host side is not page-locked"):
+        copy()
+    sim.host_register(region.addr, region.nbytes)
+    assert sim.lib.simacl_last_register_flag() == ACL_HOST_REG_PINNED
+    assert sim.calls(HOST_REGISTER) == 1
+    for byte in (0, region.nbytes - 1):
+        assert sim.location_of(region.addr + byte) == LOC_HOST
+    want = expected_after(src_buf, dst_buf, src_off, dst_off, size)
+    report = copy(sync=False)
+    assert (report["batch_calls"], report["single_calls"]) == (1, 0)
+    assert sim.pending() == 1  # queued, not a synchronous pageable copy
+    assert sim.sync() == 0
+    assert sim.lib.simacl_sync_copies() == 0
+    np.testing.assert_array_equal(dst_buf, want)
+
+    sim.host_unregister(region.addr)
+    assert sim.calls(HOST_UNREGISTER) == 1
+    assert sim.location_of(region.addr) == LOC_UNREGISTERED
+    with pytest.raises(RuntimeError, match="host side is not page-locked"):
+        copy()
+
+
+def test_sim_host_register_errors_name_the_range_and_the_code(sim: SimAcl) -> None:
+    region = Region(16 * 4096)
+    rng = rf"\[{hex(region.addr)}, {hex(region.addr + region.nbytes)}\) \(65536 bytes\)"
+    sim.host_register(region.addr, region.nbytes)
+    with pytest.raises(RuntimeError) as info:
+        sim.host_register(region.addr + 4096, 4096)  # inside: already registered
+    msg = str(info.value)
+    assert msg.startswith(
+        "kv_offload_host_register(device='npu'): aclrtHostRegisterV2("
+    )
+    assert f"range [{hex(region.addr + 4096)}, {hex(region.addr + 8192)})" in msg
+    assert f"failed with ACL error {ACL_ERROR_HOST_MEMORY_ALREADY_REGISTERED}" in msg
+    assert "ACL reports: SIMULATED ACL: range overlaps memory already registered" in msg
+    sim.host_unregister(region.addr)
+
+    sim.inject(HOST_REGISTER, 3, ACL_ERROR_RT_INTERNAL_ERROR)
+    with pytest.raises(
+        RuntimeError,
+        match=rf"aclrtHostRegisterV2\(range {rng}, ACL_HOST_REG_PINNED\) failed "
+        r"with ACL error 507000; ACL reports: SIMULATED ACL: injected failure",
+    ):
+        sim.host_register(region.addr, region.nbytes)
+    assert sim.location_of(region.addr) == LOC_UNREGISTERED
+
+    with pytest.raises(
+        RuntimeError,
+        match=rf"kv_offload_host_unregister\(device='npu'\): aclrtHostUnregister\("
+        rf"{hex(region.addr)}\) failed with ACL error "
+        rf"{ACL_ERROR_HOST_MEMORY_NOT_REGISTERED}; ACL reports: SIMULATED ACL: not "
+        "the start of a host registration",
+    ):
+        sim.host_unregister(region.addr)
+
+    calls = sim.calls(HOST_REGISTER)
+    for addr, size, why in [
+        (region.addr + 8, 4096, "does not start on a 4 KiB boundary"),
+        (region.addr, 0, "is empty or at address 0"),
+        (0, 4096, "is empty or at address 0"),
+    ]:
+        with pytest.raises(RuntimeError, match=why):
+            sim.host_register(addr, size)
+    assert sim.calls(HOST_REGISTER) == calls  # refused before any ACL call
+
+
+def test_sim_a_registration_acl_does_not_report_as_host_memory_is_undone(
+    sim: SimAcl,
+) -> None:
+    """If the runtime reported registered memory as something the copy
+    backend refuses (assumption 1 of docs/npu_backend.md failing), the
+    registration fails at start-up and leaves nothing registered."""
+    region = Region(4 * 4096)
+    sim.lib.simacl_set_host_register_location(LOC_UNREGISTERED)
+    with pytest.raises(RuntimeError) as info:
+        sim.host_register(region.addr, region.nbytes)
+    msg = str(info.value)
+    assert "was registered (aclrtHostRegisterV2, ACL_HOST_REG_PINNED)" in msg
+    assert (
+        f"reports location type {LOC_UNREGISTERED} for byte {hex(region.addr)}" in msg
+    )
+    assert msg.endswith("; it was unregistered again")
+    assert sim.calls(HOST_UNREGISTER) == 1
+    sim.lib.simacl_set_host_register_location(LOC_HOST)
+    sim.host_register(region.addr, region.nbytes)  # nothing was left behind
+
+
+def test_sim_a_runtime_without_host_register_v2_is_named(sim_libs) -> None:
+    sim = sim_libs["nobatch"]  # models an older CANN: no batch API, no V2
+    sim.reset()
+    region = Region(4096)
+    with pytest.raises(
+        RuntimeError, match="this CANN runtime has no aclrtHostRegisterV2"
+    ):
+        sim.host_register(region.addr, region.nbytes)
+
+
+def test_sim_unregistering_under_queued_copies_faults_them(sim: SimAcl) -> None:
+    """The simulation itself: why the region is unregistered only after the
+    copies from and to it have completed (the worker's shutdown)."""
+    n, size = 16, 256
+    region = Region(2 * n * size)
+    device = np.zeros(2 * n * size, np.uint8)
+    sim.register(device, LOC_DEVICE, device_id=0)
+    sim.host_register(region.addr, region.nbytes)
+    src_off, dst_off = scattered(n, size)
+    sim.copy(
+        Pools.addr(region.buf, src_off),
+        Pools.addr(device, dst_off),
+        [size] * n,
+        sync=False,
+    )
+    sim.host_unregister(region.addr)
+    assert sim.sync() == ACL_ERROR_RT_COPY_DATA
+    assert sim.lib.simacl_faulted_entries() == n
+
+
+def test_sim_host_register_follows_the_documented_rules(sim: SimAcl) -> None:
+    region = Region(8 * 4096)
+    register = sim.lib.aclrtHostRegisterV2
+    register.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32]
+    unregister = sim.lib.aclrtHostUnregister
+    unregister.argtypes = [ctypes.c_void_p]
+    a = region.addr
+    assert register(a + 64, 4096, ACL_HOST_REG_PINNED) == ACL_ERROR_RT_ADDR_UNALIGNED
+    assert register(a, 4096, ACL_HOST_REG_MAPPED) == ACL_ERROR_INVALID_PARAM
+    assert register(a, 0, ACL_HOST_REG_PINNED) == ACL_ERROR_INVALID_PARAM
+    assert register(a, 4096, ACL_HOST_REG_PINNED | ACL_HOST_REG_MAPPED) == 0
+    assert register(a, 8192, ACL_HOST_REG_PINNED) == (
+        ACL_ERROR_HOST_MEMORY_ALREADY_REGISTERED
+    )
+    assert unregister(a + 4096) == ACL_ERROR_HOST_MEMORY_NOT_REGISTERED
+    assert unregister(a) == 0 and unregister(a) == ACL_ERROR_HOST_MEMORY_NOT_REGISTERED
+    # Memory registered by other means (aclrtMallocHost, device memory: the
+    # test hook) is neither registrable again nor unregistrable.
+    device = np.zeros(4096, np.uint8)
+    sim.register(device, LOC_DEVICE)
+    assert register(a + 8192, 4096, ACL_HOST_REG_PINNED) == 0
+    assert unregister(device.ctypes.data) == ACL_ERROR_HOST_MEMORY_NOT_REGISTERED
+
+
 def test_sim_constants_match_the_acl_headers(sim_libs) -> None:
     include = _load_fetcher().fetch_headers() / "include" / "acl"
     text = "".join(p.read_text() for p in include.rglob("*.h"))
@@ -683,8 +900,25 @@ def test_sim_constants_match_the_acl_headers(sim_libs) -> None:
         ("ACL_ERROR_RT_INVALID_MEMORY_TYPE", ACL_ERROR_RT_INVALID_MEMORY_TYPE),
         ("ACL_ERROR_RT_FEATURE_NOT_SUPPORT", ACL_ERROR_RT_FEATURE_NOT_SUPPORT),
         ("ACL_ERROR_RT_INTERNAL_ERROR", ACL_ERROR_RT_INTERNAL_ERROR),
+        ("ACL_ERROR_RT_ADDR_UNALIGNED", ACL_ERROR_RT_ADDR_UNALIGNED),
+        (
+            "ACL_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
+            ACL_ERROR_HOST_MEMORY_ALREADY_REGISTERED,
+        ),
+        ("ACL_ERROR_HOST_MEMORY_NOT_REGISTERED", ACL_ERROR_HOST_MEMORY_NOT_REGISTERED),
     ]:
         assert re.search(rf"\b{name}\b\s*=?\s*{value}\b", text), name
+    for name, value in [
+        ("ACL_HOST_REG_MAPPED", ACL_HOST_REG_MAPPED),
+        ("ACL_HOST_REG_PINNED", ACL_HOST_REG_PINNED),
+    ]:
+        found = re.search(rf"#define\s+{name}\s+(0x[0-9A-Fa-f]+)UL", text)
+        assert found and int(found.group(1), 16) == value, name
+    assert re.search(
+        r"aclError aclrtHostRegisterV2\(void \*ptr, uint64_t size, uint32_t flag\)",
+        text,
+    )
+    assert re.search(r"aclError aclrtHostUnregister\(void \*ptr\)", text)
     assert re.search(
         r"ACL_MEM_LOCATION_TYPE_HOST = 0[^\n]*\n\s*ACL_MEM_LOCATION_TYPE_DEVICE,"
         r"\s*\n\s*ACL_MEM_LOCATION_TYPE_UNREGISTERED,",

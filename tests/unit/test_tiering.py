@@ -270,3 +270,181 @@ def test_our_connector_serves_the_tiering_spec():
     from vllm_ascend.kv_offload.plugin import names_our_spec
 
     assert names_our_spec(TIERING)
+
+
+# -- registering the region: npu (ACL, through our op) and cuda (vLLM's) ----
+
+
+def _spec_for_worker(engine_id: str, page: int):
+    """The attributes get_worker reads, without an engine."""
+    from types import SimpleNamespace
+
+    spec = object.__new__(tiering.NPUTieringOffloadingSpec)
+    spec._tiering_worker = None
+    spec.replicated_layout = False
+    spec.config = SimpleNamespace(parallel=SimpleNamespace(rank=0))
+    spec._engine_id = engine_id
+    spec.num_chunks = 4
+    spec.kv_bytes_per_chunk = 2 * page
+    spec.cpu_page_size_per_worker = 2 * page
+    spec.blocks_per_chunk = 1
+    return spec
+
+
+def _kv_caches(device_type: str, page: int):
+    from types import SimpleNamespace
+
+    tensor = SimpleNamespace(device=SimpleNamespace(type=device_type))
+    return SimpleNamespace(
+        tensors=[SimpleNamespace(tensor=tensor, page_size_bytes=page)]
+    )
+
+
+@pytest.fixture
+def acl_calls(monkeypatch):
+    """ops.host_register / host_unregister replaced by recorders (no NPU
+    here); the worker's queues by nothing (no npu streams here)."""
+    from vllm_ascend.kv_offload import ops
+    from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
+
+    calls = []
+
+    def register(addr, size, device):
+        calls.append(("register", addr, size, device))
+
+    def unregister(addr, device):
+        path = calls[0][4] if len(calls[0]) > 4 else None
+        calls.append(("unregister", addr, device, os.path.exists(path or "")))
+
+    def start(self, kv_caches):
+        self._queues, self._job_bytes, self._closed = (), {}, False
+
+    monkeypatch.setattr(ops, "host_register", register)
+    monkeypatch.setattr(ops, "host_unregister", unregister)
+    monkeypatch.setattr(NPUOffloadingWorker, "_start", start)
+    monkeypatch.setattr(tiering, "_kernel_release", lambda: "6.8.0-generic")
+    return calls
+
+
+def test_npu_worker_registers_the_region_and_unregisters_it_before_unmapping(
+    acl_calls,
+):
+    page = mmap.PAGESIZE
+    spec = _spec_for_worker(f"unit-npu-{uuid.uuid4().hex[:8]}", page)
+    worker = spec.get_worker(_kv_caches("npu", page))
+    region = worker.region
+    base, size = region.base_tensor.data_ptr(), region.total_size_bytes
+    assert acl_calls == [("register", base, size, "npu")]
+    assert size == 4 * 2 * page and worker.pool.pinned
+    acl_calls[0] += (region.mmap_path,)  # unregister checks the file is there
+    worker.shutdown()
+    # Unregistered once, while the region was still mapped; then unmapped.
+    assert acl_calls[1] == ("unregister", base, "npu", True)
+    assert len(acl_calls) == 2
+    assert region.mmap_obj is None and not os.path.exists(region.mmap_path)
+
+
+def test_npu_registration_failure_is_a_clear_error_and_leaves_nothing(
+    acl_calls, monkeypatch
+):
+    from vllm_ascend.kv_offload import ops
+
+    def refuse(addr, size, device):
+        raise RuntimeError("kv_offload_host_register(device='npu'): ACL error 507899")
+
+    monkeypatch.setattr(ops, "host_register", refuse)
+    page = mmap.PAGESIZE
+    engine_id = f"unit-npu-{uuid.uuid4().hex[:8]}"
+    spec = _spec_for_worker(engine_id, page)
+    with pytest.raises(OffloadConfigError) as info:
+        spec.get_worker(_kv_caches("npu", page))
+    msg = str(info.value)
+    assert "registering the shared region" in msg and "ACL error 507899" in msg
+    assert "aclrtHostRegisterV2" in msg and "spec_name='NPUOffloadingSpec'" in msg
+    assert not os.path.exists(tiering.region_path(engine_id))
+    assert acl_calls == []  # nothing registered, nothing to unregister
+
+
+def test_npu_registration_is_refused_on_kernels_that_cannot_lock_pageable_memory(
+    acl_calls, monkeypatch
+):
+    monkeypatch.setattr(tiering, "_kernel_release", lambda: "5.10.0-60.18.0.50.oe2203")
+    page = mmap.PAGESIZE
+    engine_id = f"unit-npu-{uuid.uuid4().hex[:8]}"
+    with pytest.raises(OffloadConfigError, match="newer than 5.10 only"):
+        _spec_for_worker(engine_id, page).get_worker(_kv_caches("npu", page))
+    assert acl_calls == [] and not os.path.exists(tiering.region_path(engine_id))
+    assert tiering.kernel_registers_pageable_memory("5.15.0-91-generic")
+    assert tiering.kernel_registers_pageable_memory("6.1.0")
+    assert not tiering.kernel_registers_pageable_memory("4.19.90-24.4.v2101.ky10")
+
+
+def test_a_failing_unregister_is_logged_and_the_region_still_unmapped(caplog):
+    page = mmap.PAGESIZE
+    region = tiering.open_region(
+        engine_id=f"unit-{uuid.uuid4().hex[:8]}",
+        num_chunks=2,
+        rank=0,
+        kv_bytes_per_chunk=page,
+        cpu_page_size=page,
+    )
+
+    def unregister(addr, device):
+        raise RuntimeError("ACL error 507911")
+
+    registration = tiering.AclRegionRegistration(
+        region,
+        register=lambda addr, size, device: None,
+        unregister=unregister,
+        kernel_release="6.1",
+    )
+    tiering.close_region(region, registration)
+    assert "unregistering the shared region" in caplog.text
+    assert "ACL error 507911" in caplog.text
+    assert region.mmap_obj is None and not os.path.exists(region.mmap_path)
+    registration.release()  # once only: nothing happens
+
+
+def test_cuda_registration_is_vllms_pin_mmap_region(monkeypatch):
+    """On cuda the region is registered by vLLM's own pin_mmap_region (row-
+    aligned chunks) and unregistered by the region's cleanup before unmap."""
+    from vllm.utils import torch_utils
+    from vllm.v1.kv_offload.cpu import gpu_worker, shared_offload_region
+
+    calls = []
+
+    def register(addr, size):
+        calls.append(("register", addr, size))
+        return True
+
+    def unregister(addr):
+        calls.append(("unregister", addr, region.mmap_obj is not None))
+
+    monkeypatch.setattr(torch_utils, "PIN_MEMORY", True)
+    monkeypatch.setattr(gpu_worker, "host_register", register)
+    monkeypatch.setattr(shared_offload_region, "host_unregister", unregister)
+    page = mmap.PAGESIZE
+    # Chunks of 2 rows, as vLLM cuts 64 GiB ones: 3 chunks for 5 rows.
+    monkeypatch.setattr(gpu_worker, "MAX_HOST_REGISTER_CHUNK_BYTES", 2 * page)
+    region = tiering.open_region(
+        engine_id=f"unit-{uuid.uuid4().hex[:8]}",
+        num_chunks=5,
+        rank=0,
+        kv_bytes_per_chunk=page,
+        cpu_page_size=page,
+    )
+    base = region.base_tensor.data_ptr()
+    pool = RegionBlockPool(region, [page], 1, 0, page, page)
+    tiering._register_with_cuda(region, pool)
+    assert calls == [
+        ("register", base, 2 * page),
+        ("register", base + 2 * page, 2 * page),
+        ("register", base + 4 * page, page),
+    ]
+    assert pool.pinned and region.is_pinned
+    tiering.close_region(region, None)
+    assert calls[3:] == [
+        ("unregister", base + 4 * page, True),
+        ("unregister", base + 2 * page, True),
+        ("unregister", base, True),
+    ]

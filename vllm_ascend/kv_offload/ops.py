@@ -33,6 +33,8 @@ import torch
 __all__ = [
     "HAS_NATIVE_OP",
     "fallback_swap_blocks_batch",
+    "host_register",
+    "host_unregister",
     "native_backends",
     "swap_blocks_batch",
 ]
@@ -92,6 +94,32 @@ def swap_blocks_batch(
     if _native_op is not None:
         return _native_op(src_addrs, dst_addrs, sizes, device)
     return fallback_swap_blocks_batch(src_addrs, dst_addrs, sizes, device)
+
+
+def _host_register_op(name: str):
+    op = getattr(torch.ops._C_ascend, f"kv_offload_host_{name}", None)
+    if _native_op is None or op is None:
+        raise RuntimeError(
+            f"kv_offload_host_{name} needs the native extension "
+            f"vllm_ascend.kv_offload._C_kv_offload with the npu backend; "
+            f"{_BUILD_HINT} on a machine with torch_npu "
+            f"({_fallback_reason or 'this build predates the op'})"
+        )
+    return op.default
+
+
+def host_register(addr: int, size: int, device: str) -> None:
+    """Makes the existing host range ``[addr, addr + size)`` page-locked memory
+    that ``device``'s copy backend accepts ("npu": aclrtHostRegisterV2 with
+    ACL_HOST_REG_PINNED); raises RuntimeError naming the range and the ACL
+    error. Contract: ``kv_offload_host_register`` in ``csrc/kv_offload/ops.h``."""
+    _host_register_op("register")(addr, size, device)
+
+
+def host_unregister(addr: int, device: str) -> None:
+    """Undoes ``host_register(addr, ...)``: after every copy from or to the
+    range has completed, before it is unmapped."""
+    _host_register_op("unregister")(addr, device)
 
 
 def _check_descriptor(t: torch.Tensor, name: str) -> None:

@@ -15,9 +15,12 @@ worker as the primary tier's device side:
 * worker side: ``NPUOffloadingWorker`` on the shared region instead of a
   private pool (``RegionBlockPool``: this rank's slot of each region row).
   vLLM's inherited ``get_worker`` refuses every platform but CUDA and XPU;
-  this one runs on ``cpu`` (vLLM's CPU backend) and ``cuda``; on ``npu`` it
-  refuses to start until the region is registered with ACL (the NPU backend
-  copies from page-locked host memory only).
+  this one runs on ``cpu`` (vLLM's CPU backend), ``cuda`` (the region
+  registered with ``cudaHostRegister`` through vLLM's ``pin_mmap_region``)
+  and ``npu`` (the region registered with ACL as page-locked host memory,
+  ``aclrtHostRegisterV2(..., ACL_HOST_REG_PINNED)``, at worker start and
+  unregistered at shutdown before it is unmapped: ``AclRegionRegistration``;
+  compiled and simulated only, never run on an NPU).
 
 What this layer adds to vLLM's ``fs`` tier (``VerifiedFileSystemTier``):
 
@@ -47,11 +50,13 @@ import copy
 import errno
 import fcntl
 import hashlib
+import itertools
 import json
 import mmap
 import os
 import struct
 import threading
+import time
 import zlib
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -519,12 +524,123 @@ class RegionBlockPool(CpuBlockPool):
         self.base = 0
 
 
-class NPUTieringWorker(NPUOffloadingWorker):
-    """Our worker on a shared region, which it unmaps (and, if it created
-    it, removes) once its copies have stopped."""
+def _kernel_release() -> str:
+    return os.uname().release
 
-    def __init__(self, kv_caches, region: SharedOffloadRegion, pool: RegionBlockPool):
+
+def kernel_registers_pageable_memory(release: str) -> bool:
+    """Whether ``aclrtHostRegisterV2`` may page-lock pageable memory on a
+    Linux kernel of this release: the CANN documentation says that on 5.10
+    and older, pageable memory "causes exceptions" and must come from
+    ``aclrtMallocHost`` instead."""
+    numbers = []
+    for part in release.split(".")[:2]:
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        numbers.append(int(digits) if digits else 0)
+    return tuple(numbers) > (5, 10)
+
+
+class AclRegionRegistration:
+    """The shared region registered with ACL as page-locked host memory, so
+    that the npu copy backend accepts it (it refuses pageable memory).
+
+    Registers the whole mapping of this process (every rank's slots, as
+    vLLM's CUDA worker does) through the native op
+    ``kv_offload_host_register`` (``aclrtHostRegisterV2(..., ACL_HOST_REG_PINNED)``,
+    then a check that ACL reports it as page-locked host memory);
+    ``release`` unregisters it, which must happen after the copies have
+    stopped and before the region is unmapped. Compiled against the
+    torch-npu headers and tested against a simulated ACL runtime only.
+    """
+
+    def __init__(
+        self,
+        region: SharedOffloadRegion,
+        register=None,
+        unregister=None,
+        kernel_release: str | None = None,
+    ):
+        from vllm_ascend.kv_offload import ops
+
+        self._unregister = unregister or ops.host_unregister
+        register = register or ops.host_register
+        self.addr = region.base_tensor.data_ptr()
+        self.nbytes = region.total_size_bytes
+        where = (
+            f"the shared region {region.mmap_path} ({self.nbytes} bytes at "
+            f"{self.addr:#x})"
+        )
+        release = kernel_release or _kernel_release()
+        if not kernel_registers_pageable_memory(release):
+            raise OffloadConfigError(
+                f"{SPEC_NAME} on npu needs {where} registered with ACL as "
+                "page-locked memory, which CANN supports for pageable memory "
+                f"on Linux kernels newer than 5.10 only (this one is "
+                f"{release}); use spec_name='NPUOffloadingSpec' (a pinned "
+                "private pool) on this host, or a newer kernel"
+            )
+        t0 = time.perf_counter()
+        try:
+            register(self.addr, self.nbytes, "npu")
+        except RuntimeError as e:
+            self.addr = 0
+            raise OffloadConfigError(
+                f"{SPEC_NAME} on npu: registering {where} with ACL failed, and "
+                "the NPU copy backend copies page-locked host memory only: "
+                f"{e}. Fix: a CANN release with aclrtHostRegisterV2 (its 8.5 "
+                "documentation has it) on an Atlas A2/A3, a smaller region "
+                "(num_cpu_blocks or cpu_bytes_to_use) if the host cannot lock "
+                "that much memory, or spec_name='NPUOffloadingSpec' (a pinned "
+                "private pool, no tiering)"
+            ) from e
+        logger.info(
+            "KV offload: registered %s with ACL as page-locked memory in %.2f s",
+            where,
+            time.perf_counter() - t0,
+        )
+
+    def release(self) -> None:
+        """Unregisters (once); logs instead of raising, as it runs at
+        shutdown."""
+        addr, self.addr = self.addr, 0
+        if not addr:
+            return
+        try:
+            self._unregister(addr, "npu")
+        except RuntimeError as e:
+            logger.warning(
+                "KV offload: unregistering the shared region at %#x from ACL "
+                "failed: %s",
+                addr,
+                e,
+            )
+
+
+def close_region(
+    region: SharedOffloadRegion, registration: AclRegionRegistration | None
+) -> None:
+    """Unregisters the region from ACL (if it was), then unmaps it (and
+    removes its file if this process created it)."""
+    try:
+        if registration is not None:
+            registration.release()
+    finally:
+        region.cleanup()
+
+
+class NPUTieringWorker(NPUOffloadingWorker):
+    """Our worker on a shared region, which it unregisters from ACL (npu),
+    unmaps and, if it created it, removes once its copies have stopped."""
+
+    def __init__(
+        self,
+        kv_caches,
+        region: SharedOffloadRegion,
+        pool: RegionBlockPool,
+        registration: AclRegionRegistration | None = None,
+    ):
         self.region = region
+        self.registration = registration
         super().__init__(
             kv_caches,
             blocks_per_chunk=pool.blocks_per_chunk,
@@ -537,7 +653,7 @@ class NPUTieringWorker(NPUOffloadingWorker):
             return
         super().shutdown()
         if self.pool.tensor is None:  # copies stopped, the pool let go
-            self.region.cleanup()
+            close_region(self.region, self.registration)
         else:
             logger.warning(
                 "KV offload: copies still running at shutdown; the shared "
@@ -654,13 +770,6 @@ class NPUTieringOffloadingSpec(TieringOffloadingSpec, NPUOffloadingSpec):
         if self._tiering_worker is not None:
             return self._tiering_worker
         device = kv_caches.tensors[0].tensor.device
-        if device.type == "npu":
-            raise OffloadConfigError(
-                f"{SPEC_NAME} does not run on npu yet: the shared region is "
-                "pageable host memory and the NPU copy backend moves page-locked "
-                "memory only (registering the region with ACL is not "
-                "implemented); use spec_name='NPUOffloadingSpec' on npu"
-            )
         rank = 0 if self.replicated_layout else self.config.parallel.rank
         region = open_region(
             engine_id=self._engine_id,
@@ -669,6 +778,7 @@ class NPUTieringOffloadingSpec(TieringOffloadingSpec, NPUOffloadingSpec):
             kv_bytes_per_chunk=self.kv_bytes_per_chunk,
             cpu_page_size=self.cpu_page_size_per_worker,
         )
+        registration = None
         try:
             pool = RegionBlockPool(
                 region,
@@ -680,9 +790,15 @@ class NPUTieringOffloadingSpec(TieringOffloadingSpec, NPUOffloadingSpec):
             )
             if device.type == "cuda":
                 _register_with_cuda(region, pool)
-            self._tiering_worker = NPUTieringWorker(kv_caches, region, pool)
+            elif device.type == "npu":
+                # The NPU copy backend refuses pageable host memory.
+                registration = AclRegionRegistration(region)
+                pool.pinned = True
+            self._tiering_worker = NPUTieringWorker(
+                kv_caches, region, pool, registration
+            )
         except BaseException:
-            region.cleanup()
+            close_region(region, registration)
             raise
         logger.info(
             "KV offload: %s worker on shared region %s: %d rows of %d bytes, "
@@ -698,11 +814,15 @@ class NPUTieringOffloadingSpec(TieringOffloadingSpec, NPUOffloadingSpec):
 
 
 def _register_with_cuda(region: SharedOffloadRegion, pool: RegionBlockPool) -> None:
-    """cudaHostRegister the whole region, as vLLM's CUDA worker does."""
-    from vllm.v1.kv_offload.cpu.host_register import host_register
+    """cudaHostRegister the region exactly as vLLM's CUDA worker does: its
+    ``pin_mmap_region`` (row-aligned chunks of at most 64 GiB, rolled back on
+    failure, where vLLM pins memory at all). The region's ``cleanup`` then
+    unregisters the chunks (vLLM's ``host_unregister``) before it unmaps.
+    A failure leaves the region pageable, which the cuda backend copies too
+    (slower)."""
+    from vllm.utils.torch_utils import PIN_MEMORY
+    from vllm.v1.kv_offload.cpu.gpu_worker import pin_mmap_region
 
-    base = region.base_tensor.data_ptr()
-    if host_register(base, region.total_size_bytes):
-        region.is_pinned = True
-        region.pinned_addresses = [base]
-        pool.pinned = True
+    if PIN_MEMORY:
+        pin_mmap_region(region)
+    pool.pinned = region.is_pinned

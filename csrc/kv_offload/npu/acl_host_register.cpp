@@ -1,0 +1,125 @@
+// ACL-facing core of host-memory registration; see acl_host_register.h.
+#include "acl_host_register.h"
+
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+// Newer than some CANN releases torch_npu still runs on: a weak reference
+// keeps the extension importable there (registration then fails clearly).
+#pragma weak aclrtHostRegisterV2
+#pragma weak aclrtPointerGetAttributes
+
+namespace vllm_ascend::kv_offload::npu {
+namespace {
+
+std::string hex(uint64_t v) {
+  std::ostringstream out;
+  out << "0x" << std::hex << v;
+  return out.str();
+}
+
+std::string range(uint64_t addr, uint64_t size) {
+  return "[" + hex(addr) + ", " + hex(addr + size) + ") (" +
+         std::to_string(size) + " bytes)";
+}
+
+[[noreturn]] void fail(const char* op, const std::string& what) {
+  throw std::runtime_error(std::string(op) + "(device='npu'): " + what);
+}
+
+std::string acl_detail() {
+  const char* msg = aclGetRecentErrMsg();
+  return msg != nullptr && *msg != '\0' ? std::string("; ACL reports: ") + msg
+                                        : std::string();
+}
+
+constexpr const char* kRegister = "kv_offload_host_register";
+constexpr const char* kUnregister = "kv_offload_host_unregister";
+
+// The location type ACL reports for `addr`, or a description of why none.
+bool location_of(uint64_t addr, aclrtMemLocationType* type, std::string* why) {
+  aclrtPtrAttributes attrs{};
+  const aclError e =
+      aclrtPointerGetAttributes(reinterpret_cast<const void*>(addr), &attrs);
+  if (e != ACL_SUCCESS) {
+    *why = "aclrtPointerGetAttributes(" + hex(addr) +
+           ") failed with ACL error " + std::to_string(e) + acl_detail();
+    return false;
+  }
+  *type = attrs.location.type;
+  return true;
+}
+
+bool is_page_locked_host(aclrtMemLocationType t) {
+  return t == ACL_MEM_LOCATION_TYPE_HOST ||
+         t == ACL_MEM_LOCATION_TYPE_HOST_NUMA;
+}
+
+}  // namespace
+
+void register_host_range(uint64_t addr, uint64_t size) {
+  if (addr == 0 || size == 0) {
+    fail(kRegister, "nothing to register: range " + range(addr, size) +
+                        " is empty or at address 0");
+  }
+  if (addr % kHostRegisterAlignment != 0) {
+    fail(kRegister, "range " + range(addr, size) +
+                        " does not start on a 4 KiB boundary, which "
+                        "aclrtHostRegisterV2 requires; register a "
+                        "page-aligned mapping (e.g. an mmap)");
+  }
+  if (&aclrtHostRegisterV2 == nullptr ||
+      &aclrtPointerGetAttributes == nullptr) {
+    fail(kRegister,
+         "this CANN runtime has no aclrtHostRegisterV2 / "
+         "aclrtPointerGetAttributes, needed to page-lock range " +
+             range(addr, size) +
+             "; upgrade CANN to a release that has them (the CANN 8.5 "
+             "documentation does)");
+  }
+  const aclError e = aclrtHostRegisterV2(reinterpret_cast<void*>(addr), size,
+                                         kHostRegisterFlags);
+  if (e != ACL_SUCCESS) {
+    fail(kRegister, "aclrtHostRegisterV2(range " + range(addr, size) +
+                        ", ACL_HOST_REG_PINNED) failed with ACL error " +
+                        std::to_string(e) + acl_detail());
+  }
+  // The copy backend accepts only memory ACL reports as page-locked host
+  // memory; a registration it would refuse is undone here, at start-up,
+  // rather than failing every copy later.
+  const uint64_t bytes[] = {addr, addr + size - 1};
+  for (const uint64_t b : bytes) {
+    aclrtMemLocationType type{};
+    std::string why;
+    if (location_of(b, &type, &why) && is_page_locked_host(type)) continue;
+    if (why.empty()) {
+      why = "aclrtPointerGetAttributes reports location type " +
+            std::to_string(type) + " for byte " + hex(b) +
+            ", not page-locked host memory (ACL_MEM_LOCATION_TYPE_HOST), so "
+            "the npu copy backend would refuse it";
+    }
+    const aclError u = aclrtHostUnregister(reinterpret_cast<void*>(addr));
+    fail(kRegister,
+         "range " + range(addr, size) +
+             " was registered (aclrtHostRegisterV2, ACL_HOST_REG_PINNED), "
+             "but " +
+             why + "; it was unregistered again" +
+             (u == ACL_SUCCESS
+                  ? std::string()
+                  : " (aclrtHostUnregister failed as well, with ACL error " +
+                        std::to_string(u) + ")"));
+  }
+}
+
+void unregister_host_range(uint64_t addr) {
+  if (addr == 0) fail(kUnregister, "address 0 was never registered");
+  const aclError e = aclrtHostUnregister(reinterpret_cast<void*>(addr));
+  if (e != ACL_SUCCESS) {
+    fail(kUnregister, "aclrtHostUnregister(" + hex(addr) +
+                          ") failed with ACL error " + std::to_string(e) +
+                          acl_detail());
+  }
+}
+
+}  // namespace vllm_ascend::kv_offload::npu

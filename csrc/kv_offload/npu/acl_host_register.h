@@ -1,0 +1,40 @@
+// ACL-facing core of host-memory registration for the "npu" backend: makes
+// an existing pageable host range (e.g. vLLM's shared /dev/shm offload
+// region) page-locked memory known to ACL, so that swap_blocks_batch's npu
+// backend (acl_batch_copy.cpp) copies from and to it asynchronously. Like
+// acl_batch_copy.cpp it depends on the ACL headers only, not on torch, so
+// that tests/sim_acl/ can link it against a SIMULATED ACL runtime.
+// host_register_npu.cpp is the torch op around it (ops.h).
+#pragma once
+
+#include <acl/acl_rt.h>
+
+#include <cstdint>
+
+namespace vllm_ascend::kv_offload::npu {
+
+// aclrtHostRegisterV2 requires a 4 KiB-aligned address (CANN docs).
+inline constexpr uint64_t kHostRegisterAlignment = 4096;
+// "Register pageable host memory (malloc, new, a default mmap) as
+// page-locked memory" (CANN docs of aclrtHostRegisterV2).
+inline constexpr uint32_t kHostRegisterFlags =
+    static_cast<uint32_t>(ACL_HOST_REG_PINNED);
+
+// Registers [addr, addr + size) with aclrtHostRegisterV2(...,
+// ACL_HOST_REG_PINNED) and checks that aclrtPointerGetAttributes then reports
+// its first and last byte as page-locked host memory
+// (ACL_MEM_LOCATION_TYPE_HOST or _HOST_NUMA), which is what the batch copy path
+// requires; if it does not, the range is unregistered again and the call fails.
+// Throws std::runtime_error naming the range, the ACL call and its error code
+// (and the runtime's message). Refused before any ACL call: a null address,
+// size 0, an address that is not 4 KiB-aligned, a runtime without
+// aclrtHostRegisterV2.
+void register_host_range(uint64_t addr, uint64_t size);
+
+// aclrtHostUnregister(addr): `addr` is the address given to
+// register_host_range. Call it only once no copy from or to the range is
+// queued any more, and before the range is unmapped. Throws like
+// register_host_range.
+void unregister_host_range(uint64_t addr);
+
+}  // namespace vllm_ascend::kv_offload::npu

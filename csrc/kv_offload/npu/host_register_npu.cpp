@@ -1,0 +1,30 @@
+// "npu" implementation of kv_offload_host_register / _unregister (contract:
+// csrc/kv_offload/ops.h): turns the errors of the ACL-facing core
+// (acl_host_register.cpp, also tested against a simulated ACL runtime in
+// tests/sim_acl/) into c10::Error.
+#include <c10/util/Exception.h>
+
+#include <exception>
+
+#include "acl_host_register.h"
+#include "ops.h"
+
+namespace vllm_ascend::kv_offload {
+
+void host_register_npu(uint64_t addr, uint64_t size) {
+  try {
+    npu::register_host_range(addr, size);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, e.what());
+  }
+}
+
+void host_unregister_npu(uint64_t addr) {
+  try {
+    npu::unregister_host_range(addr);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, e.what());
+  }
+}
+
+}  // namespace vllm_ascend::kv_offload
