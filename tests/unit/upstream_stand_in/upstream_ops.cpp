@@ -20,7 +20,8 @@ void stand_in_swap_blocks_batch(const at::Tensor& x, const at::Tensor& y,
 }  // namespace
 
 TORCH_LIBRARY(_C_ascend, ops) {
-  ops.def("swap_blocks_batch(Tensor x, Tensor y, Tensor z, int direction) -> ()");
+  ops.def(
+      "swap_blocks_batch(Tensor x, Tensor y, Tensor z, int direction) -> ()");
   ops.impl("swap_blocks_batch", c10::DispatchKey::CPU,
            TORCH_FN(stand_in_swap_blocks_batch));
 }
