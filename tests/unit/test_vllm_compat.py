@@ -55,10 +55,8 @@ check(isinstance(registry, dict) and "OffloadingConnector" in registry
       "the class (vllm_compat.replace_connector_loader)")
 
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
-check(hasattr(OffloadingSpecFactory, "get_spec_cls")
-      or isinstance(getattr(OffloadingSpecFactory, "_registry", None), dict),
-      "OffloadingSpecFactory has neither get_spec_cls nor _registry "
-      "(vllm_compat.offloading_spec_class)")
+check(callable(getattr(OffloadingSpecFactory, "get_spec_cls", None)),
+      "OffloadingSpecFactory.get_spec_cls (public) is gone (plugin.names_our_spec)")
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
     OffloadingConnectorWorker,

@@ -94,10 +94,13 @@ def fallback_connector_class() -> type | None:
 
 def names_our_spec(extra_config: Mapping[str, Any]) -> bool:
     """Whether an offloading config's spec is ours (or derives from it)."""
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
     from vllm_ascend.kv_offload.npu import NPUOffloadingSpec
 
     try:
-        spec_cls = vllm_compat.offloading_spec_class(extra_config)
+        # Public in vLLM 0.30-0.33.
+        spec_cls = OffloadingSpecFactory.get_spec_cls(extra_config)
     except (ImportError, AttributeError, ValueError):
         return False  # vLLM reports an unusable spec itself, with its message
     return isinstance(spec_cls, type) and issubclass(spec_cls, NPUOffloadingSpec)

@@ -7,8 +7,7 @@ release changes one of them.
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 
@@ -43,27 +42,6 @@ def replace_connector_loader(
     previous = registry.get(name)
     registry[name] = loader
     return previous
-
-
-def offloading_spec_class(extra_config: Mapping[str, Any]) -> type:
-    """The spec class vLLM would build for ``kv_connector_extra_config``.
-
-    Public in vLLM 0.32-0.33 (``OffloadingSpecFactory.get_spec_cls``); the
-    same lookup is spelled out for releases without it.
-    """
-    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
-
-    get_spec_cls = getattr(OffloadingSpecFactory, "get_spec_cls", None)
-    if get_spec_cls is not None:
-        return get_spec_cls(extra_config)
-    spec_name = extra_config.get("spec_name", "CPUOffloadingSpec")
-    registry = OffloadingSpecFactory._registry
-    if spec_name in registry:
-        return registry[spec_name]()
-    module_path = extra_config.get("spec_module_path")
-    if module_path is None:
-        raise ValueError(f"Unsupported spec type: {spec_name}")
-    return getattr(importlib.import_module(module_path), spec_name)
 
 
 def init_offloading_worker(connector_worker: Any, kv_caches: Any) -> None:
