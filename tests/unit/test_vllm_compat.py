@@ -24,6 +24,7 @@ PRIVATE_VLLM_NAMES = {
     "_init_worker",
     "_uses_shared_region",
     "_get_connector_metadata",
+    "_job_block_counts",
 }
 # Private names of vLLM objects this package once reached into; none may
 # come back outside vllm_compat.py.
@@ -80,6 +81,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 check(callable(getattr(KVConnectorBase_V1, "_get_connector_metadata", None)),
       "KVConnectorBase_V1._get_connector_metadata is gone "
       "(vllm_compat.bound_metadata)")
+
+from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
+finished_src = inspect.getsource(FileSystemTierManager.get_finished_jobs)
+check("_job_block_counts" not in finished_src
+      or ("_job_block_counts" in inspect.getsource(FileSystemTierManager.__init__)
+          and "_job_block_counts[" in inspect.getsource(
+              FileSystemTierManager.submit_store)),
+      "FileSystemTierManager.get_finished_jobs reads _job_block_counts, but "
+      "__init__/submit_store no longer fill it that way "
+      "(vllm_compat.count_fs_tier_job_blocks)")
 
 import os
 print("offloading code:", os.environ.get("VLLM_KV_OFFLOAD_OVERLAY", "installed"))

@@ -76,6 +76,7 @@ from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
+from vllm_ascend.kv_offload import vllm_compat
 from vllm_ascend.kv_offload.copy_engine import CpuBlockPool
 from vllm_ascend.kv_offload.logger import init_logger
 from vllm_ascend.kv_offload.manager import FailureAwareManager
@@ -321,14 +322,14 @@ class VerifiedFileSystemTier(FileSystemTierManager):
                     self._o_direct,
                 )
 
-        self._job_block_counts[job_metadata.job_id] = len(keys)
+        vllm_compat.count_fs_tier_job_blocks(self, job_metadata.job_id, len(keys))
         self._pool.enqueue_store(job_metadata.job_id, 1, [store_task])
 
     def submit_load(self, job_metadata) -> None:
         job_id = job_metadata.job_id
         keys = list(job_metadata.keys)
         self._load_job_keys[job_id] = keys
-        self._job_block_counts[job_id] = len(keys)
+        vllm_compat.count_fs_tier_job_blocks(self, job_id, len(keys))
         paths, offsets, key_ids = self._paths_and_offsets(job_metadata)
 
         def load_task() -> None:

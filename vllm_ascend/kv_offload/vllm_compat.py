@@ -63,3 +63,19 @@ def bound_metadata(connector: Any) -> Any:
     vLLM 0.30, 0.31, 0.32 and 0.33.
     """
     return connector._get_connector_metadata()
+
+
+def count_fs_tier_job_blocks(tier: Any, job_id: int, num_blocks: int) -> None:
+    """Records how many blocks job ``job_id`` of an ``fs`` tier moves, as
+    ``FileSystemTierManager.submit_store``/``submit_load`` do.
+
+    vLLM 0.31, 0.32 and 0.33 keep the counts in ``_job_block_counts``
+    (job id -> blocks) and pop them in ``get_finished_jobs`` to report the
+    job's ``transfer_bytes``; vLLM 0.30 has no such dict and reports no
+    transfer bytes for the tier, so there is nothing to record.
+    """
+    try:
+        counts = tier._job_block_counts
+    except AttributeError:  # vLLM 0.30
+        return
+    counts[job_id] = num_blocks
