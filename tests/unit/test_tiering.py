@@ -21,6 +21,7 @@ from vllm.v1.kv_offload.config import (
 )
 from vllm.v1.kv_offload.file_mapper import FileMapper
 
+from tests.vllm_version import VLLM_VERSION
 from vllm_ascend.kv_offload import tiering
 from vllm_ascend.kv_offload.config import OffloadConfigError, check_keys
 from vllm_ascend.kv_offload.tiering import (
@@ -405,6 +406,47 @@ def test_a_failing_unregister_is_logged_and_the_region_still_unmapped(caplog):
     registration.release()  # once only: nothing happens
 
 
+def test_cuda_registration_delegates_to_vllms_pin_mmap_region(monkeypatch):
+    """On cuda the region is registered by vLLM's own pin_mmap_region (same
+    call in vLLM 0.30-0.33), and the pool is pinned exactly when it was."""
+    from vllm.utils import torch_utils
+    from vllm.v1.kv_offload.cpu import gpu_worker
+
+    seen = []
+
+    def pin(region):
+        seen.append(region)
+        region.is_pinned = True
+
+    monkeypatch.setattr(torch_utils, "PIN_MEMORY", True)
+    monkeypatch.setattr(gpu_worker, "pin_mmap_region", pin)
+    page = mmap.PAGESIZE
+    region = tiering.open_region(
+        engine_id=f"unit-{uuid.uuid4().hex[:8]}",
+        num_chunks=2,
+        rank=0,
+        kv_bytes_per_chunk=page,
+        cpu_page_size=page,
+    )
+    try:
+        pool = RegionBlockPool(region, [page], 1, 0, page, page)
+        tiering._register_with_cuda(region, pool)
+        assert seen == [region]
+        assert pool.pinned
+    finally:
+        region.is_pinned = False  # nothing was registered to undo
+        tiering.close_region(region, None)
+
+
+# vLLM's own pin_mmap_region/cleanup, as the installed release does them:
+# 0.32 moved them onto host_register/host_unregister (intercepted here);
+# 0.30 (one torch.cuda.cudart() call) and 0.31 (CudaRTLibrary chunks) call the
+# CUDA runtime directly, and only on a CUDA platform.
+@pytest.mark.skipif(
+    VLLM_VERSION < (0, 32),
+    reason="vLLM < 0.32 registers through the CUDA runtime directly, only on "
+    "a CUDA platform (no host_register/host_unregister to intercept)",
+)
 def test_cuda_registration_is_vllms_pin_mmap_region(monkeypatch):
     """On cuda the region is registered by vLLM's own pin_mmap_region (row-
     aligned chunks) and unregistered by the region's cleanup before unmap."""
