@@ -205,17 +205,19 @@ def make_llm(cfg: dict, offload: bool, spec_module: str | None = None):
     )
 
 
-def read_counters() -> dict[str, float]:
-    """Offload counters of this process's engines, as floats.
+def read_counters(names: dict[str, str] | None = None) -> dict[str, float]:
+    """Offload counters of this process's engines, as floats; ``names`` maps
+    Prometheus counter names to result keys (default ``OFFLOAD_COUNTERS``).
 
     Read from the Prometheus registry directly: ``LLM.get_metrics()`` turns
     counters into ``int``, which truncates the load/store seconds to 0.
     """
     from prometheus_client import REGISTRY
 
-    totals = dict.fromkeys(OFFLOAD_COUNTERS.values(), 0.0)
+    names = OFFLOAD_COUNTERS if names is None else names
+    totals = dict.fromkeys(names.values(), 0.0)
     for family in REGISTRY.collect():
-        key = OFFLOAD_COUNTERS.get(family.name)
+        key = names.get(family.name)
         if key is None:
             continue
         for sample in family.samples:

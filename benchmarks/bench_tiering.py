@@ -65,10 +65,12 @@ if str(REPO) not in sys.path:
 from benchmarks.bench_e2e_offload import (  # noqa: E402
     CPU_BLOCK_TOKENS,
     ModelArgs,
+    delta,
     machine_facts,
     med,
     percentile,
 )
+from benchmarks.bench_e2e_offload import read_counters as read_offload_counters  # noqa: E402
 
 TIER_COUNTERS = {
     "vllm:kv_offload_tiering_read_bytes": "tier_read_bytes",
@@ -97,21 +99,7 @@ MODEL_DEFAULTS = {
 
 
 def read_counters() -> dict[str, float]:
-    from prometheus_client import REGISTRY
-
-    totals = dict.fromkeys(TIER_COUNTERS.values(), 0.0)
-    for family in REGISTRY.collect():
-        key = TIER_COUNTERS.get(family.name)
-        if key is None:
-            continue
-        for sample in family.samples:
-            if sample.name.endswith("_total"):
-                totals[key] += sample.value
-    return totals
-
-
-def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
-    return {k: after[k] - before[k] for k in after}
+    return read_offload_counters(TIER_COUNTERS)
 
 
 def make_llm(cfg: dict):

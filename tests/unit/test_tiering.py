@@ -14,13 +14,11 @@ import pytest
 from vllm.v1.kv_offload.base import make_offload_key
 from vllm.v1.kv_offload.config import (
     OffloadingCacheConfig,
-    OffloadingConfig,
-    OffloadingGroupConfig,
     OffloadingModelConfig,
-    OffloadingParallelConfig,
 )
 from vllm.v1.kv_offload.file_mapper import FileMapper
 
+from tests.unit.kv_helpers import make_config
 from tests.vllm_version import VLLM_VERSION
 from vllm_ascend.kv_offload import tiering
 from vllm_ascend.kv_offload.config import OffloadConfigError, check_keys
@@ -38,28 +36,9 @@ from vllm_ascend.kv_offload.tiering import (
 
 
 def offloading_config(tp: int = 1, dtype: str = "float32", **changes):
-    config = OffloadingConfig(
-        groups=(OffloadingGroupConfig(128, ("layers.0", "layers.1"), 0),),
-        worker_kv_bytes_per_block=65536 // tp,
-        enable_kv_cache_events=False,
-        extra_config={},
-        engine_id="e",
-        model=OffloadingModelConfig(name="/nonexistent/model", dtype=dtype),
-        cache=OffloadingCacheConfig(tokens_per_hash=128, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
-            rank=0,
-            world_size=tp,
-            tp_size=tp,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=True,
-        ),
-    )
-    return dataclasses.replace(config, **changes)
+    config = make_config({}, worker_kv_bytes_per_block=65536 // tp, world_size=tp)
+    model = OffloadingModelConfig(name="/nonexistent/model", dtype=dtype)
+    return dataclasses.replace(config, model=model, **changes)
 
 
 def digest(config, device="cpu") -> str:
