@@ -25,10 +25,16 @@ from vllm_ascend.kv_offload.config import (
 )
 from vllm_ascend.kv_offload.logger import init_logger
 from vllm_ascend.kv_offload.tiering.block_file import (
+    HEADER_BYTES,
     StoredBlockError,
     key_digest,
     read_block,
     write_block,
+)
+from vllm_ascend.kv_offload.tiering.fs_budget import (
+    MAX_BYTES_KEY,
+    FsTierBudget,
+    budget_metric_definitions,
 )
 from vllm_ascend.kv_offload.tiering.identity import (
     IDENTITY_FILE,
@@ -69,6 +75,7 @@ class VerifiedFileSystemTier(FileSystemTierManager):
         self.identity_bytes = bytes.fromhex(digest)
         self.user_root_dir = root_dir
         self.root_dir = identity_root(root_dir, digest)
+        max_bytes = kw.pop(MAX_BYTES_KEY, None)
         super().__init__(
             offloading_spec,
             primary_kv_view,
@@ -78,6 +85,12 @@ class VerifiedFileSystemTier(FileSystemTierManager):
         )
         self._o_direct = getattr(os, "O_DIRECT", 0) if self._use_o_direct else 0
         self._rejected = 0
+        # Size bound (fs_budget): stores report, reads touch, stats count.
+        self.budget: FsTierBudget | None = None
+        if max_bytes is not None:
+            self.budget = FsTierBudget(
+                self.root_dir, max_bytes, HEADER_BYTES + self._block_size
+            )
         logger.info(
             "KV offload: fs tier at %s (identity %s; files carry a header and a "
             "CRC32, verified on every read)",
@@ -103,15 +116,20 @@ class VerifiedFileSystemTier(FileSystemTierManager):
             self._store_job_keys[job_metadata.job_id] = keys
         paths, offsets, key_ids = self._paths_and_offsets(job_metadata)
 
+        budget = self.budget
+
         def store_task() -> None:
+            written = 0
             for path, offset, key in zip(paths, offsets, key_ids, strict=True):
-                write_block(
+                written += write_block(
                     path,
                     self._payload(offset),
                     self.identity_bytes,
                     key,
                     self._o_direct,
                 )
+            if budget is not None and written:
+                budget.note_stored(written * (HEADER_BYTES + self._block_size))
 
         vllm_compat.count_fs_tier_job_blocks(self, job_metadata.job_id, len(keys))
         self._pool.enqueue_store(job_metadata.job_id, 1, [store_task])
@@ -123,6 +141,7 @@ class VerifiedFileSystemTier(FileSystemTierManager):
         self._load_job_keys[job_id] = keys
         vllm_compat.count_fs_tier_job_blocks(self, job_id, len(keys))
         paths, offsets, key_ids = self._paths_and_offsets(job_metadata)
+        budget = self.budget
 
         def load_task() -> None:
             for i, (path, offset, key) in enumerate(
@@ -141,6 +160,8 @@ class VerifiedFileSystemTier(FileSystemTierManager):
                     self._load_progress[job_id] = i
                     self._log_rejected(path, exc)
                     raise
+                if budget is not None:
+                    budget.touch(path)
 
         self._pool.enqueue_load(job_id, 1, [load_task])
 
@@ -166,7 +187,20 @@ class VerifiedFileSystemTier(FileSystemTierManager):
     @classmethod
     @override
     def build_metric_definitions(cls, tier_config: dict[str, Any]) -> dict[str, Any]:
-        return FileSystemTierManager.build_metric_definitions(tier_config)
+        return {
+            **FileSystemTierManager.build_metric_definitions(tier_config),
+            **budget_metric_definitions(),
+        }
+
+    @override
+    def get_stats(self) -> Any:
+        stats = super().get_stats()
+        ours = self.budget.take_stats() if self.budget is not None else None
+        if stats is None or stats.is_empty():
+            return ours
+        if ours is not None:
+            stats.aggregate(ours)
+        return stats
 
 
 with contextlib.suppress(ValueError):  # registered already (module reloaded)
