@@ -276,8 +276,7 @@ def _spec_for_worker(engine_id: str, page: int):
     spec = object.__new__(NPUTieringOffloadingSpec)
     spec._tiering_worker = None
     spec.replicated_layout = False
-    spec.config = SimpleNamespace(parallel=SimpleNamespace(rank=0))
-    spec._engine_id = engine_id
+    spec.config = SimpleNamespace(parallel=SimpleNamespace(rank=0), engine_id=engine_id)
     spec.num_chunks = 4
     spec.kv_bytes_per_chunk = 2 * page
     spec.cpu_page_size_per_worker = 2 * page

@@ -76,7 +76,11 @@ class VerifiedFileSystemTier(FileSystemTierManager):
             self.root_dir,
             **kw,
         )
-        self._o_direct = getattr(os, "O_DIRECT", 0) if self._use_o_direct else 0
+        # Our own views of what vLLM's tier is built on (public arguments).
+        self.block_bytes: int = primary_kv_view.strides[0]
+        self.primary_bytes = primary_kv_view.cast("B")
+        use_o_direct = vllm_compat.fs_tier_uses_o_direct(self)
+        self._o_direct = getattr(os, "O_DIRECT", 0) if use_o_direct else 0
         self._rejected = 0
         logger.info(
             "KV offload: fs tier at %s (identity %s; files carry a header and a "
@@ -90,17 +94,15 @@ class VerifiedFileSystemTier(FileSystemTierManager):
     ) -> tuple[list[str], list[int], list[bytes]]:
         keys = list(job.keys)
         paths = [self.file_mapper.get_file_name(k) for k in keys]
-        offsets = [int(c) * self._block_size for c in job.chunk_ids]
+        offsets = [int(c) * self.block_bytes for c in job.chunk_ids]
         return paths, offsets, [key_digest(k) for k in keys]
 
     def _payload(self, offset: int) -> memoryview:
-        return self._primary_kv_view.cast("B")[offset : offset + self._block_size]
+        return self.primary_bytes[offset : offset + self.block_bytes]
 
     @override
     def submit_store(self, job_metadata: TransferJob) -> None:
         keys = list(job_metadata.keys)
-        if self.events is not None:
-            self._store_job_keys[job_metadata.job_id] = keys
         paths, offsets, key_ids = self._paths_and_offsets(job_metadata)
 
         def store_task() -> None:
@@ -113,15 +115,12 @@ class VerifiedFileSystemTier(FileSystemTierManager):
                     self._o_direct,
                 )
 
-        vllm_compat.count_fs_tier_job_blocks(self, job_metadata.job_id, len(keys))
-        self._pool.enqueue_store(job_metadata.job_id, 1, [store_task])
+        vllm_compat.enqueue_fs_tier_store(self, job_metadata.job_id, keys, store_task)
 
     @override
     def submit_load(self, job_metadata: TransferJob) -> None:
         job_id = job_metadata.job_id
         keys = list(job_metadata.keys)
-        self._load_job_keys[job_id] = keys
-        vllm_compat.count_fs_tier_job_blocks(self, job_id, len(keys))
         paths, offsets, key_ids = self._paths_and_offsets(job_metadata)
 
         def load_task() -> None:
@@ -138,11 +137,11 @@ class VerifiedFileSystemTier(FileSystemTierManager):
                     )
                 except OSError as exc:
                     # Blocks before i are kept; this one and later recompute.
-                    self._load_progress[job_id] = i
+                    vllm_compat.record_fs_tier_load_progress(self, job_id, i)
                     self._log_rejected(path, exc)
                     raise
 
-        self._pool.enqueue_load(job_id, 1, [load_task])
+        vllm_compat.enqueue_fs_tier_load(self, job_id, keys, load_task)
 
     def _log_rejected(self, path: str, exc: OSError) -> None:
         self._rejected += 1

@@ -22,6 +22,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
+from vllm_ascend.kv_offload import vllm_compat
 from vllm_ascend.kv_offload.config import PREFIX, TIERING_SPEC, OffloadConfigError
 from vllm_ascend.kv_offload.logger import init_logger
 from vllm_ascend.kv_offload.manager import FailureAwareManager
@@ -175,8 +176,9 @@ class NPUTieringOffloadingSpec(TieringOffloadingSpec, NPUOffloadingSpec):
                 or tier_dir_usable(t["root_dir"], self.storage_identity)
             ]
             inner = TieringOffloadingSpec.get_manager(self)
-            if self._scheduler_mmap is not None:
-                hold_region(self._scheduler_mmap)
+            scheduler_region = vllm_compat.tiering_scheduler_region(self)
+            if scheduler_region is not None:
+                hold_region(scheduler_region)
             self._failure_aware_manager = FailureAwareManager(inner)
         return self._failure_aware_manager
 
@@ -187,7 +189,7 @@ class NPUTieringOffloadingSpec(TieringOffloadingSpec, NPUOffloadingSpec):
         device = kv_caches.tensors[0].tensor.device
         rank = 0 if self.replicated_layout else self.config.parallel.rank
         region = open_region(
-            engine_id=self._engine_id,
+            engine_id=self.config.engine_id,
             num_chunks=self.num_chunks,
             rank=rank,
             kv_bytes_per_chunk=self.kv_bytes_per_chunk,
