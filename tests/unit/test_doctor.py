@@ -161,3 +161,29 @@ def test_console_script_points_at_main():
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     module, _, attr = scripts["vllm-ascend-kv-offload-doctor"].partition(":")
     assert (module, attr) == ("vllm_ascend.kv_offload.doctor", "main")
+
+
+def test_platform_plugin_failing_to_import_is_reported_not_raised(tmp_path):
+    # What upstream vllm-ascend's platform plugin does on a machine without
+    # torch_npu: vLLM's platform resolution raises ModuleNotFoundError.
+    (tmp_path / "fake_npu_platform.py").write_text(
+        "def register():\n    return 'fake_npu_platform_cls.NPUPlatform'\n"
+    )
+    (tmp_path / "fake_npu_platform_cls.py").write_text("import torch_npu  # noqa\n")
+    dist = tmp_path / "fake_npu_platform-0.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Name: fake-npu-platform\nVersion: 0.0\n")
+    (dist / "entry_points.txt").write_text(
+        "[vllm.platform_plugins]\nfake_npu = fake_npu_platform:register\n"
+    )
+    code = f"import sys; sys.path.insert(0, {str(tmp_path)!r})"
+    rc, out, err = run_doctor(
+        "--json", "--alloc-mib", "0", "--bandwidth-mib", "0", code=code
+    )
+    assert rc == 1, err[-2000:]
+    report = json.loads(out)
+    platform = next(c for c in report["checks"] if c["name"] == "platform")
+    assert platform["status"] == "FAIL"
+    assert "torch_npu" in platform["summary"]
+    assert "VLLM_PLUGINS=ascend_kv_offload" in platform["summary"]
+    assert report["vllm_platform"] is None

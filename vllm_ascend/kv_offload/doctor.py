@@ -236,14 +236,19 @@ def check_platform(report: Report, torch_npu: tuple[str, bool, str | None]) -> N
         # E.g. upstream vllm-ascend's platform plugin importing a missing
         # torch_npu: vLLM cannot start here, and says so only in a traceback.
         report.fields["vllm_platform"] = None
+        hint = ""
+        if "torch_npu" in str(e):
+            hint = (
+                ". If upstream vllm-ascend is installed on a machine without "
+                "torch_npu, its platform plugin fails so; check the rest with "
+                f"VLLM_PLUGINS={_OUR_PLUGIN}"
+            )
         report.add(
             Check(
                 "platform",
                 FAIL,
                 f"torch: {torch_device}; vLLM could not resolve its platform "
-                f"({type(e).__name__}: {e}). If upstream vllm-ascend is installed "
-                "on a machine without torch_npu, its platform plugin fails; check "
-                f"the rest with VLLM_PLUGINS={_OUR_PLUGIN}",
+                f"({type(e).__name__}: {e}){hint}",
             )
         )
         return
@@ -580,10 +585,21 @@ def check_sizing(report: Report, args: argparse.Namespace) -> list[int]:
     else:
         reserve = int(args.reserve_gib * 2**30)
         reserve_note = f"{args.reserve_gib:g} GiB kept back (--reserve-gib)"
-    fit = sizing.fit_host_memory(s, reserved_bytes=reserve)
     report.fields["sizing"] = s.to_dict()
-    report.fields["host"] = fit.to_dict()
     report.fields["bytes_per_cpu_block"] = s.bytes_per_cpu_block
+    try:
+        fit = sizing.fit_host_memory(s, reserved_bytes=reserve)
+    except ImportError as e:  # the guard lives next to vLLM's pool code
+        report.add(
+            Check(
+                "sizing",
+                FAIL,
+                f"CPU block {s.bytes_per_cpu_block:,} bytes; the host-memory "
+                f"guard cannot be read without vLLM ({e})",
+            )
+        )
+        return list(s.fragment_bytes)
+    report.fields["host"] = fit.to_dict()
     # A hybrid model's block is a lower bound: a count from it could exceed
     # the host, so none is given.
     report.fields["max_num_cpu_blocks"] = fit.max_num_cpu_blocks if s.exact else None
@@ -668,32 +684,46 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _guarded(report: Report, name: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """Runs one check; one that crashes is a FAIL line, and the rest still
+    run (a report with one broken part is still worth attaching)."""
+    try:
+        return fn(report, *args)
+    except Exception as e:
+        report.add(Check(name, FAIL, f"the check crashed: {type(e).__name__}: {e}"))
+        return None
+
+
 def run(args: argparse.Namespace) -> Report:
     report = Report()
     t0 = time.perf_counter()
     npu = _torch_npu()
     report.fields["torch_device"] = _torch_device(npu[1])
-    check_versions(report, npu)
-    check_coexistence(report)
-    check_platform(report, npu)
-    device = (
-        args.device
-        or report.fields.get("vllm_platform")
-        or report.fields["torch_device"]
-    )
+    # Present whatever happens below (--json promises them).
+    for key in ("copy_path", "bytes_per_cpu_block", "max_num_cpu_blocks"):
+        report.fields[key] = None
+    report.fields["self_check"] = "not run"
+    _guarded(report, "versions", check_versions, npu)
+    _guarded(report, "vllm", check_coexistence)
+    _guarded(report, "platform", check_platform, npu)
+    device = args.device or report.fields.get("vllm_platform")
+    device = device or report.fields["torch_device"]
     report.fields["platform"] = device
-    check_backends(report)
-    check_copy_path(report, device)
-    fragments = check_sizing(report, args)
+    _guarded(report, "backends", check_backends)
+    _guarded(report, "copy path", check_copy_path, device)
+    fragments = _guarded(report, "sizing", check_sizing, args) or []
     if args.alloc_mib > 0:
-        check_pool_allocation(report, device, args.alloc_mib << 20)
-    check_self_check(report, device)
+        _guarded(
+            report, "pool alloc", check_pool_allocation, device, args.alloc_mib << 20
+        )
+    _guarded(report, "self-check", check_self_check, device)
     if args.bandwidth_mib > 0:
         if not fragments:
             # Qwen3-0.6B's K (or V) page of one 128-token device block.
             fragments = [8 * 128 * 2 * 128]
-        check_bandwidth(
-            report, device, fragments, args.bandwidth_mib << 20, args.rounds
+        total = args.bandwidth_mib << 20
+        _guarded(
+            report, "bandwidth", check_bandwidth, device, fragments, total, args.rounds
         )
     report.fields["seconds"] = round(time.perf_counter() - t0, 2)
     return report
