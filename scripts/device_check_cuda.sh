@@ -7,13 +7,16 @@
 #      if that fails or lacks "cuda", torch.utils.cpp_extension as a fallback,
 #   2. pytest tests/unit/test_swap_blocks_cuda.py and test_swap_blocks_op.py,
 #   3. the copy benchmark on cuda, once per VLLM_ASCEND_CUDA_COPY_METHOD
-#      (auto with --concurrent; kernel; dma).
+#      (auto with --concurrent; kernel; dma),
+#   4. the doctor (python -m vllm_ascend.kv_offload.doctor --device cuda) on a
+#      Qwen3-0.6B-shaped config.json.
 # Everything goes to $OUT (.cache/device_check_cuda when unset), at most 8 files:
 #   summary.txt      versions, GPU, each step's exit status and time
 #   build.log        both build attempts
 #   tests.log        both pytest runs
 #   bench_auto.jsonl bench_kernel.jsonl bench_dma.jsonl   benchmark rows
-#   bench.err        the benchmarks' stderr
+#   bench.err        the benchmarks' stderr (and the doctor's)
+#   doctor.json      the doctor's report (its lines also in summary.txt)
 # Exit status: 0 when every step passed, else 1.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -133,6 +136,35 @@ for (direction, frag), g in rows.items():
     cells = [g.get(k) for k in ("contiguous", "loop", "auto", "kernel", "dma")]
     text = "  ".join(f"{c:9.1f}" if c is not None else "      n/a" for c in cells)
     print(f"            {direction:<9} {frag >> 10:>6} KiB  {text}")
+EOF
+# --- 4. doctor -----------------------------------------------------------------
+# Checks that need no vLLM must pass (backends, copy path, the verified
+# bandwidth table); vllm, platform, sizing and pool alloc import vLLM.
+model=.cache/device_check_cuda_model
+mkdir -p "$model"
+cat >"$model/config.json" <<'EOF'
+{"model_type": "qwen3", "num_hidden_layers": 28, "num_attention_heads": 16,
+ "num_key_value_heads": 8, "head_dim": 128, "hidden_size": 1024,
+ "torch_dtype": "bfloat16"}
+EOF
+echo "=== doctor" >>"$OUT/bench.err"
+start=$SECONDS
+timeout 120 "$PY" -m vllm_ascend.kv_offload.doctor --device cuda --json \
+  --model "$model" --bandwidth-mib 256 >"$OUT/doctor.json" 2>>"$OUT/bench.err"
+note "doctor: rc=$? ($((SECONDS - start)) s; non-zero expected without vLLM)"
+"$PY" - "$OUT/doctor.json" <<'EOF' >>"$OUT/summary.txt" 2>&1 || failed=1
+import json, sys
+
+report = json.load(open(sys.argv[1]))
+for c in report["checks"]:
+    print(f"doctor [{c['status']:^4}] {c['name']:<11} {c['summary'][:150]}")
+    for line in c["lines"]:
+        print(f"doctor {'':18}{line}")
+need = {"backends", "copy path", "bandwidth"}
+bad = [c["name"] for c in report["checks"] if c["name"] in need and c["status"] == "FAIL"]
+bad += [] if report["copy_path"] == "native:cuda" else [f"copy_path={report['copy_path']}"]
+print("doctor, checks that need no vLLM:", "FAILED " + ", ".join(bad) if bad else "passed")
+sys.exit(1 if bad else 0)
 EOF
 note "done in $SECONDS s, failed=$failed"
 exit "$failed"
