@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import sys
 from dataclasses import dataclass
@@ -188,7 +189,11 @@ def plan(
             max_model_len = 8192
     if max_model_len is not None:
         overrides.append(f"max_model_len={max_model_len}")
-    if kv_cache_bytes is None and kv_cache_in_host:
+    env_kv = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+    counted_kv = None  # sized by the environment: counted, not overridden
+    if kv_cache_bytes is None and kv_cache_in_host and env_kv:
+        counted_kv = int(env_kv) * 2**30
+    elif kv_cache_bytes is None and kv_cache_in_host:
         if kv is None:  # a hub name: its shape is not known yet
             kv_cache_bytes = KV_CACHE_UNKNOWN_MODEL_BYTES
         else:
@@ -204,7 +209,7 @@ def plan(
     if kv is not None:
         engine_bytes = kv.weights_bytes + ENGINE_OVERHEAD_BYTES
         if kv_cache_in_host:
-            engine_bytes += kv_cache_bytes or 0
+            engine_bytes += kv_cache_bytes or counted_kv or 0
 
     if cpu_bytes is not None:
         if num_cpu_blocks is not None:
