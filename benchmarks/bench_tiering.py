@@ -305,7 +305,11 @@ def _resident_fraction(paths: list[str]) -> float | None:
 def read_bandwidth(root: str, block_bytes: int) -> dict:
     from vllm.v1.kv_offload.tiering.fs.io import probe_o_direct
 
-    from vllm_ascend.kv_offload.tiering import _HEADER, HEADER_BYTES, read_block
+    from vllm_ascend.kv_offload.tiering.block_file import (
+        _HEADER,
+        HEADER_BYTES,
+        read_block,
+    )
 
     paths = block_files(root)
     assert paths, f"no block files under {root}"

@@ -146,12 +146,12 @@ def _private_names(path: Path) -> set[str]:
 
 def test_no_module_but_vllm_compat_uses_private_vllm_names() -> None:
     offenders = {}
-    for path in sorted(PACKAGE.glob("*.py")):
+    for path in sorted(PACKAGE.rglob("*.py")):
         if path.name == "vllm_compat.py":
             continue
         used = _private_names(path) & (PRIVATE_VLLM_NAMES | FORMERLY_USED)
         if used:
-            offenders[path.name] = sorted(used)
+            offenders[str(path.relative_to(PACKAGE))] = sorted(used)
     assert offenders == {}, (
         "private vLLM names outside vllm_compat.py (move them there, with the "
         f"vLLM versions checked): {offenders}"

@@ -1,5 +1,5 @@
 """Every use of a private vLLM name in this package, in one place, with one
-exception: ``tiering.py`` subclasses vLLM's tiering spec and fs tier and
+exception: ``tiering/`` subclasses vLLM's tiering spec and fs tier and
 reads their private state (``_engine_id``, ``_scheduler_mmap``,
 ``_block_size``, ``_pool``, ``_primary_kv_view``, ``_store_job_keys``,
 ``_load_job_keys``, ``_load_progress``, ``_use_o_direct``; present in vLLM
