@@ -99,11 +99,15 @@ def apply(
     value = reserved_cpu_setting(environ, found)
     if value is not None:
         environ[RESERVED_CPU_ENV] = value
-        logger.info(
+        # A warning: vLLM has not configured its logging yet when the plugin
+        # runs (info is dropped), and its engine core then warns that the
+        # value is "less than the minimum requirement"; this says why.
+        logger.warning(
             "KV offload: %d CPU cores; vLLM's CPU backend would reserve %d of "
             "them when a KV connector is set, leaving none for its OpenMP "
             "threads. Set %s=%s (one core for the scheduler, as without a "
-            "connector); set %s yourself to choose otherwise.",
+            "connector; vLLM's warning that this is less than the minimum "
+            "is expected); set %s yourself to choose otherwise.",
             sum(found.cores_per_node.values()),
             RESERVED_WITH_CONNECTOR,
             RESERVED_CPU_ENV,
