@@ -25,6 +25,8 @@ PRIVATE_VLLM_NAMES = {
     "_uses_shared_region",
     "_get_connector_metadata",
     "_job_block_counts",
+    "_num_allocated_chunks",
+    "_free_list",
 }
 # Private names of vLLM objects this package once reached into; none may
 # come back outside vllm_compat.py.
@@ -91,6 +93,16 @@ check("_job_block_counts" not in finished_src
       "FileSystemTierManager.get_finished_jobs reads _job_block_counts, but "
       "__init__/submit_store no longer fill it that way "
       "(vllm_compat.count_fs_tier_job_blocks)")
+
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+fresh = CPUOffloadingManager(num_chunks=4)
+check(fresh._num_allocated_chunks == 0 and fresh._free_list == []
+      and "self._free_list.append(" in inspect.getsource(CPUOffloadingManager)
+      and "self._num_allocated_chunks += 1" in inspect.getsource(
+          CPUOffloadingManager),
+      "CPUOffloadingManager no longer counts allocated chunks in "
+      "_num_allocated_chunks and freed ones in _free_list "
+      "(vllm_compat.cpu_blocks_in_use)")
 
 import os
 print("offloading code:", os.environ.get("VLLM_KV_OFFLOAD_OVERLAY", "installed"))

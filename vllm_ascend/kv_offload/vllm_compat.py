@@ -84,3 +84,16 @@ def count_fs_tier_job_blocks(tier: Any, job_id: int, num_blocks: int) -> None:
     except AttributeError:  # vLLM 0.30
         return
     counts[job_id] = num_blocks
+
+
+def cpu_blocks_in_use(manager: Any) -> int | None:
+    """CPU blocks of vLLM's ``CPUOffloadingManager`` that hold KV or are being
+    written (allocated minus free); None for another manager.
+
+    vLLM 0.32 and 0.33 hand out chunk ids ``0.._num_allocated_chunks`` and
+    keep freed ones in ``_free_list`` (its ``get_stats`` reads both).
+    """
+    try:
+        return manager._num_allocated_chunks - len(manager._free_list)
+    except (AttributeError, TypeError):
+        return None
