@@ -32,6 +32,8 @@ PRIVATE_VLLM_NAMES = {
     "_load_progress",
     "_pool",
     "_scheduler_mmap",
+    "_num_allocated_chunks",
+    "_free_list",
 }
 # Private names the package reads that are not vLLM's.
 NOT_VLLM = {"_C_ascend": "torch.ops namespace of this package's native ops"}
@@ -131,6 +133,16 @@ check("engine_id" in {f.name for f in dataclasses.fields(OffloadingConfig)}
       and "self._engine_id = config.engine_id" in tiering_src,
       "TieringOffloadingSpec no longer names its region after "
       "OffloadingConfig.engine_id (tiering/spec.py get_worker)")
+
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+fresh = CPUOffloadingManager(num_chunks=4)
+check(fresh._num_allocated_chunks == 0 and fresh._free_list == []
+      and "self._free_list.append(" in inspect.getsource(CPUOffloadingManager)
+      and "self._num_allocated_chunks += 1" in inspect.getsource(
+          CPUOffloadingManager),
+      "CPUOffloadingManager no longer counts allocated chunks in "
+      "_num_allocated_chunks and freed ones in _free_list "
+      "(vllm_compat.cpu_blocks_in_use)")
 
 import os
 print("offloading code:", os.environ.get("VLLM_KV_OFFLOAD_OVERLAY", "installed"))

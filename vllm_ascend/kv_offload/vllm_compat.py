@@ -130,3 +130,16 @@ def tiering_scheduler_region(spec: Any) -> Any:
     scheduler side (``_scheduler_mmap``; None before, or without one;
     vLLM 0.32, 0.33)."""
     return spec._scheduler_mmap
+
+
+def cpu_blocks_in_use(manager: Any) -> int | None:
+    """CPU blocks of vLLM's ``CPUOffloadingManager`` that hold KV or are being
+    written (allocated minus free); None for another manager.
+
+    vLLM 0.32 and 0.33 hand out chunk ids ``0.._num_allocated_chunks`` and
+    keep freed ones in ``_free_list`` (its ``get_stats`` reads both).
+    """
+    try:
+        return manager._num_allocated_chunks - len(manager._free_list)
+    except (AttributeError, TypeError):
+        return None
