@@ -193,7 +193,12 @@ def drive_batches(scenario: dict) -> dict:
     for metric in llm.get_metrics():
         if hasattr(metric, "value"):
             counters[metric.name] = counters.get(metric.name, 0.0) + metric.value
-    return {"rounds": rounds, "counters": counters, "injected": injected}
+    return {
+        "rounds": rounds,
+        "counters": counters,
+        "injected": injected,
+        "async_scheduling": llm.llm_engine.vllm_config.scheduler_config.async_scheduling,
+    }
 
 
 def run_batches(scenario_dir, name: str, offload, **scenario) -> dict:
