@@ -53,6 +53,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -67,6 +68,7 @@ struct Range {
   uintptr_t end;
   aclrtMemLocation loc;
   bool host_registered = false;  // by aclrtHostRegisterV2, not a test hook
+  bool malloc_host = false;      // by aclrtMallocHost: freed by aclrtFreeHost
 };
 
 struct Injection {
@@ -269,6 +271,42 @@ aclError aclrtHostRegisterV2(void* ptr, uint64_t size, uint32_t flag) {
   return ACL_SUCCESS;
 }
 #endif
+
+// aclrtMallocHost / aclrtFreeHost: page-locked host memory from the
+// runtime (SIM CHOICE: 4 KiB-aligned, reported as ACL_MEM_LOCATION_TYPE_HOST).
+aclError aclrtMallocHost(void** hostPtr, size_t size) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  aclError code;
+  if (count_call(s, "aclrtMallocHost", &code)) return code;
+  if (hostPtr == nullptr || size == 0) {
+    return error(s, ACL_ERROR_INVALID_PARAM, "null hostPtr or size 0");
+  }
+  const size_t rounded = (size + 4095) / 4096 * 4096;
+  void* p = std::aligned_alloc(4096, rounded);
+  if (p == nullptr) return error(s, ACL_ERROR_RT_MEMORY_ALLOCATION, "no memory");
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  Range r{a + size, aclrtMemLocation{0, ACL_MEM_LOCATION_TYPE_HOST}};
+  r.malloc_host = true;
+  s.ranges[a] = r;
+  *hostPtr = p;
+  return ACL_SUCCESS;
+}
+
+aclError aclrtFreeHost(void* hostPtr) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  aclError code;
+  if (count_call(s, "aclrtFreeHost", &code)) return code;
+  const auto it = s.ranges.find(reinterpret_cast<uintptr_t>(hostPtr));
+  if (it == s.ranges.end() || !it->second.malloc_host) {
+    return error(s, ACL_ERROR_INVALID_PARAM,
+                 "not an address from aclrtMallocHost");
+  }
+  s.ranges.erase(it);
+  std::free(hostPtr);
+  return ACL_SUCCESS;
+}
 
 aclError aclrtHostUnregister(void* ptr) {
   State& s = state();

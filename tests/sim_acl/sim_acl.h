@@ -86,6 +86,12 @@ SIMACL_API int simacl_core_host_register(uint64_t addr, uint64_t size,
                                          char* err, size_t err_len);
 SIMACL_API int simacl_core_host_unregister(uint64_t addr, char* err,
                                            size_t err_len);
+// The real allocate_host / free_host (aclrtMallocHost / aclrtFreeHost) of
+// acl_host_register.cpp. Return 0 (with the address in *addr), or 1 with the
+// exception message in `err`.
+SIMACL_API int simacl_core_host_alloc(uint64_t size, uint64_t* addr, char* err,
+                                      size_t err_len);
+SIMACL_API int simacl_core_host_free(uint64_t addr, char* err, size_t err_len);
 // Replaces the core's copier with a fresh one (forgets a fallback) and frees
 // the workspaces held.
 SIMACL_API void simacl_core_reset(void);

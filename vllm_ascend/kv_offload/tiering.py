@@ -61,7 +61,6 @@ import zlib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import numpy as np
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     OffloadingManager,
@@ -77,7 +76,8 @@ from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from vllm_ascend.kv_offload import vllm_compat
-from vllm_ascend.kv_offload.copy_engine import CpuBlockPool
+from vllm_ascend.kv_offload.cpu_pool import CpuBlockPool, PoolLayout
+from vllm_ascend.kv_offload.host_memory import borrowed
 from vllm_ascend.kv_offload.logger import init_logger
 from vllm_ascend.kv_offload.manager import FailureAwareManager
 from vllm_ascend.kv_offload.npu import NPUOffloadingSpec, OffloadConfigError
@@ -497,32 +497,27 @@ class RegionBlockPool(CpuBlockPool):
         slot_capacity: int,
         row_stride: int,
     ):
-        pages = np.asarray(page_bytes, dtype=np.int64) * blocks_per_chunk
-        self.slot_bytes = int(pages.sum())
-        if self.slot_bytes > slot_capacity:
+        layout = PoolLayout.of(
+            page_bytes,
+            blocks_per_chunk,
+            region.num_chunks,
+            slot_offset=slot_offset,
+            row_bytes=row_stride,
+        )
+        if layout.slot_bytes > slot_capacity:
             raise OffloadConfigError(
                 f"KV offload: this worker's KV of one CPU block is "
-                f"{self.slot_bytes} bytes, more than its slot of the shared "
+                f"{layout.slot_bytes} bytes, more than its slot of the shared "
                 f"region ({slot_capacity} bytes); the KV cache layout is not "
                 "one vLLM sized the region for (report this as a bug)"
             )
-        self.blocks_per_chunk = blocks_per_chunk
-        self.num_blocks = region.num_chunks
-        self.tensor_offsets = slot_offset + np.concatenate(([0], np.cumsum(pages)[:-1]))
-        self.row_bytes = row_stride
-        self.tensor = region.base_tensor  # a reference, not an allocation
-        self.base = self.tensor.data_ptr()
-        self.pinned = False
+        # A reference, not an allocation: the region's owner unmaps it.
+        super().__init__(layout, borrowed(region.base_tensor, pinned=False))
         self.region = region
 
-    @property
-    def nbytes(self) -> int:
-        return self.num_blocks * self.slot_bytes
-
-    def release(self) -> None:
-        """Drops the reference; the region's owner unmaps it."""
-        self.tensor = None
-        self.base = 0
+    def mark_pinned(self, pinned: bool) -> None:
+        """The region was (or was not) page-locked after the pool was built."""
+        self.memory.pinned = pinned
 
 
 def _kernel_release() -> str:
@@ -794,7 +789,7 @@ class NPUTieringOffloadingSpec(TieringOffloadingSpec, NPUOffloadingSpec):
             elif device.type == "npu":
                 # The NPU copy backend refuses pageable host memory.
                 registration = AclRegionRegistration(region)
-                pool.pinned = True
+                pool.mark_pinned(True)
             self._tiering_worker = NPUTieringWorker(
                 kv_caches, region, pool, registration
             )
@@ -826,4 +821,4 @@ def _register_with_cuda(region: SharedOffloadRegion, pool: RegionBlockPool) -> N
 
     if PIN_MEMORY:
         pin_mmap_region(region)
-    pool.pinned = region.is_pinned
+    pool.mark_pinned(region.is_pinned)
