@@ -102,7 +102,9 @@ struct State {
   std::map<aclrtStream, std::deque<Task>> streams;  // queued, not yet run
   size_t faulted_entries = 0;  // entries skipped when they executed
   std::map<std::string, size_t> calls;
-  Injection injection;  // armed while nth_call != 0
+  // One armed failure per ACL function (armed while nth_call != 0).
+  std::map<std::string, Injection> injections;
+  size_t fired_fail_index = SIZE_MAX;  // of the failure that fired last
   bool batch_unsupported = false;
   size_t max_entries = 0;
   size_t sync_copies = 0;
@@ -128,10 +130,13 @@ aclError error(State& s, aclError code, const std::string& msg) {
 // Counts the call; true (with *code set) when an injected failure fires.
 bool count_call(State& s, const char* api, aclError* code) {
   const size_t n = ++s.calls[api];
-  if (s.injection.nth_call != n || s.injection.api != api) return false;
-  s.injection.nth_call = 0;  // one shot
+  const auto it = s.injections.find(api);
+  if (it == s.injections.end() || it->second.nth_call != n) return false;
+  const Injection fired = it->second;
+  s.injections.erase(it);  // one shot
+  s.fired_fail_index = fired.fail_index;
   *code = error(
-      s, s.injection.code,
+      s, fired.code,
       std::string("injected failure of ") + api + " call " + std::to_string(n));
   return true;
 }
@@ -339,7 +344,7 @@ aclError aclrtMemcpyBatchAsync(void** dsts, size_t* destMaxs, void** srcs,
   }
   *failIndex = SIZE_MAX;  // documented value for "no specific entry"
   if (injected) {
-    *failIndex = s.injection.fail_index;
+    *failIndex = s.fired_fail_index;
     return code;
   }
   if (s.batch_unsupported) {
@@ -514,7 +519,7 @@ void simacl_reset(void) {
   s.streams.clear();  // queued copies are dropped, never run
   s.faulted_entries = 0;
   s.calls.clear();
-  s.injection = Injection{};
+  s.injections.clear();
   s.batch_unsupported = false;
   s.max_entries = 0;
   s.sync_copies = 0;
@@ -565,7 +570,7 @@ void simacl_inject_failure(const char* api, size_t nth_call, int code,
                            size_t fail_index) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
-  s.injection = Injection{api, nth_call, code, fail_index};
+  s.injections[api] = Injection{api, nth_call, code, fail_index};
 }
 
 size_t simacl_calls(const char* api) {

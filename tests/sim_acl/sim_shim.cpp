@@ -135,3 +135,5 @@ int simacl_core_host_free(uint64_t addr, char* err, size_t err_len) {
   return run_core([&] { vllm_ascend::kv_offload::npu::free_host(addr); }, err,
                   err_len);
 }
+
+void simacl_core_set_per_copy(int on) { copier()->set_per_copy(on != 0); }

@@ -32,6 +32,7 @@ import torch
 
 __all__ = [
     "HAS_NATIVE_OP",
+    "check_disjoint",
     "coalesce",
     "fallback_swap_blocks_batch",
     "host_alloc",
@@ -192,18 +193,26 @@ def fallback_swap_blocks_batch(
             f"(fallback in use because {_fallback_reason or 'it was called directly'})"
         )
     m_src, m_dst, m_size, first = coalesce(src_addrs, dst_addrs, sizes)
-    overlap = (m_src < m_dst + m_size) & (m_dst < m_src + m_size)
-    if overlap.any():
-        j = _first(overlap)
-        raise RuntimeError(
-            "swap_blocks_batch(device='cpu'): source and destination of fragment "
-            f"{first[j]} (after merging adjacent fragments) overlap "
-            f"(src_addrs={m_src[j]}, dst_addrs={m_dst[j]}, bytes={m_size[j]}); "
-            "source and destination ranges must be disjoint"
-        )
+    check_disjoint(m_src, m_dst, m_size, first, device)
     for s, d, k in zip(m_src.tolist(), m_dst.tolist(), m_size.tolist(), strict=True):
         ctypes.memmove(d, s, k)
     return len(m_size), _no_workspace()
+
+
+def check_disjoint(
+    src: np.ndarray, dst: np.ndarray, size: np.ndarray, first: np.ndarray, device: str
+) -> None:
+    """Raises, as the op's "cpu" backend does, if a merged copy's source and
+    destination overlap (``coalesce``'s arrays)."""
+    overlap = (src < dst + size) & (dst < src + size)
+    if overlap.any():
+        j = _first(overlap)
+        raise RuntimeError(
+            f"swap_blocks_batch(device='{device}'): source and destination of "
+            f"fragment {first[j]} (after merging adjacent fragments) overlap "
+            f"(src_addrs={src[j]}, dst_addrs={dst[j]}, bytes={size[j]}); "
+            "source and destination ranges must be disjoint"
+        )
 
 
 def _check_device(device: str) -> None:

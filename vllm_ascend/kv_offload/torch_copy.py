@@ -22,6 +22,9 @@ import torch
 
 from vllm_ascend.kv_offload import ops
 
+# Devices the path is meant for, when it holds no buffer to tell.
+_DEVICE_TYPES = ["cpu", "cuda", "npu", "xpu"]
+
 
 def _flat_storage(t: torch.Tensor) -> torch.Tensor:
     """A 1-D uint8 tensor over the whole storage of ``t``."""
@@ -38,6 +41,7 @@ class TorchCopier:
             flat = _flat_storage(t)
             if flat.numel():
                 views.setdefault(flat.data_ptr(), flat)
+        self._device_types = sorted({v.device.type for v in views.values()})
         order = sorted(views)
         self._views = [views[b] for b in order]
         self._bases = np.asarray(order, dtype=np.uint64)
@@ -69,9 +73,17 @@ class TorchCopier:
     ) -> tuple[int, None]:
         """Same arguments and validation as ``ops.swap_blocks_batch``; returns
         ``(copies, None)``: no workspace, the views own nothing."""
-        src, dst, size, _ = ops.coalesce(src_addrs, dst_addrs, sizes)
+        known = self._device_types or _DEVICE_TYPES
+        if device and device not in known:
+            raise RuntimeError(
+                f"swap_blocks_batch (torch path): unknown device '{device}'; "
+                f"expected one of {', '.join(map(repr, known))} (the devices "
+                "of the buffers it copies between)"
+            )
+        src, dst, size, first = ops.coalesce(src_addrs, dst_addrs, sizes)
         if not len(size):
             return 0, None
+        ops.check_disjoint(src, dst, size, first, device or "torch")
         s_idx = self._locate(src, size, "source")
         d_idx = self._locate(dst, size, "destination")
         s_off = (src - self._bases[s_idx]).tolist()
