@@ -64,12 +64,13 @@ KEYS: dict[str, Key] = {
     # Ours: how the worker copies (self_check.py): "auto" tries the native op
     # first, then the torch path; "native" / "torch" allow that one only.
     "copy_path": Key(str, "auto", choices=("auto", "native", "torch")),
-    # vLLM's tiering, read by NPUTieringOffloadingSpec only (tiering.py
+    # vLLM's tiering, read by NPUTieringOffloadingSpec only (tiering/spec.py
     # checks what is inside them).
     "secondary_tiers": Key(list, [{"type": "fs", "root_dir": "/mnt/shared/kv"}]),
     "backpressure": Key(dict, {"backpressure_cls": "EMABackpressureDetector"}),
 }
 TIERING_SPEC = "NPUTieringOffloadingSpec"
+TIERING_MODULE = "vllm_ascend.kv_offload.tiering"
 
 _BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False}
 # Beyond this many digits a number is shown in scientific notation: a
@@ -183,7 +184,7 @@ def _check_tiering(key: str, value: Any, extra: Mapping[str, Any]) -> None:
         raise OffloadConfigError(
             f"{PREFIX}['{key}'] is read by {TIERING_SPEC} only; set "
             f"spec_name='{TIERING_SPEC}' and spec_module_path="
-            "'vllm_ascend.kv_offload.tiering', or remove the key"
+            f"'{TIERING_MODULE}', or remove the key"
         )
     if not isinstance(value, kind):
         raise OffloadConfigError(

@@ -39,6 +39,8 @@ logger = init_logger(__name__)
 SCRATCH_BLOCKS = 2
 POISON = 0xA5
 _GAP = 64  # bytes of poison after each scratch fragment on the device
+# Without a model: K and V pages of 8 layers, 64 KiB each.
+DEFAULT_FRAGMENTS = (65536,) * 16
 _REPORT = (
     "report it, with this message and the output of "
     "`python -m vllm_ascend.kv_offload.doctor --json`, to the vllm-ascend KV "
@@ -233,7 +235,7 @@ def _attempt(
 
 def run_self_check(
     device: torch.device | str,
-    fragment_sizes: Sequence[int],
+    fragment_sizes: Sequence[int] = DEFAULT_FRAGMENTS,
     *,
     pool: CpuBlockPool | None = None,
     paths: Sequence[CopyPath] | None = None,
