@@ -321,22 +321,22 @@ def _rss() -> int:
 def check_pool_allocation(report: Report, device: str, test_bytes: int) -> None:
     """One pool of ``test_bytes`` through the pool factory, timed, and how
     much of it became resident."""
-    from vllm_ascend.kv_offload.cpu_pool import allocate_pool, host_pinning_available
+    from vllm_ascend.kv_offload.cpu_pool import private_pool
 
     page = 1 << 20
     rows = max(1, test_bytes // page)
     asked = rows * page
-    pin = host_pinning_available(torch.device(device))
     before = _rss()
     t0 = time.perf_counter()
     try:
-        pool = allocate_pool([page], 1, rows, pin)
+        pool = private_pool([page], 1, rows, device)
     except (MemoryError, RuntimeError) as e:
         report.add(Check("pool alloc", FAIL, f"{asked >> 20} MiB: {e}"))
         return
     seconds = time.perf_counter() - t0
     resident = _rss() - before
-    kind = "pinned" if pool.pinned else "pageable"
+    kind = pool.memory.kind
+    pin = pool.pinned
     pool.release()
     details = {
         "asked_bytes": asked,
@@ -378,7 +378,9 @@ def _run_self_check(device: str) -> tuple[str, str]:
         result = run_self_check(device=device)
     except Exception as e:
         return FAIL, f"failed: {type(e).__name__}: {e}"
-    return OK, f"passed ({result})" if result is not None else "passed"
+    if not result.passed:
+        return FAIL, f"failed: {result.failure}"
+    return OK, f"passed ({result.summary()})"
 
 
 def check_self_check(report: Report, device: str) -> None:

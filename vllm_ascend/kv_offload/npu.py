@@ -48,9 +48,11 @@ from vllm_ascend.kv_offload.config import (
     validate_connector_config,
 )
 from vllm_ascend.kv_offload.cpu_pool import (
+    CpuBlockPool,
     PoolRequest,
     check_host_memory,
     host_kv_cache_bytes,
+    private_pool,
 )
 from vllm_ascend.kv_offload.logger import init_logger
 from vllm_ascend.kv_offload.manager import FailureAwareManager
@@ -128,16 +130,32 @@ class NPUOffloadingSpec(vllm_compat.PrivatePoolSpec, CPUOffloadingSpec):
             device_block_tokens=self.tokens_per_block[0],
         )
 
+    def allocate_pool(self, kv_caches: CanonicalKVCaches) -> CpuBlockPool:
+        """This worker's private pool, exactly its size (``cpu_pool.py``)."""
+        return private_pool(
+            [t.page_size_bytes for t in kv_caches.tensors],
+            self.blocks_per_chunk,
+            self.num_chunks,
+            kv_caches.tensors[0].tensor.device.type,
+        )
+
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._npu_worker is None:
             # The worker side, right before the pool is allocated: the one
             # place that knows what vLLM has allocated and what is to come.
+            # Assembly: check host memory, allocate the pool, build the worker
+            # on it (which self-checks its copy path before serving).
             check_host_memory(
                 self._pool_request(kv_caches), host_kv_cache_bytes(kv_caches)
             )
-            self._npu_worker = self.worker_cls(
-                kv_caches,
-                blocks_per_chunk=self.blocks_per_chunk,
-                num_cpu_blocks=self.num_chunks,
-            )
+            pool = self.allocate_pool(kv_caches)
+            try:
+                self._npu_worker = self.worker_cls(
+                    kv_caches,
+                    pool=pool,
+                    copy_path=self.config.extra_config.get("copy_path") or "auto",
+                )
+            except BaseException:
+                pool.release()
+                raise
         return self._npu_worker

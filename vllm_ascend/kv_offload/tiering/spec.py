@@ -221,7 +221,7 @@ class NPUTieringOffloadingSpec(TieringOffloadingSpec, NPUOffloadingSpec):
             elif device.type == "npu":
                 # The NPU copy backend refuses pageable host memory.
                 registration = AclRegionRegistration(region)
-                pool.pinned = True
+                pool.mark_pinned(True)
             self._tiering_worker = NPUTieringWorker(
                 kv_caches, region, pool, registration
             )
