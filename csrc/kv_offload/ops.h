@@ -101,10 +101,7 @@
 //       undone, so the destination is then undefined, but the op waits for
 //       them (aclrtSynchronizeStream) before raising, as their arrays are
 //       in the workspace it frees. Copies within one call run in no
-//       particular order.
-//       Status: compiled in CI against the torch-npu 2.13.0 headers and
-//       tested against a SIMULATED ACL runtime only; never run on Ascend
-//       hardware (docs/npu_backend.md).
+//       particular order. What ran where: docs/npu_backend.md.
 //
 //   "cuda": asynchronous, on c10::cuda::getCurrentCUDAStream() of the device
 //       holding fragment 0's device side; any direction. Fragment 0 is
@@ -115,9 +112,7 @@
 //       cudaMemcpyAsync per copy on the legacy stream, for pageable memory,
 //       or when the batch API is unsupported.
 //       VLLM_ASCEND_CUDA_COPY_METHOD=kernel|dma|auto overrides. Overlap and
-//       graph capture are rejected. Status: compiled (sm_80, sm_90) and
-//       linked against a CUDA torch without a GPU; never run on a GPU yet
-//       (docs/cuda_backend.md).
+//       graph capture are rejected. What ran where: docs/cuda_backend.md.
 //
 // kv_offload_host_register
 // ========================
@@ -138,9 +133,8 @@
 //       before any ACL call). Unregister with the same addr, after every copy
 //       from or to the range has completed and before it is unmapped:
 //       aclrtHostUnregister(addr). Errors (c10::Error) name the range, the
-//       ACL call, its error code and the runtime's message. Status: compiled
-//       against the torch-npu 2.13.0 headers and tested against a SIMULATED
-//       ACL runtime only; never run on Ascend hardware.
+//       ACL call, its error code and the runtime's message. What ran where:
+//       docs/npu_backend.md.
 //   "cuda" and "cpu" raise: cuda registers through vLLM's host_register
 //       (cudaHostRegister); the cpu backend copies pageable memory.
 //   A backend not compiled in raises "backend '<device>' was not compiled

@@ -25,7 +25,8 @@ from tests.e2e.conftest import (
     run_scenario,
     scenario_log,
 )
-from vllm_ascend.kv_offload.tiering import HEADER_BYTES, region_path
+from vllm_ascend.kv_offload.tiering.block_file import HEADER_BYTES
+from vllm_ascend.kv_offload.tiering.region import region_path
 
 pytestmark = pytest.mark.e2e
 

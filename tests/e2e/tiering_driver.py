@@ -58,7 +58,7 @@ def run(scenario: dict) -> dict:
 
     from tests.e2e.run_scenario import settle_stores
     from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model
-    from vllm_ascend.kv_offload.tiering import region_path
+    from vllm_ascend.kv_offload.tiering.region import region_path
 
     engine_id = scenario.get("engine_id")
     stale = (scenario.get("before") or {}).get("stale_region")

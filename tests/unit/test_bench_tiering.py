@@ -9,7 +9,7 @@ import os
 import pytest
 
 from benchmarks import bench_tiering as bench
-from vllm_ascend.kv_offload.tiering import HEADER_BYTES, write_block
+from vllm_ascend.kv_offload.tiering.block_file import HEADER_BYTES, write_block
 
 
 def test_read_bandwidth_reads_and_verifies_every_file(tmp_path):

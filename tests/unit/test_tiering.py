@@ -20,18 +20,31 @@ from vllm.v1.kv_offload.file_mapper import FileMapper
 
 from tests.unit.kv_helpers import make_config
 from tests.vllm_version import VLLM_VERSION
-from vllm_ascend.kv_offload import tiering
 from vllm_ascend.kv_offload.config import OffloadConfigError, check_keys
-from vllm_ascend.kv_offload.tiering import (
+from vllm_ascend.kv_offload.tiering import block_file, host_register
+from vllm_ascend.kv_offload.tiering.block_file import (
     HEADER_BYTES,
-    RegionBlockPool,
     StoredBlockError,
-    check_tiering_config,
-    identity_digest,
+    key_digest,
     read_block,
-    remove_stale_region,
-    storage_identity,
     write_block,
+)
+from vllm_ascend.kv_offload.tiering.fs import tier_dir_usable
+from vllm_ascend.kv_offload.tiering.host_register import (
+    AclRegionRegistration,
+    kernel_registers_pageable_memory,
+    register_with_cuda,
+)
+from vllm_ascend.kv_offload.tiering.identity import identity_digest, storage_identity
+from vllm_ascend.kv_offload.tiering.region import (
+    RegionBlockPool,
+    close_region,
+    region_path,
+    remove_stale_region,
+)
+from vllm_ascend.kv_offload.tiering.spec import (
+    NPUTieringOffloadingSpec,
+    check_tiering_config,
 )
 
 
@@ -93,7 +106,7 @@ def test_model_config_is_part_of_the_identity(tmp_path):
 
 IDENTITY = bytes(range(32))
 KEY = make_offload_key(b"\x01" * 32, 0)
-KEY_ID = tiering.key_digest(KEY)
+KEY_ID = key_digest(KEY)
 
 
 def payload(size: int = 2 * mmap.PAGESIZE, fill: int = 7) -> memoryview:
@@ -136,7 +149,7 @@ def test_files_of_another_identity_or_key_are_refused(tmp_path):
     write_block(path, payload(), IDENTITY, KEY_ID, 0)
     with pytest.raises(StoredBlockError, match="another identity"):
         read_block(path, payload(), bytes(32), KEY_ID, 0)
-    other = tiering.key_digest(make_offload_key(b"\x02" * 32, 0))
+    other = key_digest(make_offload_key(b"\x02" * 32, 0))
     with pytest.raises(StoredBlockError, match="another block"):
         read_block(path, payload(), IDENTITY, other, 0)
 
@@ -145,7 +158,7 @@ def test_a_failed_write_leaves_no_file(tmp_path, monkeypatch):
     def full(fd, buffers):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(tiering.os, "writev", full)
+    monkeypatch.setattr(block_file.os, "writev", full)
     path = str(tmp_path / "b.bin")
     with pytest.raises(OSError, match="No space"):
         write_block(path, payload(), IDENTITY, KEY_ID, 0)
@@ -156,9 +169,9 @@ def test_an_uncreatable_tier_directory_is_dropped_with_a_log_line(tmp_path, capl
     blocker = tmp_path / "file"
     blocker.write_text("")
     identity = storage_identity(offloading_config(), "cpu")
-    assert not tiering._tier_dir_usable(str(blocker / "kv"), identity)
+    assert not tier_dir_usable(str(blocker / "kv"), identity)
     assert "cannot be created" in caplog.text
-    assert tiering._tier_dir_usable(str(tmp_path / "kv"), identity)
+    assert tier_dir_usable(str(tmp_path / "kv"), identity)
 
 
 # -- the shared region --------------------------------------------------------
@@ -180,36 +193,30 @@ def test_a_stale_region_is_removed_a_held_one_is_kept(tmp_path):
     assert not remove_stale_region(path)  # nothing there: nothing to do
 
 
-def test_region_pool_addresses_this_ranks_slot_of_each_row():
+def test_region_pool_addresses_this_ranks_slot_of_each_row(shared_region):
     page = mmap.PAGESIZE
-    region = tiering.open_region(
-        engine_id=f"unit-{uuid.uuid4().hex[:8]}",
-        num_chunks=3,
-        rank=1,
-        kv_bytes_per_chunk=4 * page,
-        cpu_page_size=2 * page,
+    region = shared_region(
+        3, kv_bytes_per_chunk=4 * page, cpu_page_size=2 * page, rank=1
     )
-    try:
-        pool = RegionBlockPool(
-            region,
-            page_bytes=[page // 2, page // 2, page],
-            blocks_per_chunk=1,
-            slot_offset=2 * page,
-            slot_capacity=2 * page,
-            row_stride=4 * page,
-        )
-        assert pool.row_bytes == 4 * page  # the stride CopyEngine uses
-        assert pool.slot_bytes == 2 * page
-        assert pool.nbytes == 3 * 2 * page
-        assert list(pool.tensor_offsets) == [2 * page, 2 * page + page // 2, 3 * page]
-        assert pool.base == region.base_tensor.data_ptr()
-        with pytest.raises(OffloadConfigError, match="more than its slot"):
-            RegionBlockPool(region, [3 * page], 1, 0, 2 * page, 4 * page)
-        pool.release()
-        assert region.base_tensor is not None  # the pool frees nothing
-        assert np.all(region.base_tensor.numpy() == 0)
-    finally:
-        region.cleanup()
+    pool = RegionBlockPool(
+        region,
+        page_bytes=[page // 2, page // 2, page],
+        blocks_per_chunk=1,
+        slot_offset=2 * page,
+        slot_capacity=2 * page,
+        row_stride=4 * page,
+    )
+    assert pool.row_bytes == 4 * page  # the stride CopyEngine uses
+    assert pool.slot_bytes == 2 * page
+    assert pool.nbytes == 3 * 2 * page
+    assert list(pool.tensor_offsets) == [2 * page, 2 * page + page // 2, 3 * page]
+    assert pool.base == region.base_tensor.data_ptr()
+    with pytest.raises(OffloadConfigError, match="more than its slot"):
+        RegionBlockPool(region, [3 * page], 1, 0, 2 * page, 4 * page)
+    pool.release()
+    assert region.base_tensor is not None  # the pool frees nothing
+    assert np.all(region.base_tensor.numpy() == 0)
+    region.cleanup()
     assert not os.path.exists(region.mmap_path)
 
 
@@ -259,11 +266,10 @@ def _spec_for_worker(engine_id: str, page: int):
     """The attributes get_worker reads, without an engine."""
     from types import SimpleNamespace
 
-    spec = object.__new__(tiering.NPUTieringOffloadingSpec)
+    spec = object.__new__(NPUTieringOffloadingSpec)
     spec._tiering_worker = None
     spec.replicated_layout = False
-    spec.config = SimpleNamespace(parallel=SimpleNamespace(rank=0))
-    spec._engine_id = engine_id
+    spec.config = SimpleNamespace(parallel=SimpleNamespace(rank=0), engine_id=engine_id)
     spec.num_chunks = 4
     spec.kv_bytes_per_chunk = 2 * page
     spec.cpu_page_size_per_worker = 2 * page
@@ -302,7 +308,7 @@ def acl_calls(monkeypatch):
     monkeypatch.setattr(ops, "host_register", register)
     monkeypatch.setattr(ops, "host_unregister", unregister)
     monkeypatch.setattr(NPUOffloadingWorker, "_start", start)
-    monkeypatch.setattr(tiering, "_kernel_release", lambda: "6.8.0-generic")
+    monkeypatch.setattr(host_register, "_kernel_release", lambda: "6.8.0-generic")
     return calls
 
 
@@ -341,80 +347,46 @@ def test_npu_registration_failure_is_a_clear_error_and_leaves_nothing(
     msg = str(info.value)
     assert "registering the shared region" in msg and "ACL error 507899" in msg
     assert "aclrtHostRegisterV2" in msg and "spec_name='NPUOffloadingSpec'" in msg
-    assert not os.path.exists(tiering.region_path(engine_id))
+    assert not os.path.exists(region_path(engine_id))
     assert acl_calls == []  # nothing registered, nothing to unregister
 
 
 def test_npu_registration_is_refused_on_kernels_that_cannot_lock_pageable_memory(
     acl_calls, monkeypatch
 ):
-    monkeypatch.setattr(tiering, "_kernel_release", lambda: "5.10.0-60.18.0.50.oe2203")
+    monkeypatch.setattr(
+        host_register, "_kernel_release", lambda: "5.10.0-60.18.0.50.oe2203"
+    )
     page = mmap.PAGESIZE
     engine_id = f"unit-npu-{uuid.uuid4().hex[:8]}"
     with pytest.raises(OffloadConfigError, match="newer than 5.10 only"):
         _spec_for_worker(engine_id, page).get_worker(_kv_caches("npu", page))
-    assert acl_calls == [] and not os.path.exists(tiering.region_path(engine_id))
-    assert tiering.kernel_registers_pageable_memory("5.15.0-91-generic")
-    assert tiering.kernel_registers_pageable_memory("6.1.0")
-    assert not tiering.kernel_registers_pageable_memory("4.19.90-24.4.v2101.ky10")
+    assert acl_calls == [] and not os.path.exists(region_path(engine_id))
+    assert kernel_registers_pageable_memory("5.15.0-91-generic")
+    assert kernel_registers_pageable_memory("6.1.0")
+    assert not kernel_registers_pageable_memory("4.19.90-24.4.v2101.ky10")
 
 
-def test_a_failing_unregister_is_logged_and_the_region_still_unmapped(caplog):
+def test_a_failing_unregister_is_logged_and_the_region_still_unmapped(
+    caplog, shared_region
+):
     page = mmap.PAGESIZE
-    region = tiering.open_region(
-        engine_id=f"unit-{uuid.uuid4().hex[:8]}",
-        num_chunks=2,
-        rank=0,
-        kv_bytes_per_chunk=page,
-        cpu_page_size=page,
-    )
+    region = shared_region(2, kv_bytes_per_chunk=page, cpu_page_size=page)
 
     def unregister(addr, device):
         raise RuntimeError("ACL error 507911")
 
-    registration = tiering.AclRegionRegistration(
+    registration = AclRegionRegistration(
         region,
         register=lambda addr, size, device: None,
         unregister=unregister,
         kernel_release="6.1",
     )
-    tiering.close_region(region, registration)
+    close_region(region, registration)
     assert "unregistering the shared region" in caplog.text
     assert "ACL error 507911" in caplog.text
     assert region.mmap_obj is None and not os.path.exists(region.mmap_path)
     registration.release()  # once only: nothing happens
-
-
-def test_cuda_registration_delegates_to_vllms_pin_mmap_region(monkeypatch):
-    """On cuda the region is registered by vLLM's own pin_mmap_region (same
-    call in vLLM 0.30-0.33), and the pool is pinned exactly when it was."""
-    from vllm.utils import torch_utils
-    from vllm.v1.kv_offload.cpu import gpu_worker
-
-    seen = []
-
-    def pin(region):
-        seen.append(region)
-        region.is_pinned = True
-
-    monkeypatch.setattr(torch_utils, "PIN_MEMORY", True)
-    monkeypatch.setattr(gpu_worker, "pin_mmap_region", pin)
-    page = mmap.PAGESIZE
-    region = tiering.open_region(
-        engine_id=f"unit-{uuid.uuid4().hex[:8]}",
-        num_chunks=2,
-        rank=0,
-        kv_bytes_per_chunk=page,
-        cpu_page_size=page,
-    )
-    try:
-        pool = RegionBlockPool(region, [page], 1, 0, page, page)
-        tiering._register_with_cuda(region, pool)
-        assert seen == [region]
-        assert pool.pinned
-    finally:
-        region.is_pinned = False  # nothing was registered to undo
-        tiering.close_region(region, None)
 
 
 # vLLM's own pin_mmap_region/cleanup, as the installed release does them:
@@ -426,7 +398,7 @@ def test_cuda_registration_delegates_to_vllms_pin_mmap_region(monkeypatch):
     reason="vLLM < 0.32 registers through the CUDA runtime directly, only on "
     "a CUDA platform (no host_register/host_unregister to intercept)",
 )
-def test_cuda_registration_is_vllms_pin_mmap_region(monkeypatch):
+def test_cuda_registration_is_vllms_pin_mmap_region(monkeypatch, shared_region):
     """On cuda the region is registered by vLLM's own pin_mmap_region (row-
     aligned chunks) and unregistered by the region's cleanup before unmap."""
     from vllm.utils import torch_utils
@@ -447,23 +419,17 @@ def test_cuda_registration_is_vllms_pin_mmap_region(monkeypatch):
     page = mmap.PAGESIZE
     # Chunks of 2 rows, as vLLM cuts 64 GiB ones: 3 chunks for 5 rows.
     monkeypatch.setattr(gpu_worker, "MAX_HOST_REGISTER_CHUNK_BYTES", 2 * page)
-    region = tiering.open_region(
-        engine_id=f"unit-{uuid.uuid4().hex[:8]}",
-        num_chunks=5,
-        rank=0,
-        kv_bytes_per_chunk=page,
-        cpu_page_size=page,
-    )
+    region = shared_region(5, kv_bytes_per_chunk=page, cpu_page_size=page)
     base = region.base_tensor.data_ptr()
     pool = RegionBlockPool(region, [page], 1, 0, page, page)
-    tiering._register_with_cuda(region, pool)
+    register_with_cuda(region, pool)
     assert calls == [
         ("register", base, 2 * page),
         ("register", base + 2 * page, 2 * page),
         ("register", base + 4 * page, page),
     ]
     assert pool.pinned and region.is_pinned
-    tiering.close_region(region, None)
+    close_region(region, None)
     assert calls[3:] == [
         ("unregister", base + 4 * page, True),
         ("unregister", base + 2 * page, True),

@@ -61,12 +61,13 @@ KEYS: dict[str, Key] = {
     "canonical_layout": Key(bool, False),
     # vLLM 0.33's: bytes of synchronous loads per step (0: none).
     "sync_load_budget_bytes": Key(int, 0, minimum=0),
-    # vLLM's tiering, read by NPUTieringOffloadingSpec only (tiering.py
+    # vLLM's tiering, read by NPUTieringOffloadingSpec only (tiering/spec.py
     # checks what is inside them).
     "secondary_tiers": Key(list, [{"type": "fs", "root_dir": "/mnt/shared/kv"}]),
     "backpressure": Key(dict, {"backpressure_cls": "EMABackpressureDetector"}),
 }
 TIERING_SPEC = "NPUTieringOffloadingSpec"
+TIERING_MODULE = "vllm_ascend.kv_offload.tiering"
 
 _BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False}
 # Beyond this many digits a number is shown in scientific notation: a
@@ -178,7 +179,7 @@ def _check_tiering(key: str, value: Any, extra: Mapping[str, Any]) -> None:
         raise OffloadConfigError(
             f"{PREFIX}['{key}'] is read by {TIERING_SPEC} only; set "
             f"spec_name='{TIERING_SPEC}' and spec_module_path="
-            "'vllm_ascend.kv_offload.tiering', or remove the key"
+            f"'{TIERING_MODULE}', or remove the key"
         )
     if not isinstance(value, kind):
         raise OffloadConfigError(

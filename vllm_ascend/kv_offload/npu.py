@@ -39,7 +39,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
-from vllm_ascend.kv_offload import vllm_compat
+from vllm_ascend.kv_offload import pool_metrics, vllm_compat
 from vllm_ascend.kv_offload.config import (
     OffloadConfigError,
     check_keys,
@@ -54,6 +54,7 @@ from vllm_ascend.kv_offload.cpu_pool import (
 )
 from vllm_ascend.kv_offload.logger import init_logger
 from vllm_ascend.kv_offload.manager import FailureAwareManager
+from vllm_ascend.kv_offload.pool_metrics import PoolCapacity
 from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
 
 logger = init_logger(__name__)
@@ -93,14 +94,22 @@ class NPUOffloadingSpec(vllm_compat.PrivatePoolSpec, CPUOffloadingSpec):
         """vLLM's manager (LRU/ARC, events, metrics), told about failed
         transfers by our connector (``manager.py``)."""
         if self._failure_aware_manager is None:
-            self._failure_aware_manager = FailureAwareManager(super().get_manager())
+            self._failure_aware_manager = FailureAwareManager(
+                super().get_manager(),
+                PoolCapacity(
+                    self.num_chunks, self.num_chunks * cpu_block_bytes(self.config)
+                ),
+            )
         return self._failure_aware_manager
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]):
         # vLLM's reads store_threshold with a bare int(), in the front end.
         check_keys(extra_config)
-        return super().build_metric_definitions(extra_config)
+        return {
+            **super().build_metric_definitions(extra_config),
+            **pool_metrics.metric_definitions(),
+        }
 
     def _pool_request(self, kv_caches: CanonicalKVCaches) -> PoolRequest:
         given: Mapping[str, Any] = self.config.extra_config

@@ -26,7 +26,7 @@ import importlib.util
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from vllm_ascend.kv_offload import vllm_compat
+from vllm_ascend.kv_offload import cpu_threads, vllm_compat
 
 CONNECTOR_NAME = "OffloadingConnector"
 _CONNECTOR_MODULE = "vllm_ascend.kv_offload.connector"
@@ -82,9 +82,15 @@ def _follow_upstream_registration() -> None:
 
 
 def register() -> None:
-    """Entry point ``ascend_kv_offload``; idempotent (vLLM may call it again)."""
+    """Entry point ``ascend_kv_offload``; idempotent (vLLM may call it again).
+
+    Also makes vLLM's CPU-backend core reservation leave a core to compute on
+    (``cpu_threads.apply``): this entry point runs before vLLM starts the
+    engine-core process that reads it.
+    """
     _claim_connector_name()
     _follow_upstream_registration()
+    cpu_threads.apply()
 
 
 def fallback_connector_class() -> type | None:

@@ -57,7 +57,7 @@ class NPUOffloadingWorker(OffloadingWorker):
         pool: CpuBlockPool | None = None,
     ):
         """``pool``: host memory someone else owns (e.g. the tiering spec's
-        shared region, ``tiering.RegionBlockPool``) instead of a pool of our
+        shared region, ``tiering.region.RegionBlockPool``) instead of a pool of our
         own; it must have ``num_cpu_blocks`` rows."""
         if not kv_caches.tensors:
             raise ValueError("NPUOffloadingWorker needs at least one KV cache tensor")

@@ -1,0 +1,126 @@
+"""Registering the shared region with the device runtime: with ACL as
+page-locked host memory on npu (``aclrtHostRegisterV2``, compiled and
+simulated only, never run on an NPU), with CUDA through vLLM's own
+``pin_mmap_region`` on cuda. The CPU backend registers nothing."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections.abc import Callable
+
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+from vllm_ascend.kv_offload.config import TIERING_SPEC, OffloadConfigError
+from vllm_ascend.kv_offload.logger import init_logger
+from vllm_ascend.kv_offload.tiering.region import RegionBlockPool
+
+logger = init_logger(__name__)
+
+
+def _kernel_release() -> str:
+    return os.uname().release
+
+
+def kernel_registers_pageable_memory(release: str) -> bool:
+    """Whether ``aclrtHostRegisterV2`` may page-lock pageable memory on a
+    Linux kernel of this release: the CANN documentation says that on 5.10
+    and older, pageable memory "causes exceptions" and must come from
+    ``aclrtMallocHost`` instead."""
+    numbers = []
+    for part in release.split(".")[:2]:
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        numbers.append(int(digits) if digits else 0)
+    return tuple(numbers) > (5, 10)
+
+
+class AclRegionRegistration:
+    """The shared region registered with ACL as page-locked host memory, so
+    that the npu copy backend accepts it (it refuses pageable memory).
+
+    Registers the whole mapping of this process (every rank's slots, as
+    vLLM's CUDA worker does) through the native op
+    ``kv_offload_host_register`` (``aclrtHostRegisterV2(..., ACL_HOST_REG_PINNED)``,
+    then a check that ACL reports it as page-locked host memory);
+    ``release`` unregisters it, which must happen after the copies have
+    stopped and before the region is unmapped. Compiled against the
+    torch-npu headers and tested against a simulated ACL runtime only.
+    """
+
+    def __init__(
+        self,
+        region: SharedOffloadRegion,
+        register: Callable[[int, int, str], None] | None = None,
+        unregister: Callable[[int, str], None] | None = None,
+        kernel_release: str | None = None,
+    ):
+        from vllm_ascend.kv_offload import ops
+
+        self._unregister = unregister or ops.host_unregister
+        register = register or ops.host_register
+        self.addr = region.base_tensor.data_ptr()
+        self.nbytes = region.total_size_bytes
+        where = (
+            f"the shared region {region.mmap_path} ({self.nbytes} bytes at "
+            f"{self.addr:#x})"
+        )
+        release = kernel_release or _kernel_release()
+        if not kernel_registers_pageable_memory(release):
+            raise OffloadConfigError(
+                f"{TIERING_SPEC} on npu needs {where} registered with ACL as "
+                "page-locked memory, which CANN supports for pageable memory "
+                f"on Linux kernels newer than 5.10 only (this one is "
+                f"{release}); use spec_name='NPUOffloadingSpec' (a pinned "
+                "private pool) on this host, or a newer kernel"
+            )
+        t0 = time.perf_counter()
+        try:
+            register(self.addr, self.nbytes, "npu")
+        except RuntimeError as e:
+            self.addr = 0
+            raise OffloadConfigError(
+                f"{TIERING_SPEC} on npu: registering {where} with ACL failed, and "
+                "the NPU copy backend copies page-locked host memory only: "
+                f"{e}. Fix: a CANN release with aclrtHostRegisterV2 (its 8.5 "
+                "documentation has it) on an Atlas A2/A3, a smaller region "
+                "(num_cpu_blocks or cpu_bytes_to_use) if the host cannot lock "
+                "that much memory, or spec_name='NPUOffloadingSpec' (a pinned "
+                "private pool, no tiering)"
+            ) from e
+        logger.info(
+            "KV offload: registered %s with ACL as page-locked memory in %.2f s",
+            where,
+            time.perf_counter() - t0,
+        )
+
+    def release(self) -> None:
+        """Unregisters (once); logs instead of raising, as it runs at
+        shutdown."""
+        addr, self.addr = self.addr, 0
+        if not addr:
+            return
+        try:
+            self._unregister(addr, "npu")
+        except RuntimeError as e:
+            logger.warning(
+                "KV offload: unregistering the shared region at %#x from ACL "
+                "failed: %s",
+                addr,
+                e,
+            )
+
+
+def register_with_cuda(region: SharedOffloadRegion, pool: RegionBlockPool) -> None:
+    """cudaHostRegister the region exactly as vLLM's CUDA worker does: its
+    ``pin_mmap_region`` (row-aligned chunks of at most 64 GiB, rolled back on
+    failure, where vLLM pins memory at all). The region's ``cleanup`` then
+    unregisters the chunks (vLLM's ``host_unregister``) before it unmaps.
+    A failure leaves the region pageable, which the cuda backend copies too
+    (slower)."""
+    from vllm.utils.torch_utils import PIN_MEMORY
+    from vllm.v1.kv_offload.cpu.gpu_worker import pin_mmap_region
+
+    if PIN_MEMORY:
+        pin_mmap_region(region)
+    pool.pinned = region.is_pinned

@@ -1,0 +1,230 @@
+"""``NPUTieringOffloadingSpec``: vLLM's tiering framework (a CPU primary tier
+in one shared ``/dev/shm`` region, secondary tiers such as ``fs``) with
+``NPUOffloadingSpec``'s configuration, connector and worker; the config
+checks of what it cannot do; ``NPUTieringWorker``, our worker on the region.
+
+vLLM's inherited ``get_worker`` refuses every platform but CUDA and XPU;
+this one runs on cpu, cuda and npu (``host_register``)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+from typing_extensions import override
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    OffloadingManager,
+    OffloadingWorker,
+)
+from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+from vllm_ascend.kv_offload import vllm_compat
+from vllm_ascend.kv_offload.config import PREFIX, TIERING_SPEC, OffloadConfigError
+from vllm_ascend.kv_offload.logger import init_logger
+from vllm_ascend.kv_offload.manager import FailureAwareManager
+from vllm_ascend.kv_offload.npu import NPUOffloadingSpec
+from vllm_ascend.kv_offload.tiering.fs import VERIFIED_FS_TYPE, tier_dir_usable
+from vllm_ascend.kv_offload.tiering.host_register import (
+    AclRegionRegistration,
+    register_with_cuda,
+)
+from vllm_ascend.kv_offload.tiering.identity import storage_identity
+from vllm_ascend.kv_offload.tiering.region import (
+    RegionBlockPool,
+    close_region,
+    hold_region,
+    open_region,
+)
+from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
+
+logger = init_logger(__name__)
+
+
+class NPUTieringWorker(NPUOffloadingWorker):
+    """Our worker on a shared region, which it unregisters from ACL (npu),
+    unmaps and, if it created it, removes once its copies have stopped."""
+
+    def __init__(
+        self,
+        kv_caches: CanonicalKVCaches,
+        region: SharedOffloadRegion,
+        pool: RegionBlockPool,
+        registration: AclRegionRegistration | None = None,
+    ):
+        self.region = region
+        self.registration = registration
+        super().__init__(
+            kv_caches,
+            blocks_per_chunk=pool.blocks_per_chunk,
+            num_cpu_blocks=pool.num_blocks,
+            pool=pool,
+        )
+
+    @override
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        super().shutdown()
+        if self.pool.tensor is None:  # copies stopped, the pool let go
+            close_region(self.region, self.registration)
+        else:
+            logger.warning(
+                "KV offload: copies still running at shutdown; the shared "
+                "region %s stays mapped until the process exits",
+                self.region.mmap_path,
+            )
+
+
+def check_tiering_config(extra: Mapping[str, Any]) -> None:
+    """What this spec cannot do, refused before anything is allocated."""
+    if extra.get("canonical_layout"):
+        raise OffloadConfigError(
+            f"{PREFIX}['canonical_layout']={extra['canonical_layout']!r} is not "
+            f"supported by {TIERING_SPEC}: its worker stores each rank's KV in its "
+            "own layout (files are shared only between identical deployments); "
+            "remove canonical_layout"
+        )
+    threshold = extra.get("store_threshold")
+    if threshold is not None and not isinstance(threshold, bool):
+        if isinstance(threshold, int | float) and threshold >= 2:
+            raise OffloadConfigError(
+                f"{PREFIX}['store_threshold']={threshold!r} is not supported by "
+                f"{TIERING_SPEC} (vLLM's tiering manager stores every block); "
+                "remove store_threshold, or use spec_name='NPUOffloadingSpec'"
+            )
+    tiers = extra.get("secondary_tiers", [])
+    if tiers is None:
+        tiers = []
+    if not isinstance(tiers, list | tuple):
+        raise OffloadConfigError(
+            f"{PREFIX}['secondary_tiers'] must be a list of tier configs, e.g. "
+            '[{"type": "fs", "root_dir": "/mnt/shared/kv"}]; got '
+            f"{type(tiers).__name__}"
+        )
+    for i, tier in enumerate(tiers):
+        where = f"{PREFIX}['secondary_tiers'][{i}]"
+        if not isinstance(tier, Mapping) or not tier.get("type"):
+            raise OffloadConfigError(
+                f"{where} must be a dict with a 'type', e.g. "
+                '{"type": "fs", "root_dir": "/mnt/shared/kv"}'
+            )
+        if tier["type"] in ("fs", VERIFIED_FS_TYPE):
+            root = tier.get("root_dir")
+            if not isinstance(root, str) or not root:
+                raise OffloadConfigError(
+                    f"{where} (type {tier['type']!r}) needs 'root_dir', a "
+                    "directory on a file system every node mounts, e.g. "
+                    '"root_dir": "/mnt/shared/kv"'
+                )
+    backpressure = extra.get("backpressure")
+    if backpressure is not None and not isinstance(backpressure, Mapping):
+        raise OffloadConfigError(
+            f"{PREFIX}['backpressure'] must be a dict (vLLM's tiering "
+            "back-pressure settings, e.g. {'backpressure_cls': "
+            f"'EMABackpressureDetector'}}); got {type(backpressure).__name__}"
+        )
+
+
+def _device_type() -> str:
+    from vllm.platforms import current_platform
+
+    return str(current_platform.device_type)
+
+
+class NPUTieringOffloadingSpec(TieringOffloadingSpec, NPUOffloadingSpec):
+    """vLLM's tiering (CPU primary tier in ``/dev/shm``, secondary tiers)
+    with ``NPUOffloadingSpec``'s configuration, worker and connector.
+
+    Keys: the guide's (``num_cpu_blocks``, ``block_size``) or vLLM's
+    (``cpu_bytes_to_use``, ``blocks_per_chunk``, ``eviction_policy``, ...),
+    plus tiering's ``secondary_tiers`` and ``backpressure``. The pool is the
+    region: ``num_cpu_blocks`` rows of all ranks' KV of one CPU block.
+    """
+
+    _tiering_worker: NPUTieringWorker | None = None
+
+    def __init__(self, config: OffloadingConfig):
+        check_tiering_config(config.extra_config)
+        # MRO: TieringOffloadingSpec -> NPUOffloadingSpec (keys, num_cpu_blocks)
+        # -> CPUOffloadingSpec; then tiering reads secondary_tiers.
+        super().__init__(config)
+        self.storage_identity = storage_identity(config, _device_type())
+        tiers = []
+        for tier in copy.deepcopy(self.secondary_tier_configs):
+            if tier.get("type") == "fs":
+                tier["type"] = VERIFIED_FS_TYPE
+            elif tier.get("type") != VERIFIED_FS_TYPE:
+                logger.warning(
+                    "KV offload: secondary tier %r runs as vLLM ships it; the "
+                    "identity and checksum checks of this package cover 'fs' only",
+                    tier.get("type"),
+                )
+            tiers.append(tier)
+        self.secondary_tier_configs = tiers
+
+    @override
+    def get_manager(self) -> OffloadingManager:
+        if self._failure_aware_manager is None:
+            self.secondary_tier_configs = [
+                t
+                for t in self.secondary_tier_configs
+                if t["type"] != VERIFIED_FS_TYPE
+                or tier_dir_usable(t["root_dir"], self.storage_identity)
+            ]
+            inner = TieringOffloadingSpec.get_manager(self)
+            scheduler_region = vllm_compat.tiering_scheduler_region(self)
+            if scheduler_region is not None:
+                hold_region(scheduler_region)
+            self._failure_aware_manager = FailureAwareManager(inner)
+        return self._failure_aware_manager
+
+    @override
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self._tiering_worker is not None:
+            return self._tiering_worker
+        device = kv_caches.tensors[0].tensor.device
+        rank = 0 if self.replicated_layout else self.config.parallel.rank
+        region = open_region(
+            engine_id=self.config.engine_id,
+            num_chunks=self.num_chunks,
+            rank=rank,
+            kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+            cpu_page_size=self.cpu_page_size_per_worker,
+        )
+        registration = None
+        try:
+            pool = RegionBlockPool(
+                region,
+                [t.page_size_bytes for t in kv_caches.tensors],
+                self.blocks_per_chunk,
+                slot_offset=rank * self.cpu_page_size_per_worker,
+                slot_capacity=self.cpu_page_size_per_worker,
+                row_stride=self.kv_bytes_per_chunk,
+            )
+            if device.type == "cuda":
+                register_with_cuda(region, pool)
+            elif device.type == "npu":
+                # The NPU copy backend refuses pageable host memory.
+                registration = AclRegionRegistration(region)
+                pool.pinned = True
+            self._tiering_worker = NPUTieringWorker(
+                kv_caches, region, pool, registration
+            )
+        except BaseException:
+            close_region(region, registration)
+            raise
+        logger.info(
+            "KV offload: %s worker on shared region %s: %d rows of %d bytes, "
+            "this rank's slot %d bytes at offset %d",
+            TIERING_SPEC,
+            region.mmap_path,
+            region.num_chunks,
+            self.kv_bytes_per_chunk,
+            pool.slot_bytes,
+            rank * self.cpu_page_size_per_worker,
+        )
+        return self._tiering_worker
