@@ -19,9 +19,12 @@ from tests.unit.model_configs import (
 from vllm_ascend.kv_offload import cpu_pool
 from vllm_ascend.kv_offload.config import OffloadConfigError
 from vllm_ascend.kv_offload.sizing import (
+    AUTO_POOL_SHARE,
     CPU_BLOCK_ALIGNMENT,
     SizingError,
+    auto_num_cpu_blocks,
     fit_host_memory,
+    guard_max_blocks,
     size_kv,
     size_model_dir,
 )
@@ -285,6 +288,30 @@ def test_fit_reads_host_memory_now_by_default(monkeypatch):
     fit = fit_host_memory(size_kv(QWEN3_0_6B))
     assert fit.available_bytes == 10 * 14_680_064
     assert fit.max_num_cpu_blocks == 9  # 90% of 10 blocks
+
+
+def test_guard_max_blocks_is_what_the_guard_accepts(monkeypatch):
+    s = size_kv(QWEN3_0_6B)
+    available, reserved = 16 * 2**30 + 999, 3 * 2**30
+    blocks = guard_max_blocks(s.worker_bytes_per_cpu_block, available, reserved)
+    # The guard runs after the reserved memory is allocated.
+    after = available - reserved
+    assert _guard_accepts(monkeypatch, after, s, blocks)
+    assert not _guard_accepts(monkeypatch, after, s, blocks + 1)
+
+
+def test_auto_takes_a_share_of_what_the_guard_accepts_next_to_the_engine():
+    # 90% of (24 GiB - 6 GiB engine) = 17,394,617,548 bytes; half of it
+    # = 8,697,308,774; / 14,680,064 = 592 blocks.
+    gib = 2**30
+    assert AUTO_POOL_SHARE == 0.5
+    assert auto_num_cpu_blocks(14_680_064, 6 * gib, 24 * gib) == 592
+    assert auto_num_cpu_blocks(14_680_064, 6 * gib, 24 * gib, share=1.0) == (
+        guard_max_blocks(14_680_064, 24 * gib, 6 * gib)
+    )
+    assert auto_num_cpu_blocks(14_680_064, 30 * gib, 24 * gib) == 0
+    with pytest.raises(SizingError, match="share"):
+        auto_num_cpu_blocks(14_680_064, 0, gib, share=0)
 
 
 @pytest.fixture(scope="module")
