@@ -15,6 +15,7 @@ from tests.unit.model_configs import (
     LLAMA3_8B,
     QWEN3_0_6B,
     QWEN3_NEXT_80B,
+    tiny_qwen3_config,
 )
 from vllm_ascend.kv_offload import cpu_pool
 from vllm_ascend.kv_offload.config import OffloadConfigError
@@ -50,6 +51,14 @@ def test_qwen3_gqa_cpu_block_of_the_guide():
     assert s.exact
     # One device block of 128 tokens: K and V, 8 * 128 * 2 * 128 bytes each.
     assert s.fragment_bytes == (262_144, 262_144)
+
+
+def test_tiny_test_model_matches_the_pool_its_engine_allocates():
+    # 2 (K, V) * 2 layers * 2 KV heads * 32 * 2 bytes (float32 served as
+    # bf16) * 128 tokens = 65,536 bytes: the row size the e2e engines log,
+    # "CPU block pool of 1000 blocks x 65536 bytes" (docs/user_guide.md).
+    s = size_kv(tiny_qwen3_config())
+    assert s.worker_bytes_per_cpu_block == 2 * 2 * 2 * 32 * 2 * 128 == 65_536
 
 
 def test_model_dir_needs_only_config_json(tmp_path):
@@ -329,7 +338,13 @@ def vllm_model_config():
 
 @pytest.mark.parametrize(
     ("config", "tp"),
-    [(QWEN3_0_6B, 1), (QWEN3_0_6B, 2), (LLAMA3_8B, 4), (DEEPSEEK_V2_LITE, 2)],
+    [
+        (QWEN3_0_6B, 1),
+        (QWEN3_0_6B, 2),
+        (LLAMA3_8B, 4),
+        (DEEPSEEK_V2_LITE, 2),
+        (tiny_qwen3_config(), 1),
+    ],
 )
 def test_formula_matches_vllms_model_config_and_kv_spec(
     tmp_path, vllm_model_config, config, tp
