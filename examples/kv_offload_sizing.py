@@ -76,6 +76,16 @@ def host_available_bytes() -> int:
     return int(psutil.virtual_memory().available)
 
 
+def looks_like_cpu_backend() -> bool:
+    """Whether vLLM will run on its CPU backend (the KV cache is then host
+    memory), guessed without importing torch: no torch_npu, no NVIDIA device."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch_npu") is not None:
+        return False
+    return not Path("/dev/nvidiactl").exists()
+
+
 @dataclass(frozen=True)
 class ModelKV:
     """What the model's config.json says about its KV cache and weights."""

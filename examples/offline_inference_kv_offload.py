@@ -133,21 +133,30 @@ def main() -> None:
             )
 
     pin_compute_threads()
+
+    def sized(kv_cache_in_host: bool):
+        try:
+            return sizing.plan(
+                model,
+                num_cpu_blocks=args.num_cpu_blocks,
+                cpu_bytes=args.cpu_bytes,
+                kv_cache_bytes=args.kv_cache_bytes,
+                max_model_len=args.max_model_len,
+                kv_cache_in_host=kv_cache_in_host,
+                generated=generated,
+            )
+        except SystemExit as e:
+            raise SystemExit(f"[example] {e}") from None
+
+    # Sized, and checked against host memory, before vLLM is even imported
+    # (tens of seconds on a busy machine), on a guess of the platform that
+    # is checked once it is.
+    guess_cpu = sizing.looks_like_cpu_backend()
+    plan = sized(guess_cpu)
     from vllm.platforms import current_platform
 
-    # Sized, and checked against host memory, before the engine starts.
-    try:
-        plan = sizing.plan(
-            model,
-            num_cpu_blocks=args.num_cpu_blocks,
-            cpu_bytes=args.cpu_bytes,
-            kv_cache_bytes=args.kv_cache_bytes,
-            max_model_len=args.max_model_len,
-            kv_cache_in_host=current_platform.is_cpu(),
-            generated=generated,
-        )
-    except SystemExit as e:
-        raise SystemExit(f"[example] {e}") from None
+    if current_platform.is_cpu() != guess_cpu:
+        plan = sized(current_platform.is_cpu())
     if current_platform.is_cpu() and not args.compile:
         plan.overrides.append("enforce_eager=True")
     print(
