@@ -148,7 +148,11 @@ def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict:
 
 def parse_bench_result(result: dict) -> dict:
     """The figures we keep from ``bench serve --save-result``'s JSON."""
-    out = {ours: result.get(theirs) for theirs, ours in BENCH_KEYS.items()}
+    # bench serve's figures may be numpy scalars: plain floats for JSON.
+    out = {
+        ours: None if result.get(theirs) is None else float(result[theirs])
+        for theirs, ours in BENCH_KEYS.items()
+    }
     missing = [k for k in ("request_throughput", "completed") if k not in result]
     if missing:
         raise ValueError(f"not a bench serve result (no {missing})")
@@ -211,7 +215,7 @@ def check_goals(results: list[dict]) -> list[dict]:
                 "ratio": key,
                 "goal": f"{'>=' if sense == 'min' else '<='} {bound:g}",
                 "measured": seen,
-                "met": met,
+                "met": bool(met),
             }
         )
     return rows
@@ -804,6 +808,8 @@ def run(args) -> dict:
             finally:
                 info.update(server.stop())
                 result["servers"].append(info)
+                if args.json:  # what has been measured so far survives
+                    args.json.write_text(json.dumps(result, indent=1, default=_plain))
     result["seconds"] = time.perf_counter() - t_start
     result["loadavg_end"] = loadavg()
     result["pairs"] = pair_rounds(result["records"])
@@ -859,7 +865,7 @@ def report_markdown(result: dict) -> str:
             f"{on['counters']['device_hit_tokens']:.0f} "
             f"| {off['counters']['preemptions']:.0f} / "
             f"{on['counters']['preemptions']:.0f} "
-            f"| {b0['failed']} / {b1['failed']} "
+            f"| {b0['failed']:.0f} / {b1['failed']:.0f} "
             f"| {off['rss_gib']:.2f} / {on['rss_gib']:.2f} "
             f"| {max(off['loadavg_1m'] + on['loadavg_1m'], default=0):.1f} |"
         )
@@ -1020,6 +1026,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _plain(value):
+    """JSON for numpy scalars that slip through (bool_, float64, int64)."""
+    if hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"not JSON serializable: {type(value).__name__}")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.from_json is not None:
@@ -1027,7 +1040,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         result = run(args)
         if args.json:
-            args.json.write_text(json.dumps(result, indent=1))
+            args.json.write_text(json.dumps(result, indent=1, default=_plain))
     print(report_markdown(result))
     print(
         f"\nload average at start {result['loadavg_start']}, at end "
