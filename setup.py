@@ -121,11 +121,10 @@ class CMakeBuild(build_ext):
             super().build_extension(ext)
             return
         try:
-            import pybind11
             import torch
         except ImportError as e:
             raise RuntimeError(
-                "Building the native op needs torch and pybind11 importable: "
+                "Building the native op needs torch importable: "
                 "use `pip install --no-build-isolation -e .`, or set "
                 "VLLM_ASCEND_BUILD_NATIVE=0 to install without native code."
             ) from e
@@ -133,7 +132,7 @@ class CMakeBuild(build_ext):
         target = Path(self.get_ext_fullpath(ext.name)).resolve()
         build_temp = Path(self.build_temp, "cmake").resolve()
         build_temp.mkdir(parents=True, exist_ok=True)
-        prefix_path = f"{torch.utils.cmake_prefix_path};{pybind11.get_cmake_dir()}"
+        prefix_path = torch.utils.cmake_prefix_path
         with_cuda = _want_cuda(torch)
         configure = [
             "cmake",

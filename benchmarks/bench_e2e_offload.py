@@ -72,12 +72,19 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from benchmarks.common import (  # noqa: E402
+    ModelArgs,
+    add_model_args,
+    model_args,
+    percentile,
+)
 
 CPU_BLOCK_TOKENS = 128
 GiB = 1 << 30
@@ -97,62 +104,9 @@ OFFLOAD_COUNTERS = {
 }
 
 
-@dataclass(frozen=True)
-class ModelArgs:
-    layers: int = 8
-    hidden: int = 1024
-    heads: int = 16
-    kv_heads: int = 8
-    head_dim: int = 64
-    intermediate: int = 3072
-    vocab: int = 512
-
-    def spec(self, max_positions: int):
-        from vllm_ascend.kv_offload.testing.tiny_model import TinyModelSpec
-
-        return TinyModelSpec(
-            hidden_size=self.hidden,
-            num_layers=self.layers,
-            num_heads=self.heads,
-            num_kv_heads=self.kv_heads,
-            head_dim=self.head_dim,
-            intermediate_size=self.intermediate,
-            vocab_size=self.vocab,
-            max_position_embeddings=max_positions,
-            # HF's default: activations stay O(1) through the layers.
-            initializer_range=0.02,
-        )
-
-    def dirname(self) -> str:
-        return (
-            f"bench-qwen3-{self.layers}l-{self.hidden}h-{self.heads}q"
-            f"{self.kv_heads}kv-{self.head_dim}d-{self.intermediate}i"
-        )
-
-    def kv_bytes_per_token(self, dtype: str) -> int:
-        elem = 4 if dtype == "float32" else 2
-        return self.layers * 2 * self.kv_heads * self.head_dim * elem
-
-    def num_params(self) -> int:
-        h, q, kv, d = self.hidden, self.heads, self.kv_heads, self.head_dim
-        attn = h * q * d * 2 + h * kv * d * 2 + 2 * d  # q, o, k, v; q/k norms
-        mlp = 3 * h * self.intermediate
-        return self.layers * (attn + mlp + 2 * h) + 2 * self.vocab * h + h
-
-
 # --------------------------------------------------------------------------
 # Statistics and formatting
 # --------------------------------------------------------------------------
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default method)."""
-    xs = sorted(values)
-    if not xs:
-        return math.nan
-    pos = (len(xs) - 1) * q / 100
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def med(values: list[float]) -> float:
@@ -951,9 +905,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="no run: print the table (and --plot) of an earlier run's --json",
     )
-    m = ModelArgs()
-    for field, value in asdict(m).items():
-        p.add_argument(f"--{field.replace('_', '-')}", type=int, default=value)
+    add_model_args(p, ModelArgs())
     # Internal: the role subprocesses.
     p.add_argument("--_role", nargs="+", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_config", type=Path, default=None, help=argparse.SUPPRESS)
@@ -987,7 +939,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model
 
-    model = ModelArgs(**{f: getattr(args, f) for f in asdict(ModelArgs())})
+    model = model_args(args)
     max_len = max(max(args.lengths) + 1, args.tp_prompt_len + args.tp_output_len)
     t0 = time.perf_counter()
     model_path = ensure_tiny_model(

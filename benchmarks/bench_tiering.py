@@ -64,13 +64,13 @@ if str(REPO) not in sys.path:
 
 from benchmarks.bench_e2e_offload import (  # noqa: E402
     CPU_BLOCK_TOKENS,
-    ModelArgs,
     delta,
     machine_facts,
     med,
     percentile,
 )
 from benchmarks.bench_e2e_offload import read_counters as read_offload_counters  # noqa: E402
+from benchmarks.common import SMALL_MODEL, add_model_args, model_args  # noqa: E402
 
 TIER_COUNTERS = {
     "vllm:kv_offload_tiering_read_bytes": "tier_read_bytes",
@@ -78,18 +78,6 @@ TIER_COUNTERS = {
     "vllm:kv_offload_tiering_write_bytes": "tier_write_bytes",
     "vllm:kv_offload_load_bytes": "load_bytes",
     "vllm:external_prefix_cache_hits": "external_hit_tokens",
-}
-# Smaller than bench_e2e_offload's default, so that recomputing 8k tokens
-# takes seconds, not a minute, on 2 cores; the KV per token is still 8 KiB
-# (fp32), i.e. 1 MiB per 128-token block file.
-MODEL_DEFAULTS = {
-    "layers": 4,
-    "hidden": 512,
-    "heads": 8,
-    "kv_heads": 4,
-    "head_dim": 64,
-    "intermediate": 1536,
-    "vocab": 512,
 }
 
 
@@ -521,8 +509,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="512 and 1024 tokens, 1 rep")
     p.add_argument("--json", type=Path, default=None, help="write all raw numbers")
     p.add_argument("--log-dir", type=Path, default=None, help="engine logs")
-    for field, value in MODEL_DEFAULTS.items():
-        p.add_argument(f"--{field.replace('_', '-')}", type=int, default=value)
+    add_model_args(p, SMALL_MODEL)
     p.add_argument("--_role", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_config", type=Path, default=None, help=argparse.SUPPRESS)
     p.add_argument("--_out", type=Path, default=None, help=argparse.SUPPRESS)
@@ -547,7 +534,7 @@ def main(argv: list[str] | None = None) -> None:
 
     t_start = time.perf_counter()
     load_start = os.getloadavg()
-    model = ModelArgs(**{f: getattr(args, f) for f in MODEL_DEFAULTS})
+    model = model_args(args)
     max_len = max(args.lengths) + 1
     model_path = ensure_tiny_model(
         REPO / ".models" / model.dirname(),

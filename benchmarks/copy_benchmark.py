@@ -450,7 +450,7 @@ def descriptor_cost(
     )
 
     from vllm_ascend.kv_offload.copy_engine import CopyEngine
-    from vllm_ascend.kv_offload.cpu_pool import CpuBlockPool
+    from vllm_ascend.kv_offload.cpu_pool import private_pool
 
     num_tensors = max(1, min(num_tensors, num_fragments))
     blocks = -(-num_fragments // num_tensors)
@@ -469,7 +469,7 @@ def descriptor_cost(
             [CanonicalKVCacheRef(i, fragment_bytes) for i in range(num_tensors)]
         ],
     )
-    pool = CpuBlockPool([fragment_bytes] * num_tensors, 1, blocks, device.pinned)
+    pool = private_pool([fragment_bytes] * num_tensors, 1, blocks, device.name)
     engine = CopyEngine(kv, pool)
     rng = np.random.default_rng(seed)
     dev_ids, cpu_ids = scatter_slots(blocks, rng)
@@ -543,7 +543,7 @@ def layout_jobs(device: Device, blocks: int, repeats: int, seed: int) -> list[di
     from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
     from vllm_ascend.kv_offload.copy_engine import CopyEngine
-    from vllm_ascend.kv_offload.cpu_pool import CpuBlockPool
+    from vllm_ascend.kv_offload.cpu_pool import private_pool
     from vllm_ascend.kv_offload.kv_layout import canonicalize
 
     rows = []
@@ -561,7 +561,7 @@ def layout_jobs(device: Device, blocks: int, repeats: int, seed: int) -> list[di
         for t in kv.tensors:
             t.tensor.copy_(torch.randint(-128, 128, t.tensor.shape, dtype=torch.int8))
         pages = [t.page_size_bytes for t in kv.tensors]
-        pool = CpuBlockPool(pages, 1, blocks, device.pinned)
+        pool = private_pool(pages, 1, blocks, device.name)
         engine = CopyEngine(kv, pool)
         dev_ids, cpu_ids = scatter_slots(blocks, rng)
         spec = GPULoadStoreSpec(dev_ids.tolist(), [blocks], [0])

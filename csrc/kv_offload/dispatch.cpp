@@ -206,6 +206,50 @@ void host_unregister(int64_t addr, std::string_view device) {
 #endif
 }
 
+int64_t host_alloc(int64_t size, std::string_view device) {
+  TORCH_CHECK(device == "npu", "kv_offload_host_alloc: device '", device,
+              "' is not supported; only 'npu' is implemented (cuda: mmap + "
+              "vLLM's host_register; cpu: an anonymous mmap)");
+  TORCH_CHECK(size > 0, "kv_offload_host_alloc: size=", size,
+              " must be > 0");
+#ifdef VLLM_ASCEND_WITH_NPU
+  return static_cast<int64_t>(host_alloc_npu(static_cast<uint64_t>(size)));
+#else
+  TORCH_CHECK(false,
+              "kv_offload_host_alloc: backend 'npu' was not compiled into "
+              "this build (compiled backends: ",
+              compiled_list(), ")");
+#endif
+}
+
+void host_free(int64_t addr, std::string_view device) {
+  TORCH_CHECK(device == "npu", "kv_offload_host_free: device '", device,
+              "' is not supported; only 'npu' is implemented");
+#ifdef VLLM_ASCEND_WITH_NPU
+  host_free_npu(static_cast<uint64_t>(addr));
+#else
+  (void)addr;
+  TORCH_CHECK(false,
+              "kv_offload_host_free: backend 'npu' was not compiled into "
+              "this build (compiled backends: ",
+              compiled_list(), ")");
+#endif
+}
+
+void set_per_copy(std::string_view device, bool on) {
+  if (device == "cpu") return;  // one code path
+#ifdef VLLM_ASCEND_WITH_NPU
+  if (device == "npu") return set_per_copy_npu(on);
+#endif
+#ifdef VLLM_ASCEND_WITH_CUDA
+  if (device == "cuda") return set_per_copy_cuda(on);
+#endif
+  (void)on;
+  TORCH_CHECK(false, "kv_offload_set_per_copy: backend '", device,
+              "' was not compiled into this build (compiled backends: ",
+              compiled_list(), ")");
+}
+
 std::vector<std::string> compiled_backends() {
   std::vector<std::string> names;
   for (const BackendEntry& b : kBackends) names.emplace_back(b.name);
@@ -229,6 +273,15 @@ void register_kv_offload_ops(torch::Library& m) {
   m.impl("kv_offload_host_unregister",
          c10::DispatchKey::CompositeExplicitAutograd,
          TORCH_FN(host_unregister));
+  m.def("kv_offload_host_alloc(int size, str device) -> int");
+  m.impl("kv_offload_host_alloc", c10::DispatchKey::CompositeExplicitAutograd,
+         TORCH_FN(host_alloc));
+  m.def("kv_offload_host_free(int addr, str device) -> ()");
+  m.impl("kv_offload_host_free", c10::DispatchKey::CompositeExplicitAutograd,
+         TORCH_FN(host_free));
+  m.def("kv_offload_set_per_copy(str device, bool on) -> ()");
+  m.impl("kv_offload_set_per_copy",
+         c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(set_per_copy));
   m.def("kv_offload_backends() -> str[]");
   m.impl("kv_offload_backends", c10::DispatchKey::CompositeExplicitAutograd,
          TORCH_FN(compiled_backends));

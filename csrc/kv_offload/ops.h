@@ -101,10 +101,7 @@
 //       undone, so the destination is then undefined, but the op waits for
 //       them (aclrtSynchronizeStream) before raising, as their arrays are
 //       in the workspace it frees. Copies within one call run in no
-//       particular order.
-//       Status: compiled in CI against the torch-npu 2.13.0 headers and
-//       tested against a SIMULATED ACL runtime only; never run on Ascend
-//       hardware (docs/npu_backend.md).
+//       particular order. What ran where: docs/npu_backend.md.
 //
 //   "cuda": asynchronous, on c10::cuda::getCurrentCUDAStream() of the device
 //       holding fragment 0's device side; any direction. Fragment 0 is
@@ -115,9 +112,7 @@
 //       cudaMemcpyAsync per copy on the legacy stream, for pageable memory,
 //       or when the batch API is unsupported.
 //       VLLM_ASCEND_CUDA_COPY_METHOD=kernel|dma|auto overrides. Overlap and
-//       graph capture are rejected. Status: compiled (sm_80, sm_90) and
-//       linked against a CUDA torch without a GPU; never run on a GPU yet
-//       (docs/cuda_backend.md).
+//       graph capture are rejected. What ran where: docs/cuda_backend.md.
 //
 // kv_offload_host_register
 // ========================
@@ -138,13 +133,40 @@
 //       before any ACL call). Unregister with the same addr, after every copy
 //       from or to the range has completed and before it is unmapped:
 //       aclrtHostUnregister(addr). Errors (c10::Error) name the range, the
-//       ACL call, its error code and the runtime's message. Status: compiled
-//       against the torch-npu 2.13.0 headers and tested against a SIMULATED
-//       ACL runtime only; never run on Ascend hardware.
+//       ACL call, its error code and the runtime's message. What ran where:
+//       docs/npu_backend.md.
 //   "cuda" and "cpu" raise: cuda registers through vLLM's host_register
 //       (cudaHostRegister); the cpu backend copies pageable memory.
 //   A backend not compiled in raises "backend '<device>' was not compiled
 //   into this build".
+//
+// kv_offload_host_alloc
+// =====================
+//
+//   torch.ops._C_ascend.kv_offload_host_alloc(int size, str device) -> int
+//   torch.ops._C_ascend.kv_offload_host_free(int addr, str device) -> ()
+//
+// Exact-size page-locked host memory for the CPU block pool
+// (vllm_ascend/kv_offload/host_memory.py), not through torch's caching host
+// allocator, which rounds an allocation up to a power of two.
+//   "npu": aclrtMallocHost(size), then aclrtPointerGetAttributes on its first
+//       and last byte must report page-locked host memory (else it is freed
+//       again and the call raises); free with aclrtFreeHost(addr) after every
+//       copy from or to it has completed. Errors name the size or address,
+//       the ACL call and its code. Status: SIMULATED ACL only.
+//   "cuda" and "cpu" raise (cuda: mmap + vLLM's host_register).
+//
+// kv_offload_set_per_copy
+// =======================
+//
+//   torch.ops._C_ascend.kv_offload_set_per_copy(str device, bool on) -> ()
+//
+// While on, the device's backend copies with one async memcpy per (merged)
+// copy: "npu" no aclrtMemcpyBatchAsync, "cuda" neither the copy kernel nor
+// cudaMemcpyBatchAsync. Process-wide; set between jobs. The start-up
+// self-check (vllm_ascend/kv_offload/self_check.py) turns it on when the
+// batched path did not copy byte-exact. "cpu" accepts and ignores it (one
+// code path); a backend not compiled in raises.
 //
 // Adding a backend
 //   1. Declare
@@ -182,12 +204,17 @@ using SwapBlocksBackend =
 at::Tensor swap_blocks_cpu(const std::vector<CopyRegion>& regions);
 #ifdef VLLM_ASCEND_WITH_CUDA
 at::Tensor swap_blocks_cuda(const std::vector<CopyRegion>& regions);
+void set_per_copy_cuda(bool on);
 #endif
 #ifdef VLLM_ASCEND_WITH_NPU
 at::Tensor swap_blocks_npu(const std::vector<CopyRegion>& regions);
 // kv_offload_host_register / _unregister on "npu" (npu/host_register_npu.cpp).
 void host_register_npu(uint64_t addr, uint64_t size);
 void host_unregister_npu(uint64_t addr);
+// kv_offload_host_alloc / _free on "npu" (npu/host_register_npu.cpp).
+uint64_t host_alloc_npu(uint64_t size);
+void host_free_npu(uint64_t addr);
+void set_per_copy_npu(bool on);
 #endif
 
 // For backends whose copies must not overlap (memcpy-like): raises, naming
@@ -207,6 +234,10 @@ std::tuple<int64_t, at::Tensor> swap_blocks_batch(const at::Tensor& src_addrs,
 // kv_offload_host_unregister (see "kv_offload_host_register" above).
 void host_register(int64_t addr, int64_t size, std::string_view device);
 void host_unregister(int64_t addr, std::string_view device);
+int64_t host_alloc(int64_t size, std::string_view device);
+void host_free(int64_t addr, std::string_view device);
+// kv_offload_set_per_copy (see "kv_offload_set_per_copy" above).
+void set_per_copy(std::string_view device, bool on);
 
 // Names of the backends compiled into this build, e.g. {"cpu"}
 // (torch.ops._C_ascend.kv_offload_backends).

@@ -343,6 +343,25 @@ def test_metrics_count_the_blocks_moved(served):
     assert delta(served, "vllm:kv_offload_total_bytes_total") == stored + loaded
 
 
+def test_metrics_tell_a_router_the_cpu_pool_size_and_occupancy(served):
+    after = served["after_all"]
+    block = served["block_bytes"]
+    # The guide's num_cpu_blocks: 1000 CPU blocks of 128 tokens.
+    assert after["vllm:kv_offload_cpu_pool_capacity_blocks"] == 1000
+    assert after["vllm:kv_offload_cpu_pool_capacity_bytes"] == 1000 * block
+    # The three documents' 4 blocks each, nothing evicted from 1000.
+    assert after["vllm:kv_offload_cpu_pool_blocks_in_use"] == 3 * DOC_BLOCKS
+    assert delta(served, "vllm:kv_offload_cpu_pool_evictions_total") == 0
+
+
+def test_the_cpu_backend_keeps_a_core_for_the_scheduler(served):
+    # vLLM's CPU backend reserves one more core with a KV connector; on two
+    # cores that left none (cpu_threads.py). On more cores nothing changes.
+    if len(os.sched_getaffinity(0)) == 2:
+        assert "Set VLLM_CPU_NUM_OF_RESERVED_CPU=1" in served["log_text"]
+    assert "should be greater than reserved CPU core" not in served["log_text"]
+
+
 def test_server_stops_cleanly_on_sigint(served):
     stop = served["stop"]
     assert stop["returncode"] is not None, "server did not exit after SIGINT"

@@ -14,6 +14,9 @@ installed 0.32 core (``tests/vllm033/overlay.py``), in-process engines.
 
 from __future__ import annotations
 
+import os
+import random
+
 import pytest
 
 from tests.e2e.conftest import (
@@ -110,3 +113,158 @@ def test_negative_control_unreported_sync_load_failures_change_the_output(
     )
     assert injected
     assert token_ids(result["phases"][1]) != reference
+
+
+# -- some sync loads failing, under preemption: a differential test ---------
+#
+# 24 batched requests of 4-block documents (6 documents, 4 questions each; a
+# third of the questions fill a fifth block) into 16 device blocks for 8
+# running requests: vLLM preempts all the time, and a document's first
+# question loads it from the CPU synchronously while the others hit the
+# blocks it loads through the device prefix cache. One engine per
+# configuration runs every seed: two rounds each (all requests, then again
+# after a device prefix-cache reset), faults drawn anew per seed.
+
+BATCH_ENGINE = {
+    "dtype": "float32",
+    "enforce_eager": True,
+    "distributed_executor_backend": "uni",
+    "max_model_len": 1024,
+    "num_gpu_blocks_override": 16,
+    "max_num_seqs": 8,
+}
+BATCH_TOKENS = 40
+SEEDS = [1, 2, 3]
+
+
+def batch_prompts() -> list[str]:
+    from vllm_ascend.kv_offload.testing.tiny_model import make_prompt
+
+    docs = [make_prompt(512, seed=700 + d) for d in range(6)]
+    return [
+        f"{docs[d]} {make_prompt(170 if q % 3 == 2 else 40, seed=7000 + 10 * d + q)}"
+        for q in range(4)
+        for d in range(6)
+    ]
+
+
+def drive_batches(scenario: dict) -> dict:
+    """Per seed: the batched requests twice, with the faults of
+    ``scenario["faults"]`` (test-only injection) drawn from that seed."""
+    from vllm import LLM, SamplingParams
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from tests.e2e.run_scenario import kv_transfer_config, settle_stores
+    from tests.fault_injection import FaultInjector, inject_faults
+    from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model
+
+    kwargs = dict(scenario["engine"])
+    if scenario.get("offload") is not None:
+        kwargs["kv_transfer_config"] = kv_transfer_config(scenario)
+    llm = LLM(model=ensure_tiny_model(), disable_log_stats=False, **kwargs)
+    worker = None
+    if scenario.get("offload") is not None:
+        worker = get_kv_transfer_group().connector_worker.worker
+    prompts = batch_prompts()
+    params = SamplingParams(max_tokens=BATCH_TOKENS, temperature=0.0, ignore_eos=True)
+    rounds, injected = [], 0
+    for seed in scenario.get("seeds", [0]):
+        faults = None
+        if scenario.get("faults"):
+            faults = FaultInjector.parse(f"{scenario['faults']},seed:{seed}")
+        if worker is not None:
+            inject_faults(worker, faults)
+        for _ in range(scenario.get("rounds", 2)):
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            rounds.append(
+                [
+                    {
+                        "token_ids": list(o.outputs[0].token_ids),
+                        "num_cached_tokens": o.num_cached_tokens or 0,
+                    }
+                    for o in outputs
+                ]
+            )
+            if worker is not None:
+                settle_stores(llm)
+            assert llm.reset_prefix_cache()
+        injected += len(faults.injected) if faults else 0
+    counters: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        if hasattr(metric, "value"):
+            counters[metric.name] = counters.get(metric.name, 0.0) + metric.value
+    return {
+        "rounds": rounds,
+        "counters": counters,
+        "injected": injected,
+        "async_scheduling": llm.llm_engine.vllm_config.scheduler_config.async_scheduling,
+    }
+
+
+def run_batches(scenario_dir, name: str, offload, **scenario) -> dict:
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if scenario.pop("overlay", True):
+        from tests.vllm033.overlay import overlay_dir, skip_unless_core_supported
+
+        skip_unless_core_supported()
+        scenario["pythonpath"] = [str(overlay_dir())]
+    return run_scenario(
+        scenario_dir,
+        name,
+        {
+            "driver": "tests.e2e.test_sync_loads:drive_batches",
+            "engine": BATCH_ENGINE,
+            "offload": offload,
+            "env": env,
+            "kv_load_failure_policy": "recompute",
+            **scenario,
+        },
+    )
+
+
+@pytest.fixture(scope="module")
+def batch_reference(scenario_dir) -> list[list[int]]:
+    result = run_batches(scenario_dir, "batch_reference", None, rounds=1, overlay=False)
+    return [r["token_ids"] for r in result["rounds"][0]]
+
+
+def differing(result: dict, reference: list[list[int]]) -> list[tuple[int, int]]:
+    """(round, request) of every output that differs from offloading off."""
+    return [
+        (r, i)
+        for r, outputs in enumerate(result["rounds"])
+        for i, out in enumerate(outputs)
+        if out["token_ids"] != reference[i]
+    ]
+
+
+def tiering_offload(root: str) -> dict:
+    return {
+        "num_cpu_blocks": 12,
+        "block_size": 128,
+        "spec_name": "NPUTieringOffloadingSpec",
+        "spec_module_path": "vllm_ascend.kv_offload.tiering",
+        "secondary_tiers": [{"type": "fs", "root_dir": root, "n_read_threads": 2}],
+    }
+
+
+@pytest.mark.parametrize("tiered", [False, True], ids=["cpu-only", "tiering"])
+def test_some_failed_sync_loads_under_preemption_change_no_output(
+    scenario_dir, batch_reference, tiered
+):
+    offload = dict(GUIDE_OFFLOAD, num_cpu_blocks=64, **SYNC)
+    if tiered:
+        root = scenario_dir / "sync_tier"
+        root.mkdir(exist_ok=True)
+        offload = dict(tiering_offload(str(root)), **SYNC)
+    result = run_batches(
+        scenario_dir,
+        f"some_sync_loads_fail_{'tiering' if tiered else 'cpu'}",
+        offload,
+        faults="expedited_load:0.2",
+        seeds=SEEDS,
+    )
+    assert result["injected"] >= len(SEEDS)
+    assert result["counters"]["vllm:num_preemptions"] > 0
+    assert result["counters"]["vllm:kv_offload_load_bytes"] > 0
+    assert differing(result, batch_reference) == []

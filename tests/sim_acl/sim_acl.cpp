@@ -53,6 +53,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -67,6 +68,7 @@ struct Range {
   uintptr_t end;
   aclrtMemLocation loc;
   bool host_registered = false;  // by aclrtHostRegisterV2, not a test hook
+  bool malloc_host = false;      // by aclrtMallocHost: freed by aclrtFreeHost
 };
 
 struct Injection {
@@ -100,7 +102,9 @@ struct State {
   std::map<aclrtStream, std::deque<Task>> streams;  // queued, not yet run
   size_t faulted_entries = 0;  // entries skipped when they executed
   std::map<std::string, size_t> calls;
-  Injection injection;  // armed while nth_call != 0
+  // One armed failure per ACL function (armed while nth_call != 0).
+  std::map<std::string, Injection> injections;
+  size_t fired_fail_index = SIZE_MAX;  // of the failure that fired last
   bool batch_unsupported = false;
   size_t max_entries = 0;
   size_t sync_copies = 0;
@@ -126,10 +130,13 @@ aclError error(State& s, aclError code, const std::string& msg) {
 // Counts the call; true (with *code set) when an injected failure fires.
 bool count_call(State& s, const char* api, aclError* code) {
   const size_t n = ++s.calls[api];
-  if (s.injection.nth_call != n || s.injection.api != api) return false;
-  s.injection.nth_call = 0;  // one shot
+  const auto it = s.injections.find(api);
+  if (it == s.injections.end() || it->second.nth_call != n) return false;
+  const Injection fired = it->second;
+  s.injections.erase(it);  // one shot
+  s.fired_fail_index = fired.fail_index;
   *code = error(
-      s, s.injection.code,
+      s, fired.code,
       std::string("injected failure of ") + api + " call " + std::to_string(n));
   return true;
 }
@@ -270,6 +277,42 @@ aclError aclrtHostRegisterV2(void* ptr, uint64_t size, uint32_t flag) {
 }
 #endif
 
+// aclrtMallocHost / aclrtFreeHost: page-locked host memory from the
+// runtime (SIM CHOICE: 4 KiB-aligned, reported as ACL_MEM_LOCATION_TYPE_HOST).
+aclError aclrtMallocHost(void** hostPtr, size_t size) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  aclError code;
+  if (count_call(s, "aclrtMallocHost", &code)) return code;
+  if (hostPtr == nullptr || size == 0) {
+    return error(s, ACL_ERROR_INVALID_PARAM, "null hostPtr or size 0");
+  }
+  const size_t rounded = (size + 4095) / 4096 * 4096;
+  void* p = std::aligned_alloc(4096, rounded);
+  if (p == nullptr) return error(s, ACL_ERROR_RT_MEMORY_ALLOCATION, "no memory");
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  Range r{a + size, aclrtMemLocation{0, ACL_MEM_LOCATION_TYPE_HOST}};
+  r.malloc_host = true;
+  s.ranges[a] = r;
+  *hostPtr = p;
+  return ACL_SUCCESS;
+}
+
+aclError aclrtFreeHost(void* hostPtr) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  aclError code;
+  if (count_call(s, "aclrtFreeHost", &code)) return code;
+  const auto it = s.ranges.find(reinterpret_cast<uintptr_t>(hostPtr));
+  if (it == s.ranges.end() || !it->second.malloc_host) {
+    return error(s, ACL_ERROR_INVALID_PARAM,
+                 "not an address from aclrtMallocHost");
+  }
+  s.ranges.erase(it);
+  std::free(hostPtr);
+  return ACL_SUCCESS;
+}
+
 aclError aclrtHostUnregister(void* ptr) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
@@ -301,7 +344,7 @@ aclError aclrtMemcpyBatchAsync(void** dsts, size_t* destMaxs, void** srcs,
   }
   *failIndex = SIZE_MAX;  // documented value for "no specific entry"
   if (injected) {
-    *failIndex = s.injection.fail_index;
+    *failIndex = s.fired_fail_index;
     return code;
   }
   if (s.batch_unsupported) {
@@ -476,7 +519,7 @@ void simacl_reset(void) {
   s.streams.clear();  // queued copies are dropped, never run
   s.faulted_entries = 0;
   s.calls.clear();
-  s.injection = Injection{};
+  s.injections.clear();
   s.batch_unsupported = false;
   s.max_entries = 0;
   s.sync_copies = 0;
@@ -527,7 +570,7 @@ void simacl_inject_failure(const char* api, size_t nth_call, int code,
                            size_t fail_index) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
-  s.injection = Injection{api, nth_call, code, fail_index};
+  s.injections[api] = Injection{api, nth_call, code, fail_index};
 }
 
 size_t simacl_calls(const char* api) {

@@ -21,7 +21,8 @@ SIMACL_API void simacl_register(const void* ptr, size_t size, int location_type,
 SIMACL_API void simacl_set_batch_unsupported(int on);
 // Makes call number `nth_call` (1-based, counted since simacl_reset) of ACL
 // function `api` return `code`; the batch API also sets *failIndex to
-// `fail_index`. One shot.
+// `fail_index`. One shot; one armed failure per function (arming `api`
+// again replaces its earlier one).
 SIMACL_API void simacl_inject_failure(const char* api, size_t nth_call,
                                       int code, size_t fail_index);
 // Calls of ACL function `api` since simacl_reset.
@@ -86,6 +87,14 @@ SIMACL_API int simacl_core_host_register(uint64_t addr, uint64_t size,
                                          char* err, size_t err_len);
 SIMACL_API int simacl_core_host_unregister(uint64_t addr, char* err,
                                            size_t err_len);
+// The real allocate_host / free_host (aclrtMallocHost / aclrtFreeHost) of
+// acl_host_register.cpp. Return 0 (with the address in *addr), or 1 with the
+// exception message in `err`.
+SIMACL_API int simacl_core_host_alloc(uint64_t size, uint64_t* addr, char* err,
+                                      size_t err_len);
+SIMACL_API int simacl_core_host_free(uint64_t addr, char* err, size_t err_len);
+// AclBatchCopier::set_per_copy on the core's copier (kv_offload_set_per_copy).
+SIMACL_API void simacl_core_set_per_copy(int on);
 // Replaces the core's copier with a fresh one (forgets a fallback) and frees
 // the workspaces held.
 SIMACL_API void simacl_core_reset(void);

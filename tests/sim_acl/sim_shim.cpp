@@ -123,3 +123,17 @@ int simacl_core_host_unregister(uint64_t addr, char* err, size_t err_len) {
       [&] { vllm_ascend::kv_offload::npu::unregister_host_range(addr); }, err,
       err_len);
 }
+
+int simacl_core_host_alloc(uint64_t size, uint64_t* addr, char* err,
+                           size_t err_len) {
+  return run_core(
+      [&] { *addr = vllm_ascend::kv_offload::npu::allocate_host(size); }, err,
+      err_len);
+}
+
+int simacl_core_host_free(uint64_t addr, char* err, size_t err_len) {
+  return run_core([&] { vllm_ascend::kv_offload::npu::free_host(addr); }, err,
+                  err_len);
+}
+
+void simacl_core_set_per_copy(int on) { copier()->set_per_copy(on != 0); }

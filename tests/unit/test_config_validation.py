@@ -6,10 +6,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from tests.unit.kv_helpers import make_config
-from vllm_ascend.kv_offload import cpu_pool
 from vllm_ascend.kv_offload.connector import AscendOffloadingConnector
 from vllm_ascend.kv_offload.npu import (
     NPUOffloadingSpec,
@@ -172,32 +170,3 @@ def test_connector_validates_before_building_anything():
     }
     with pytest.raises(OffloadConfigError, match="set block_size to 32 or 16"):
         AscendOffloadingConnector(vllm_config, None, kv_cache_config)
-
-
-def test_unpinnable_pool_falls_back_to_pageable_and_says_so(monkeypatch):
-    real_pool = cpu_pool.CpuBlockPool
-    warnings = []
-
-    def pool(page_bytes, bpc, n, pin_memory):
-        if pin_memory:
-            raise RuntimeError("cudaHostAlloc failed")
-        return real_pool(page_bytes, bpc, n, pin_memory)
-
-    monkeypatch.setattr(cpu_pool, "CpuBlockPool", pool)
-    monkeypatch.setattr(cpu_pool.logger, "warning", lambda *a: warnings.append(a))
-    result = cpu_pool.allocate_pool([256, 256], 1, 4, pin=True)
-    assert not result.pinned and result.nbytes == 4 * 512
-    assert "falls back to pageable memory" in warnings[0][0]
-
-
-def test_pool_that_cannot_be_allocated_names_num_cpu_blocks(monkeypatch):
-    def pool(*args):
-        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
-
-    monkeypatch.setattr(cpu_pool, "CpuBlockPool", pool)
-    with pytest.raises(MemoryError, match="lower num_cpu_blocks"):
-        cpu_pool.allocate_pool([256], 1, 10**6, pin=False)
-
-
-def test_pinning_is_reported_unavailable_on_cpu():
-    assert not cpu_pool.host_pinning_available(torch.device("cpu"))

@@ -8,15 +8,15 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
 from tests.unit.kv_helpers import make_kv_caches
 from vllm_ascend.kv_offload.copy_engine import CopyEngine
-from vllm_ascend.kv_offload.cpu_pool import CpuBlockPool
+from vllm_ascend.kv_offload.cpu_pool import private_pool
 from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
 
 PAGES = [256, 256, 512]  # e.g. K, V and a larger third part
 
 
 def engine_for(kv, bpc, num_cpu_blocks=8):
-    pool = CpuBlockPool(
-        [t.page_size_bytes for t in kv.tensors], bpc, num_cpu_blocks, pin_memory=False
+    pool = private_pool(
+        [t.page_size_bytes for t in kv.tensors], bpc, num_cpu_blocks, "cpu"
     )
     return CopyEngine(kv, pool), pool
 

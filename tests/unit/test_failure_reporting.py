@@ -26,19 +26,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingConnectorMetadata,
     TransferJob,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
-    OffloadingConnectorWorker,
-)
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, LookupResult, ReqContext
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
 from tests.fault_injection import FaultInjectingWorker, FaultInjector
+from tests.unit.conftest import CONNECTOR_BLOCK_SIZE, make_connector
 from tests.unit.kv_helpers import make_kv_caches
-from vllm_ascend.kv_offload.connector import (
-    AscendOffloadingConnector,
-    AscendOffloadingConnectorMetadata,
+from vllm_ascend.kv_offload.connector import AscendOffloadingConnectorMetadata
+from vllm_ascend.kv_offload.failures import (
     AscendOffloadingWorkerMetadata,
+    FailureRouter,
 )
 from vllm_ascend.kv_offload.manager import FailureAwareManager
 from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
@@ -67,36 +65,14 @@ def metadata(load_jobs=None, store_jobs=None) -> AscendOffloadingConnectorMetada
 
 
 class WorkerSide:
-    """A worker-side connector over vLLM's real connector worker and ours."""
+    """A worker-side connector built as vLLM builds it, over vLLM's real
+    connector worker and our fault-injecting worker."""
 
     def __init__(self, faults: str | None = None, num_groups: int = 1):
-        self.worker = FaultInjectingWorker(
-            make_kv_caches(NUM_DEVICE_BLOCKS, PAGES),
-            blocks_per_chunk=1,
-            num_cpu_blocks=NUM_CPU_BLOCKS,
-        )
+        self.c = make_connector("worker", num_groups=num_groups)
+        self.worker = self.c.connector_worker.worker
+        assert isinstance(self.worker, FaultInjectingWorker)
         self.worker.faults = FaultInjector.parse(faults) if faults else None
-        spec = SimpleNamespace(
-            replicated_layout=False,
-            config=SimpleNamespace(
-                canonical_layout=False, parallel=SimpleNamespace(rank=0)
-            ),
-            get_worker=lambda kv_caches: self.worker,
-        )
-        kv_cache_config = SimpleNamespace(kv_cache_groups=[None] * num_groups)
-        c = object.__new__(AscendOffloadingConnector)
-        # What __init__ sets on the worker side (it needs a whole engine).
-        c.connector_scheduler = None
-        c.connector_worker = OffloadingConnectorWorker(spec, None, kv_cache_config)
-        c.connector_worker._init_worker(None)
-        c._report_block_ids = num_groups == 1
-        c._load_jobs = {}
-        c._load_error_block_ids = set()
-        c._failed_recving = set()
-        c._failed_jobs = set()
-        c._connector_metadata = None
-        self.worker.divert_failures()  # what register_kv_caches ends with
-        self.c = c
         self.seen: set[int] = set()
 
     def step(self, meta: AscendOffloadingConnectorMetadata):
@@ -116,7 +92,7 @@ class WorkerSide:
         return results, errors, worker_meta
 
     def close(self):
-        self.worker.shutdown()
+        self.c.shutdown()
 
 
 @pytest.fixture
@@ -153,7 +129,8 @@ def test_a_good_load_reports_nothing_but_its_bytes(side_factory):
     results, errors, meta = side.step(metadata(load_jobs={2: load("b", 4, 5)}))
     assert results.finished_recving == {"b"} and errors == set()
     assert meta.failed_jobs == set()
-    assert meta.transfer_stats.load.bytes == 2 * sum(PAGES)
+    # Two blocks of the connector's one layer: K and V of 16 tokens x 2 x 32.
+    assert meta.transfer_stats.load.bytes == 2 * (2 * CONNECTOR_BLOCK_SIZE * 2 * 32 * 4)
 
 
 def test_a_load_refused_at_submission_is_reported_the_same_way(side_factory):
@@ -294,47 +271,57 @@ def test_a_request_whose_load_failed_gets_no_more_hits_until_it_finishes():
     assert m.lookup(b"k1", ctx("b")) == LookupResult.HIT
 
 
-def test_the_connector_turns_reported_failures_into_manager_calls():
+def test_the_router_turns_reported_failures_into_manager_calls():
     m = manager()
-    c = object.__new__(AscendOffloadingConnector)
-    c._manager = m
-    c._num_workers = 2
-    c._job_failure_target = {}
-    c._job_reports_due = {}
-    completed: list[dict] = []
-    c.connector_scheduler = SimpleNamespace(
-        update_connector_output=lambda out: completed.append(
-            dict(out.kv_connector_worker_meta.completed_jobs)
-        ),
-    )
+    router = FailureRouter(m, num_workers=2)
     store_out = m.prepare_store(keys("k1"), ctx("a"))
-    c._expect_reports(7, (True, m.keys_of_store(store_out.store_spec)))
-    c._expect_reports(8, (False, "b"))
+    router.expect(
+        metadata(
+            load_jobs={8: load("b", 3)},
+            store_jobs={7: TransferJob("a", gpu(1), store_out.store_spec)},
+        )
+    )
 
     def report(completed_jobs, failed):
         meta = AscendOffloadingWorkerMetadata(failed_jobs=failed)
         meta.completed_jobs.update(completed_jobs)
-        c.update_connector_output(SimpleNamespace(kv_connector_worker_meta=meta))
+        router.route(meta)
 
     report({7: 1, 8: 1}, failed={7, 8})  # worker 0: both failed
     assert m.lookup(b"k1", ctx("b")) == LookupResult.MISS  # load failure: b
-    assert 7 in c._job_reports_due  # worker 1 still to report
-    report({7: 1, 8: 1}, failed=set())
-    assert c._job_reports_due == {} and c._job_failure_target == {}
+    report({7: 1, 8: 1}, failed=set())  # worker 1: both done
     # vLLM's own completion of job 7 now frees the keys (success=False).
     m.complete_store(list(store_out.keys_to_store), ctx("a"))
     assert m.lookup(b"k1", ctx("c")) == LookupResult.MISS
-    assert completed == [{7: 1, 8: 1}, {7: 1, 8: 1}]
 
 
-def test_metadata_keeps_vllms_fields():
+def test_a_store_issued_while_its_requests_sync_load_failed_is_not_kept():
+    """Its blocks were computed from what the failed load left behind."""
+    m = manager()
+    router = FailureRouter(m, num_workers=1)
+    store_out = m.prepare_store(keys("k1"), ctx("a"))
+    # vLLM 0.33's TransferJob (0.32's has no sync field).
+    sync_load = SimpleNamespace(
+        req_id="a", src_spec=CPULoadStoreSpec([0]), dst_spec=gpu(3), sync=True
+    )
+    store_job = TransferJob("a", gpu(4), store_out.store_spec)
+    router.expect(metadata(load_jobs={1: sync_load}, store_jobs={2: store_job}))
+    meta = AscendOffloadingWorkerMetadata(failed_jobs={1})
+    meta.completed_jobs.update({1: 1})
+    router.route(meta)  # the load failed; the store itself will succeed
+    meta = AscendOffloadingWorkerMetadata()
+    meta.completed_jobs.update({2: 1})
+    router.route(meta)
+    m.complete_store(list(store_out.keys_to_store), ctx("a"))
+    assert m.lookup(b"k1", ctx("c")) == LookupResult.MISS
+
+
+def test_metadata_keeps_vllms_fields(monkeypatch):
+    c = make_connector("scheduler")
     vllm_meta = OffloadingConnectorMetadata(load_jobs={1: load("a", 1)}, store_jobs={})
-    c = object.__new__(AscendOffloadingConnector)
-    c.connector_scheduler = SimpleNamespace(build_connector_meta=lambda so: vllm_meta)
-    c._manager = manager()
-    c._num_workers = 1
-    c._job_failure_target = {}
-    c._job_reports_due = {}
+    monkeypatch.setattr(
+        c.connector_scheduler, "build_connector_meta", lambda so: vllm_meta
+    )
     meta = c.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=3))
     assert meta.load_jobs is vllm_meta.load_jobs and not meta.idle_step
-    assert c._job_failure_target == {1: (False, "a")}
+    assert isinstance(meta, AscendOffloadingConnectorMetadata)

@@ -9,6 +9,8 @@ recorder, so no test allocates a pool.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from vllm.v1.kv_offload.base import (
@@ -26,16 +28,21 @@ BLOCK = 65536  # bytes of one CPU block: make_config's default, one 64 KiB page
 
 
 class PoolRecorder:
-    """Stands in for the worker: records the pools it was asked to allocate."""
+    """Stands in for the worker: records the pools it was built on."""
 
     built: list[int] = []
 
-    def __init__(self, kv_caches, blocks_per_chunk: int, num_cpu_blocks: int):
-        PoolRecorder.built.append(num_cpu_blocks)
+    def __init__(self, kv_caches, pool, copy_path: str = "auto"):
+        PoolRecorder.built.append(pool.num_blocks)
 
 
 class RecordingSpec(NPUOffloadingSpec):
+    """Allocates nothing: its pool is the layout the spec asked for."""
+
     worker_cls = PoolRecorder
+
+    def allocate_pool(self, kv_caches):
+        return SimpleNamespace(num_blocks=self.num_chunks, release=lambda: None)
 
 
 @pytest.fixture(autouse=True)

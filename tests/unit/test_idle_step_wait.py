@@ -12,18 +12,17 @@ import threading
 import time
 from types import SimpleNamespace
 
+import pytest
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingConnectorMetadata,
 )
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
+from tests.unit.conftest import make_connector
 from tests.unit.kv_helpers import make_kv_caches
 from vllm_ascend.kv_offload import connector
-from vllm_ascend.kv_offload.connector import (
-    AscendOffloadingConnector,
-    AscendOffloadingConnectorMetadata,
-)
+from vllm_ascend.kv_offload.connector import AscendOffloadingConnectorMetadata
 from vllm_ascend.kv_offload.transfer_queue import ThreadTransferQueue
 from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
 
@@ -109,33 +108,23 @@ def test_worker_with_nothing_in_flight_does_not_wait():
 # -- the connector: only steps that compute nothing wait ---------------------
 
 
-class RecordingWorker:
-    def __init__(self):
-        self.waits: list[float] = []
-
-    def wait_for_progress(self, timeout_s: float) -> None:
-        self.waits.append(timeout_s)
-
-    def take_failed_jobs(self) -> list[int]:
-        return []
-
-
-def worker_side_connector(meta) -> AscendOffloadingConnector:
-    # Only the attributes get_finished uses; building a real one needs an engine.
-    c = object.__new__(AscendOffloadingConnector)
-    c._connector_metadata = meta
-    c.connector_worker = SimpleNamespace(
-        worker=RecordingWorker(),
-        get_finished=lambda ids: (set(), set()),
-        prepare_store_kv=lambda meta: None,  # vLLM 0.30 calls it from here
-    )
-    return c
+@pytest.fixture
+def worker_side(monkeypatch):
+    """A worker-side connector (built by its constructor) whose offloading
+    worker records the waits it is asked for."""
+    c = make_connector("worker")
+    waits: list[float] = []
+    monkeypatch.setattr(c.connector_worker.worker, "wait_for_progress", waits.append)
+    yield c, waits
+    c.shutdown()
 
 
-def test_scheduler_marks_steps_that_schedule_no_tokens_as_idle():
-    c = object.__new__(AscendOffloadingConnector)
+def test_scheduler_marks_steps_that_schedule_no_tokens_as_idle(monkeypatch):
+    c = make_connector("scheduler")
     vllm_meta = OffloadingConnectorMetadata(load_jobs={}, store_jobs={})
-    c.connector_scheduler = SimpleNamespace(build_connector_meta=lambda so: vllm_meta)
+    monkeypatch.setattr(
+        c.connector_scheduler, "build_connector_meta", lambda so: vllm_meta
+    )
 
     idle = c.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=0))
     busy = c.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=17))
@@ -145,17 +134,19 @@ def test_scheduler_marks_steps_that_schedule_no_tokens_as_idle():
     assert idle.load_jobs is vllm_meta.load_jobs  # vLLM's fields carried over
 
 
-def test_idle_step_waits_for_transfers_before_polling():
+def test_idle_step_waits_for_transfers_before_polling(worker_side):
+    c, waits = worker_side
     meta = AscendOffloadingConnectorMetadata(load_jobs={}, store_jobs={})
     meta.idle_step = True
-    c = worker_side_connector(meta)
+    c.bind_connector_metadata(meta)
     assert c.get_finished(set()) == (set(), set())
-    assert c.connector_worker.worker.waits == [connector.IDLE_STEP_WAIT_S]
+    assert waits == [connector.IDLE_STEP_WAIT_S]
 
 
-def test_step_that_computes_does_not_wait():
-    c = worker_side_connector(
+def test_step_that_computes_does_not_wait(worker_side):
+    c, waits = worker_side
+    c.bind_connector_metadata(
         AscendOffloadingConnectorMetadata(load_jobs={}, store_jobs={})
     )
     c.get_finished(set())
-    assert c.connector_worker.worker.waits == []
+    assert waits == []

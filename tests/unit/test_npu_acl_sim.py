@@ -122,6 +122,18 @@ class SimAcl:
             ctypes.c_char_p,
             ctypes.c_size_t,
         ]
+        lib.simacl_core_host_alloc.argtypes = [
+            ctypes.c_uint64,
+            ctypes.POINTER(ctypes.c_uint64),
+            ctypes.c_char_p,
+            ctypes.c_size_t,
+        ]
+        lib.simacl_core_host_free.argtypes = [
+            ctypes.c_uint64,
+            ctypes.c_char_p,
+            ctypes.c_size_t,
+        ]
+        lib.simacl_core_set_per_copy.argtypes = [ctypes.c_int]
         lib.simacl_last_register_flag.restype = ctypes.c_int64
         lib.simacl_location_of.argtypes = [ctypes.c_void_p]
         lib.simacl_set_host_register_location.argtypes = [ctypes.c_int]
@@ -158,6 +170,21 @@ class SimAcl:
         err = ctypes.create_string_buffer(4096)
         if self.lib.simacl_core_host_unregister(addr, err, len(err)):
             raise RuntimeError(err.value.decode())
+
+    def host_alloc(self, size: int) -> int:
+        """The core's allocate_host (aclrtMallocHost)."""
+        addr, err = ctypes.c_uint64(), ctypes.create_string_buffer(4096)
+        if self.lib.simacl_core_host_alloc(size, ctypes.byref(addr), err, len(err)):
+            raise RuntimeError(err.value.decode())
+        return addr.value
+
+    def host_free(self, addr: int) -> None:
+        err = ctypes.create_string_buffer(4096)
+        if self.lib.simacl_core_host_free(addr, err, len(err)):
+            raise RuntimeError(err.value.decode())
+
+    def set_per_copy(self, on: bool) -> None:
+        self.lib.simacl_core_set_per_copy(int(on))
 
     def location_of(self, addr: int) -> int:
         return self.lib.simacl_location_of(addr)
@@ -929,3 +956,125 @@ def test_sim_constants_match_the_acl_headers(sim_libs) -> None:
         r"ACL_MEMCPY_DEVICE_TO_HOST,",
         text,
     )
+
+
+# --- the CPU block pool's memory on npu (host_memory.py) --------------------
+
+MALLOC_HOST, FREE_HOST = "aclrtMallocHost", "aclrtFreeHost"
+NEW_KERNEL, OLD_KERNEL = "6.8.0-generic", "5.10.0-60.18.0.50.oe2203.aarch64"
+
+
+def sim_host_api(sim: SimAcl):
+    """host_memory.AclHostApi over the core's calls, linked against the
+    SIMULATED runtime (instead of the native op's)."""
+    from vllm_ascend.kv_offload.host_memory import AclHostApi
+
+    return AclHostApi(
+        alloc=sim.host_alloc,
+        free=sim.host_free,
+        register=sim.host_register,
+        unregister=sim.host_unregister,
+    )
+
+
+def test_sim_npu_pool_memory_is_acl_malloc_host_of_the_exact_size(sim) -> None:
+    from vllm_ascend.kv_offload import host_memory
+
+    nbytes = 3 * 4096 + 100
+    memory = host_memory.allocate_host_memory(
+        nbytes, "npu", acl=sim_host_api(sim), kernel=NEW_KERNEL
+    )
+    assert (memory.kind, memory.pinned, memory.nbytes) == (
+        host_memory.ACL_MALLOC_HOST,
+        True,
+        nbytes,
+    )
+    assert memory.tensor.numel() == nbytes
+    base = memory.base
+    assert sim.location_of(base) == sim.location_of(base + nbytes - 1) == LOC_HOST
+    memory.tensor.fill_(3)  # it is ordinary host memory to the CPU
+    assert sim.calls(MALLOC_HOST) == 1 and sim.calls(HOST_REGISTER) == 0
+    memory.release()
+    assert sim.calls(FREE_HOST) == 1  # freed at release, not at exit
+    assert sim.location_of(base) == LOC_UNREGISTERED
+
+
+def test_sim_npu_pool_memory_falls_back_to_a_registered_mmap(sim) -> None:
+    from vllm_ascend.kv_offload import host_memory
+
+    sim.inject(MALLOC_HOST, 1, ACL_ERROR_RT_INTERNAL_ERROR)
+    memory = host_memory.allocate_host_memory(
+        8192, "npu", acl=sim_host_api(sim), kernel=NEW_KERNEL
+    )
+    assert (memory.kind, memory.pinned) == (host_memory.ACL_REGISTERED, True)
+    base = memory.base
+    assert sim.location_of(base) == LOC_HOST
+    memory.release()
+    assert sim.calls(HOST_UNREGISTER) == 1
+    assert sim.location_of(base) == LOC_UNREGISTERED
+
+
+def test_sim_npu_pool_memory_is_pageable_when_acl_refuses_both(sim, monkeypatch):
+    from vllm_ascend.kv_offload import host_memory
+
+    warnings = []
+    monkeypatch.setattr(host_memory.logger, "warning", lambda *a: warnings.append(a))
+    sim.inject(MALLOC_HOST, 1, ACL_ERROR_RT_INTERNAL_ERROR)
+    sim.inject(HOST_REGISTER, 1, ACL_ERROR_INVALID_PARAM)
+    memory = host_memory.allocate_host_memory(
+        8192, "npu", acl=sim_host_api(sim), kernel=NEW_KERNEL
+    )
+    assert (memory.kind, memory.pinned) == (host_memory.PAGEABLE, False)
+    message = warnings[-1][0] % warnings[-1][1:]
+    assert "aclrtMallocHost: kv_offload_host_alloc(device='npu'): " in message
+    assert f"ACL error {ACL_ERROR_RT_INTERNAL_ERROR}" in message
+    assert "aclrtHostRegisterV2" in message and str(ACL_ERROR_INVALID_PARAM) in message
+    assert "self-check" in message
+    memory.release()
+    assert sim.calls(HOST_UNREGISTER) == 0 and sim.calls(FREE_HOST) == 0
+
+
+def test_sim_npu_pool_memory_is_not_registered_on_old_kernels(sim) -> None:
+    from vllm_ascend.kv_offload import host_memory
+
+    sim.inject(MALLOC_HOST, 1, ACL_ERROR_RT_INTERNAL_ERROR)
+    memory = host_memory.allocate_host_memory(
+        8192, "npu", acl=sim_host_api(sim), kernel=OLD_KERNEL
+    )
+    assert memory.kind == host_memory.PAGEABLE
+    assert sim.calls(HOST_REGISTER) == 0  # CANN: "causes exceptions" there
+
+
+def test_sim_acl_malloc_host_is_freed_only_after_its_last_view(sim) -> None:
+    from vllm_ascend.kv_offload import host_memory
+
+    memory = host_memory.allocate_host_memory(
+        4096, "npu", acl=sim_host_api(sim), kernel=NEW_KERNEL
+    )
+    view = memory.tensor[:10]
+    memory.release()
+    assert sim.calls(FREE_HOST) == 0  # a view still reads it
+    del view
+    assert sim.calls(FREE_HOST) == 1
+
+
+# --- the per-copy switch (kv_offload_set_per_copy) --------------------------
+
+
+def test_sim_per_copy_switch_copies_without_the_batch_api(sim) -> None:
+    n, size = 64, 512
+    pools = Pools(sim, 2 * n * size)
+    src_off, dst_off = scattered(n, size)
+    want = expected_after(pools.pinned, pools.device, src_off, dst_off, size)
+    sim.set_per_copy(True)
+    report = sim.copy(
+        Pools.addr(pools.pinned, src_off), Pools.addr(pools.device, dst_off), [size] * n
+    )
+    assert sim.calls(BATCH) == 0 and report["single_calls"] == n
+    assert report["workspace_bytes"] == 0
+    assert np.array_equal(pools.device, want)
+    sim.set_per_copy(False)
+    report = sim.copy(
+        Pools.addr(pools.pinned, src_off), Pools.addr(pools.device, dst_off), [size] * n
+    )
+    assert report["batch_calls"] == 1 and not report["fallback_started"]

@@ -1,9 +1,10 @@
 """Behaviour of swap_blocks_batch (contract: csrc/kv_offload/ops.h).
 
-Every test runs against both implementations -- the native op
-torch.ops._C_ascend.kv_offload_swap_blocks and the Python fallback in
-vllm_ascend.kv_offload.ops -- which must behave the same on device "cpu":
-both return (copies, workspace), the workspace empty on "cpu".
+Every test runs against all three implementations -- the native op
+torch.ops._C_ascend.kv_offload_swap_blocks, the Python fallback in
+vllm_ascend.kv_offload.ops and the torch-only path (torch_copy.py) -- which
+must behave the same on device "cpu": each returns (copies, workspace), the
+workspace empty on "cpu" (None on the torch path, which has none).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 from vllm_ascend.kv_offload import ops
+from vllm_ascend.kv_offload.torch_copy import TorchCopier
 
 Swap = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, str], tuple[int, torch.Tensor]
@@ -47,13 +49,29 @@ needs_native = pytest.mark.skipif(
 )
 
 
+# Every buffer random_bytes / poisoned made: what the torch path copies
+# between (it copies views of tensors, not raw addresses).
+_BUFFERS: list[torch.Tensor] = []
+
+
+def torch_path_swap(src, dst, sizes, device):
+    """The torch path over every buffer this test made, with the workspace
+    shaped as the op's on "cpu" (it has none)."""
+    copies, _ = TorchCopier(_BUFFERS).swap(src, dst, sizes, device)
+    return copies, torch.empty(0, dtype=torch.uint8)
+
+
 @pytest.fixture(
     params=[
         pytest.param("native", marks=needs_native),
         pytest.param("fallback"),
+        pytest.param("torch"),
     ]
 )
 def swap(request: pytest.FixtureRequest) -> Swap:
+    _BUFFERS.clear()
+    if request.param == "torch":
+        return torch_path_swap
     return NATIVE if request.param == "native" else ops.fallback_swap_blocks_batch
 
 
@@ -67,11 +85,15 @@ def descriptors(
 
 def random_bytes(n: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(-128, 128, (n,), dtype=torch.int8, generator=g)
+    t = torch.randint(-128, 128, (n,), dtype=torch.int8, generator=g)
+    _BUFFERS.append(t)
+    return t
 
 
 def poisoned(n: int) -> torch.Tensor:
-    return torch.full((n,), POISON, dtype=torch.int8)
+    t = torch.full((n,), POISON, dtype=torch.int8)
+    _BUFFERS.append(t)
+    return t
 
 
 def scattered_layout(sizes: list[int], rng: random.Random, max_gap: int) -> list[int]:

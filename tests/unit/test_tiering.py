@@ -39,7 +39,6 @@ from vllm_ascend.kv_offload.tiering.identity import identity_digest, storage_ide
 from vllm_ascend.kv_offload.tiering.region import (
     RegionBlockPool,
     close_region,
-    open_region,
     region_path,
     remove_stale_region,
 )
@@ -166,13 +165,15 @@ def test_a_failed_write_leaves_no_file(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []
 
 
-def test_an_uncreatable_tier_directory_is_dropped_with_a_log_line(tmp_path, caplog):
+def test_an_uncreatable_tier_directory_is_dropped_with_a_log_line(
+    tmp_path, caplog, fs_tier_spec
+):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    identity = storage_identity(offloading_config(), "cpu")
-    assert not tier_dir_usable(str(blocker / "kv"), identity)
-    assert "cannot be created" in caplog.text
-    assert tier_dir_usable(str(tmp_path / "kv"), identity)
+    spec = fs_tier_spec()
+    assert not tier_dir_usable({"root_dir": str(blocker / "kv")}, spec)
+    assert "cannot be used" in caplog.text and "CPU tier only" in caplog.text
+    assert tier_dir_usable({"root_dir": str(tmp_path / "kv")}, spec)
 
 
 # -- the shared region --------------------------------------------------------
@@ -194,36 +195,30 @@ def test_a_stale_region_is_removed_a_held_one_is_kept(tmp_path):
     assert not remove_stale_region(path)  # nothing there: nothing to do
 
 
-def test_region_pool_addresses_this_ranks_slot_of_each_row():
+def test_region_pool_addresses_this_ranks_slot_of_each_row(shared_region):
     page = mmap.PAGESIZE
-    region = open_region(
-        engine_id=f"unit-{uuid.uuid4().hex[:8]}",
-        num_chunks=3,
-        rank=1,
-        kv_bytes_per_chunk=4 * page,
-        cpu_page_size=2 * page,
+    region = shared_region(
+        3, kv_bytes_per_chunk=4 * page, cpu_page_size=2 * page, rank=1
     )
-    try:
-        pool = RegionBlockPool(
-            region,
-            page_bytes=[page // 2, page // 2, page],
-            blocks_per_chunk=1,
-            slot_offset=2 * page,
-            slot_capacity=2 * page,
-            row_stride=4 * page,
-        )
-        assert pool.row_bytes == 4 * page  # the stride CopyEngine uses
-        assert pool.slot_bytes == 2 * page
-        assert pool.nbytes == 3 * 2 * page
-        assert list(pool.tensor_offsets) == [2 * page, 2 * page + page // 2, 3 * page]
-        assert pool.base == region.base_tensor.data_ptr()
-        with pytest.raises(OffloadConfigError, match="more than its slot"):
-            RegionBlockPool(region, [3 * page], 1, 0, 2 * page, 4 * page)
-        pool.release()
-        assert region.base_tensor is not None  # the pool frees nothing
-        assert np.all(region.base_tensor.numpy() == 0)
-    finally:
-        region.cleanup()
+    pool = RegionBlockPool(
+        region,
+        page_bytes=[page // 2, page // 2, page],
+        blocks_per_chunk=1,
+        slot_offset=2 * page,
+        slot_capacity=2 * page,
+        row_stride=4 * page,
+    )
+    assert pool.row_bytes == 4 * page  # the stride CopyEngine uses
+    assert pool.slot_bytes == 2 * page
+    assert pool.nbytes == 3 * 2 * page
+    assert list(pool.tensor_offsets) == [2 * page, 2 * page + page // 2, 3 * page]
+    assert pool.base == region.base_tensor.data_ptr()
+    with pytest.raises(OffloadConfigError, match="more than its slot"):
+        RegionBlockPool(region, [3 * page], 1, 0, 2 * page, 4 * page)
+    pool.release()
+    assert region.base_tensor is not None  # the pool frees nothing
+    assert np.all(region.base_tensor.numpy() == 0)
+    region.cleanup()
     assert not os.path.exists(region.mmap_path)
 
 
@@ -276,8 +271,7 @@ def _spec_for_worker(engine_id: str, page: int):
     spec = object.__new__(NPUTieringOffloadingSpec)
     spec._tiering_worker = None
     spec.replicated_layout = False
-    spec.config = SimpleNamespace(parallel=SimpleNamespace(rank=0))
-    spec._engine_id = engine_id
+    spec.config = SimpleNamespace(parallel=SimpleNamespace(rank=0), engine_id=engine_id)
     spec.num_chunks = 4
     spec.kv_bytes_per_chunk = 2 * page
     spec.cpu_page_size_per_worker = 2 * page
@@ -375,15 +369,11 @@ def test_npu_registration_is_refused_on_kernels_that_cannot_lock_pageable_memory
     assert not kernel_registers_pageable_memory("4.19.90-24.4.v2101.ky10")
 
 
-def test_a_failing_unregister_is_logged_and_the_region_still_unmapped(caplog):
+def test_a_failing_unregister_is_logged_and_the_region_still_unmapped(
+    caplog, shared_region
+):
     page = mmap.PAGESIZE
-    region = open_region(
-        engine_id=f"unit-{uuid.uuid4().hex[:8]}",
-        num_chunks=2,
-        rank=0,
-        kv_bytes_per_chunk=page,
-        cpu_page_size=page,
-    )
+    region = shared_region(2, kv_bytes_per_chunk=page, cpu_page_size=page)
 
     def unregister(addr, device):
         raise RuntimeError("ACL error 507911")
@@ -401,38 +391,6 @@ def test_a_failing_unregister_is_logged_and_the_region_still_unmapped(caplog):
     registration.release()  # once only: nothing happens
 
 
-def test_cuda_registration_delegates_to_vllms_pin_mmap_region(monkeypatch):
-    """On cuda the region is registered by vLLM's own pin_mmap_region (same
-    call in vLLM 0.30-0.33), and the pool is pinned exactly when it was."""
-    from vllm.utils import torch_utils
-    from vllm.v1.kv_offload.cpu import gpu_worker
-
-    seen = []
-
-    def pin(region):
-        seen.append(region)
-        region.is_pinned = True
-
-    monkeypatch.setattr(torch_utils, "PIN_MEMORY", True)
-    monkeypatch.setattr(gpu_worker, "pin_mmap_region", pin)
-    page = mmap.PAGESIZE
-    region = open_region(
-        engine_id=f"unit-{uuid.uuid4().hex[:8]}",
-        num_chunks=2,
-        rank=0,
-        kv_bytes_per_chunk=page,
-        cpu_page_size=page,
-    )
-    try:
-        pool = RegionBlockPool(region, [page], 1, 0, page, page)
-        register_with_cuda(region, pool)
-        assert seen == [region]
-        assert pool.pinned
-    finally:
-        region.is_pinned = False  # nothing was registered to undo
-        close_region(region, None)
-
-
 # vLLM's own pin_mmap_region/cleanup, as the installed release does them:
 # 0.32 moved them onto host_register/host_unregister (intercepted here);
 # 0.30 (one torch.cuda.cudart() call) and 0.31 (CudaRTLibrary chunks) call the
@@ -442,7 +400,7 @@ def test_cuda_registration_delegates_to_vllms_pin_mmap_region(monkeypatch):
     reason="vLLM < 0.32 registers through the CUDA runtime directly, only on "
     "a CUDA platform (no host_register/host_unregister to intercept)",
 )
-def test_cuda_registration_is_vllms_pin_mmap_region(monkeypatch):
+def test_cuda_registration_is_vllms_pin_mmap_region(monkeypatch, shared_region):
     """On cuda the region is registered by vLLM's own pin_mmap_region (row-
     aligned chunks) and unregistered by the region's cleanup before unmap."""
     from vllm.utils import torch_utils
@@ -463,13 +421,7 @@ def test_cuda_registration_is_vllms_pin_mmap_region(monkeypatch):
     page = mmap.PAGESIZE
     # Chunks of 2 rows, as vLLM cuts 64 GiB ones: 3 chunks for 5 rows.
     monkeypatch.setattr(gpu_worker, "MAX_HOST_REGISTER_CHUNK_BYTES", 2 * page)
-    region = open_region(
-        engine_id=f"unit-{uuid.uuid4().hex[:8]}",
-        num_chunks=5,
-        rank=0,
-        kv_bytes_per_chunk=page,
-        cpu_page_size=page,
-    )
+    region = shared_region(5, kv_bytes_per_chunk=page, cpu_page_size=page)
     base = region.base_tensor.data_ptr()
     pool = RegionBlockPool(region, [page], 1, 0, page, page)
     register_with_cuda(region, pool)

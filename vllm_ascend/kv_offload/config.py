@@ -61,6 +61,9 @@ KEYS: dict[str, Key] = {
     "canonical_layout": Key(bool, False),
     # vLLM 0.33's: bytes of synchronous loads per step (0: none).
     "sync_load_budget_bytes": Key(int, 0, minimum=0),
+    # Ours: how the worker copies (self_check.py): "auto" tries the native op
+    # first, then the torch path; "native" / "torch" allow that one only.
+    "copy_path": Key(str, "auto", choices=("auto", "native", "torch")),
     # vLLM's tiering, read by NPUTieringOffloadingSpec only (tiering/spec.py
     # checks what is inside them).
     "secondary_tiers": Key(list, [{"type": "fs", "root_dir": "/mnt/shared/kv"}]),
@@ -136,7 +139,9 @@ def _check_bool(key: str, value: Any) -> None:
 
 def _check_str(key: str, value: Any, extra: Mapping[str, Any]) -> None:
     choices = KEYS[key].choices
-    if choices and extra.get("cache_policy_module_path") is None:
+    # A custom policy module may define eviction policies of its own.
+    custom = key == "eviction_policy" and extra.get("cache_policy_module_path")
+    if choices and not custom:
         if value not in choices:
             raise OffloadConfigError(
                 f"{PREFIX}['{key}']={shown(value)} is not supported; use one "
@@ -175,9 +180,12 @@ def check_keys(extra: Mapping[str, Any]) -> None:
 
 def _check_tiering(key: str, value: Any, extra: Mapping[str, Any]) -> None:
     kind = KEYS[key].kind
-    if extra.get("spec_name") != TIERING_SPEC:
+    from vllm_ascend.kv_offload.plugin import names_our_spec
+
+    if not names_our_spec(extra, tiering=True):
         raise OffloadConfigError(
-            f"{PREFIX}['{key}'] is read by {TIERING_SPEC} only; set "
+            f"{PREFIX}['{key}'] is read by {TIERING_SPEC} only (or a subclass "
+            "of it); set "
             f"spec_name='{TIERING_SPEC}' and spec_module_path="
             f"'{TIERING_MODULE}', or remove the key"
         )

@@ -12,22 +12,10 @@ through its public hooks only (no vLLM method is copied here):
   bad value fails at start-up with the key and the fix.
 * failed transfers: vLLM's connector asserts that every transfer succeeded.
   Our offloading worker diverts failures (``worker.divert_failures``): vLLM
-  sees the job finish, and this connector reports the failure:
-
-  - a failed load, async or (vLLM >= 0.33) sync, reports its device blocks
-    through ``get_block_ids_with_load_errors`` in the same step as vLLM sees
-    the job finish (the contract of ``KVConnectorBase_V1``); vLLM then
-    recomputes them (``kv_load_failure_policy="recompute"``) or fails only
-    that request (``"fail"``, vLLM's default). With several KV cache groups,
-    whose block ids vLLM cannot map back to requests, an async load's
-    request is reported in ``failed_recving`` instead (sync loads are refused
-    at start-up there: nothing could report them).
-  - the scheduler side tells the manager (``manager.FailureAwareManager``):
-    a request whose load failed gets no CPU hits again (it recomputes, so a
-    fault that repeats cannot make it retry forever); a failed store's CPU
-    blocks are freed by ``complete_store(success=False)`` instead of being
-    recorded as stored. Failed job ids travel in
-    ``AscendOffloadingWorkerMetadata.failed_jobs``.
+  sees the job finish, and this connector reports the failure through
+  ``failures.py`` (worker side: the failed load's device blocks or request;
+  scheduler side: the manager told, and the device blocks of a sync load kept
+  out of reach of other requests until it is known to have succeeded).
 
 * idle steps: while every request waits for its KV, vLLM steps its engine
   again as soon as a step returns, each step polling the transfers once. The
@@ -46,21 +34,18 @@ config whose spec is not ours gets the class that had the name before
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 
-import numpy as np
 import torch
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorTransferResults,
-    KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingConnectorMetadata,
     OffloadingWorkerMetadata,
-    ReqId,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
     get_offloading_group_ids,
@@ -71,10 +56,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 from vllm.v1.core.kv_cache_utils import resolve_dcp_kv_block_size
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig, MambaSpec
-from vllm.v1.kv_offload.base import GPULoadStoreSpec
 from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import Request
 
 from vllm_ascend.kv_offload import vllm_compat
+from vllm_ascend.kv_offload.failures import (
+    FailureRouter,
+    SyncLoadQuarantine,
+    WorkerFailureLog,
+)
 from vllm_ascend.kv_offload.kv_layout import KVCacheParts, canonicalize
 from vllm_ascend.kv_offload.logger import init_logger
 from vllm_ascend.kv_offload.manager import FailureAwareManager
@@ -96,36 +86,6 @@ class AscendOffloadingConnectorMetadata(OffloadingConnectorMetadata):
     nothing (the worker may then wait for transfers instead of returning)."""
 
     idle_step: bool = False
-
-
-@dataclass
-class AscendOffloadingWorkerMetadata(OffloadingWorkerMetadata):
-    """vLLM's worker -> scheduler metadata, plus the jobs that failed.
-
-    A failed job is also in ``completed_jobs`` (vLLM saw it finish), so vLLM's
-    bookkeeping (one count per worker) is unchanged; ``failed_jobs`` tells
-    the scheduler side what the job did not do.
-    """
-
-    failed_jobs: set[int] = field(default_factory=set)
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        merged = super().aggregate(other)
-        assert isinstance(merged, OffloadingWorkerMetadata)
-        return AscendOffloadingWorkerMetadata(
-            completed_jobs=merged.completed_jobs,
-            transfer_stats=merged.transfer_stats,
-            failed_jobs=self.failed_jobs | getattr(other, "failed_jobs", set()),
-        )
-
-
-@dataclass(frozen=True)
-class _LoadJob:
-    """What the worker side must know to report a failed load."""
-
-    req_id: ReqId
-    block_ids: tuple[int, ...]
-    sync: bool
 
 
 def _device_block_sizes(
@@ -196,10 +156,8 @@ class AscendOffloadingConnector(OffloadingConnector):
             _device_block_sizes(vllm_config, kv_cache_config),
         )
         groups = get_offloading_group_ids(kv_cache_config)
-        # vLLM maps failed block ids back to requests only with one KV cache
-        # group (Scheduler._handle_invalid_blocks); else report per request.
-        self._report_block_ids = len(groups) <= 1
-        if not self._report_block_ids and extra.get("sync_load_budget_bytes"):
+        report_block_ids = len(groups) <= 1
+        if not report_block_ids and extra.get("sync_load_budget_bytes"):
             raise OffloadConfigError(
                 "kv_connector_extra_config['sync_load_budget_bytes']="
                 f"{extra['sync_load_budget_bytes']!r} cannot be used with a model "
@@ -208,17 +166,11 @@ class AscendOffloadingConnector(OffloadingConnector):
                 "sync_load_budget_bytes (loads then run asynchronously)"
             )
         super().__init__(vllm_config, role, kv_cache_config)
-        self._num_workers = vllm_config.parallel_config.world_size
-        # Worker side: load jobs of the bound metadata and earlier steps, and
-        # what the current step has to report.
-        self._load_jobs: dict[int, _LoadJob] = {}
-        self._load_error_block_ids: set[int] = set()
-        self._failed_recving: set[ReqId] = set()
-        self._failed_jobs: set[int] = set()
-        # Scheduler side: per job, what a failure means (store -> its keys,
-        # load -> its request) and how many workers have yet to report it.
-        self._job_failure_target: dict[int, tuple[bool, object]] = {}
-        self._job_reports_due: dict[int, int] = {}
+        self._failure_log: WorkerFailureLog | None = None
+        self._failure_router: FailureRouter | None = None
+        self._quarantine: SyncLoadQuarantine | None = None
+        if self.connector_worker is not None:
+            self._failure_log = WorkerFailureLog(report_block_ids)
         if self.connector_scheduler is not None:
             manager = self.connector_scheduler.manager
             if not isinstance(manager, FailureAwareManager):
@@ -226,7 +178,14 @@ class AscendOffloadingConnector(OffloadingConnector):
                     "AscendOffloadingConnector needs NPUOffloadingSpec's manager "
                     f"(FailureAwareManager), got {type(manager).__name__}"
                 )
-            self._manager = manager
+            if report_block_ids and groups:
+                group = kv_cache_config.kv_cache_groups[groups[0]]
+                self._quarantine = SyncLoadQuarantine(
+                    group.kv_cache_spec.block_size, group_idx=groups[0]
+                )
+            self._failure_router = FailureRouter(
+                manager, vllm_config.parallel_config.world_size, self._quarantine
+            )
             policy = getattr(transfer_config, "kv_load_failure_policy", "fail")
             if policy != "recompute":
                 logger.info(
@@ -271,118 +230,77 @@ class AscendOffloadingConnector(OffloadingConnector):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         assert isinstance(connector_metadata, OffloadingConnectorMetadata)
-        for job_id, entry in connector_metadata.load_jobs.items():
-            assert isinstance(entry.dst_spec, GPULoadStoreSpec)
-            self._load_jobs[job_id] = _LoadJob(
-                req_id=entry.req_id,
-                block_ids=tuple(
-                    np.asarray(entry.dst_spec.block_ids, dtype=np.int64).tolist()
-                ),
-                sync=bool(getattr(entry, "sync", False)),
-            )
+        assert self._failure_log is not None
+        self._failure_log.record_loads(connector_metadata.load_jobs)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         meta = vllm_compat.bound_metadata(self)
         if getattr(meta, "idle_step", False):
             self._offloading_worker.wait_for_progress(IDLE_STEP_WAIT_S)
         finished = super().get_finished(finished_req_ids)
-        for job_id in self._offloading_worker.take_failed_jobs():
-            self._failed_jobs.add(job_id)
-            load = self._load_jobs.pop(job_id, None)
-            if load is None:
-                logger.warning(
-                    "KV offload: store job %d failed; its blocks are not kept in "
-                    "the CPU cache",
-                    job_id,
-                )
-                continue
-            # The job may have written some of its blocks, or garbage: all of
-            # them must be recomputed before anything uses them.
-            if self._report_block_ids:
-                self._load_error_block_ids.update(load.block_ids)
-            else:
-                self._failed_recving.add(load.req_id)
-            logger.warning(
-                "KV offload: %s load job %d of request %s failed; its %d device "
-                "blocks are reported as not loaded (kv_load_failure_policy "
-                "decides: recompute them, or fail the request)",
-                "sync" if load.sync else "async",
-                job_id,
-                load.req_id,
-                len(load.block_ids),
-            )
+        assert self._failure_log is not None
+        self._failure_log.record_failures(self._offloading_worker.take_failed_jobs())
         return finished
 
     def get_transfer_results(
         self, finished_req_ids: set[str]
     ) -> KVConnectorTransferResults:
         results = super().get_transfer_results(finished_req_ids)
-        results.failed_recving |= self._failed_recving
-        self._failed_recving = set()
+        assert self._failure_log is not None
+        results.failed_recving |= self._failure_log.take_failed_recving()
         return results
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         # Called after get_transfer_results in the same step, so a failed
         # load's blocks arrive with its request's finished_recving.
-        block_ids, self._load_error_block_ids = self._load_error_block_ids, set()
-        return block_ids
+        assert self._failure_log is not None
+        return self._failure_log.take_load_error_block_ids()
 
     def build_connector_worker_meta(self) -> OffloadingWorkerMetadata | None:
         meta = super().build_connector_worker_meta()
         if meta is None:
             return None
-        for job_id in meta.completed_jobs:
-            self._load_jobs.pop(job_id, None)
-        failed = self._failed_jobs & set(meta.completed_jobs)
-        self._failed_jobs -= failed
-        return AscendOffloadingWorkerMetadata(
-            completed_jobs=meta.completed_jobs,
-            transfer_stats=meta.transfer_stats,
-            failed_jobs=failed,
-        )
+        assert self._failure_log is not None
+        return self._failure_log.worker_metadata(meta)
 
     # -- scheduler side ----------------------------------------------------
+
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self._quarantine is not None:
+            self._quarantine.bind(kv_cache_manager)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        # Not yet while its prefix is in device blocks a sync load is filling.
+        if self._quarantine is not None and self._quarantine.must_wait(request):
+            return None, False
+        result = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if self._quarantine is not None:
+            self._quarantine.on_lookup(request, num_computed_tokens, result)
+        return result
+
+    def update_state_after_alloc(self, request: Request, blocks, num_external_tokens):
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        if self._quarantine is not None:
+            self._quarantine.on_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(
         self, scheduler_output: SchedulerOutput
     ) -> AscendOffloadingConnectorMetadata:
         meta = super().build_connector_meta(scheduler_output)
-        for job_id, entry in meta.store_jobs.items():
-            keys = self._manager.keys_of_store(entry.dst_spec)
-            self._expect_reports(job_id, (True, keys))
-        for job_id, entry in meta.load_jobs.items():
-            self._expect_reports(job_id, (False, entry.req_id))
+        assert self._failure_router is not None
+        self._failure_router.expect(meta)
         # Every field of vLLM's metadata, whatever its version has.
         values = {f.name: getattr(meta, f.name) for f in fields(meta)}
         return AscendOffloadingConnectorMetadata(
             **values, idle_step=scheduler_output.total_num_scheduled_tokens == 0
         )
 
-    def _expect_reports(self, job_id: int, target: tuple[bool, object]) -> None:
-        self._job_failure_target[job_id] = target
-        self._job_reports_due[job_id] = self._num_workers
-
     def update_connector_output(self, connector_output: KVConnectorOutput):
-        meta = connector_output.kv_connector_worker_meta
-        failed = getattr(meta, "failed_jobs", ())
-        # Before vLLM completes the jobs below: complete_store must already
-        # know that a failed store's keys hold nothing.
-        for job_id in failed:
-            is_store, target = self._job_failure_target.get(job_id, (None, None))
-            if target is None:
-                continue  # stale (issued before a cache reset) or unknown
-            if is_store:
-                self._manager.store_failed(target)
-            else:
-                self._manager.load_failed(target)
-        if isinstance(meta, OffloadingWorkerMetadata):
-            for job_id, count in meta.completed_jobs.items():
-                due = self._job_reports_due.get(job_id)
-                if due is None:
-                    continue
-                if due - count > 0:
-                    self._job_reports_due[job_id] = due - count
-                else:
-                    del self._job_reports_due[job_id]
-                    self._job_failure_target.pop(job_id, None)
+        # Before vLLM completes the jobs: complete_store must already know
+        # that a failed store's keys hold nothing.
+        assert self._failure_router is not None
+        self._failure_router.route(connector_output.kv_connector_worker_meta)
         super().update_connector_output(connector_output)

@@ -5,11 +5,9 @@ block of every cached tensor becomes one fragment ``(src, dst, bytes)``; the
 whole job is then handed to ``swap_blocks_batch`` in a single submission, which
 merges fragments that happen to be contiguous on both sides.
 
-CPU pool layout: one allocation of ``num_cpu_blocks`` rows. A row is one CPU
-block across every cached tensor (all layers, K and V): tensor ``t`` owns
-``blocks_per_chunk`` consecutive device-sized pages starting at
-``tensor_offsets[t]``. Keeping a CPU block in one region makes it a single
-object that another tier can move whole.
+The CPU pool's addressing is its layout (``cpu_pool.PoolLayout``); how the
+fragments are copied is the copy path the start-up self-check chose
+(``copy_paths.py``), the native op until then.
 """
 
 from __future__ import annotations
@@ -21,6 +19,7 @@ import torch
 from vllm.v1.kv_offload.base import CanonicalKVCaches, GPULoadStoreSpec
 
 from vllm_ascend.kv_offload import ops
+from vllm_ascend.kv_offload.copy_paths import CopyPath, Swap
 from vllm_ascend.kv_offload.cpu_pool import CpuBlockPool
 from vllm_ascend.kv_offload.logger import init_logger
 
@@ -61,6 +60,14 @@ class CopyEngine:
         self.groups = [
             self._group_tensors(kv_caches, refs) for refs in kv_caches.group_data_refs
         ]
+        self._buffers = [t.tensor for t in kv_caches.tensors]
+        device = self.device_type
+        self._swap: Swap = lambda s, d, n: ops.swap_blocks_batch(s, d, n, device)
+
+    def use(self, path: CopyPath) -> None:
+        """Copies with ``path`` from now on (over the KV caches and the pool)."""
+        assert self.pool.memory.tensor is not None
+        self._swap = path.bind([*self._buffers, self.pool.memory.tensor])
 
     def _group_tensors(self, kv_caches: CanonicalKVCaches, refs) -> _GroupTensors:
         # Layers that alias one tensor reach it through several refs; copy it
@@ -182,9 +189,7 @@ class CopyEngine:
         copies have completed: ``StreamTransferQueue`` keeps what a job's copy
         function returns until the job's end event has completed.
         """
-        merged, workspace = ops.swap_blocks_batch(
-            desc.src, desc.dst, desc.sizes, self.device_type
-        )
+        merged, workspace = self._swap(desc.src, desc.dst, desc.sizes)
         if logger.isEnabledFor(10):  # DEBUG; skip the formatting otherwise
             logger.debug(
                 "KV offload job: %d fragments (%d after merging), %d bytes, "

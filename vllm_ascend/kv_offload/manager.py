@@ -13,6 +13,9 @@ exactly two answers, from what the connector tells it
   so it recomputes instead of loading again (a fault that repeats cannot make
   it retry forever). Forgotten when the request finishes.
 
+It also adds the CPU pool's capacity, occupancy and evictions to vLLM's
+offloading stats (``get_stats``, ``pool_metrics.py``), for ``/metrics``.
+
 Everything else is delegated unchanged, whatever the vLLM release adds to the
 manager interface (0.33: ``lock``, ``on_reset_flushed``, ``config_info``).
 """
@@ -30,6 +33,9 @@ from vllm.v1.kv_offload.base import (
     ReqContext,
 )
 
+from vllm_ascend.kv_offload import vllm_compat
+from vllm_ascend.kv_offload.pool_metrics import PoolCapacity, add_pool_stats
+
 # OffloadKey is hashable; the exact type moved between vLLM releases.
 Keys = frozenset
 
@@ -37,8 +43,10 @@ Keys = frozenset
 class FailureAwareManager:
     """Delegates to ``inner``; see the module docstring for what it changes."""
 
-    def __init__(self, inner: OffloadingManager):
+    def __init__(self, inner: OffloadingManager, capacity: PoolCapacity | None = None):
         self.inner = inner
+        self.capacity = capacity
+        self._evictions = 0  # CPU blocks evicted since the last get_stats
         # store spec handed out by prepare_store -> the keys it stores; weak,
         # so specs of jobs that were never created do not accumulate.
         self._store_keys: weakref.WeakKeyDictionary[LoadStoreSpec, Keys] = (
@@ -69,6 +77,8 @@ class FailureAwareManager:
 
     def prepare_store(self, keys: Iterable[Any], req_context: ReqContext):
         output = self.inner.prepare_store(keys, req_context)
+        if output is not None:
+            self._evictions += len(output.evicted_keys)
         if output is not None and output.keys_to_store:
             self._store_keys[output.store_spec] = Keys(output.keys_to_store)
         return output
@@ -93,6 +103,19 @@ class FailureAwareManager:
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._failed_load_req_ids.discard(req_context.req_id)
         self.inner.on_request_finished(req_context)
+
+    def get_stats(self) -> Any:
+        """vLLM's stats, plus the pool's series (``pool_metrics.py``)."""
+        stats = self.inner.get_stats()
+        if stats is not None and self.capacity is not None:
+            add_pool_stats(
+                stats,
+                self.capacity,
+                vllm_compat.cpu_blocks_in_use(self.inner),
+                self._evictions,
+            )
+            self._evictions = 0
+        return stats
 
     def reset_cache(self, *args: Any, **kwargs: Any) -> Any:
         # Jobs issued before a reset never complete through the manager.

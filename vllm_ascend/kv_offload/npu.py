@@ -39,7 +39,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
-from vllm_ascend.kv_offload import vllm_compat
+from vllm_ascend.kv_offload import pool_metrics, vllm_compat
 from vllm_ascend.kv_offload.config import (
     OffloadConfigError,
     check_keys,
@@ -48,12 +48,15 @@ from vllm_ascend.kv_offload.config import (
     validate_connector_config,
 )
 from vllm_ascend.kv_offload.cpu_pool import (
+    CpuBlockPool,
     PoolRequest,
     check_host_memory,
     host_kv_cache_bytes,
+    private_pool,
 )
 from vllm_ascend.kv_offload.logger import init_logger
 from vllm_ascend.kv_offload.manager import FailureAwareManager
+from vllm_ascend.kv_offload.pool_metrics import PoolCapacity
 from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
 
 logger = init_logger(__name__)
@@ -93,14 +96,22 @@ class NPUOffloadingSpec(vllm_compat.PrivatePoolSpec, CPUOffloadingSpec):
         """vLLM's manager (LRU/ARC, events, metrics), told about failed
         transfers by our connector (``manager.py``)."""
         if self._failure_aware_manager is None:
-            self._failure_aware_manager = FailureAwareManager(super().get_manager())
+            self._failure_aware_manager = FailureAwareManager(
+                super().get_manager(),
+                PoolCapacity(
+                    self.num_chunks, self.num_chunks * cpu_block_bytes(self.config)
+                ),
+            )
         return self._failure_aware_manager
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]):
         # vLLM's reads store_threshold with a bare int(), in the front end.
         check_keys(extra_config)
-        return super().build_metric_definitions(extra_config)
+        return {
+            **super().build_metric_definitions(extra_config),
+            **pool_metrics.metric_definitions(),
+        }
 
     def _pool_request(self, kv_caches: CanonicalKVCaches) -> PoolRequest:
         given: Mapping[str, Any] = self.config.extra_config
@@ -119,16 +130,32 @@ class NPUOffloadingSpec(vllm_compat.PrivatePoolSpec, CPUOffloadingSpec):
             device_block_tokens=self.tokens_per_block[0],
         )
 
+    def allocate_pool(self, kv_caches: CanonicalKVCaches) -> CpuBlockPool:
+        """This worker's private pool, exactly its size (``cpu_pool.py``)."""
+        return private_pool(
+            [t.page_size_bytes for t in kv_caches.tensors],
+            self.blocks_per_chunk,
+            self.num_chunks,
+            kv_caches.tensors[0].tensor.device.type,
+        )
+
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._npu_worker is None:
             # The worker side, right before the pool is allocated: the one
             # place that knows what vLLM has allocated and what is to come.
+            # Assembly: check host memory, allocate the pool, build the worker
+            # on it (which self-checks its copy path before serving).
             check_host_memory(
                 self._pool_request(kv_caches), host_kv_cache_bytes(kv_caches)
             )
-            self._npu_worker = self.worker_cls(
-                kv_caches,
-                blocks_per_chunk=self.blocks_per_chunk,
-                num_cpu_blocks=self.num_chunks,
-            )
+            pool = self.allocate_pool(kv_caches)
+            try:
+                self._npu_worker = self.worker_cls(
+                    kv_caches,
+                    pool=pool,
+                    copy_path=self.config.extra_config.get("copy_path") or "auto",
+                )
+            except BaseException:
+                pool.release()
+                raise
         return self._npu_worker

@@ -32,10 +32,15 @@ import torch
 
 __all__ = [
     "HAS_NATIVE_OP",
+    "check_disjoint",
+    "coalesce",
     "fallback_swap_blocks_batch",
+    "host_alloc",
+    "host_free",
     "host_register",
     "host_unregister",
     "native_backends",
+    "set_per_copy",
     "swap_blocks_batch",
 ]
 
@@ -122,6 +127,30 @@ def host_unregister(addr: int, device: str) -> None:
     _host_register_op("unregister")(addr, device)
 
 
+def host_alloc(size: int, device: str) -> int:
+    """Exact-size page-locked host memory ("npu": aclrtMallocHost); returns
+    its address. Contract: ``kv_offload_host_alloc`` in ``ops.h``."""
+    return int(_host_register_op("alloc")(size, device))
+
+
+def host_free(addr: int, device: str) -> None:
+    """Frees memory from ``host_alloc`` once no copy uses it any more."""
+    _host_register_op("free")(addr, device)
+
+
+def set_per_copy(device: str, on: bool) -> None:
+    """While on, ``device``'s backend copies with one async memcpy per copy
+    (no batch call, no copy kernel): the self-check's next path down.
+    Contract: ``kv_offload_set_per_copy`` in ``ops.h``."""
+    op = getattr(torch.ops._C_ascend, "kv_offload_set_per_copy", None)
+    if _native_op is None or op is None:
+        raise RuntimeError(
+            "kv_offload_set_per_copy needs the native extension "
+            f"vllm_ascend.kv_offload._C_kv_offload; {_BUILD_HINT}"
+        )
+    op.default(device, on)
+
+
 def _check_descriptor(t: torch.Tensor, name: str) -> None:
     # Same checks and wording as check_descriptor() in csrc/kv_offload/dispatch.cpp.
     prefix = f"swap_blocks_batch: {name} must be"
@@ -154,11 +183,7 @@ def fallback_swap_blocks_batch(
 ) -> tuple[int, torch.Tensor]:
     """Pure-Python swap_blocks_batch for device "cpu" (same contract; the copy
     is synchronous, so the workspace is always empty)."""
-    if device not in _KNOWN_DEVICES:
-        raise RuntimeError(
-            f"swap_blocks_batch: unknown device '{device}'; expected one of "
-            "'cpu', 'cuda', 'npu'"
-        )
+    _check_device(device)
     if device != "cpu":
         raise RuntimeError(
             f"swap_blocks_batch: device '{device}' requires the native extension "
@@ -167,6 +192,44 @@ def fallback_swap_blocks_batch(
             f"{_BUILD_HINT} on a machine with the {device} toolchain "
             f"(fallback in use because {_fallback_reason or 'it was called directly'})"
         )
+    m_src, m_dst, m_size, first = coalesce(src_addrs, dst_addrs, sizes)
+    check_disjoint(m_src, m_dst, m_size, first, device)
+    for s, d, k in zip(m_src.tolist(), m_dst.tolist(), m_size.tolist(), strict=True):
+        ctypes.memmove(d, s, k)
+    return len(m_size), _no_workspace()
+
+
+def check_disjoint(
+    src: np.ndarray, dst: np.ndarray, size: np.ndarray, first: np.ndarray, device: str
+) -> None:
+    """Raises, as the op's "cpu" backend does, if a merged copy's source and
+    destination overlap (``coalesce``'s arrays)."""
+    overlap = (src < dst + size) & (dst < src + size)
+    if overlap.any():
+        j = _first(overlap)
+        raise RuntimeError(
+            f"swap_blocks_batch(device='{device}'): source and destination of "
+            f"fragment {first[j]} (after merging adjacent fragments) overlap "
+            f"(src_addrs={src[j]}, dst_addrs={dst[j]}, bytes={size[j]}); "
+            "source and destination ranges must be disjoint"
+        )
+
+
+def _check_device(device: str) -> None:
+    if device not in _KNOWN_DEVICES:
+        raise RuntimeError(
+            f"swap_blocks_batch: unknown device '{device}'; expected one of "
+            "'cpu', 'cuda', 'npu'"
+        )
+
+
+def coalesce(
+    src_addrs: torch.Tensor, dst_addrs: torch.Tensor, sizes: torch.Tensor
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The op's validation and merging of adjacent fragments, in numpy:
+    ``(src, dst, size)`` uint64 arrays of the copies to perform, and the
+    index of each copy's first fragment. Raises
+    RuntimeError with the op's wording (``dispatch.cpp``) for a bad batch."""
     _check_descriptor(src_addrs, "src_addrs")
     _check_descriptor(dst_addrs, "dst_addrs")
     _check_descriptor(sizes, "sizes")
@@ -177,9 +240,9 @@ def fallback_swap_blocks_batch(
             f"length (got {src_addrs.numel()}, {dst_addrs.numel()}, {n}); pass "
             "exactly one entry per fragment in each"
         )
+    empty = np.empty(0, dtype=np.uint64)
     if n == 0:
-        return 0, _no_workspace()
-
+        return empty, empty, empty, np.empty(0, dtype=np.int64)
     # Addresses are unsigned; int64 is only the transport type.
     src = src_addrs.numpy().view(np.uint64)
     dst = dst_addrs.numpy().view(np.uint64)
@@ -227,18 +290,7 @@ def fallback_swap_blocks_batch(
     m_src, m_dst = src[first], dst[first]
     m_size = np.add.reduceat(size, first)
 
-    overlap = (m_src < m_dst + m_size) & (m_dst < m_src + m_size)
-    if overlap.any():
-        j = _first(overlap)
-        raise RuntimeError(
-            "swap_blocks_batch(device='cpu'): source and destination of fragment "
-            f"{first[j]} (after merging adjacent fragments) overlap "
-            f"(src_addrs={m_src[j]}, dst_addrs={m_dst[j]}, bytes={m_size[j]}); "
-            "source and destination ranges must be disjoint"
-        )
-    for s, d, k in zip(m_src.tolist(), m_dst.tolist(), m_size.tolist(), strict=True):
-        ctypes.memmove(d, s, k)
-    return len(first), _no_workspace()
+    return m_src, m_dst, m_size, first
 
 
 def _warn_fallback(reason: str) -> None:

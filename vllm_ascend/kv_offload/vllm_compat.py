@@ -1,9 +1,5 @@
-"""Every use of a private vLLM name in this package, in one place, with one
-exception: ``tiering/`` subclasses vLLM's tiering spec and fs tier and
-reads their private state (``_engine_id``, ``_scheduler_mmap``,
-``_block_size``, ``_pool``, ``_primary_kv_view``, ``_store_job_keys``,
-``_load_job_keys``, ``_load_progress``, ``_use_o_direct``; present in vLLM
-0.30-0.33, not yet checked by a test).
+"""Every use of a private vLLM name in this package, in one place
+(``tests/unit/test_vllm_compat.py`` scans the package for any other).
 
 Each function says which vLLM releases it was checked against and what it
 needs; ``tests/unit/test_vllm_compat.py`` fails with a clear message when a
@@ -84,3 +80,66 @@ def count_fs_tier_job_blocks(tier: Any, job_id: int, num_blocks: int) -> None:
     except AttributeError:  # vLLM 0.30
         return
     counts[job_id] = num_blocks
+
+
+# -- vLLM's fs tier (FileSystemTierManager), which tiering/fs.py subclasses --
+# vLLM's submit_store/submit_load call its module-level batch I/O functions
+# directly, with no seam for another file format, so our tier re-implements
+# both and does the bookkeeping vLLM's get_finished_jobs reads here.
+
+
+def fs_tier_uses_o_direct(tier: Any) -> bool:
+    """Whether vLLM's probe found ``O_DIRECT`` usable in the tier directory
+    (``FileSystemTierManager.__init__`` sets ``_use_o_direct``; vLLM 0.32,
+    0.33)."""
+    return bool(tier._use_o_direct)
+
+
+def enqueue_fs_tier_store(
+    tier: Any, job_id: int, keys: list[Any], task: Callable[[], None]
+) -> None:
+    """Queues store job ``job_id`` (one task) as ``submit_store`` does: its
+    keys for the KV events (``_store_job_keys``, only when events are on),
+    its block count (``count_fs_tier_job_blocks``), then
+    ``_pool.enqueue_store`` (vLLM 0.32, 0.33)."""
+    if tier.events is not None:
+        tier._store_job_keys[job_id] = keys
+    count_fs_tier_job_blocks(tier, job_id, len(keys))
+    tier._pool.enqueue_store(job_id, 1, [task])
+
+
+def enqueue_fs_tier_load(
+    tier: Any, job_id: int, keys: list[Any], task: Callable[[], None]
+) -> None:
+    """Queues load job ``job_id`` (one task) as ``submit_load`` does: its
+    keys (``_load_job_keys``, so that a failure marks them a miss), its block
+    count, then ``_pool.enqueue_load`` (vLLM 0.32, 0.33)."""
+    tier._load_job_keys[job_id] = keys
+    count_fs_tier_job_blocks(tier, job_id, len(keys))
+    tier._pool.enqueue_load(job_id, 1, [task])
+
+
+def record_fs_tier_load_progress(tier: Any, job_id: int, num_loaded: int) -> None:
+    """Before a load task raises: how many of its blocks loaded (kept), in
+    ``_load_progress``, which ``get_finished_jobs`` pops (vLLM 0.32, 0.33)."""
+    tier._load_progress[job_id] = num_loaded
+
+
+def tiering_scheduler_region(spec: Any) -> Any:
+    """The shared region ``TieringOffloadingSpec.get_manager`` created on the
+    scheduler side (``_scheduler_mmap``; None before, or without one;
+    vLLM 0.32, 0.33)."""
+    return spec._scheduler_mmap
+
+
+def cpu_blocks_in_use(manager: Any) -> int | None:
+    """CPU blocks of vLLM's ``CPUOffloadingManager`` that hold KV or are being
+    written (allocated minus free); None for another manager.
+
+    vLLM 0.32 and 0.33 hand out chunk ids ``0.._num_allocated_chunks`` and
+    keep freed ones in ``_free_list`` (its ``get_stats`` reads both).
+    """
+    try:
+        return manager._num_allocated_chunks - len(manager._free_list)
+    except (AttributeError, TypeError):
+        return None

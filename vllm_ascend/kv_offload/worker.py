@@ -21,7 +21,6 @@ stays loud.
 from __future__ import annotations
 
 import functools
-import time
 
 import numpy as np
 from vllm.v1.kv_offload.base import (
@@ -33,9 +32,12 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
-from vllm_ascend.kv_offload.copy_engine import CopyEngine, CpuBlockPool, Descriptors
-from vllm_ascend.kv_offload.cpu_pool import allocate_pool, host_pinning_available
+from vllm_ascend.kv_offload import ops
+from vllm_ascend.kv_offload.copy_engine import CopyEngine, Descriptors
+from vllm_ascend.kv_offload.copy_paths import candidate_paths
+from vllm_ascend.kv_offload.cpu_pool import CpuBlockPool, private_pool
 from vllm_ascend.kv_offload.logger import init_logger
+from vllm_ascend.kv_offload.self_check import SelfCheckResult, refusal, run_self_check
 from vllm_ascend.kv_offload.transfer_queue import (
     CopyFn,
     FinishedJob,
@@ -52,47 +54,31 @@ class NPUOffloadingWorker(OffloadingWorker):
     def __init__(
         self,
         kv_caches: CanonicalKVCaches,
-        blocks_per_chunk: int,
-        num_cpu_blocks: int,
+        blocks_per_chunk: int | None = None,
+        num_cpu_blocks: int | None = None,
         pool: CpuBlockPool | None = None,
+        copy_path: str = "auto",
     ):
-        """``pool``: host memory someone else owns (e.g. the tiering spec's
-        shared region, ``tiering.region.RegionBlockPool``) instead of a pool of our
-        own; it must have ``num_cpu_blocks`` rows."""
+        """``pool``: the CPU block pool the spec assembled for this worker
+        (``cpu_pool.private_pool`` or a shared region's ``region_pool``);
+        without one, a private pool of ``num_cpu_blocks`` blocks of
+        ``blocks_per_chunk`` device blocks is allocated here. The worker
+        releases it at shutdown, as its memory's owner said. ``copy_path``:
+        the setting of that name (``copy_paths.py``). Raises
+        ``self_check.SelfCheckFailed`` if no copy path is byte-exact."""
         if not kv_caches.tensors:
             raise ValueError("NPUOffloadingWorker needs at least one KV cache tensor")
         self.device = kv_caches.tensors[0].tensor.device
-        if pool is not None:
-            self.pool = pool
-            self._start(kv_caches)
-            return
-        pin = host_pinning_available(self.device)
-        if not pin:
-            # Expected on the CPU backend; on an accelerator it costs speed.
-            log = logger.info if self.device.type == "cpu" else logger.warning
-            log(
-                "KV offload: page-locked host memory is not available on %s; "
-                "the CPU block pool uses pageable memory",
+        if pool is None:
+            assert blocks_per_chunk is not None and num_cpu_blocks is not None
+            pool = private_pool(
+                [t.page_size_bytes for t in kv_caches.tensors],
+                blocks_per_chunk,
+                num_cpu_blocks,
                 self.device.type,
             )
-        t0 = time.perf_counter()
-        self.pool = allocate_pool(
-            [t.page_size_bytes for t in kv_caches.tensors],
-            blocks_per_chunk,
-            num_cpu_blocks,
-            pin,
-        )
-        logger.info(
-            "KV offload: CPU block pool of %d blocks x %d bytes (%.2f GiB, %s) "
-            "allocated in %.2f s for %d KV cache tensors on %s",
-            num_cpu_blocks,
-            self.pool.row_bytes,
-            self.pool.nbytes / 2**30,
-            "pinned" if self.pool.pinned else "pageable",
-            time.perf_counter() - t0,
-            len(kv_caches.tensors),
-            self.device,
-        )
+        self.pool = pool
+        self._copy_path_setting = copy_path
         self._start(kv_caches)
 
     def _start(self, kv_caches: CanonicalKVCaches) -> None:
@@ -108,6 +94,40 @@ class NPUOffloadingWorker(OffloadingWorker):
         self._divert_failures = False
         self._failed_jobs: list[int] = []
         self._closed = False
+        self._check_copy_path(kv_caches, self._copy_path_setting)
+
+    def _check_copy_path(self, kv_caches: CanonicalKVCaches, setting: str) -> None:
+        """Before serving: the start-up self-check picks the copy path
+        (``self_check.py``), or offloading is refused."""
+        paths = candidate_paths(self.device.type, setting)
+        if self.device.type != "cpu" and not any(p.native for p in paths[:1]):
+            logger.warning(
+                "KV offload: %s on %s: the native copy op is not available "
+                "here (%s); copies use the torch path",
+                "copy_path='torch' is set" if setting == "torch" else "auto",
+                self.device,
+                ", ".join(ops.native_backends()) or "no native backend built",
+            )
+        result = run_self_check(
+            self.device,
+            [t.page_size_bytes for t in kv_caches.tensors],
+            pool=self.pool,
+            paths=paths,
+            queues=(self._stores, self._loads),
+        )
+        self.self_check: SelfCheckResult = result
+        if not result.passed:
+            self.shutdown()
+            raise refusal(result)
+        self.copy_path: str = result.path
+        self.engine.use(next(p for p in paths if p.name == result.path))
+        logger.info(
+            "KV offload: copy path %s on %s (self-check: %.2f GB/s, %.0f ms)",
+            self.copy_path,
+            self.device,
+            result.bandwidth_gbps,
+            result.seconds * 1e3,
+        )
 
     def divert_failures(self) -> None:
         """Report failed jobs to vLLM as finished (without stats) and keep
@@ -227,5 +247,6 @@ class NPUOffloadingWorker(OffloadingWorker):
         stopped = [q.shutdown() for q in self._queues]
         self._job_bytes.clear()
         if all(stopped):
-            # Release the (possibly pinned) host memory now, not at GC.
+            # Release the (possibly pinned) host memory now, not at GC; a
+            # shared region's owner decided what that means (region_pool).
             self.pool.release()

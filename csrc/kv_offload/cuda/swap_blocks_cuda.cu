@@ -275,6 +275,9 @@ void copy_with_kernel(const std::vector<CopyRegion>& regions,
 
 // Set for good once the runtime or driver reports the batch API unsupported.
 std::atomic<bool> g_batch_unsupported{false};
+// Set by kv_offload_set_per_copy: one cudaMemcpyAsync per copy, no kernel and
+// no batch call (the start-up self-check's next path down).
+std::atomic<bool> g_per_copy{false};
 
 #if CUDART_VERSION >= 12080
 // One cudaMemcpyBatchAsync for the whole job. Returns the job's workspace, a
@@ -338,7 +341,8 @@ at::Tensor copy_with_dma(const std::vector<CopyRegion>& regions,
   // The batch API refuses the legacy default stream; pageable memory takes
   // the long-established per-copy path, which stages it.
   const bool legacy_stream = stream == nullptr || stream == cudaStreamLegacy;
-  if (!pageable && !legacy_stream && !g_batch_unsupported.load()) {
+  if (!pageable && !legacy_stream && !g_batch_unsupported.load() &&
+      !g_per_copy.load()) {
     at::Tensor workspace = copy_with_batch_api(regions, stream);
     if (workspace.defined()) return workspace;
   }
@@ -392,6 +396,8 @@ bool device_accessible(const cudaPointerAttributes& a, uint64_t addr,
 
 }  // namespace
 
+void set_per_copy_cuda(bool on) { g_per_copy.store(on); }
+
 at::Tensor swap_blocks_cuda(const std::vector<CopyRegion>& regions) {
   if (regions.empty()) return {};
   const Method method = method_from_env();  // a bad value raises first
@@ -444,7 +450,8 @@ at::Tensor swap_blocks_cuda(const std::vector<CopyRegion>& regions) {
       src.type == cudaMemoryTypeHost || dst.type == cudaMemoryTypeHost;
   const bool small = total / regions.size() < kKernelMaxMeanBytes;
   const bool use_kernel =
-      kernel_ok && (method == Method::kKernel ||
+      kernel_ok && !g_per_copy.load() &&
+      (method == Method::kKernel ||
                     (method == Method::kAuto && small && host_side));
   if (use_kernel) {
     // Its region table lives in a staging slot guarded by an event.

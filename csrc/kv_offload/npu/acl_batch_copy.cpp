@@ -173,7 +173,7 @@ void check_workspace(const void* workspace, size_t bytes, size_t needed) {
 
 size_t AclBatchCopier::workspace_bytes(size_t num_regions) const {
   if (num_regions == 0 || &aclrtMemcpyBatchAsync == nullptr ||
-      batch_unsupported_.load()) {
+      batch_unsupported_.load() || per_copy_only_.load()) {
     return 0;
   }
   return BatchArrays(num_regions).layout.bytes();
@@ -195,7 +195,7 @@ BatchCopyReport AclBatchCopier::copy(const std::vector<CopyRegion>& regions,
   if (&aclrtMemcpyBatchAsync == nullptr) disable_batch_api();
 
   size_t begin = 0;  // first region not submitted yet
-  if (!batch_unsupported_.load()) {
+  if (!batch_unsupported_.load() && !per_copy_only_.load()) {
     const BatchArrays arrays(n);
     check_workspace(workspace, workspace_bytes, arrays.layout.bytes());
     auto* attr = place_array<aclrtMemcpyBatchAttr>(workspace, arrays.attr, 1);

@@ -32,7 +32,8 @@ struct BatchCopyReport {
   bool fallback_started = false;
 };
 
-// Thread-safe; the only state is whether the batch API was found unsupported.
+// Thread-safe; the only state is whether the batch API was found unsupported
+// and whether the per-copy loop was asked for (set_per_copy).
 class AclBatchCopier {
  public:
   // Bytes of host memory copy() needs as its workspace for `num_regions`
@@ -67,8 +68,16 @@ class AclBatchCopier {
 
   bool using_fallback() const { return batch_unsupported_.load(); }
 
+  // While on, every copy takes the per-copy loop (aclrtMemcpyAsync), batch
+  // API or not: the start-up self-check's next path down when a batch copy
+  // was wrong (vllm_ascend/kv_offload/self_check.py). Set it between jobs:
+  // a job sized with workspace_bytes() before the switch is refused.
+  void set_per_copy(bool on) { per_copy_only_.store(on); }
+  bool per_copy() const { return per_copy_only_.load(); }
+
  private:
   std::atomic<bool> batch_unsupported_{false};
+  std::atomic<bool> per_copy_only_{false};
 };
 
 }  // namespace vllm_ascend::kv_offload::npu

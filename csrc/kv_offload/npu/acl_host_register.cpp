@@ -36,6 +36,8 @@ std::string acl_detail() {
 
 constexpr const char* kRegister = "kv_offload_host_register";
 constexpr const char* kUnregister = "kv_offload_host_unregister";
+constexpr const char* kAlloc = "kv_offload_host_alloc";
+constexpr const char* kFree = "kv_offload_host_free";
 
 // The location type ACL reports for `addr`, or a description of why none.
 bool location_of(uint64_t addr, aclrtMemLocationType* type, std::string* why) {
@@ -119,6 +121,43 @@ void unregister_host_range(uint64_t addr) {
     fail(kUnregister, "aclrtHostUnregister(" + hex(addr) +
                           ") failed with ACL error " + std::to_string(e) +
                           acl_detail());
+  }
+}
+
+uint64_t allocate_host(uint64_t size) {
+  if (size == 0) fail(kAlloc, "nothing to allocate: size 0");
+  void* ptr = nullptr;
+  const aclError e = aclrtMallocHost(&ptr, size);
+  if (e != ACL_SUCCESS || ptr == nullptr) {
+    fail(kAlloc, "aclrtMallocHost(" + std::to_string(size) +
+                     " bytes) failed with ACL error " + std::to_string(e) +
+                     acl_detail());
+  }
+  const auto addr = reinterpret_cast<uint64_t>(ptr);
+  if (&aclrtPointerGetAttributes == nullptr) return addr;  // nothing to ask
+  const uint64_t bytes[] = {addr, addr + size - 1};
+  for (const uint64_t b : bytes) {
+    aclrtMemLocationType type{};
+    std::string why;
+    if (location_of(b, &type, &why) && is_page_locked_host(type)) continue;
+    if (why.empty()) {
+      why = "aclrtPointerGetAttributes reports location type " +
+            std::to_string(type) + " for byte " + hex(b) +
+            ", not page-locked host memory";
+    }
+    aclrtFreeHost(ptr);
+    fail(kAlloc, "aclrtMallocHost returned " + range(addr, size) + ", but " +
+                     why + "; it was freed again");
+  }
+  return addr;
+}
+
+void free_host(uint64_t addr) {
+  if (addr == 0) fail(kFree, "address 0 was never allocated");
+  const aclError e = aclrtFreeHost(reinterpret_cast<void*>(addr));
+  if (e != ACL_SUCCESS) {
+    fail(kFree, "aclrtFreeHost(" + hex(addr) + ") failed with ACL error " +
+                    std::to_string(e) + acl_detail());
   }
 }
 

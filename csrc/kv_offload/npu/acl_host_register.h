@@ -37,4 +37,17 @@ void register_host_range(uint64_t addr, uint64_t size);
 // register_host_range.
 void unregister_host_range(uint64_t addr);
 
+// aclrtMallocHost(size): page-locked host memory of exactly `size` bytes
+// (the runtime rounds to its pages at most) that ACL's async copies accept on
+// every kernel, unlike a registration (pageable memory "causes exceptions"
+// on Linux <= 5.10, CANN docs). Checked like a registration: ACL must report
+// its first and last byte as page-locked host memory, else it is freed again.
+// Returns the address; throws std::runtime_error naming the size, the ACL
+// call and its error code.
+uint64_t allocate_host(uint64_t size);
+
+// aclrtFreeHost(addr) for an address from allocate_host, once no copy from
+// or to it is queued any more. Throws like allocate_host.
+void free_host(uint64_t addr);
+
 }  // namespace vllm_ascend::kv_offload::npu

@@ -1,4 +1,5 @@
-// "npu" implementation of kv_offload_host_register / _unregister (contract:
+// "npu" implementation of kv_offload_host_register / _unregister and
+// kv_offload_host_alloc / _free (contract:
 // csrc/kv_offload/ops.h): turns the errors of the ACL-facing core
 // (acl_host_register.cpp, also tested against a simulated ACL runtime in
 // tests/sim_acl/) into c10::Error.
@@ -22,6 +23,22 @@ void host_register_npu(uint64_t addr, uint64_t size) {
 void host_unregister_npu(uint64_t addr) {
   try {
     npu::unregister_host_range(addr);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, e.what());
+  }
+}
+
+uint64_t host_alloc_npu(uint64_t size) {
+  try {
+    return npu::allocate_host(size);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, e.what());
+  }
+}
+
+void host_free_npu(uint64_t addr) {
+  try {
+    npu::free_host(addr);
   } catch (const std::exception& e) {
     TORCH_CHECK(false, e.what());
   }

@@ -15,10 +15,21 @@
 
 namespace vllm_ascend::kv_offload {
 
-at::Tensor swap_blocks_npu(const std::vector<CopyRegion>& regions) {
-  // One per process: once the batch API is found unsupported, every later
-  // job goes straight to the per-copy loop.
+namespace {
+
+// One per process: once the batch API is found unsupported, every later job
+// goes straight to the per-copy loop.
+npu::AclBatchCopier& process_copier() {
   static npu::AclBatchCopier copier;
+  return copier;
+}
+
+}  // namespace
+
+void set_per_copy_npu(bool on) { process_copier().set_per_copy(on); }
+
+at::Tensor swap_blocks_npu(const std::vector<CopyRegion>& regions) {
+  npu::AclBatchCopier& copier = process_copier();
   // The host arrays of aclrtMemcpyBatchAsync live here, in a tensor the op
   // returns: the caller keeps it until the copies have completed (ops.h).
   // Ordinary CPU memory: the ACL docs ask nothing more of these arrays.

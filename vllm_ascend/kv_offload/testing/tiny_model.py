@@ -9,6 +9,7 @@ and any wrong byte changes the greedy output.
 Usage::
 
     python -m vllm_ascend.kv_offload.testing.tiny_model [--out DIR] [--layers N] ...
+    python -m vllm_ascend.kv_offload.testing.tiny_model --preset demo
 """
 
 from __future__ import annotations
@@ -53,6 +54,38 @@ class TinyModelSpec:
     max_position_embeddings: int = 8192
     initializer_range: float = 0.5
     seed: int = 0
+    # The dtype the weights are written in, and the config's ``torch_dtype``:
+    # vLLM serves a float32 checkpoint in bfloat16 by default (and warns for
+    # every weight it narrows), so a model meant for the default dtype is
+    # written in bfloat16. Engines that ask for float32 widen bfloat16
+    # exactly, without a warning.
+    dtype: str = "float32"
+
+    def stamp(self) -> str:
+        """What identifies the generated files (the dtype only when it is not
+        the original float32, so older models are not regenerated)."""
+        fields = asdict(self)
+        if fields["dtype"] == "float32":
+            del fields["dtype"]
+        return json.dumps(fields, sort_keys=True)
+
+
+# The model of the offline example: large enough that recomputing a 1k-2k
+# token prompt on 2 CPU cores takes clearly longer than loading its KV back
+# from the CPU pool (about 38 M parameters, 6 KiB of KV per token; written
+# in about 10 s), written in the dtype vLLM serves it in.
+DEMO_SPEC = TinyModelSpec(
+    hidden_size=768,
+    num_layers=6,
+    num_heads=12,
+    num_kv_heads=4,
+    head_dim=64,
+    intermediate_size=2048,
+    # HF's default: activations stay O(1) through the layers.
+    initializer_range=0.02,
+    dtype="bfloat16",
+)
+DEMO_DIR = DEFAULT_DIR.parent / "demo-qwen3"
 
 
 def vocabulary(vocab_size: int) -> list[str]:
@@ -113,7 +146,7 @@ def _write_weights(out: Path, spec: TinyModelSpec) -> None:
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
-        torch_dtype="float32",
+        torch_dtype=spec.dtype,
     )
     model = Qwen3ForCausalLM(config)
     # Fill every parameter from our own generator so the weights depend only
@@ -127,7 +160,13 @@ def _write_weights(out: Path, spec: TinyModelSpec) -> None:
                 param.copy_(
                     torch.randn(param.shape, generator=gen) * spec.initializer_range
                 )
-    model.save_pretrained(out, safe_serialization=True)
+    model.to(getattr(torch, spec.dtype)).save_pretrained(out, safe_serialization=True)
+
+
+def ensure_demo_model(out: str | os.PathLike[str] | None = None) -> str:
+    """Return the path of the example's model (``DEMO_SPEC``), generating it
+    if missing or stale."""
+    return ensure_tiny_model(out if out is not None else DEMO_DIR, DEMO_SPEC)
 
 
 def ensure_tiny_model(
@@ -137,7 +176,7 @@ def ensure_tiny_model(
     spec = spec or TinyModelSpec()
     out_path = Path(out) if out is not None else DEFAULT_DIR
     stamp = out_path / "tiny_model_spec.json"
-    wanted = json.dumps(asdict(spec), sort_keys=True)
+    wanted = spec.stamp()
     if stamp.exists() and stamp.read_text() == wanted:
         return str(out_path)
     out_path.mkdir(parents=True, exist_ok=True)
@@ -159,7 +198,14 @@ def make_prompt(num_words: int, seed: int, vocab_size: int = 512) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(DEFAULT_DIR))
+    parser.add_argument(
+        "--preset",
+        choices=("tiny", "demo"),
+        default="tiny",
+        help="tiny: the tests' 2-layer model (default); demo: the offline "
+        "example's model (DEMO_SPEC, bfloat16); the other options are ignored",
+    )
+    parser.add_argument("--out", default=None, help=f"default: {DEFAULT_DIR}")
     defaults = TinyModelSpec()
     parser.add_argument("--layers", type=int, default=defaults.num_layers)
     parser.add_argument("--hidden", type=int, default=defaults.hidden_size)
@@ -168,6 +214,9 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=defaults.head_dim)
     parser.add_argument("--seed", type=int, default=defaults.seed)
     args = parser.parse_args()
+    if args.preset == "demo":
+        print(ensure_demo_model(args.out))
+        return
     spec = TinyModelSpec(
         hidden_size=args.hidden,
         num_layers=args.layers,

@@ -5,7 +5,6 @@ simulated only, never run on an NPU), with CUDA through vLLM's own
 
 from __future__ import annotations
 
-import itertools
 import os
 import time
 from collections.abc import Callable
@@ -13,6 +12,7 @@ from collections.abc import Callable
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
 from vllm_ascend.kv_offload.config import TIERING_SPEC, OffloadConfigError
+from vllm_ascend.kv_offload.host_memory import kernel_registers_pageable_memory
 from vllm_ascend.kv_offload.logger import init_logger
 from vllm_ascend.kv_offload.tiering.region import RegionBlockPool
 
@@ -21,18 +21,6 @@ logger = init_logger(__name__)
 
 def _kernel_release() -> str:
     return os.uname().release
-
-
-def kernel_registers_pageable_memory(release: str) -> bool:
-    """Whether ``aclrtHostRegisterV2`` may page-lock pageable memory on a
-    Linux kernel of this release: the CANN documentation says that on 5.10
-    and older, pageable memory "causes exceptions" and must come from
-    ``aclrtMallocHost`` instead."""
-    numbers = []
-    for part in release.split(".")[:2]:
-        digits = "".join(itertools.takewhile(str.isdigit, part))
-        numbers.append(int(digits) if digits else 0)
-    return tuple(numbers) > (5, 10)
 
 
 class AclRegionRegistration:
@@ -123,4 +111,4 @@ def register_with_cuda(region: SharedOffloadRegion, pool: RegionBlockPool) -> No
 
     if PIN_MEMORY:
         pin_mmap_region(region)
-    pool.pinned = region.is_pinned
+    pool.mark_pinned(region.is_pinned)

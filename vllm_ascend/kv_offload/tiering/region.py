@@ -14,12 +14,11 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-from typing_extensions import override
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
 from vllm_ascend.kv_offload.config import OffloadConfigError
-from vllm_ascend.kv_offload.cpu_pool import CpuBlockPool
+from vllm_ascend.kv_offload.cpu_pool import CpuBlockPool, PoolLayout
+from vllm_ascend.kv_offload.host_memory import borrowed
 from vllm_ascend.kv_offload.logger import init_logger
 
 if TYPE_CHECKING:
@@ -108,34 +107,27 @@ class RegionBlockPool(CpuBlockPool):
         slot_capacity: int,
         row_stride: int,
     ):
-        pages = np.asarray(page_bytes, dtype=np.int64) * blocks_per_chunk
-        self.slot_bytes = int(pages.sum())
-        if self.slot_bytes > slot_capacity:
+        layout = PoolLayout.of(
+            page_bytes,
+            blocks_per_chunk,
+            region.num_chunks,
+            slot_offset=slot_offset,
+            row_bytes=row_stride,
+        )
+        if layout.slot_bytes > slot_capacity:
             raise OffloadConfigError(
                 f"KV offload: this worker's KV of one CPU block is "
-                f"{self.slot_bytes} bytes, more than its slot of the shared "
+                f"{layout.slot_bytes} bytes, more than its slot of the shared "
                 f"region ({slot_capacity} bytes); the KV cache layout is not "
                 "one vLLM sized the region for (report this as a bug)"
             )
-        self.blocks_per_chunk = blocks_per_chunk
-        self.num_blocks = region.num_chunks
-        self.tensor_offsets = slot_offset + np.concatenate(([0], np.cumsum(pages)[:-1]))
-        self.row_bytes = row_stride
-        self.tensor = region.base_tensor  # a reference, not an allocation
-        self.base = self.tensor.data_ptr()
-        self.pinned = False
+        # A reference, not an allocation: the region's owner unmaps it.
+        super().__init__(layout, borrowed(region.base_tensor, pinned=False))
         self.region = region
 
-    @property
-    @override
-    def nbytes(self) -> int:
-        return self.num_blocks * self.slot_bytes
-
-    @override
-    def release(self) -> None:
-        """Drops the reference; the region's owner unmaps it."""
-        self.tensor = None
-        self.base = 0
+    def mark_pinned(self, pinned: bool) -> None:
+        """The region was (or was not) page-locked after the pool was built."""
+        self.memory.pinned = pinned
 
 
 def close_region(

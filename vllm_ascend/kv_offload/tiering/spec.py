@@ -22,11 +22,17 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
+from vllm_ascend.kv_offload import vllm_compat
 from vllm_ascend.kv_offload.config import PREFIX, TIERING_SPEC, OffloadConfigError
 from vllm_ascend.kv_offload.logger import init_logger
 from vllm_ascend.kv_offload.manager import FailureAwareManager
 from vllm_ascend.kv_offload.npu import NPUOffloadingSpec
-from vllm_ascend.kv_offload.tiering.fs import VERIFIED_FS_TYPE, tier_dir_usable
+from vllm_ascend.kv_offload.tiering.fs import (
+    AUTH_KEY_FILE,
+    VERIFIED_FS_TYPE,
+    read_auth_key,
+    tier_dir_usable,
+)
 from vllm_ascend.kv_offload.tiering.fs_budget import (
     budget_metric_definitions,
     check_budget_config,
@@ -125,6 +131,13 @@ def check_tiering_config(extra: Mapping[str, Any]) -> None:
                     "directory on a file system every node mounts, e.g. "
                     '"root_dir": "/mnt/shared/kv"'
                 )
+            if tier.get(AUTH_KEY_FILE) is not None:
+                read_auth_key(tier[AUTH_KEY_FILE], f"{where}['{AUTH_KEY_FILE}']")
+        elif tier.get(AUTH_KEY_FILE) is not None:
+            raise OffloadConfigError(
+                f"{where}['{AUTH_KEY_FILE}'] is read by 'fs' tiers only (this "
+                f"one is {tier['type']!r}); remove it"
+            )
     backpressure = extra.get("backpressure")
     if backpressure is not None and not isinstance(backpressure, Mapping):
         raise OffloadConfigError(
@@ -188,12 +201,12 @@ class NPUTieringOffloadingSpec(TieringOffloadingSpec, NPUOffloadingSpec):
             self.secondary_tier_configs = [
                 t
                 for t in self.secondary_tier_configs
-                if t["type"] != VERIFIED_FS_TYPE
-                or tier_dir_usable(t["root_dir"], self.storage_identity)
+                if t["type"] != VERIFIED_FS_TYPE or tier_dir_usable(t, self)
             ]
             inner = TieringOffloadingSpec.get_manager(self)
-            if self._scheduler_mmap is not None:
-                hold_region(self._scheduler_mmap)
+            scheduler_region = vllm_compat.tiering_scheduler_region(self)
+            if scheduler_region is not None:
+                hold_region(scheduler_region)
             self._failure_aware_manager = FailureAwareManager(inner)
         return self._failure_aware_manager
 
@@ -204,7 +217,7 @@ class NPUTieringOffloadingSpec(TieringOffloadingSpec, NPUOffloadingSpec):
         device = kv_caches.tensors[0].tensor.device
         rank = 0 if self.replicated_layout else self.config.parallel.rank
         region = open_region(
-            engine_id=self._engine_id,
+            engine_id=self.config.engine_id,
             num_chunks=self.num_chunks,
             rank=rank,
             kv_bytes_per_chunk=self.kv_bytes_per_chunk,
@@ -225,7 +238,7 @@ class NPUTieringOffloadingSpec(TieringOffloadingSpec, NPUOffloadingSpec):
             elif device.type == "npu":
                 # The NPU copy backend refuses pageable host memory.
                 registration = AclRegionRegistration(region)
-                pool.pinned = True
+                pool.mark_pinned(True)
             self._tiering_worker = NPUTieringWorker(
                 kv_caches, region, pool, registration
             )

@@ -1,0 +1,373 @@
+"""Sizing for the examples, before an engine starts: the CPU pool, the device
+KV cache and whether both fit in host memory.
+
+The engine checks the pool itself when its worker allocates it (minutes into
+start-up on a large model). This module does the same arithmetic from the
+model's ``config.json`` in the first second, so that a configuration that
+cannot fit fails at once with the setting to change.
+
+Used by ``offline_inference_kv_offload.py`` and ``serve_kv_offload.sh``::
+
+    python examples/kv_offload_sizing.py --model PATH [--num-cpu-blocks N|auto]
+        [--cpu-bytes B] [--kv-cache-bytes B] [--max-model-len N]
+
+prints the ``kv_connector_extra_config`` and the engine arguments as one JSON
+object, or exits 2 with one line naming what to set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+# The user guide's offloading configuration, key for key.
+GUIDE_EXTRA_CONFIG = {
+    "num_cpu_blocks": 1000,
+    "block_size": 128,
+    "spec_name": "NPUOffloadingSpec",
+    "spec_module_path": "vllm_ascend.kv_offload.npu",
+}
+# What the engine's processes (API process, engine core, worker: torch, the
+# tokenizer, activations) take besides the weights, the KV cache and the pool;
+# measured about 1.3 GiB on vLLM 0.32's CPU backend with the generated model.
+ENGINE_OVERHEAD_BYTES = 2 * 2**30
+# The pool check of the worker (vllm_ascend/kv_offload/cpu_pool.py) lets the
+# pool take at most 90 % of the memory available when it is allocated.
+MAX_HOST_MEMORY_FRACTION = 0.9
+# "auto" gives the pool this share of the largest pool that fits next to the
+# engine, so that the machine stays usable.
+AUTO_POOL_SHARE = 0.5
+# Device KV cache on vLLM's CPU backend when none is given: room for this many
+# sequences of max_model_len tokens (vLLM needs one), at least the minimum.
+KV_CACHE_SEQUENCES = 2
+KV_CACHE_MIN_BYTES = 256 * 2**20
+# ... and for a model named by its hub id, whose config is not read here.
+KV_CACHE_UNKNOWN_MODEL_BYTES = 4 * 2**30
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``1073741824``, ``512MiB``, ``4G``, ``1.5GiB`` -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgtKMGT]?)(i?[bB])?\s*", text)
+    if m is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size: give bytes, or a number with K/M/G/T "
+            "(binary units), e.g. 512MiB or 4G"
+        )
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def show(nbytes: float) -> str:
+    if nbytes >= 2**30:
+        return f"{nbytes / 2**30:.2f} GiB"
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
+def host_available_bytes() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def looks_like_cpu_backend() -> bool:
+    """Whether vLLM will run on its CPU backend (the KV cache is then host
+    memory), guessed without importing torch: no torch_npu, no NVIDIA device."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch_npu") is not None:
+        return False
+    return not Path("/dev/nvidiactl").exists()
+
+
+@dataclass(frozen=True)
+class ModelKV:
+    """What the model's config.json says about its KV cache and weights."""
+
+    kv_bytes_per_token: int  # all layers, K and V (or MLA's latent + rope)
+    weights_bytes: int
+    max_position_embeddings: int
+
+    def cpu_block_bytes(self, block_size: int) -> int:
+        return self.kv_bytes_per_token * block_size
+
+
+def read_model(path: str) -> ModelKV | None:
+    """The KV shape of a local model directory; None for a hub name (its
+    config is not read before the engine fetches it)."""
+    config_file = Path(path, "config.json")
+    if not config_file.is_file():
+        return None
+    cfg = json.loads(config_file.read_text())
+    cfg = cfg.get("text_config", cfg)  # multimodal configs nest the LM's
+    # vLLM serves float32 and bfloat16 checkpoints in 16 bits by default.
+    dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
+    elem = 1 if "8" in dtype else 2
+    layers = int(cfg["num_hidden_layers"])
+    if cfg.get("kv_lora_rank"):  # MLA: one latent vector and the rope part
+        per_layer = int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim", 0))
+    else:
+        heads = int(cfg["num_attention_heads"])
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+        per_layer = 2 * kv_heads * head_dim
+    weights = sum(
+        f.stat().st_size
+        for pattern in ("*.safetensors", "*.bin", "*.pt")
+        for f in Path(path).glob(pattern)
+    )
+    return ModelKV(
+        kv_bytes_per_token=layers * per_layer * elem,
+        weights_bytes=weights,
+        max_position_embeddings=int(cfg.get("max_position_embeddings") or 8192),
+    )
+
+
+def _package_sizing():
+    """vllm_ascend.kv_offload.sizing where installed, else None; looked up
+    without importing the package (which loads torch) when it is absent."""
+    import importlib
+    import importlib.util
+
+    package = importlib.util.find_spec("vllm_ascend")
+    if package is None or not any(
+        Path(d, "kv_offload", "sizing.py").is_file()
+        for d in package.submodule_search_locations or ()
+    ):
+        return None
+    return importlib.import_module("vllm_ascend.kv_offload.sizing")
+
+
+def auto_num_cpu_blocks(
+    model: str, block_bytes: int, engine_bytes: int, available: int
+) -> int:
+    """The pool that ``--num-cpu-blocks auto`` asks for: AUTO_POOL_SHARE of
+    the largest pool that the worker's host-memory guard would accept once
+    the engine (weights, host KV cache, processes) is in. The one place this
+    is computed: with vllm_ascend.kv_offload.sizing (the doctor's
+    computation) where it is installed, else the same guard arithmetic."""
+    package = _package_sizing()
+    if package is not None:
+        fit = package.fit_host_memory(
+            package.size_model_dir(model),
+            reserved_bytes=engine_bytes,
+            available_bytes=available,
+        )
+        return int(fit.max_num_cpu_blocks * AUTO_POOL_SHARE)
+    left = max(0, available - engine_bytes) * MAX_HOST_MEMORY_FRACTION
+    return int(left // block_bytes * AUTO_POOL_SHARE)
+
+
+@dataclass
+class Plan:
+    """The overrides of the guide's configuration, and what they cost."""
+
+    extra_config: dict
+    kv_cache_bytes: int | None  # None: the platform's own sizing
+    max_model_len: int | None
+    overrides: list[str]
+    pool_bytes: int | None
+    engine_bytes: int | None  # weights + host KV cache + processes
+    available: int
+
+
+def plan(
+    model: str,
+    *,
+    num_cpu_blocks: str | None = None,
+    cpu_bytes: int | None = None,
+    kv_cache_bytes: int | None = None,
+    max_model_len: int | None = None,
+    kv_cache_in_host: bool = True,
+    generated: bool = False,
+) -> Plan:
+    """Sizes the guide's configuration for ``model``; raises SystemExit with
+    one line when it cannot fit in the host memory available now.
+
+    ``kv_cache_in_host``: the device KV cache is host memory (vLLM's CPU
+    backend); then it is sized here when not given, since that backend
+    otherwise takes half of the host's memory.
+    """
+    extra = dict(GUIDE_EXTRA_CONFIG)
+    overrides: list[str] = []
+    kv = read_model(model)
+    available = host_available_bytes()
+    block_bytes = kv.cpu_block_bytes(extra["block_size"]) if kv else None
+
+    if kv is not None and max_model_len is None and not generated:
+        # vLLM would take the model's own (40 960 for Qwen3) and need a KV
+        # cache of that many tokens just to start.
+        if kv.max_position_embeddings > 8192:
+            max_model_len = 8192
+    if max_model_len is not None:
+        overrides.append(f"max_model_len={max_model_len}")
+    env_kv = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+    counted_kv = None  # sized by the environment: counted, not overridden
+    if kv_cache_bytes is None and kv_cache_in_host and env_kv:
+        counted_kv = int(env_kv) * 2**30
+    elif kv_cache_bytes is None and kv_cache_in_host:
+        if kv is None:  # a hub name: its shape is not known yet
+            kv_cache_bytes = KV_CACHE_UNKNOWN_MODEL_BYTES
+        else:
+            tokens = max_model_len or kv.max_position_embeddings
+            need = KV_CACHE_SEQUENCES * tokens * kv.kv_bytes_per_token
+            kv_cache_bytes = max(KV_CACHE_MIN_BYTES, math.ceil(need / 2**20) * 2**20)
+    if kv_cache_bytes is not None:
+        overrides.append(
+            f"kv_cache_memory_bytes={kv_cache_bytes} ({show(kv_cache_bytes)})"
+        )
+
+    engine_bytes = None
+    if kv is not None:
+        engine_bytes = kv.weights_bytes + ENGINE_OVERHEAD_BYTES
+        if kv_cache_in_host:
+            engine_bytes += kv_cache_bytes or counted_kv or 0
+
+    if cpu_bytes is not None:
+        if num_cpu_blocks is not None:
+            raise SystemExit(
+                "--num-cpu-blocks and --cpu-bytes both size the CPU pool: give one"
+            )
+        del extra["num_cpu_blocks"]
+        extra["cpu_bytes_to_use"] = cpu_bytes
+        overrides.append(f"cpu_bytes_to_use={cpu_bytes} ({show(cpu_bytes)})")
+    elif num_cpu_blocks == "auto":
+        if block_bytes is None or engine_bytes is None:
+            raise SystemExit(
+                f"--num-cpu-blocks auto needs a local model directory with a "
+                f"config.json ({model!r} has none): pass --num-cpu-blocks N"
+            )
+        blocks = auto_num_cpu_blocks(model, block_bytes, engine_bytes, available)
+        if blocks < 1:
+            raise SystemExit(
+                f"--num-cpu-blocks auto: no CPU block ({show(block_bytes)}) fits "
+                f"next to the engine ({show(engine_bytes)}) in the "
+                f"{show(available)} of host memory available; free memory or "
+                "pass a smaller --kv-cache-bytes"
+            )
+        extra["num_cpu_blocks"] = blocks
+        overrides.append(f"num_cpu_blocks={blocks} (auto)")
+    elif num_cpu_blocks is not None:
+        try:
+            extra["num_cpu_blocks"] = int(num_cpu_blocks)
+        except ValueError:
+            raise SystemExit(
+                f"--num-cpu-blocks {num_cpu_blocks!r}: give a number of blocks or auto"
+            ) from None
+        if extra["num_cpu_blocks"] != GUIDE_EXTRA_CONFIG["num_cpu_blocks"]:
+            overrides.append(f"num_cpu_blocks={extra['num_cpu_blocks']}")
+
+    pool_bytes = None
+    if block_bytes is not None:
+        pool_bytes = extra.get("cpu_bytes_to_use") or (
+            extra["num_cpu_blocks"] * block_bytes
+        )
+    if pool_bytes is not None and engine_bytes is not None:
+        # The worker's guard: the pool within 90 % of what the engine leaves.
+        limit = max(0, available - engine_bytes) * MAX_HOST_MEMORY_FRACTION
+        if pool_bytes > limit:
+            fit = auto_num_cpu_blocks(model, block_bytes, engine_bytes, available)
+            what = (
+                f"cpu_bytes_to_use={extra['cpu_bytes_to_use']}"
+                if "cpu_bytes_to_use" in extra
+                else f"num_cpu_blocks={extra['num_cpu_blocks']} x {show(block_bytes)}"
+            )
+            hint = (
+                f"pass --num-cpu-blocks {fit} (or auto)"
+                if fit >= 1
+                else "free host memory or pass a smaller --kv-cache-bytes"
+            )
+            raise SystemExit(
+                f"does not fit: the CPU pool ({what} = {show(pool_bytes)}) and the "
+                f"engine ({show(engine_bytes)}: weights, "
+                + ("KV cache, " if kv_cache_in_host else "")
+                + f"processes) need {show(pool_bytes + engine_bytes)}: the pool "
+                f"may take {MAX_HOST_MEMORY_FRACTION:.0%} of what the engine "
+                f"leaves of the {show(available)} of host memory available; {hint}"
+            )
+    return Plan(
+        extra_config=extra,
+        kv_cache_bytes=kv_cache_bytes,
+        max_model_len=max_model_len,
+        overrides=overrides,
+        pool_bytes=pool_bytes,
+        engine_bytes=engine_bytes,
+        available=available,
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The sizing flags, shared by the examples."""
+    parser.add_argument(
+        "--num-cpu-blocks",
+        default=None,
+        metavar="N|auto",
+        help="CPU blocks in the pool (the guide's 1000 when unset); auto: "
+        f"{AUTO_POOL_SHARE:.0%} of the host memory left next to the engine",
+    )
+    parser.add_argument(
+        "--cpu-bytes",
+        type=parse_bytes,
+        default=None,
+        metavar="BYTES",
+        help="size the CPU pool in bytes instead (cpu_bytes_to_use), e.g. 4GiB",
+    )
+    parser.add_argument(
+        "--kv-cache-bytes",
+        type=parse_bytes,
+        default=None,
+        metavar="BYTES",
+        help="device KV-cache size (kv_cache_memory_bytes), e.g. 1GiB; default "
+        "on vLLM's CPU backend: room for 2 sequences of max_model_len tokens "
+        "(at least 256 MiB), elsewhere the guide's gpu_memory_utilization=0.5",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="default: the model's, at most 8192 for a real model",
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument(
+        "--kv-cache-on-device",
+        action="store_true",
+        help="the KV cache is accelerator memory (not vLLM's CPU backend)",
+    )
+    add_arguments(parser)
+    args = parser.parse_args()
+    try:
+        p = plan(
+            args.model,
+            num_cpu_blocks=args.num_cpu_blocks,
+            cpu_bytes=args.cpu_bytes,
+            kv_cache_bytes=args.kv_cache_bytes,
+            max_model_len=args.max_model_len,
+            kv_cache_in_host=not args.kv_cache_on_device,
+        )
+    except SystemExit as e:
+        print(f"[sizing] {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(
+        json.dumps(
+            {
+                "kv_connector_extra_config": p.extra_config,
+                "kv_cache_memory_bytes": p.kv_cache_bytes,
+                "max_model_len": p.max_model_len,
+                "overrides": p.overrides,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

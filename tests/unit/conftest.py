@@ -1,0 +1,149 @@
+"""Shared helpers of the unit tests."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+import pytest
+import torch
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+
+@pytest.fixture
+def shared_region() -> Iterator[Callable[..., SharedOffloadRegion]]:
+    """Opens tiering regions (``open_region``) under a fresh engine id;
+    each is unmapped and removed at teardown if the test did not."""
+    from vllm_ascend.kv_offload.tiering.region import open_region
+
+    opened: list[SharedOffloadRegion] = []
+
+    def open_one(
+        num_chunks: int, kv_bytes_per_chunk: int, cpu_page_size: int, rank: int = 0
+    ) -> SharedOffloadRegion:
+        region = open_region(
+            engine_id=f"unit-{uuid.uuid4().hex[:8]}",
+            num_chunks=num_chunks,
+            rank=rank,
+            kv_bytes_per_chunk=kv_bytes_per_chunk,
+            cpu_page_size=cpu_page_size,
+        )
+        opened.append(region)
+        return region
+
+    yield open_one
+    for region in opened:
+        region.cleanup()
+
+
+# A small model's KV cache: layers of 2 KV heads of 32 fp32 values, blocks of
+# 16 tokens, one full-attention KV cache group per entry of ``groups``.
+CONNECTOR_BLOCK_SIZE = 16
+CONNECTOR_DEVICE_BLOCKS = 16
+
+
+def make_connector(
+    role: str,
+    extra: dict | None = None,
+    num_groups: int = 1,
+    num_blocks: int = CONNECTOR_DEVICE_BLOCKS,
+    kv_load_failure_policy: str = "recompute",
+):
+    """``AscendOffloadingConnector`` built by its constructor, as vLLM builds
+    it (``role``: "worker" or "scheduler"), for the tiny test model. A worker
+    side gets zero-filled KV caches registered. ``extra``: the
+    ``kv_connector_extra_config``; default: 8 CPU blocks of the test-only
+    fault-injecting spec (tests/fault_injection.py)."""
+    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+    )
+
+    from vllm_ascend.kv_offload.connector import AscendOffloadingConnector
+    from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model
+
+    spec = FullAttentionSpec(
+        block_size=CONNECTOR_BLOCK_SIZE,
+        num_kv_heads=2,
+        head_size=32,
+        dtype=torch.float32,
+    )
+    groups = [[f"layers.{g}.attn"] for g in range(num_groups)]
+    page = spec.page_size_bytes
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[
+            KVCacheTensor(
+                size=page * num_blocks,
+                layers=layers,
+                layer_stride=page * num_blocks,
+                block_stride=page,
+            )
+            for layers in groups
+        ],
+        kv_cache_groups=[KVCacheGroupSpec(layers, spec) for layers in groups],
+    )
+    if extra is None:
+        extra = {
+            "num_cpu_blocks": 8,
+            "block_size": CONNECTOR_BLOCK_SIZE,
+            "spec_name": "FaultInjectingOffloadingSpec",
+            "spec_module_path": "tests.fault_injection",
+        }
+    vllm_config = VllmConfig(
+        model_config=ModelConfig(
+            model=str(ensure_tiny_model()), dtype="float32", max_model_len=256
+        ),
+        cache_config=CacheConfig(block_size=CONNECTOR_BLOCK_SIZE),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="OffloadingConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
+            kv_load_failure_policy=kv_load_failure_policy,
+        ),
+    )
+    roles = {"worker": KVConnectorRole.WORKER, "scheduler": KVConnectorRole.SCHEDULER}
+    connector = AscendOffloadingConnector(vllm_config, roles[role], kv_cache_config)
+    if role == "worker":
+        connector.register_kv_caches(
+            {
+                layer: torch.zeros(num_blocks, 2, CONNECTOR_BLOCK_SIZE, 2, 32)
+                for layers in groups
+                for layer in layers
+            }
+        )
+    return connector
+
+
+@pytest.fixture
+def fs_tier_spec():
+    """What the verified fs tier reads of its spec, for a 4 KiB block of a
+    model at ``model`` (default a short path), without an engine."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_offload.config import OffloadingModelConfig
+
+    from tests.unit.kv_helpers import make_config
+    from vllm_ascend.kv_offload.tiering.identity import storage_identity
+
+    def make(model: str = "/nonexistent/model") -> SimpleNamespace:
+        config = make_config({}, worker_kv_bytes_per_block=4096, world_size=1)
+        config = dataclasses.replace(
+            config, model=OffloadingModelConfig(name=model, dtype="float32")
+        )
+        return SimpleNamespace(
+            config=config,
+            storage_identity=storage_identity(config, "cpu"),
+            blocks_per_chunk=1,
+            kv_events_config=SimpleNamespace(enable_kv_cache_events=False),
+        )
+
+    return make

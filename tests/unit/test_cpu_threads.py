@@ -1,0 +1,105 @@
+"""vLLM's CPU backend keeps a core free for its scheduler, with our connector.
+
+vLLM reserves one more core whenever a KV connector is configured; on two
+cores that left none, so vLLM reserved nothing and ran its OpenMP threads on
+both cores, beside the scheduler (issue 18). Our plugin entry point sets
+vLLM's documented ``VLLM_CPU_NUM_OF_RESERVED_CPU`` in exactly that case.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from vllm_ascend.kv_offload import cpu_threads
+from vllm_ascend.kv_offload.cpu_threads import CpuTopology, reserved_cpu_setting
+
+ONE_NODE_TWO_CORES = CpuTopology({0: 2})
+
+
+def test_two_cores_on_one_node_reserve_one_core_as_without_a_connector():
+    assert reserved_cpu_setting({}, ONE_NODE_TWO_CORES) == "1"
+
+
+@pytest.mark.parametrize(
+    "environ",
+    [
+        {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},  # the user's choice stands
+        {"VLLM_CPU_OMP_THREADS_BIND": "0-1"},  # manual lists reserve nothing
+        {"VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+        {"VLLM_CPU_SIM_MULTI_NUMA": "1"},
+    ],
+)
+def test_explicit_settings_are_left_alone(environ):
+    assert reserved_cpu_setting(environ, ONE_NODE_TWO_CORES) is None
+
+
+@pytest.mark.parametrize(
+    "cores_per_node",
+    [{0: 1}, {0: 3}, {0: 64}, {0: 2, 1: 2}],
+    ids=["one-core", "three-cores", "many-cores", "two-nodes"],
+)
+def test_topologies_where_vllm_leaves_a_core_are_left_alone(cores_per_node):
+    assert reserved_cpu_setting({}, CpuTopology(cores_per_node)) is None
+
+
+def test_apply_sets_the_variable_and_never_overrides_it():
+    environ: dict[str, str] = {}
+    assert cpu_threads.apply(environ, lambda: ONE_NODE_TWO_CORES) == "1"
+    assert environ == {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+    environ = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "2"}
+    assert cpu_threads.apply(environ, lambda: ONE_NODE_TWO_CORES) is None
+    assert environ == {"VLLM_CPU_NUM_OF_RESERVED_CPU": "2"}
+
+
+# Runs in a child pinned to two CPUs: the plugin entry point, then vLLM's own
+# OpenMP binding for a config with a KV connector.
+_BINDING_WITH_A_CONNECTOR = r"""
+import json, os, sys
+from types import SimpleNamespace
+os.sched_setaffinity(0, set(json.loads(sys.argv[1])))
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+from vllm.utils.ompmultiprocessing import OMPProcessManager
+parallel = SimpleNamespace(local_world_size=1, data_parallel_rank_local=None,
+                           _api_process_count=1)
+manager = OMPProcessManager(
+    SimpleNamespace(parallel_config=parallel, kv_transfer_config=object()))
+print(json.dumps({"omp_cpus": manager.cpu_lists,
+                  "reserved": manager.reserved_cpu_list}))
+"""
+
+
+def test_vllm_binds_one_core_and_keeps_one_for_the_scheduler_with_a_connector():
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in (
+            "VLLM_CPU_NUM_OF_RESERVED_CPU",
+            "VLLM_CPU_OMP_THREADS_BIND",
+            "VLLM_CPU_SIM_MULTI_NUMA",
+        )
+    }
+    env["VLLM_TARGET_DEVICE"] = "cpu"
+    out = subprocess.run(
+        [sys.executable, "-c", _BINDING_WITH_A_CONNECTOR, json.dumps(cpus)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    binding = json.loads(out.stdout.strip().splitlines()[-1])
+    if len({len(c) for c in binding["omp_cpus"]}) != 1:
+        pytest.skip(f"unexpected topology: {binding}")
+    # One OpenMP core for the worker, one kept for the scheduler (before the
+    # fix: both cores to OpenMP, none reserved).
+    assert binding == {"omp_cpus": [[cpus[0]]], "reserved": [cpus[1]]}, out.stderr

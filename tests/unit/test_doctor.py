@@ -1,0 +1,240 @@
+"""The doctor, run as a user runs it: a subprocess, against model directories
+holding only a config.json. Each run imports vLLM (seconds), so runs are few
+and shared between tests."""
+
+import json
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from tests.unit.model_configs import DEEPSEEK_V2_LITE, LLAMA3_8B, QWEN3_0_6B
+from vllm_ascend.kv_offload import ops
+
+ROOT = Path(__file__).resolve().parents[2]
+# Small test sizes: the checks, not the figures, are under test here.
+FAST = ["--alloc-mib", "8", "--bandwidth-mib", "2", "--rounds", "1"]
+
+
+def run_doctor(*args, code=None):
+    """The doctor's exit status and stdout; ``code``: Python run before it
+    in the same process (to break something on purpose)."""
+    main = "import sys; from vllm_ascend.kv_offload import doctor; "
+    if code is None:
+        cmd = [sys.executable, "-m", "vllm_ascend.kv_offload.doctor", *args]
+    else:
+        cmd = [sys.executable, "-c", code + "\n" + main + "sys.exit(doctor.main())"]
+        cmd += list(args)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def model_dir(tmp_path_factory, name, config):
+    d = tmp_path_factory.mktemp(name)
+    (d / "config.json").write_text(json.dumps(config))
+    return str(d)
+
+
+def expected_copy_path() -> str:
+    """The best path this build offers on cpu: the first candidate of the
+    worker's self-check where it exists, else the op as loaded."""
+    try:
+        from vllm_ascend.kv_offload.copy_paths import candidate_paths
+    except ImportError:
+        return "native:cpu" if "cpu" in ops.native_backends() else "python-fallback"
+    return candidate_paths("cpu")[0].name
+
+
+@pytest.fixture(scope="module")
+def qwen3_json(tmp_path_factory):
+    rc, out, err = run_doctor(
+        "--model", model_dir(tmp_path_factory, "qwen3", QWEN3_0_6B), "--json", *FAST
+    )
+    return rc, json.loads(out), err
+
+
+def test_healthy_cpu_machine_exits_zero(qwen3_json):
+    rc, report, err = qwen3_json
+    assert rc == 0, (report["checks"], err[-2000:])
+    assert report["ok"] is True
+    assert not [c for c in report["checks"] if c["status"] == "FAIL"]
+
+
+def test_json_names_platform_copy_path_and_self_check(qwen3_json):
+    _, report, _ = qwen3_json
+    assert report["platform"] == "cpu"
+    assert report["vllm_platform"] == "cpu"
+    assert report["copy_path"] == expected_copy_path()
+    # "passed", or says plainly that the self-check is not in this build.
+    assert report["self_check"] == "passed" or report["self_check"].startswith(
+        "missing:"
+    )
+
+
+def test_json_sizes_the_model_from_config_json(qwen3_json):
+    _, report, _ = qwen3_json
+    # 2 * 28 layers * 8 KV heads * 128 * 2 bytes * 128 tokens (test_sizing.py).
+    assert report["bytes_per_cpu_block"] == 14_680_064
+    blocks = report["max_num_cpu_blocks"]
+    assert isinstance(blocks, int) and blocks >= 0
+    assert report["cpu_bytes_to_use"] == blocks * 14_680_064
+    host = report["host"]
+    assert host["usable_bytes"] // 14_680_064 == blocks
+
+
+def test_json_reports_versions_allocation_and_verified_bandwidth(qwen3_json):
+    _, report, _ = qwen3_json
+    versions = report["versions"]
+    assert versions["torch"] and versions["vllm"].startswith("0.")
+    assert versions["torch_npu"] == "not found"  # this CI machine has none
+    alloc = report["pool_allocation"]
+    assert alloc["asked_bytes"] == 8 << 20 and alloc["seconds"] > 0
+    rows = report["bandwidth"]
+    # Qwen3's K and V pages are the same size: one fragment size, two ways.
+    assert {(r["direction"], r["fragment_bytes"]) for r in rows} == {
+        ("store", 262_144),
+        ("load", 262_144),
+    }
+    for r in rows:
+        assert set(r["gbps"]) == {"contiguous", "loop", "op"}
+        assert r["verified"] == {"loop": True, "op": True}
+
+
+def test_mla_model(tmp_path_factory):
+    rc, out, _ = run_doctor(
+        "--model", model_dir(tmp_path_factory, "dsv2", DEEPSEEK_V2_LITE), "--json",
+        "--alloc-mib", "0", "--bandwidth-mib", "0",
+    )  # fmt: skip
+    report = json.loads(out)
+    assert rc == 0
+    # 27 layers * (512 + 64) * 2 bytes * 128 tokens.
+    assert report["bytes_per_cpu_block"] == 3_981_312
+    assert report["sizing"]["attention"] == "mla"
+
+
+def test_text_output_has_one_line_per_check(tmp_path_factory):
+    rc, out, _ = run_doctor(
+        "--model", model_dir(tmp_path_factory, "llama", LLAMA3_8B), *FAST
+    )
+    assert rc == 0, out
+    for name in ("versions", "vllm", "platform", "backends", "copy path"):
+        assert f"] {name}" in out
+    for name in ("sizing", "pool alloc", "self-check", "bandwidth"):
+        assert f"] {name}" in out
+    # 2 * 32 layers * 8 KV heads * 128 * 2 bytes * 128 tokens.
+    assert "16,777,216 bytes" in out
+    assert out.rstrip().splitlines()[-1].startswith("OK")
+
+
+def test_unsizable_model_exits_nonzero_naming_the_key(tmp_path_factory):
+    broken = {k: v for k, v in QWEN3_0_6B.items() if k != "num_hidden_layers"}
+    rc, out, _ = run_doctor(
+        "--model", model_dir(tmp_path_factory, "broken", broken), "--json",
+        "--alloc-mib", "0", "--bandwidth-mib", "0",
+    )  # fmt: skip
+    report = json.loads(out)
+    assert rc == 1
+    assert report["ok"] is False
+    assert "num_hidden_layers" in report["sizing"]["error"]
+    assert report["bytes_per_cpu_block"] is None
+    # The other checks still ran: the report is still worth attaching.
+    assert report["platform"] == "cpu"
+
+
+def test_copy_op_writing_wrong_bytes_exits_nonzero():
+    # The op copies, then one byte of the destination is flipped: what a
+    # faulty copy path would do to KV.
+    corrupt = """
+import ctypes
+from vllm_ascend.kv_offload import ops
+real = ops.swap_blocks_batch
+def faulty(src, dst, sizes, device):
+    out = real(src, dst, sizes, device)
+    p = ctypes.cast(int(dst[-1]), ctypes.POINTER(ctypes.c_uint8))
+    p[0] ^= 0xFF
+    return out
+ops.swap_blocks_batch = faulty
+"""
+    rc, out, _ = run_doctor("--alloc-mib", "0", "--bandwidth-mib", "1", code=corrupt)
+    assert rc == 1, out
+    assert "WRONG BYTES" in out and "op (store" in out
+    assert out.rstrip().splitlines()[-1].startswith("BROKEN")
+
+
+def test_console_script_points_at_main():
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    module, _, attr = scripts["vllm-ascend-kv-offload-doctor"].partition(":")
+    assert (module, attr) == ("vllm_ascend.kv_offload.doctor", "main")
+
+
+def test_platform_plugin_failing_to_import_is_reported_not_raised(tmp_path):
+    # What upstream vllm-ascend's platform plugin does on a machine without
+    # torch_npu: vLLM's platform resolution raises ModuleNotFoundError.
+    (tmp_path / "fake_npu_platform.py").write_text(
+        "def register():\n    return 'fake_npu_platform_cls.NPUPlatform'\n"
+    )
+    (tmp_path / "fake_npu_platform_cls.py").write_text("import torch_npu  # noqa\n")
+    dist = tmp_path / "fake_npu_platform-0.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Name: fake-npu-platform\nVersion: 0.0\n")
+    (dist / "entry_points.txt").write_text(
+        "[vllm.platform_plugins]\nfake_npu = fake_npu_platform:register\n"
+    )
+    code = f"import sys; sys.path.insert(0, {str(tmp_path)!r})"
+    rc, out, err = run_doctor(
+        "--json", "--alloc-mib", "0", "--bandwidth-mib", "0", code=code
+    )
+    assert rc == 1, err[-2000:]
+    report = json.loads(out)
+    platform = next(c for c in report["checks"] if c["name"] == "platform")
+    assert platform["status"] == "FAIL"
+    assert "torch_npu" in platform["summary"]
+    assert "VLLM_PLUGINS=ascend_kv_offload" in platform["summary"]
+    assert report["vllm_platform"] is None
+
+
+# A stand-in for self_check.run_self_check with the result shape of the
+# pool helper's module (SelfCheckResult: passed, path, failure, attempts,
+# summary()), to check what the doctor makes of each outcome.
+FAKE_SELF_CHECK = """
+import sys, types
+from types import SimpleNamespace as NS
+attempts = [NS(path="native", passed=False, failure="byte 7 of block 0 differs")]
+if {passes}:
+    attempts.append(NS(path="torch", passed=True, failure=None))
+result = NS(
+    passed={passes}, path="torch" if {passes} else None,
+    failure=None if {passes} else "native: byte 7 of block 0 differs",
+    attempts=attempts, memory_kind="pageable", bandwidth_gbps=1.0, seconds=0.1,
+    summary=lambda: "passed on path torch",
+)
+module = types.ModuleType("vllm_ascend.kv_offload.self_check")
+module.run_self_check = lambda device, fragment_sizes: result
+sys.modules[module.__name__] = module
+"""
+
+
+def test_self_check_moving_down_to_a_byte_exact_path_sets_the_copy_path():
+    rc, out, _ = run_doctor(
+        "--json", "--alloc-mib", "0", "--bandwidth-mib", "0",
+        code=FAKE_SELF_CHECK.format(passes=True),
+    )  # fmt: skip
+    report = json.loads(out)
+    assert rc == 0
+    assert report["self_check"] == "passed"
+    assert report["copy_path"] == "torch"
+    check = next(c for c in report["checks"] if c["name"] == "self-check")
+    assert "native: byte 7 of block 0 differs" in check["lines"]
+
+
+def test_self_check_with_no_byte_exact_path_exits_nonzero():
+    rc, out, _ = run_doctor(
+        "--json", "--alloc-mib", "0", "--bandwidth-mib", "0",
+        code=FAKE_SELF_CHECK.format(passes=False),
+    )  # fmt: skip
+    report = json.loads(out)
+    assert rc == 1
+    assert report["self_check"] == "failed: native: byte 7 of block 0 differs"
+    assert report["copy_path"] is None

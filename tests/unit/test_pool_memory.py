@@ -1,0 +1,104 @@
+"""The CPU block pool's memory: exactly the asked size, resident from the
+start (on the CPU: a faulted-in anonymous mmap), given back at release; the
+host-memory guard counts exactly what is allocated; the pool is a layout
+over memory, private or borrowed. (npu memory: test_npu_acl_sim.py.)"""
+
+from __future__ import annotations
+
+import mmap
+
+import pytest
+import torch
+
+from tests.unit.kv_helpers import make_config, make_kv_caches
+from vllm_ascend.kv_offload import cpu_pool, host_memory
+from vllm_ascend.kv_offload.cpu_pool import PoolLayout, private_pool, region_pool
+from vllm_ascend.kv_offload.npu import NPUOffloadingSpec
+
+PAGE = mmap.PAGESIZE
+
+
+def mapping_of(addr: int) -> dict[str, int] | None:
+    """Size, Rss (bytes) of this process's mapping that starts at ``addr``,
+    from /proc/self/smaps; None if there is none."""
+    found = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start = int(head.split("-")[0], 16)
+                found = {} if start == addr else None
+            elif found is not None and head in ("Size:", "Rss:"):
+                found[head[:-1]] = int(line.split()[1]) * 1024
+                if len(found) == 2:
+                    return found
+    return None
+
+
+@pytest.mark.parametrize("pages", [[PAGE * 16], [1000, 3000, 77]])
+def test_cpu_pool_is_mapped_and_resident_at_exactly_its_size(pages):
+    pool = private_pool(pages, 2, 64, "cpu")
+    asked = 64 * 2 * sum(pages)
+    assert pool.memory.nbytes == asked == pool.nbytes
+    seen = mapping_of(pool.base)
+    # The kernel maps whole pages: at most one more than asked.
+    assert asked <= seen["Size"] < asked + PAGE
+    assert seen["Rss"] == seen["Size"]  # faulted in at start, not at first store
+    assert pool.memory.kind == host_memory.PAGEABLE and not pool.pinned
+    pool.release()
+    assert pool.released and pool.tensor is None
+
+
+def test_released_pool_is_unmapped():
+    pool = private_pool([PAGE], 1, 32, "cpu")
+    base = pool.base
+    assert mapping_of(base) is not None
+    pool.release()
+    assert mapping_of(base) is None
+    pool.release()  # idempotent
+
+
+def test_the_guard_counts_exactly_what_is_allocated():
+    kv = make_kv_caches(4, [4096, 12288])
+    spec = NPUOffloadingSpec(
+        make_config({"num_cpu_blocks": 10}, worker_kv_bytes_per_block=16384)
+    )
+    request = spec._pool_request(kv)
+    pool = spec.allocate_pool(kv)
+    try:
+        assert request.num_blocks * request.row_bytes == pool.memory.nbytes
+    finally:
+        pool.release()
+
+
+def test_an_allocation_the_host_refuses_names_num_cpu_blocks(monkeypatch):
+    def refuse(nbytes, device_type):
+        raise MemoryError("mmap: Cannot allocate memory")
+
+    monkeypatch.setattr(cpu_pool, "allocate_host_memory", refuse)
+    with pytest.raises(MemoryError, match="lower num_cpu_blocks"):
+        private_pool([256], 1, 10**6, "cpu")
+
+
+def test_private_and_region_pools_share_one_layout():
+    pages = [100, 200]
+    private = PoolLayout.of(pages, 2, 8)
+    assert list(private.tensor_offsets) == [0, 200]
+    assert private.row_bytes == private.slot_bytes == 600
+    # A rank's slot at offset 1000 of rows of 4096 bytes.
+    region = PoolLayout.of(pages, 2, 8, slot_offset=1000, row_bytes=4096)
+    assert list(region.tensor_offsets) == [1000, 1200]
+    assert (region.row_bytes, region.slot_bytes) == (4096, 600)
+
+
+def test_a_region_pool_hands_its_memory_back_to_the_owner():
+    base = torch.zeros(8 * 4096, dtype=torch.int8)
+    given_back = []
+    layout = PoolLayout.of([100, 200], 1, 8, slot_offset=1000, row_bytes=4096)
+    pool = region_pool(base, layout, pinned=True, release=lambda: given_back.append(1))
+    assert pool.base == base.data_ptr() and pool.pinned
+    assert not pool.memory.owned and pool.nbytes == 8 * 300
+    pool.release()
+    pool.release()
+    assert given_back == [1]
+    assert base.untyped_storage().nbytes() == 8 * 4096  # not ours to free

@@ -1,0 +1,188 @@
+"""The start-up self-check: a copy path serves only after scratch KV went
+device -> pool -> device byte-exact through it; a path that raises, fails
+or moves a wrong byte gives way to the next one; with none left, offloading
+is refused at start-up, naming each failure.
+
+Faults are injected here, in the tests: ``FaultyPath`` wraps a real path and
+corrupts or fails its copies (the runtime package has no such hook).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+
+import pytest
+import torch
+from vllm.v1.kv_offload.base import GPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+from tests.unit.kv_helpers import make_kv_caches
+from vllm_ascend.kv_offload import copy_paths, ops, self_check, worker
+from vllm_ascend.kv_offload.config import OffloadConfigError, check_keys
+from vllm_ascend.kv_offload.copy_paths import CopyPath, candidate_paths
+from vllm_ascend.kv_offload.self_check import SelfCheckFailed, run_self_check
+from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
+
+PAGES = [256, 768]
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultyPath(CopyPath):
+    """A real path whose copies go wrong: ``fault`` is "byte" (one wrong
+    byte in the destination after the copy), "raise" (the copy raises) or
+    "" (none)."""
+
+    fault: str = ""
+
+    def bind(self, buffers):
+        real = CopyPath(self.name, self.device_type).bind(buffers)
+
+        def swap(src, dst, sizes):
+            if self.fault == "raise":
+                raise RuntimeError(f"injected copy error on {self.name}")
+            result = real(src, dst, sizes)
+            if self.fault == "byte":
+                # One byte of one fragment's destination (host memory on
+                # the CPU backend, both sides).
+                cell = ctypes.c_uint8.from_address(int(dst[len(dst) // 2]) + 5)
+                cell.value ^= 0x40
+            return result
+
+        return swap
+
+
+def faulty(faults: dict[str, str]) -> list[CopyPath]:
+    """The CPU's candidate paths, each with the fault named for it."""
+    return [
+        FaultyPath(p.name, p.device_type, faults.get(p.name, ""))
+        for p in candidate_paths("cpu")
+    ]
+
+
+@pytest.fixture
+def warnings(monkeypatch) -> list[str]:
+    """What the self-check logs as warnings, formatted."""
+    seen: list[str] = []
+    monkeypatch.setattr(
+        self_check.logger, "warning", lambda msg, *a: seen.append(msg % a)
+    )
+    return seen
+
+
+def names(paths) -> list[str]:
+    return [p.name for p in paths]
+
+
+def test_cpu_paths_are_tried_best_first():
+    expected = (
+        ["native", "python", "torch"] if ops.HAS_NATIVE_OP else ["python", "torch"]
+    )
+    assert names(candidate_paths("cpu")) == expected
+    assert names(candidate_paths("cpu", "torch")) == ["torch"]
+    assert names(candidate_paths("cpu", "native")) == expected[:-1]
+
+
+def test_an_accelerator_without_the_native_op_gets_the_torch_path(monkeypatch):
+    monkeypatch.setattr(copy_paths.ops, "native_backends", lambda: ("cpu",))
+    assert names(candidate_paths("npu")) == ["torch"]
+    with pytest.raises(OffloadConfigError, match=r"copy_path'\]='native'.*no 'npu'"):
+        candidate_paths("npu", "native")
+
+
+def test_an_accelerator_with_the_native_op_steps_down_batch_per_copy_torch(
+    monkeypatch,
+):
+    monkeypatch.setattr(copy_paths.ops, "native_backends", lambda: ("cpu", "cuda"))
+    assert names(candidate_paths("cuda")) == [
+        "native-batch",
+        "native-per-copy",
+        "torch",
+    ]
+
+
+def test_copy_path_setting_is_checked_like_every_key():
+    check_keys({"copy_path": "torch"})
+    with pytest.raises(OffloadConfigError) as error:
+        check_keys({"copy_path": "fast"})
+    assert "kv_connector_extra_config['copy_path']='fast' is not supported" in str(
+        error.value
+    )
+    assert "auto, native, torch" in str(error.value)
+
+
+def test_self_check_passes_on_the_best_path_and_reports_it():
+    result = run_self_check("cpu", PAGES)
+    best = candidate_paths("cpu")[0].name
+    assert result.passed and result.path == best and result.failure is None
+    assert result.bytes_per_direction == self_check.SCRATCH_BLOCKS * sum(PAGES)
+    assert result.bandwidth_gbps > 0
+    assert [a.path for a in result.attempts] == [best]
+    assert self_check.last_self_check() is result
+    assert result.memory_kind == "pageable mmap"
+
+
+@pytest.mark.parametrize("fault", ["byte", "raise"])
+@pytest.mark.parametrize("level", [0, 1])
+def test_a_faulty_path_gives_way_to_the_next(fault, level, warnings):
+    paths = faulty({p.name: fault for p in candidate_paths("cpu")[: level + 1]})
+    result = run_self_check("cpu", PAGES, paths=paths)
+    assert result.passed
+    assert result.path == paths[level + 1].name
+    failed = result.attempts[: level + 1]
+    assert [a.passed for a in failed] == [False] * (level + 1)
+    what = "wrong bytes" if fault == "byte" else "injected copy error"
+    for attempt, message in zip(failed, warnings, strict=True):
+        assert what in attempt.failure
+        assert f"copy path {attempt.path} is NOT byte-exact" in message
+
+
+def test_no_byte_exact_path_refuses_offloading_naming_each_failure(warnings):
+    paths = faulty({p.name: "byte" for p in candidate_paths("cpu")})
+    result = run_self_check("cpu", PAGES, paths=paths)
+    assert not result.passed and result.path is None
+    for p in paths:
+        assert f"{p.name}: 1 wrong bytes" in result.failure
+    error = self_check.refusal(result)
+    assert "Offloading is refused so that no wrong KV is ever used" in str(error)
+    assert "vllm_ascend.kv_offload.doctor" in str(error)
+
+
+def test_the_check_never_touches_the_live_kv_cache():
+    kv = make_kv_caches(8, PAGES)
+    before = [t.tensor.clone() for t in kv.tensors]
+    w = NPUOffloadingWorker(kv, blocks_per_chunk=1, num_cpu_blocks=4)
+    try:
+        assert all(
+            torch.equal(t.tensor, b) for t, b in zip(kv.tensors, before, strict=True)
+        )
+    finally:
+        w.shutdown()
+
+
+def test_the_worker_serves_on_the_path_the_check_chose(monkeypatch):
+    paths = faulty({candidate_paths("cpu")[0].name: "byte"})
+    monkeypatch.setattr(worker, "candidate_paths", lambda device, setting: paths)
+    logged: list[str] = []
+    monkeypatch.setattr(worker.logger, "info", lambda msg, *a: logged.append(msg % a))
+    kv = make_kv_caches(8, PAGES)
+    w = NPUOffloadingWorker(kv, blocks_per_chunk=1, num_cpu_blocks=4)
+    try:
+        assert w.copy_path == paths[1].name == w.self_check.path
+        assert any(f"copy path {paths[1].name} on cpu" in m for m in logged)
+        # And it moves KV on that path, byte-exact.
+        spec = GPULoadStoreSpec([2, 5], group_sizes=[2], block_indices=[0])
+        assert w.submit_store(1, spec, CPULoadStoreSpec([0, 3]))
+        w.wait({1})
+        assert [r.success for r in w.get_finished()] == [True]
+        rows = w.pool.tensor[[0, 3]]
+        assert torch.equal(rows[:, : PAGES[0]], kv.tensors[0].tensor[[2, 5]])
+    finally:
+        w.shutdown()
+
+
+def test_a_worker_with_no_byte_exact_path_is_refused_at_start_up(monkeypatch):
+    paths = faulty({p.name: "raise" for p in candidate_paths("cpu")})
+    monkeypatch.setattr(worker, "candidate_paths", lambda device, setting: paths)
+    with pytest.raises(SelfCheckFailed, match="start-up self-check failed on cpu"):
+        NPUOffloadingWorker(make_kv_caches(8, PAGES), 1, 4)

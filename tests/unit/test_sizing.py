@@ -1,0 +1,372 @@
+"""KV sizing from config.json alone: a CPU block's bytes and how many fit.
+
+Expected numbers are worked out by hand from the formula, written out next
+to each; one test checks the formula against vLLM's own ModelConfig and
+KV-cache spec for the same configs.
+"""
+
+import json
+
+import pytest
+
+from tests.unit.model_configs import (
+    DEEPSEEK_V2_LITE,
+    LLAMA2_7B_MHA,
+    LLAMA3_8B,
+    QWEN3_0_6B,
+    QWEN3_NEXT_80B,
+    tiny_qwen3_config,
+)
+from vllm_ascend.kv_offload import cpu_pool
+from vllm_ascend.kv_offload.config import OffloadConfigError
+from vllm_ascend.kv_offload.sizing import (
+    AUTO_POOL_SHARE,
+    CPU_BLOCK_ALIGNMENT,
+    SizingError,
+    auto_num_cpu_blocks,
+    fit_host_memory,
+    guard_max_blocks,
+    size_kv,
+    size_model_dir,
+)
+
+
+def write_model(tmp_path, config, name="model"):
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(config))
+    return d
+
+
+def test_qwen3_gqa_cpu_block_of_the_guide():
+    # 2 (K, V) * 28 layers * 8 KV heads * 128 head dim * 2 bytes (bf16)
+    # * 128 tokens = 14,680,064 bytes, a multiple of the 4 KiB page.
+    s = size_kv(QWEN3_0_6B, block_size=128)
+    assert s.attention == "gqa"
+    assert (s.num_attention_layers, s.kv_heads_per_worker, s.head_size) == (28, 8, 128)
+    assert s.kv_cache_dtype == "bfloat16"
+    assert s.bytes_per_token_per_layer == 2 * 8 * 128 * 2
+    assert s.worker_bytes_per_cpu_block == 2 * 28 * 8 * 128 * 2 * 128 == 14_680_064
+    assert s.bytes_per_cpu_block == 14_680_064
+    assert s.exact
+    # One device block of 128 tokens: K and V, 8 * 128 * 2 * 128 bytes each.
+    assert s.fragment_bytes == (262_144, 262_144)
+
+
+def test_tiny_test_model_matches_the_pool_its_engine_allocates():
+    # 2 (K, V) * 2 layers * 2 KV heads * 32 * 2 bytes (float32 served as
+    # bf16) * 128 tokens = 65,536 bytes: the row size the e2e engines log,
+    # "CPU block pool of 1000 blocks x 65536 bytes" (docs/user_guide.md).
+    s = size_kv(tiny_qwen3_config())
+    assert s.worker_bytes_per_cpu_block == 2 * 2 * 2 * 32 * 2 * 128 == 65_536
+
+
+def test_model_dir_needs_only_config_json(tmp_path):
+    d = write_model(tmp_path, QWEN3_0_6B)
+    assert size_model_dir(d).bytes_per_cpu_block == 14_680_064
+    assert size_model_dir(d / "config.json").bytes_per_cpu_block == 14_680_064
+
+
+def test_llama_head_size_from_hidden_size():
+    # head size 4096 / 32 = 128; 2 * 32 layers * 8 KV heads * 128 * 2 bytes
+    # * 128 tokens = 16,777,216 bytes.
+    s = size_kv(LLAMA3_8B)
+    assert s.head_size == 128
+    assert s.bytes_per_cpu_block == 2 * 32 * 8 * 128 * 2 * 128 == 16_777_216
+
+
+def test_mha_without_kv_head_key_has_one_kv_head_per_head():
+    # 2 * 32 layers * 32 KV heads * 128 * 2 bytes (fp16) * 128 tokens.
+    s = size_kv(LLAMA2_7B_MHA)
+    assert s.attention == "mha"
+    assert s.kv_heads_per_worker == 32
+    assert s.bytes_per_cpu_block == 2 * 32 * 32 * 128 * 2 * 128 == 67_108_864
+
+
+def test_deepseek_mla_one_latent_per_layer():
+    # (kv_lora_rank 512 + qk_rope_head_dim 64) * 2 bytes * 27 layers
+    # * 128 tokens = 3,981,312 bytes (972 pages of 4 KiB).
+    s = size_kv(DEEPSEEK_V2_LITE)
+    assert s.attention == "mla"
+    assert (s.kv_heads_per_worker, s.head_size) == (1, 576)
+    assert s.bytes_per_cpu_block == 27 * (512 + 64) * 2 * 128 == 3_981_312
+    # The Ascend layout keeps the latent as nope (512) and rope (64) tensors.
+    assert s.fragment_bytes == (512 * 2 * 128, 64 * 2 * 128)
+
+
+def test_tensor_parallel_splits_kv_heads_and_counts_every_worker():
+    # 8 KV heads on 2 workers: 4 each, 2 * 28 * 4 * 128 * 2 * 128 = 7,340,032
+    # bytes per worker; a CPU block over both is twice that.
+    s = size_kv(QWEN3_0_6B, tensor_parallel_size=2)
+    assert s.kv_heads_per_worker == 4
+    assert s.worker_bytes_per_cpu_block == 7_340_032
+    assert s.bytes_per_cpu_block == 14_680_064
+
+
+def test_more_workers_than_kv_heads_replicate_one_head():
+    # 8 KV heads on 16 workers (16 attention heads): 1 head each, replicated;
+    # 2 * 28 * 1 * 128 * 2 * 128 = 1,835,008 per worker, 16 workers.
+    s = size_kv(QWEN3_0_6B, tensor_parallel_size=16)
+    assert s.kv_heads_per_worker == 1
+    assert s.worker_bytes_per_cpu_block == 1_835_008
+    assert s.bytes_per_cpu_block == 16 * 1_835_008
+
+
+def test_mla_latent_is_stored_by_every_tensor_parallel_worker():
+    s = size_kv(DEEPSEEK_V2_LITE, tensor_parallel_size=2)
+    assert s.worker_bytes_per_cpu_block == 3_981_312
+    assert s.bytes_per_cpu_block == 2 * 3_981_312
+
+
+def test_kv_cache_dtype_overrides_the_checkpoint_dtype():
+    # fp8: 1 byte per element, half of bf16's 14,680,064.
+    assert size_kv(QWEN3_0_6B, kv_cache_dtype="fp8").bytes_per_cpu_block == 7_340_032
+    # DeepSeek's sparse fp8 MLA cache: 656 bytes per token and layer.
+    s = size_kv(DEEPSEEK_V2_LITE, kv_cache_dtype="fp8_ds_mla")
+    assert s.worker_bytes_per_cpu_block == 27 * 656 * 128
+
+
+def test_float32_checkpoint_is_served_as_bfloat16_like_vllm_auto():
+    fp32 = dict(QWEN3_0_6B, torch_dtype="float32")
+    assert size_kv(fp32).kv_cache_dtype == "bfloat16"
+    assert size_kv(fp32, dtype="float32").kv_cache_dtype == "float32"
+    # Newer transformers write "dtype" instead of "torch_dtype".
+    new_key = {k: v for k, v in QWEN3_0_6B.items() if k != "torch_dtype"}
+    assert size_kv(dict(new_key, dtype="float16")).kv_cache_dtype == "float16"
+
+
+def test_block_size_is_tokens_per_cpu_block():
+    # 256 tokens per CPU block = 2 device blocks of 128: twice the bytes.
+    s = size_kv(QWEN3_0_6B, block_size=256)
+    assert s.bytes_per_cpu_block == 2 * 14_680_064
+    assert s.blocks_per_chunk == 2
+
+
+def test_cpu_block_over_workers_is_padded_to_a_page():
+    # One MLA layer of (100 + 12) * 2 bytes * 16 tokens = 3,584 bytes,
+    # padded to one 4 KiB page as vLLM's spec does.
+    tiny = {
+        "model_type": "deepseek_v2",
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "kv_lora_rank": 100,
+        "qk_rope_head_dim": 12,
+        "torch_dtype": "bfloat16",
+    }
+    s = size_kv(tiny, block_size=16, device_block_size=16)
+    assert s.worker_bytes_per_cpu_block == 3_584
+    assert s.bytes_per_cpu_block == CPU_BLOCK_ALIGNMENT == 4096
+
+
+def test_multimodal_config_sizes_its_text_model():
+    vl = {
+        "model_type": "qwen3_vl",
+        "torch_dtype": "bfloat16",
+        "text_config": {k: v for k, v in QWEN3_0_6B.items() if k != "torch_dtype"},
+        "vision_config": {"depth": 24},
+    }
+    assert size_kv(vl).bytes_per_cpu_block == 14_680_064
+
+
+def test_hybrid_model_counts_attention_layers_as_a_lower_bound():
+    # 48 layers, full attention every 4th: 12 attention layers;
+    # 2 * 12 * 2 KV heads * 256 * 2 bytes * 128 tokens = 3,145,728 bytes.
+    s = size_kv(QWEN3_NEXT_80B)
+    assert (s.num_attention_layers, s.num_state_layers) == (12, 36)
+    assert s.bytes_per_cpu_block == 2 * 12 * 2 * 256 * 2 * 128 == 3_145_728
+    assert not s.exact
+    assert any("lower" in n or "at least" in n for n in s.notes)
+
+
+def test_layer_types_list_marks_attention_layers():
+    layers = ["linear_attention", "linear_attention", "full_attention"] * 2
+    cfg = dict(QWEN3_0_6B, num_hidden_layers=6, layer_types=layers)
+    s = size_kv(cfg)
+    assert (s.num_attention_layers, s.num_state_layers) == (2, 4)
+    # Sliding-window layers hold pages of the same size per token.
+    sliding = dict(cfg, layer_types=["sliding_attention", "full_attention"] * 3)
+    assert size_kv(sliding).exact
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"num_hidden_layers": None}, "num_hidden_layers"),
+        ({"num_attention_heads": None}, "num_attention_heads"),
+        ({"head_dim": None, "hidden_size": None}, "hidden_size"),
+        ({"num_key_value_heads": 0}, "num_key_value_heads"),
+        ({"index_topk": 2048}, "index_topk"),
+        ({"block_configs": [{}]}, "block_configs"),
+        ({"torch_dtype": "complex64"}, "--dtype"),
+        ({"is_encoder_decoder": True}, "encoder-decoder"),
+        ({"layer_types": ["linear_attention"] * 28}, "no attention layers"),
+        ({"layer_types": ["full_attention"]}, "layer_types"),
+    ],
+)
+def test_configs_it_cannot_size_are_refused_by_name(change, named):
+    cfg = {**QWEN3_0_6B, **change}
+    with pytest.raises(SizingError, match=named):
+        size_kv(cfg)
+
+
+def test_mla_without_rope_dim_is_refused():
+    cfg = {k: v for k, v in DEEPSEEK_V2_LITE.items() if k != "qk_rope_head_dim"}
+    with pytest.raises(SizingError, match="qk_rope_head_dim"):
+        size_kv(cfg)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"block_size": 100}, "--block-size=100"),
+        ({"block_size": 0}, "--block-size"),
+        ({"tensor_parallel_size": 3}, "--tensor-parallel-size=3"),
+        ({"kv_cache_dtype": "int3"}, "--kv-cache-dtype"),
+        ({"kv_cache_dtype": "fp8_ds_mla"}, "MLA"),
+    ],
+)
+def test_bad_settings_are_refused_naming_the_flag(kwargs, named):
+    with pytest.raises(SizingError, match=named):
+        size_kv(QWEN3_0_6B, **kwargs)
+
+
+def test_missing_or_broken_config_json(tmp_path):
+    with pytest.raises(SizingError, match="no config.json"):
+        size_model_dir(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(SizingError, match="not readable JSON"):
+        size_model_dir(tmp_path)
+
+
+def _guard_accepts(monkeypatch, available, sizing, num_blocks) -> bool:
+    """What the worker's guard says, with ``available`` bytes of host memory."""
+    monkeypatch.setattr(cpu_pool, "host_available_bytes", lambda: available)
+    request = cpu_pool.PoolRequest(
+        num_blocks=num_blocks,
+        row_bytes=sizing.worker_bytes_per_cpu_block,
+        key="num_cpu_blocks",
+        value=num_blocks,
+        all_workers_block_bytes=sizing.bytes_per_cpu_block,
+        blocks_per_chunk=sizing.blocks_per_chunk,
+        chunk_key="block_size",
+        device_block_tokens=sizing.device_block_size,
+    )
+    try:
+        cpu_pool.check_host_memory(request, host_kv_bytes=0)
+    except OffloadConfigError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("config", [QWEN3_0_6B, DEEPSEEK_V2_LITE, LLAMA3_8B])
+def test_max_num_cpu_blocks_is_the_largest_the_guard_accepts(monkeypatch, config):
+    available = 24 * 2**30 + 12345
+    s = size_kv(config)
+    fit = fit_host_memory(s, available_bytes=available)
+    assert fit.max_num_cpu_blocks > 0
+    assert _guard_accepts(monkeypatch, available, s, fit.max_num_cpu_blocks)
+    assert not _guard_accepts(monkeypatch, available, s, fit.max_num_cpu_blocks + 1)
+    # cpu_bytes_to_use holds exactly that many blocks (vLLM divides by the
+    # padded CPU block).
+    assert fit.cpu_bytes_to_use // s.bytes_per_cpu_block == fit.max_num_cpu_blocks
+
+
+def test_guide_config_on_a_24_gib_host():
+    # 90% of 24 GiB = 23,192,823,398 bytes; / 14,680,064 = 1579 blocks.
+    fit = fit_host_memory(size_kv(QWEN3_0_6B), available_bytes=24 * 2**30)
+    assert fit.usable_bytes == int(24 * 2**30 * 0.9) == 23_192_823_398
+    assert fit.max_num_cpu_blocks == 23_192_823_398 // 14_680_064 == 1579
+    assert fit.cpu_bytes_to_use == 1579 * 14_680_064
+
+
+def test_reserved_memory_and_workers_on_host_shrink_the_fit():
+    s = size_kv(QWEN3_0_6B, tensor_parallel_size=2)
+    gib = 2**30
+    # Two workers' pools on this host, 4 GiB kept for the device KV cache:
+    # 90% of 20 GiB = 19,327,352,832 bytes; / (2 * 7,340,032) = 1316 blocks.
+    fit = fit_host_memory(s, available_bytes=24 * gib, reserved_bytes=4 * gib)
+    assert fit.max_num_cpu_blocks == int(20 * gib * 0.9) // (2 * 7_340_032) == 1316
+    one = fit_host_memory(s, available_bytes=24 * gib, workers_on_host=1)
+    assert one.max_num_cpu_blocks == int(24 * gib * 0.9) // 7_340_032
+    none = fit_host_memory(s, available_bytes=gib, reserved_bytes=2 * gib)
+    assert none.max_num_cpu_blocks == 0
+
+
+def test_fit_reads_host_memory_now_by_default(monkeypatch):
+    monkeypatch.setattr(cpu_pool, "host_available_bytes", lambda: 10 * 14_680_064)
+    fit = fit_host_memory(size_kv(QWEN3_0_6B))
+    assert fit.available_bytes == 10 * 14_680_064
+    assert fit.max_num_cpu_blocks == 9  # 90% of 10 blocks
+
+
+def test_guard_max_blocks_is_what_the_guard_accepts(monkeypatch):
+    s = size_kv(QWEN3_0_6B)
+    available, reserved = 16 * 2**30 + 999, 3 * 2**30
+    blocks = guard_max_blocks(s.worker_bytes_per_cpu_block, available, reserved)
+    # The guard runs after the reserved memory is allocated.
+    after = available - reserved
+    assert _guard_accepts(monkeypatch, after, s, blocks)
+    assert not _guard_accepts(monkeypatch, after, s, blocks + 1)
+
+
+def test_auto_takes_a_share_of_what_the_guard_accepts_next_to_the_engine():
+    # 90% of (24 GiB - 6 GiB engine) = 17,394,617,548 bytes; half of it
+    # = 8,697,308,774; / 14,680,064 = 592 blocks.
+    gib = 2**30
+    assert AUTO_POOL_SHARE == 0.5
+    assert auto_num_cpu_blocks(14_680_064, 6 * gib, 24 * gib) == 592
+    assert auto_num_cpu_blocks(14_680_064, 6 * gib, 24 * gib, share=1.0) == (
+        guard_max_blocks(14_680_064, 24 * gib, 6 * gib)
+    )
+    assert auto_num_cpu_blocks(14_680_064, 30 * gib, 24 * gib) == 0
+    with pytest.raises(SizingError, match="share"):
+        auto_num_cpu_blocks(14_680_064, 0, gib, share=0)
+
+
+@pytest.fixture(scope="module")
+def vllm_model_config():
+    """vLLM's own ModelConfig from a config.json-only directory (no
+    weights, no tokenizer). Slow: its first use of an architecture inspects
+    vLLM's model registry."""
+    from vllm.config import ModelConfig
+
+    def build(model_dir, **kwargs):
+        return ModelConfig(model=str(model_dir), skip_tokenizer_init=True, **kwargs)
+
+    return build
+
+
+@pytest.mark.parametrize(
+    ("config", "tp"),
+    [
+        (QWEN3_0_6B, 1),
+        (QWEN3_0_6B, 2),
+        (LLAMA3_8B, 4),
+        (DEEPSEEK_V2_LITE, 2),
+        (tiny_qwen3_config(), 1),
+    ],
+)
+def test_formula_matches_vllms_model_config_and_kv_spec(
+    tmp_path, vllm_model_config, config, tp
+):
+    from vllm.config import ParallelConfig
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    mc = vllm_model_config(write_model(tmp_path, config))
+    parallel = ParallelConfig(tensor_parallel_size=tp)
+    ours = size_kv(config, tensor_parallel_size=tp)
+    heads = mc.get_num_kv_heads(parallel)
+    assert heads == ours.kv_heads_per_worker
+    assert mc.get_head_size() == ours.head_size
+    assert mc.get_num_layers(ParallelConfig()) == ours.num_attention_layers
+    assert mc.use_mla == (ours.attention == "mla")
+    assert str(mc.dtype).removeprefix("torch.") == ours.kv_cache_dtype
+    spec_cls = MLAAttentionSpec if mc.use_mla else FullAttentionSpec
+    spec = spec_cls(
+        block_size=ours.block_size,
+        num_kv_heads=heads,
+        head_size=mc.get_head_size(),
+        dtype=mc.dtype,
+    )
+    layers = ours.num_attention_layers
+    assert spec.page_size_bytes * layers == ours.worker_bytes_per_cpu_block

@@ -1,0 +1,331 @@
+"""Failed transfers: what the worker side reports, what the scheduler side does.
+
+vLLM's offloading connector asserts that every transfer succeeded. Our worker
+diverts failures (``worker.divert_failures``): vLLM sees the job finish, and
+the connector (``connector.AscendOffloadingConnector``) reports the failure
+through vLLM's public hooks, with the three parts of this module:
+
+* ``WorkerFailureLog`` (worker side): which device blocks each load job
+  writes, and what this step reports: a failed load's device blocks through
+  ``get_block_ids_with_load_errors`` in the step vLLM sees the job finish (the
+  contract of ``KVConnectorBase_V1``), or, with several KV cache groups whose
+  block ids vLLM cannot map back to requests, its request in
+  ``failed_recving``; failed job ids in ``AscendOffloadingWorkerMetadata``.
+* ``FailureRouter`` (scheduler side): what a failed job means for
+  ``manager.FailureAwareManager``: a failed store's CPU blocks are freed, a
+  request whose load failed gets no CPU hits again. A store of a request
+  whose synchronous load failed copies KV computed from that load's garbage:
+  it is failed too.
+* ``SyncLoadQuarantine`` (scheduler side): a synchronous load (vLLM >= 0.33,
+  ``sync_load_budget_bytes``) fills device blocks that vLLM's scheduler has
+  already put in its device prefix cache (they are hashed at allocation).
+  Until the load is known to have succeeded, no other request may reach them:
+  a request that would hit them waits (its lookup answers "not yet"), and if
+  the load failed, they leave the prefix cache before vLLM schedules again.
+  vLLM's own recovery (``Scheduler._handle_invalid_blocks`` with
+  ``kv_load_failure_policy="recompute"``) leaves them there, for the failed
+  request to recompute in place; until it does (and it may be preempted
+  first, which frees them with their hashes) any request hitting them reads
+  garbage with no failure reported for it (docs/robustness.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingConnectorMetadata,
+    OffloadingWorkerMetadata,
+    ReqId,
+)
+from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+from vllm_ascend.kv_offload.logger import init_logger
+from vllm_ascend.kv_offload.manager import FailureAwareManager
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class AscendOffloadingWorkerMetadata(OffloadingWorkerMetadata):
+    """vLLM's worker -> scheduler metadata, plus the jobs that failed.
+
+    A failed job is also in ``completed_jobs`` (vLLM saw it finish), so vLLM's
+    bookkeeping (one count per worker) is unchanged; ``failed_jobs`` tells
+    the scheduler side what the job did not do.
+    """
+
+    failed_jobs: set[int] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        merged = super().aggregate(other)
+        assert isinstance(merged, OffloadingWorkerMetadata)
+        return AscendOffloadingWorkerMetadata(
+            completed_jobs=merged.completed_jobs,
+            transfer_stats=merged.transfer_stats,
+            failed_jobs=self.failed_jobs | getattr(other, "failed_jobs", set()),
+        )
+
+
+# -- worker side ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoadJob:
+    """What the worker side must know to report a failed load."""
+
+    req_id: ReqId
+    block_ids: tuple[int, ...]
+    sync: bool
+
+
+class WorkerFailureLog:
+    """Load jobs in flight and the failures the current step reports."""
+
+    def __init__(self, report_block_ids: bool):
+        # vLLM maps failed block ids back to requests only with one KV cache
+        # group (Scheduler._handle_invalid_blocks); else report per request.
+        self.report_block_ids = report_block_ids
+        self._load_jobs: dict[int, LoadJob] = {}
+        self._load_error_block_ids: set[int] = set()
+        self._failed_recving: set[ReqId] = set()
+        self._failed_jobs: set[int] = set()
+
+    def record_loads(self, load_jobs: Mapping[int, Any]) -> None:
+        """The load jobs of the metadata bound for this step."""
+        for job_id, entry in load_jobs.items():
+            assert isinstance(entry.dst_spec, GPULoadStoreSpec)
+            self._load_jobs[job_id] = LoadJob(
+                req_id=entry.req_id,
+                block_ids=tuple(
+                    np.asarray(entry.dst_spec.block_ids, dtype=np.int64).tolist()
+                ),
+                sync=bool(getattr(entry, "sync", False)),
+            )
+
+    def record_failures(self, job_ids: Iterable[int]) -> None:
+        """Jobs the worker reported failed (``take_failed_jobs``)."""
+        for job_id in job_ids:
+            self._failed_jobs.add(job_id)
+            load = self._load_jobs.pop(job_id, None)
+            if load is None:
+                logger.warning(
+                    "KV offload: store job %d failed; its blocks are not kept in "
+                    "the CPU cache",
+                    job_id,
+                )
+                continue
+            # The job may have written some of its blocks, or garbage: all of
+            # them must be recomputed before anything uses them.
+            if self.report_block_ids:
+                self._load_error_block_ids.update(load.block_ids)
+            else:
+                self._failed_recving.add(load.req_id)
+            logger.warning(
+                "KV offload: %s load job %d of request %s failed; its %d device "
+                "blocks are reported as not loaded (kv_load_failure_policy "
+                "decides: recompute them, or fail the request)",
+                "sync" if load.sync else "async",
+                job_id,
+                load.req_id,
+                len(load.block_ids),
+            )
+
+    def take_failed_recving(self) -> set[ReqId]:
+        failed, self._failed_recving = self._failed_recving, set()
+        return failed
+
+    def take_load_error_block_ids(self) -> set[int]:
+        block_ids, self._load_error_block_ids = self._load_error_block_ids, set()
+        return block_ids
+
+    def worker_metadata(
+        self, meta: OffloadingWorkerMetadata
+    ) -> AscendOffloadingWorkerMetadata:
+        """vLLM's metadata of this step, with the failed jobs among it."""
+        for job_id in meta.completed_jobs:
+            self._load_jobs.pop(job_id, None)
+        failed = self._failed_jobs & set(meta.completed_jobs)
+        self._failed_jobs -= failed
+        return AscendOffloadingWorkerMetadata(
+            completed_jobs=meta.completed_jobs,
+            transfer_stats=meta.transfer_stats,
+            failed_jobs=failed,
+        )
+
+
+# -- scheduler side ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Quarantined:
+    hashes: frozenset[Any]
+    block_ids: tuple[int, ...]
+
+
+class SyncLoadQuarantine:
+    """Device blocks of synchronous loads whose outcome is not known yet.
+
+    Fed by the connector's scheduler-side hooks in vLLM's order: ``on_lookup``
+    (the request's connector lookup), ``on_alloc`` (its blocks), ``on_metadata``
+    (the step's load jobs), then ``release`` once its workers reported the job.
+    """
+
+    def __init__(self, block_size: int, group_idx: int = 0):
+        self.block_size = block_size
+        self.group_idx = group_idx
+        self._kv_cache_manager: Any = None
+        # Sync hits looked up this step: request -> its local prefix tokens.
+        self._looked_up: dict[ReqId, int] = {}
+        # Allocated this step, job id not known yet; then per load job.
+        self._by_request: dict[ReqId, _Quarantined] = {}
+        self._by_job: dict[int, _Quarantined] = {}
+
+    def bind(self, kv_cache_manager: Any) -> None:
+        """vLLM's ``KVCacheManager`` (``bind_kv_cache_manager``)."""
+        self._kv_cache_manager = kv_cache_manager
+
+    def must_wait(self, request: Any) -> bool:
+        """Whether ``request`` would reach a quarantined block through the
+        device prefix cache. Block hashes chain, so sharing one hash means
+        sharing the whole prefix up to that block."""
+        if not self._by_job and not self._by_request:
+            return False
+        entries = [*self._by_job.values(), *self._by_request.values()]
+        return any(not e.hashes.isdisjoint(request.block_hashes) for e in entries)
+
+    def on_lookup(
+        self, request: Any, num_local_tokens: int, result: tuple[int | None, bool]
+    ) -> None:
+        num_tokens, load_async = result
+        if num_tokens and not load_async:  # a hit loaded within the step
+            self._looked_up[request.request_id] = num_local_tokens
+        else:
+            self._looked_up.pop(request.request_id, None)
+
+    def on_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        num_local_tokens = self._looked_up.pop(request.request_id, None)
+        if num_local_tokens is None or not num_external_tokens:
+            return
+        first = num_local_tokens // self.block_size
+        hashes = request.block_hashes
+        if len(hashes) != request.num_tokens // self.block_size:
+            first = 0  # hashes at another granularity: quarantine them all
+        block_ids = blocks.get_block_ids()[self.group_idx]
+        # Everything from the first loaded block on: the loaded blocks, and
+        # those this step computes from them (also hashed at allocation).
+        self._by_request[request.request_id] = _Quarantined(
+            frozenset(hashes[first:]), tuple(block_ids[first:])
+        )
+
+    def on_metadata(self, meta: OffloadingConnectorMetadata) -> None:
+        for job_id, entry in meta.load_jobs.items():
+            quarantined = self._by_request.pop(entry.req_id, None)
+            if quarantined is not None and getattr(entry, "sync", False):
+                self._by_job[job_id] = quarantined
+        # Allocated but loading nothing synchronously after all.
+        self._by_request.clear()
+        self._looked_up.clear()
+
+    def release(self, job_id: int, failed: bool) -> None:
+        quarantined = self._by_job.pop(job_id, None)
+        if quarantined is None or not failed:
+            return
+        if self._kv_cache_manager is None:
+            logger.error(
+                "KV offload: sync load job %d failed and vLLM bound no KV cache "
+                "manager to the connector: its device blocks stay in the prefix "
+                "cache",
+                job_id,
+            )
+            return
+        # Removed from the prefix cache only: the failed request (vLLM
+        # recomputes or fails it) keeps them.
+        self._kv_cache_manager.evict_blocks(set(quarantined.block_ids))
+
+    def has_job(self, job_id: int) -> bool:
+        return job_id in self._by_job
+
+
+class FailureRouter:
+    """Turns the failed jobs the workers report into ``FailureAwareManager``
+    calls; releases quarantined sync loads once every worker reported them."""
+
+    def __init__(
+        self,
+        manager: FailureAwareManager,
+        num_workers: int,
+        quarantine: SyncLoadQuarantine | None = None,
+    ):
+        self.manager = manager
+        self.num_workers = num_workers
+        self.quarantine = quarantine
+        # Per job: what a failure means (store -> its keys, load -> its
+        # request) and how many workers have yet to report it.
+        self._failure_target: dict[int, tuple[bool, object]] = {}
+        self._reports_due: dict[int, int] = {}
+        # Unresolved sync load per request, and the stores issued meanwhile.
+        self._sync_load_of: dict[ReqId, int] = {}
+        self._dependent_stores: dict[int, list[int]] = {}
+
+    def expect(self, meta: OffloadingConnectorMetadata) -> None:
+        """The jobs of the step's metadata (``build_connector_meta``)."""
+        for job_id, entry in meta.load_jobs.items():
+            self.expect_reports(job_id, (False, entry.req_id))
+            if getattr(entry, "sync", False):
+                self._sync_load_of[entry.req_id] = job_id
+                self._dependent_stores[job_id] = []
+        for job_id, entry in meta.store_jobs.items():
+            keys = self.manager.keys_of_store(entry.dst_spec)
+            self.expect_reports(job_id, (True, keys))
+            load_job = self._sync_load_of.get(entry.req_id)
+            if load_job is not None:
+                self._dependent_stores[load_job].append(job_id)
+        if self.quarantine is not None:
+            self.quarantine.on_metadata(meta)
+
+    def expect_reports(self, job_id: int, target: tuple[bool, object]) -> None:
+        self._failure_target[job_id] = target
+        self._reports_due[job_id] = self.num_workers
+
+    def route(self, meta: Any) -> None:
+        """The workers' metadata of a step (``update_connector_output``),
+        before vLLM completes its jobs: ``complete_store`` must already know
+        that a failed store's keys hold nothing."""
+        for job_id in getattr(meta, "failed_jobs", ()):
+            is_store, target = self._failure_target.get(job_id, (None, None))
+            if target is None:
+                continue  # stale (issued before a cache reset) or unknown
+            if is_store:
+                self.manager.store_failed(target)
+                continue
+            self.manager.load_failed(target)
+            for store_job in self._dependent_stores.get(job_id, ()):
+                _, keys = self._failure_target.get(store_job, (None, None))
+                if keys is not None:
+                    self.manager.store_failed(keys)
+            if self.quarantine is not None:
+                self.quarantine.release(job_id, failed=True)
+        if not isinstance(meta, OffloadingWorkerMetadata):
+            return
+        for job_id, count in meta.completed_jobs.items():
+            due = self._reports_due.get(job_id)
+            if due is None:
+                continue
+            if due - count > 0:
+                self._reports_due[job_id] = due - count
+                continue
+            del self._reports_due[job_id]
+            is_store, target = self._failure_target.pop(job_id, (None, None))
+            if job_id in self._dependent_stores:
+                del self._dependent_stores[job_id]
+                if self._sync_load_of.get(target) == job_id:  # type: ignore[arg-type]
+                    del self._sync_load_of[target]  # type: ignore[arg-type]
+            if self.quarantine is not None:
+                self.quarantine.release(job_id, failed=False)

@@ -1,0 +1,321 @@
+"""Start-up self-check: a copy path is used only after it moved scratch KV
+byte-exact, on this device, through this pool's kind of host memory.
+
+For each candidate path, best first (``copy_paths.candidate_paths``), the
+check stores scratch device blocks of the real fragment sizes into CPU
+blocks of the pool (none holds KV yet at start-up; only this worker's slot
+of each row is written) and loads them back into a second scratch device
+buffer, through the worker's own transfer queues (its streams, or its copy
+thread), and compares every byte on both sides, poison around them
+included. The first path that is byte-exact is the worker's; each one that
+raised, failed or moved a wrong byte is logged with what went wrong. If none
+is byte-exact, ``SelfCheckFailed`` refuses offloading at start-up: never
+wrong KV (the live KV cache is never touched).
+
+``run_self_check`` is public (the ``doctor`` command calls it without a
+worker); ``last_self_check`` returns the result the worker of this process
+started with.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from vllm_ascend.kv_offload import ops
+from vllm_ascend.kv_offload.copy_paths import CopyPath, candidate_paths
+from vllm_ascend.kv_offload.cpu_pool import CpuBlockPool, private_pool
+from vllm_ascend.kv_offload.logger import init_logger
+from vllm_ascend.kv_offload.transfer_queue import TransferQueue, make_transfer_queue
+
+logger = init_logger(__name__)
+
+# CPU blocks the check round-trips: enough to give the batch calls several
+# entries per tensor, few enough to cost little at start-up.
+SCRATCH_BLOCKS = 2
+POISON = 0xA5
+_GAP = 64  # bytes of poison after each scratch fragment on the device
+# Without a model: K and V pages of 8 layers, 64 KiB each.
+DEFAULT_FRAGMENTS = (65536,) * 16
+_REPORT = (
+    "report it, with this message and the output of "
+    "`python -m vllm_ascend.kv_offload.doctor --json`, to the vllm-ascend KV "
+    "offload maintainers (docs/pool_and_self_check.md); until then run "
+    "without kv_transfer_config"
+)
+
+
+class SelfCheckFailed(RuntimeError):
+    """No copy path moved the scratch KV byte-exact: offloading is refused."""
+
+
+@dataclass(frozen=True)
+class PathAttempt:
+    path: str
+    passed: bool
+    failure: str | None = None
+    seconds: float = 0.0  # the two copy jobs, not the comparison
+    bandwidth_gbps: float | None = None  # bytes both ways / seconds, 1e9 B/s
+
+
+@dataclass(frozen=True)
+class SelfCheckResult:
+    device: str
+    memory_kind: str  # host_memory's kind of the pool
+    path: str | None  # the path chosen; None if none passed
+    passed: bool
+    failure: str | None  # every path's failure when none passed
+    bandwidth_gbps: float | None  # of the chosen path
+    bytes_per_direction: int
+    seconds: float  # the whole check
+    attempts: tuple[PathAttempt, ...] = field(default=())
+
+    def summary(self) -> str:
+        if self.passed:
+            return (
+                f"passed on path {self.path} ({self.bytes_per_direction} bytes "
+                f"each way, {self.bandwidth_gbps:.2f} GB/s, {self.memory_kind} "
+                f"host memory, {self.seconds * 1e3:.0f} ms)"
+            )
+        return f"FAILED: {self.failure}"
+
+
+_last: SelfCheckResult | None = None
+
+
+def last_self_check() -> SelfCheckResult | None:
+    """The result of this process's latest self-check (None before one)."""
+    return _last
+
+
+@dataclass
+class _Scratch:
+    """Scratch device buffers and where each fragment goes."""
+
+    src: torch.Tensor  # uint8, random
+    dst: torch.Tensor  # uint8, poisoned before each attempt
+    dev_off: np.ndarray  # int64 [F], offset of fragment f in src and dst
+    host_addr: np.ndarray  # int64 [F], its address in the pool
+    sizes: np.ndarray  # int64 [F]
+
+
+def _scratch(device: torch.device, pool: CpuBlockPool, fragment_sizes, blocks):
+    sizes = np.asarray(fragment_sizes, dtype=np.int64)
+    layout = pool.layout
+    # Block b of tensor t: pool row b, the tensor's first page (the engine's
+    # addressing); on the device every other slot, so that nothing merges,
+    # as with scattered KV blocks.
+    rows = np.arange(blocks, dtype=np.int64)[:, None]
+    host_addr = (
+        pool.base + rows * layout.row_bytes + layout.tensor_offsets[None, :]
+    ).ravel()
+    frag_sizes = np.broadcast_to(sizes[None, :], (blocks, len(sizes))).ravel()
+    # A gap of poison after each fragment on the device, so that nothing
+    # merges (as with scattered KV blocks) and a copy that runs over shows.
+    ends = np.cumsum(frag_sizes + _GAP)
+    dev_off = ends - frag_sizes - _GAP
+    total = int(ends[-1])
+    rng = np.random.default_rng(20261202)
+    src = torch.from_numpy(rng.integers(0, 256, total, dtype=np.uint8)).to(device)
+    dst = torch.empty(total, dtype=torch.uint8, device=device)
+    return _Scratch(src, dst, dev_off, host_addr, frag_sizes.copy())
+
+
+def _descriptors(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray):
+    return tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in (src, dst, sizes))
+
+
+def _run_job(queue: TransferQueue, job_id: int, copy) -> str | None:
+    """Runs one copy job on ``queue``; its failure, or None."""
+    raised: list[BaseException] = []
+
+    def job():
+        try:
+            return copy()
+        except BaseException as e:
+            raised.append(e)
+            raise
+
+    try:
+        queue.submit(job_id, job)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    queue.wait({job_id})
+    finished = []
+    deadline = time.monotonic() + 60
+    while not any(j.job_id == job_id for j in finished):
+        finished += queue.poll()
+        if time.monotonic() > deadline:
+            return "the copy job did not finish within 60 s"
+        if not any(j.job_id == job_id for j in finished):
+            queue.wait_any(0.01)
+    (done,) = [j for j in finished if j.job_id == job_id]
+    if raised:
+        return f"{type(raised[0]).__name__}: {raised[0]}"
+    if not done.success:
+        return "the copy job failed on its stream (see the error logged above)"
+    return None
+
+
+def _compare(want_buf, got_buf, want_frags, got_frags, where: str) -> str | None:
+    """None if each fragment of ``got_buf`` holds its ``want_buf`` bytes;
+    else how many bytes are wrong, and the first. (numpy: torch's CPU ops on
+    many small slices pay thread-pool overhead, seconds on a busy host.)"""
+    wrong, first = 0, None
+    for (wo, n), (go, _) in zip(want_frags, got_frags, strict=True):
+        want, got = want_buf[wo : wo + n], got_buf[go : go + n]
+        if np.array_equal(want, got):
+            continue
+        bad = np.flatnonzero(want != got)
+        wrong += len(bad)
+        if first is None:
+            i = int(bad[0])
+            first = f"at offset {go + i} (got {int(got[i])}, expected {int(want[i])})"
+    if not wrong:
+        return None
+    return f"{wrong} wrong bytes in the {where}, the first {first}"
+
+
+def _attempt(
+    path: CopyPath, scratch: _Scratch, pool: CpuBlockPool, queues
+) -> PathAttempt:
+    s = scratch
+    assert pool.tensor is not None
+    assert pool.memory.tensor is not None
+    host_flat = pool.memory.tensor.view(torch.uint8)
+    sizes = s.sizes.tolist()
+    host_off = (s.host_addr - host_flat.data_ptr()).tolist()
+    host_frags = list(zip(host_off, sizes, strict=True))
+    dev_frags = list(zip(s.dev_off.tolist(), sizes, strict=True))
+    host_np = host_flat.numpy()
+    for o, n in host_frags:
+        host_np[o : o + n] = POISON
+    s.dst.fill_(POISON)
+    try:
+        swap = path.bind([s.src, s.dst, host_flat])
+    except Exception as e:
+        return PathAttempt(path.name, False, f"{type(e).__name__}: {e}")
+    src_dev = s.src.data_ptr() + s.dev_off
+    dst_dev = s.dst.data_ptr() + s.dev_off
+    store = _descriptors(src_dev, s.host_addr, s.sizes)
+    load = _descriptors(s.host_addr, dst_dev, s.sizes)
+    store_q, load_q = queues
+    t0 = time.perf_counter()
+    failure = _run_job(store_q, -1, lambda: swap(*store))
+    if failure is None:
+        failure = _run_job(load_q, -2, lambda: swap(*load))
+    seconds = time.perf_counter() - t0
+    if failure is not None:
+        return PathAttempt(path.name, False, failure, seconds)
+    src_cpu = s.src.cpu().numpy()
+    dst_cpu = s.dst.cpu().numpy()
+    failure = _compare(
+        src_cpu, host_np, dev_frags, host_frags, "CPU pool after the store"
+    )
+    if failure is None:
+        # Device side: every fragment back, the poison after it untouched.
+        failure = _compare(
+            src_cpu, dst_cpu, dev_frags, dev_frags, "device buffer after the load"
+        )
+    if failure is None:
+        for o, n in dev_frags:
+            gap = dst_cpu[o + n : o + n + _GAP]
+            if not (gap == POISON).all():
+                failure = f"the load wrote past the fragment at device offset {o}"
+                break
+    if failure is not None:
+        return PathAttempt(path.name, False, failure, seconds)
+    moved = 2 * int(s.sizes.sum())
+    return PathAttempt(path.name, True, None, seconds, moved / max(seconds, 1e-9) / 1e9)
+
+
+def run_self_check(
+    device: torch.device | str,
+    fragment_sizes: Sequence[int] = DEFAULT_FRAGMENTS,
+    *,
+    pool: CpuBlockPool | None = None,
+    paths: Sequence[CopyPath] | None = None,
+    copy_path: str = "auto",
+    queues: tuple[TransferQueue, TransferQueue] | None = None,
+    blocks: int = SCRATCH_BLOCKS,
+) -> SelfCheckResult:
+    """Round-trips ``blocks`` scratch CPU blocks of ``fragment_sizes`` (bytes
+    of each tensor's page) through each path until one is byte-exact.
+
+    ``pool``: the pool to check, with its layout (its first ``blocks`` CPU
+    blocks are overwritten: call it before any is stored); None: a scratch
+    pool from the same factory, released afterwards. ``paths``: the order to
+    try (default: ``candidate_paths(device, copy_path)``). ``queues``: the
+    (store, load) transfer queues to run on (default: fresh ones, shut down
+    afterwards). Never raises for a failed path: the result says.
+    """
+    global _last
+    device = torch.device(device)
+    t0 = time.perf_counter()
+    own_pool = pool is None
+    if pool is None:
+        pool = private_pool(list(fragment_sizes), 1, blocks, device.type)
+    own_queues = queues is None
+    if queues is None:
+        queues = (
+            make_transfer_queue(device, "self-check-store"),
+            make_transfer_queue(device, "self-check-load"),
+        )
+    attempts: list[PathAttempt] = []
+    try:
+        blocks = min(blocks, pool.num_blocks)
+        scratch = _scratch(device, pool, fragment_sizes, blocks)
+        for path in candidate_paths(device.type, copy_path) if paths is None else paths:
+            attempt = _attempt(path, scratch, pool, queues)
+            attempts.append(attempt)
+            if attempt.passed:
+                break
+            logger.warning(
+                "KV offload self-check: copy path %s is NOT byte-exact on %s: "
+                "%s; trying the next one",
+                path.name,
+                device,
+                attempt.failure,
+            )
+    finally:
+        if own_queues:
+            for q in queues:
+                q.shutdown()
+        if own_pool:
+            pool.release()
+    chosen = attempts[-1] if attempts and attempts[-1].passed else None
+    failure = None
+    if chosen is None:
+        failure = "; ".join(f"{a.path}: {a.failure}" for a in attempts) or (
+            "no copy path to try"
+        )
+    result = SelfCheckResult(
+        device=str(device),
+        memory_kind=pool.memory.kind,
+        path=chosen.path if chosen else None,
+        passed=chosen is not None,
+        failure=failure,
+        bandwidth_gbps=chosen.bandwidth_gbps if chosen else None,
+        bytes_per_direction=int(scratch.sizes.sum()),
+        seconds=time.perf_counter() - t0,
+        attempts=tuple(attempts),
+    )
+    _last = result
+    if result.passed:
+        logger.info("KV offload self-check %s", result.summary())
+    return result
+
+
+def refusal(result: SelfCheckResult) -> SelfCheckFailed:
+    """The start-up error for a self-check that no path passed."""
+    native = f"native op backends: {', '.join(ops.native_backends()) or 'none'}"
+    return SelfCheckFailed(
+        f"KV offload: start-up self-check failed on {result.device}: no copy "
+        f"path moved scratch KV byte-exact between the device and "
+        f"{result.memory_kind} host memory ({native}): {result.failure}. "
+        f"Offloading is refused so that no wrong KV is ever used; {_REPORT}"
+    )

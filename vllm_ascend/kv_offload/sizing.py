@@ -1,0 +1,487 @@
+"""How big one CPU block is for a model, and how many fit in host memory.
+
+Reads a local Hugging Face model directory's ``config.json`` only (no
+weights, no tokenizer, no vLLM engine, no vLLM import) and derives what
+vLLM's KV-cache spec would give each attention layer:
+
+* standard / grouped-query attention: per token and layer,
+  ``2 (K and V) * kv_heads_per_rank * head_size * dtype_bytes``, with
+  ``kv_heads_per_rank = max(1, total_kv_heads // tensor_parallel_size)``
+  (vLLM's ``get_num_kv_heads``) and ``head_size = head_dim`` or
+  ``hidden_size // num_attention_heads`` (``get_head_size``);
+* MLA (DeepSeek-V2/V3 style, ``kv_lora_rank`` set): one latent of
+  ``kv_lora_rank + qk_rope_head_dim`` per token and layer, the same on every
+  tensor-parallel rank (vLLM's ``MLAAttentionSpec`` with one KV head);
+* hybrid models (``layer_types``, ``layers_block_type`` or
+  ``full_attention_interval``): attention layers as above; the
+  linear-attention / Mamba layers hold per-request state instead, and vLLM
+  pads every layer's page to one size for such models, which is not
+  reproduced here: the result is then a lower bound (``exact=False``).
+
+A CPU block holds ``block_size`` tokens (the guide's key) of every offloaded
+layer; its bytes over all tensor-parallel workers, rounded up to the page
+size, is the unit of ``cpu_bytes_to_use`` (``config.cpu_block_bytes``). A
+config this module cannot size is refused with ``SizingError`` naming the
+key that is missing or not understood.
+
+``fit_host_memory`` then applies the worker's host-memory guard
+(``cpu_pool.check_host_memory``) to give the largest ``num_cpu_blocks`` it
+would accept, and the equivalent ``cpu_bytes_to_use``.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "AUTO_POOL_SHARE",
+    "HostFit",
+    "KVSizing",
+    "SizingError",
+    "auto_num_cpu_blocks",
+    "fit_host_memory",
+    "guard_max_blocks",
+    "load_config",
+    "size_kv",
+    "size_model_dir",
+]
+
+# "auto" pool sizing takes this share of the largest pool the guard accepts,
+# so that the host stays usable next to the engine.
+AUTO_POOL_SHARE = 0.5
+# vLLM's CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT (mmap.PAGESIZE): a CPU block
+# over all workers is padded to it.
+CPU_BLOCK_ALIGNMENT = mmap.PAGESIZE
+
+# Bytes per element of the KV cache, by the names vLLM accepts for
+# --kv-cache-dtype (and the checkpoint dtypes "auto" resolves to).
+_DTYPE_BYTES = {
+    "float32": 4,
+    "float": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "half": 2,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+    "fp8_inc": 1,
+    "int8": 1,
+}
+# vLLM's DeepSeek sparse-MLA fp8 cache: 656 bytes per token and layer
+# (512 fp8 latent values, 4 float32 scales, 64 bf16 rope values).
+_FP8_DS_MLA_TOKEN_BYTES = 656
+
+# Keys of layouts the formulas above do not describe: sizing them would be a
+# guess, so they are refused by name.
+_UNSUPPORTED_KEYS = {
+    "compress_ratios": "compressed attention (DeepSeek-V4 style)",
+    "index_topk": "a sparse-attention indexer with its own KV cache "
+    "(DeepSeek-V3.2 style)",
+    "block_configs": "per-layer block configurations (heterogeneous layers)",
+    "attn_type_list": "per-layer attention types (attn_type_list)",
+    "hybrid_override_pattern": "a hybrid layer pattern (hybrid_override_pattern)",
+    "num_kv_shared_layers": "KV shared across layers (num_kv_shared_layers)",
+    "cross_attention_layers": "cross-attention layers",
+}
+# layer_types / layers_block_type entries that hold KV pages.
+_ATTENTION_LAYER_TYPES = {"attention", "full_attention", "sliding_attention"}
+
+
+class SizingError(ValueError):
+    """A model config the KV sizing cannot derive exactly."""
+
+
+@dataclass(frozen=True)
+class KVSizing:
+    """One model's KV pages as vLLM would lay them out, and its CPU block."""
+
+    model_type: str
+    attention: str  # "mha", "gqa" or "mla"
+    num_layers: int  # all decoder layers
+    num_attention_layers: int  # layers holding KV pages
+    num_state_layers: int  # linear-attention / Mamba layers (hybrid models)
+    kv_heads_per_worker: int
+    head_size: int
+    kv_cache_dtype: str
+    dtype_bytes: int
+    tensor_parallel_size: int
+    block_size: int  # tokens per CPU block (the guide's block_size)
+    device_block_size: int  # tokens per device block (vLLM's block_size)
+    bytes_per_token_per_layer: int  # one worker
+    # Bytes of one layer's cache parts per device block, one worker: the
+    # fragments a copy moves (K and V, or MLA's nope and rope parts, as the
+    # Ascend layout holds them).
+    fragment_bytes: tuple[int, ...]
+    worker_bytes_per_cpu_block: int  # one worker's pool row
+    bytes_per_cpu_block: int  # all workers, padded: cpu_bytes_to_use's unit
+    exact: bool  # False: a lower bound (hybrid models)
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def blocks_per_chunk(self) -> int:
+        return self.block_size // self.device_block_size
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["fragment_bytes"] = list(self.fragment_bytes)
+        d["notes"] = list(self.notes)
+        return d
+
+
+@dataclass(frozen=True)
+class HostFit:
+    """The largest pool the worker's host-memory guard would accept now."""
+
+    available_bytes: int  # host memory available when measured
+    reserved_bytes: int  # subtracted first (e.g. the CPU backend's KV cache)
+    usable_bytes: int  # the guard's share of what is left
+    workers_on_host: int  # pools allocated on this host
+    max_num_cpu_blocks: int
+    cpu_bytes_to_use: int  # max_num_cpu_blocks in cpu_bytes_to_use's unit
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def load_config(model_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """``config.json`` of a local model directory (or the file itself)."""
+    path = Path(model_dir)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise SizingError(
+            f"no config.json at {path}: --model must be a local Hugging Face "
+            "model directory (its config.json alone is enough)"
+        )
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SizingError(f"{path} is not readable JSON ({e})") from e
+    if not isinstance(config, dict):
+        raise SizingError(f"{path} holds {type(config).__name__}, not a JSON object")
+    return config
+
+
+def _text_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The language model's part, as vLLM's hf_text_config picks it."""
+    text = config.get("text_config")
+    if isinstance(text, Mapping):
+        merged = dict(text)
+        for key in ("torch_dtype", "dtype"):
+            merged.setdefault(key, config.get(key))
+        return merged
+    return dict(config)
+
+
+def _positive_int(cfg: Mapping[str, Any], key: str, why: str) -> int:
+    value = cfg.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        shown = "missing" if value is None else f"{value!r}"
+        raise SizingError(
+            f"config.json: {key} is {shown}, but {why} needs a positive integer"
+        )
+    return value
+
+
+def _first_key(cfg: Mapping[str, Any], keys: tuple[str, ...]) -> tuple[str, Any]:
+    for key in keys:
+        if cfg.get(key) is not None:
+            return key, cfg[key]
+    return "", None
+
+
+def _model_dtype(cfg: Mapping[str, Any], dtype: str) -> str:
+    """vLLM's --dtype auto: the checkpoint's dtype, float32 served as
+    bfloat16 (the first dtype npu and cuda platforms support)."""
+    if dtype != "auto":
+        return dtype
+    key, value = _first_key(cfg, ("dtype", "torch_dtype"))
+    if value is None:
+        return "bfloat16"  # transformers' default float32, downcast by vLLM
+    name = str(value).removeprefix("torch.")
+    if name not in _DTYPE_BYTES:
+        raise SizingError(
+            f"config.json: {key}={value!r} is not a dtype vLLM serves; pass "
+            "--dtype bfloat16 (or float16, float32)"
+        )
+    return "bfloat16" if _DTYPE_BYTES[name] == 4 else name
+
+
+def _layer_kinds(cfg: Mapping[str, Any], num_layers: int) -> tuple[int, int]:
+    """(attention layers, state layers) of a possibly hybrid model."""
+    for key in ("layer_types", "layers_block_type"):
+        kinds = cfg.get(key)
+        if kinds is None:
+            continue
+        if not isinstance(kinds, list) or len(kinds) != num_layers:
+            raise SizingError(
+                f"config.json: {key} must list one type per layer "
+                f"({num_layers} layers, num_hidden_layers)"
+            )
+        attention = sum(str(k) in _ATTENTION_LAYER_TYPES for k in kinds)
+        return attention, num_layers - attention
+    interval = cfg.get("full_attention_interval")
+    if interval is not None:
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise SizingError(
+                f"config.json: full_attention_interval={interval!r} must be a "
+                "positive integer"
+            )
+        # Qwen3-Next: layer i is full attention iff (i + 1) % interval == 0.
+        attention = num_layers // interval
+        return attention, num_layers - attention
+    return num_layers, 0
+
+
+def size_kv(
+    config: Mapping[str, Any],
+    *,
+    block_size: int = 128,
+    device_block_size: int = 128,
+    tensor_parallel_size: int = 1,
+    kv_cache_dtype: str = "auto",
+    dtype: str = "auto",
+) -> KVSizing:
+    """The KV pages and CPU block of the model ``config`` (a parsed
+    config.json). ``block_size``: tokens per CPU block, a multiple of
+    ``device_block_size`` (vLLM's KV block size on the device)."""
+    for name, value in (
+        ("--block-size", block_size),
+        ("--device-block-size", device_block_size),
+        ("--tensor-parallel-size", tensor_parallel_size),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise SizingError(f"{name}={value!r} must be a positive integer")
+    if block_size % device_block_size:
+        raise SizingError(
+            f"--block-size={block_size} (tokens per CPU block) must be a multiple "
+            f"of the device block size {device_block_size} (--device-block-size)"
+        )
+    cfg = _text_config(config)
+    model_type = str(cfg.get("model_type") or config.get("model_type") or "unknown")
+    if config.get("is_encoder_decoder") or cfg.get("is_encoder_decoder"):
+        raise SizingError(
+            f"config.json: model_type {model_type!r} is an encoder-decoder "
+            "model; KV offloading sizing covers decoder-only models"
+        )
+    for key, what in _UNSUPPORTED_KEYS.items():
+        if cfg.get(key) is not None:
+            raise SizingError(
+                f"config.json has {key}: {what}, which this sizing does not "
+                "derive; read the exact CPU block size from the worker's log "
+                "line 'CPU block pool of N blocks x B bytes' instead"
+            )
+
+    num_layers = _positive_int(cfg, "num_hidden_layers", "the number of layers")
+    attention_layers, state_layers = _layer_kinds(cfg, num_layers)
+    if attention_layers == 0:
+        raise SizingError(
+            f"config.json: model_type {model_type!r} has no attention layers "
+            "(layer_types / full_attention_interval): nothing holds KV pages "
+            "to offload"
+        )
+
+    kv_dtype = kv_cache_dtype
+    if kv_dtype == "auto":
+        kv_dtype = _model_dtype(cfg, dtype)
+    if kv_dtype not in _DTYPE_BYTES and kv_dtype != "fp8_ds_mla":
+        raise SizingError(
+            f"--kv-cache-dtype={kv_cache_dtype!r} is not known here; use auto, "
+            f"{', '.join(k for k in _DTYPE_BYTES if k != 'float')} or fp8_ds_mla"
+        )
+    elem = _DTYPE_BYTES.get(kv_dtype, 1)
+    tp = tensor_parallel_size
+    notes: list[str] = []
+
+    kv_lora_rank = cfg.get("kv_lora_rank")
+    if kv_lora_rank is not None:
+        kv_lora_rank = _positive_int(cfg, "kv_lora_rank", "MLA's latent size")
+        rope = _positive_int(cfg, "qk_rope_head_dim", "MLA's rope part")
+        attention = "mla"
+        kv_heads = 1  # one latent, replicated on every tensor-parallel rank
+        head_size = kv_lora_rank + rope
+        if kv_dtype == "fp8_ds_mla":
+            per_token = _FP8_DS_MLA_TOKEN_BYTES
+            fragments = (per_token * device_block_size,)
+        else:
+            per_token = head_size * elem
+            # The Ascend layout holds the latent as two tensors (nope, rope).
+            fragments = (
+                kv_lora_rank * elem * device_block_size,
+                rope * elem * device_block_size,
+            )
+        if tp > 1:
+            notes.append(
+                f"MLA: each of the {tp} tensor-parallel workers holds the "
+                "same latent, so the pool stores it once per worker"
+            )
+    else:
+        if kv_dtype == "fp8_ds_mla":
+            raise SizingError(
+                "--kv-cache-dtype=fp8_ds_mla is for MLA models (kv_lora_rank "
+                "set); this config has standard attention"
+            )
+        heads_key, total_heads = _first_key(cfg, ("num_attention_heads", "n_head"))
+        if total_heads is None:
+            raise SizingError(
+                "config.json: num_attention_heads is missing; it is needed for "
+                "the number of KV heads and the head size"
+            )
+        total_heads = _positive_int(cfg, heads_key, "the head count")
+        kv_key, total_kv = _first_key(
+            cfg,
+            (
+                "n_head_kv",
+                "num_kv_heads",
+                "num_key_value_heads",
+                "multi_query_group_num",
+                "num_attention_groups",
+            ),
+        )
+        if total_kv is None:
+            total_kv = total_heads  # no grouping: one KV head per head
+        else:
+            total_kv = _positive_int(cfg, kv_key, "the number of KV heads")
+        head_dim = cfg.get("head_dim")
+        if isinstance(head_dim, int) and not isinstance(head_dim, bool) and head_dim:
+            head_size = head_dim
+        elif cfg.get("hidden_size_per_head") is not None:
+            head_size = _positive_int(cfg, "hidden_size_per_head", "the head size")
+        else:
+            hidden = _positive_int(cfg, "hidden_size", "the head size (no head_dim)")
+            head_size = hidden // total_heads
+        if total_heads % tp:
+            raise SizingError(
+                f"--tensor-parallel-size={tp} does not divide the "
+                f"{total_heads} attention heads ({heads_key}); vLLM refuses it too"
+            )
+        if total_kv % tp and tp % total_kv:
+            raise SizingError(
+                f"--tensor-parallel-size={tp} and the {total_kv} KV heads "
+                f"({kv_key}) do not divide one another; vLLM refuses it too"
+            )
+        attention = "gqa" if total_kv < total_heads else "mha"
+        kv_heads = max(1, total_kv // tp)
+        if total_kv < tp:
+            notes.append(
+                f"{total_kv} KV heads on {tp} workers: each worker holds a "
+                "replica of one head"
+            )
+        per_token = 2 * kv_heads * head_size * elem
+        fragments = (kv_heads * head_size * elem * device_block_size,) * 2
+
+    worker_block = attention_layers * per_token * block_size
+    all_workers = worker_block * tp
+    aligned = -(-all_workers // CPU_BLOCK_ALIGNMENT) * CPU_BLOCK_ALIGNMENT
+    exact = state_layers == 0
+    if not exact:
+        notes.append(
+            f"hybrid model: {state_layers} of {num_layers} layers are linear-"
+            "attention / Mamba layers with per-request state, not counted; vLLM "
+            "pads every layer's page to one size for such models, so a CPU block "
+            "is at least this large: read the exact size from the worker's log "
+            "line 'CPU block pool of N blocks x B bytes'"
+        )
+    return KVSizing(
+        model_type=model_type,
+        attention=attention,
+        num_layers=num_layers,
+        num_attention_layers=attention_layers,
+        num_state_layers=state_layers,
+        kv_heads_per_worker=kv_heads,
+        head_size=head_size,
+        kv_cache_dtype=kv_dtype,
+        dtype_bytes=elem,
+        tensor_parallel_size=tp,
+        block_size=block_size,
+        device_block_size=device_block_size,
+        bytes_per_token_per_layer=per_token,
+        fragment_bytes=fragments,
+        worker_bytes_per_cpu_block=worker_block,
+        bytes_per_cpu_block=aligned,
+        exact=exact,
+        notes=tuple(notes),
+    )
+
+
+def size_model_dir(model_dir: str | os.PathLike[str], **kwargs: Any) -> KVSizing:
+    """``size_kv`` of a local model directory's config.json."""
+    return size_kv(load_config(model_dir), **kwargs)
+
+
+def fit_host_memory(
+    sizing: KVSizing,
+    *,
+    reserved_bytes: int = 0,
+    workers_on_host: int | None = None,
+    available_bytes: int | None = None,
+) -> HostFit:
+    """The largest ``num_cpu_blocks`` the worker's host-memory guard
+    (``cpu_pool.check_host_memory``) accepts with the host memory available
+    now (or ``available_bytes``), less ``reserved_bytes`` for what will be
+    allocated before the pool (the KV cache of vLLM's CPU backend, weights).
+
+    Each worker's guard checks its own pool alone; ``workers_on_host``
+    (default: every tensor-parallel worker) pools share this host, so the
+    result is what all of them together leave room for.
+    """
+    # Imported here: cpu_pool imports vLLM, and sizing alone must stay fast.
+    from vllm_ascend.kv_offload import cpu_pool
+
+    if available_bytes is None:
+        available_bytes = cpu_pool.host_available_bytes()
+    workers = workers_on_host
+    if workers is None:
+        workers = sizing.tensor_parallel_size
+    if workers < 1:
+        raise SizingError(f"workers_on_host={workers} must be >= 1")
+    usable = _guard_usable(available_bytes, reserved_bytes)
+    blocks = usable // (sizing.worker_bytes_per_cpu_block * workers)
+    return HostFit(
+        available_bytes=available_bytes,
+        reserved_bytes=reserved_bytes,
+        usable_bytes=usable,
+        workers_on_host=workers,
+        max_num_cpu_blocks=blocks,
+        cpu_bytes_to_use=blocks * sizing.bytes_per_cpu_block,
+    )
+
+
+def _guard_usable(available: int, reserved: int) -> int:
+    """Bytes the worker's guard lets a pool take once ``reserved`` of the
+    ``available`` host memory is allocated (``check_host_memory``'s limit)."""
+    from vllm_ascend.kv_offload import cpu_pool
+
+    return int(max(0, available - reserved) * cpu_pool.MAX_HOST_MEMORY_FRACTION)
+
+
+def guard_max_blocks(block_bytes: int, available: int, reserved: int = 0) -> int:
+    """The largest number of CPU blocks of ``block_bytes`` (one worker's pool
+    row) the guard accepts with ``available`` bytes of host memory of which
+    ``reserved`` go to what is allocated before the pool."""
+    if block_bytes < 1:
+        raise SizingError(f"block_bytes={block_bytes} must be > 0")
+    return _guard_usable(available, reserved) // block_bytes
+
+
+def auto_num_cpu_blocks(
+    block_bytes: int,
+    engine_bytes: int,
+    available: int,
+    share: float = AUTO_POOL_SHARE,
+) -> int:
+    """``num_cpu_blocks`` for an "auto" setting (the examples'
+    ``--num-cpu-blocks auto``): ``share`` of the largest pool the guard
+    accepts once the engine (``engine_bytes``: weights, the host KV cache of
+    vLLM's CPU backend, its processes) is allocated."""
+    if not 0 < share <= 1:
+        raise SizingError(f"share={share} must be in (0, 1]")
+    if block_bytes < 1:
+        raise SizingError(f"block_bytes={block_bytes} must be > 0")
+    return int(_guard_usable(available, engine_bytes) * share) // block_bytes
