@@ -183,10 +183,10 @@ def test_a_file_removed_by_another_evictor_is_tolerated(tmp_path, monkeypatch):
         age(path, 100 - i)
     real_unlink = os.unlink
 
-    def another_engine_was_faster(path, *args, **kw):
-        if path == paths[0]:
-            real_unlink(path)  # the other engine removes it first
-        return real_unlink(path, *args, **kw)
+    def another_engine_was_faster(name, *args, **kw):
+        if name == os.path.basename(paths[0]):
+            real_unlink(paths[0])  # the other engine removes it first
+        return real_unlink(name, *args, **kw)
 
     monkeypatch.setattr(fs_budget.os, "unlink", another_engine_was_faster)
     budget = FsTierBudget(root, max_bytes=6 * FILE_BYTES, file_bytes=FILE_BYTES)
@@ -211,6 +211,30 @@ def test_a_file_used_again_during_the_scan_is_kept(tmp_path, monkeypatch):
     monkeypatch.setattr(budget, "_list_block_files", read_meanwhile)
     budget.scan()
     assert os.path.exists(paths[0])
+
+
+def test_a_directory_swapped_for_a_symlink_after_the_listing_is_not_followed(
+    tmp_path, monkeypatch
+):
+    root = tmp_path / "tier"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    paths = [store(str(root), f"b{i}") for i in range(10)]  # all under root/b*
+    for i, path in enumerate(paths):
+        age(path, 100 - i)
+    budget = FsTierBudget(str(root), max_bytes=6 * FILE_BYTES, file_bytes=FILE_BYTES)
+    real_list = budget._list_block_files
+
+    def swap_after_listing():
+        entries = real_list()
+        # Same files (same inodes, same mtimes), now reached through a link.
+        os.rename(root / "b0", outside / "b0")
+        (root / "b0").symlink_to(outside / "b0", target_is_directory=True)
+        return entries
+
+    monkeypatch.setattr(budget, "_list_block_files", swap_after_listing)
+    budget.scan()
+    assert (outside / "b0" / "b0.bin").exists()
 
 
 def test_a_scan_running_in_another_engine_is_not_repeated(tmp_path):

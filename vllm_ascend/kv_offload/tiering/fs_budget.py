@@ -102,9 +102,27 @@ def budget_metric_definitions() -> dict[str, Any]:
 class _Entry:
     clock: int  # st_mtime_ns: written or last read
     size: int
-    path: str
+    dirs: tuple[str, ...]  # under the root, each opened without following
+    name: str
     ino: int
     dev: int
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _open_dir(root: str, dirs: tuple[str, ...]) -> int:
+    """An fd of ``root/dirs...``, no component followed if a symlink."""
+    fd = os.open(root, _DIR_FLAGS)
+    try:
+        for part in dirs:
+            nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 class FsTierBudget:
@@ -253,61 +271,77 @@ class FsTierBudget:
         return fd
 
     def _list_block_files(self) -> list[_Entry]:
-        """Regular ``*.bin`` files under the root; symlinks neither followed
-        nor listed, temp files (in-flight writes) left out."""
+        """Regular ``*.bin`` files under the root, walked by directory fds:
+        symlinks are neither followed nor listed, temp files (in-flight
+        writes) are left out."""
         out: list[_Entry] = []
-        stack = [self.root]
+        stack: list[tuple[str, ...]] = [()]
         while stack:
+            dirs = stack.pop()
             try:
-                it = os.scandir(stack.pop())
+                fd = _open_dir(self.root, dirs)
             except OSError:
-                continue  # removed or unreadable meanwhile
-            with it:
-                for entry in it:
-                    try:
-                        st = entry.stat(follow_symlinks=False)
-                    except OSError:
-                        continue
-                    if stat.S_ISDIR(st.st_mode):
-                        stack.append(entry.path)
-                    elif stat.S_ISREG(st.st_mode) and entry.name.endswith(BLOCK_SUFFIX):
-                        out.append(
-                            _Entry(
-                                st.st_mtime_ns,
-                                st.st_size,
-                                entry.path,
-                                st.st_ino,
-                                st.st_dev,
+                continue  # removed, replaced or unreadable meanwhile
+            try:
+                with os.scandir(fd) as it:
+                    for entry in it:
+                        try:
+                            st = entry.stat(follow_symlinks=False)
+                        except OSError:
+                            continue
+                        if stat.S_ISDIR(st.st_mode):
+                            stack.append((*dirs, entry.name))
+                        elif stat.S_ISREG(st.st_mode) and entry.name.endswith(
+                            BLOCK_SUFFIX
+                        ):
+                            out.append(
+                                _Entry(
+                                    st.st_mtime_ns,
+                                    st.st_size,
+                                    dirs,
+                                    entry.name,
+                                    st.st_ino,
+                                    st.st_dev,
+                                )
                             )
-                        )
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
         return out
 
     def _remove(self, entry: _Entry) -> bool | None:
         """True if removed, False if already gone (another evictor), None if
         kept because it changed since the listing (read, or rewritten)."""
         try:
-            st = os.lstat(entry.path)
+            fd = _open_dir(self.root, entry.dirs)
         except FileNotFoundError:
             return False
         except OSError:
             return None
-        if (
-            not stat.S_ISREG(st.st_mode)
-            or (st.st_ino, st.st_dev) != (entry.ino, entry.dev)
-            or st.st_mtime_ns != entry.clock
-        ):
-            return None
         try:
-            os.unlink(entry.path)
+            try:
+                st = os.stat(entry.name, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                return False
+            if (
+                not stat.S_ISREG(st.st_mode)
+                or (st.st_ino, st.st_dev) != (entry.ino, entry.dev)
+                or st.st_mtime_ns != entry.clock
+            ):
+                return None
+            os.unlink(entry.name, dir_fd=fd)
         except FileNotFoundError:
             return False
         except OSError as e:
             logger.warning(
                 "KV offload: fs tier file %s cannot be removed (%s); the tier "
                 "may stay above %s",
-                entry.path,
+                os.path.join(self.root, *entry.dirs, entry.name),
                 e,
                 MAX_BYTES_KEY,
             )
             return None
+        finally:
+            os.close(fd)
         return True
