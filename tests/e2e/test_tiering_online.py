@@ -19,12 +19,14 @@ import os
 import random
 import sys
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import psutil
 import pytest
 from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import ALL_PROMPTS, PROMPTS_BY_DOC, REPO
 from tests.e2e.test_serve import (
@@ -119,6 +121,18 @@ class TieringServer(Server):
         )
         self.children = []
 
+    def finished(self) -> dict[str, float]:
+        """``vllm:request_success_total`` by ``finished_reason``."""
+        with urllib.request.urlopen(self.base + "/metrics", timeout=30) as r:
+            text = r.read().decode()
+        out: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "vllm:request_success_total":
+                    reason = sample.labels.get("finished_reason", "")
+                    out[reason] = out.get(reason, 0.0) + sample.value
+        return out
+
     def processes(self) -> list[psutil.Process]:
         return [psutil.Process(self.proc.pid), *self.children]
 
@@ -142,8 +156,9 @@ def stream(base: str, model: str, prompt: str, how: str, seed: int) -> dict:
         "temperature": 0.0,
         "ignore_eos": True,
         "stream": True,
+        "stream_options": {"include_usage": True},
     }
-    chunks = 0
+    out: dict = {"how": how, "chunks": 0, "finish_reason": None, "tokens": None}
     with (
         httpx.Client(timeout=REQUEST_TIMEOUT_S) as client,
         client.stream("POST", base + "/v1/completions", json=body) as resp,
@@ -151,23 +166,34 @@ def stream(base: str, model: str, prompt: str, how: str, seed: int) -> dict:
         resp.raise_for_status()
         if how == "early":
             time.sleep(random.Random(seed).uniform(0.0, 0.3))
-            return {"how": how, "chunks": 0}
+            return out
         for line in resp.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            chunks += 1
-            if how == "midway" and chunks >= 2:
-                return {"how": how, "chunks": chunks}
-    return {"how": how, "chunks": chunks}
+            chunk = json.loads(line[len("data: ") :])
+            if chunk.get("choices"):
+                out["chunks"] += 1
+                reason = chunk["choices"][0].get("finish_reason")
+                out["finish_reason"] = reason or out["finish_reason"]
+            if chunk.get("usage"):
+                out["tokens"] = chunk["usage"]["completion_tokens"]
+            if how == "midway" and out["chunks"] >= 1:
+                return out
+    return out
 
 
-def quiesce(server: TieringServer, client: OpenAI, model: str) -> dict:
-    """Short requests step the engine until no tier job is active and the
-    tier's written bytes stopped changing; returns /metrics then."""
+def quiesce(
+    server: TieringServer, client: OpenAI, model: str, flushes: list | None = None
+) -> dict:
+    """Short requests (counted in ``flushes``) step the engine until no tier
+    job is active and the tier's written bytes stopped changing; returns
+    /metrics then."""
     deadline = time.monotonic() + 120
     last, steady = None, 0
     while True:
         client.completions.create(model=model, prompt="flush", max_tokens=2)
+        if flushes is not None:
+            flushes.append(1)
         time.sleep(0.5)
         metrics = server.metrics()
         idle = all(metrics.get(g, 0.0) == 0 for g in ACTIVE_GAUGES)
@@ -209,6 +235,7 @@ def served(tmp_path_factory) -> dict:
         record["warm"] = [complete(client, model, p) for p in ALL_PROMPTS]
         record["before"] = quiesce(server, client, model)
         record["usage_before"] = server.usage()
+        record["finished_before"] = server.finished()
 
         # The burst: every prefix loaded again (the device cache emptied),
         # from the CPU or the fs tier, while clients drop out.
@@ -224,7 +251,9 @@ def served(tmp_path_factory) -> dict:
             ]
             record["burst"] = [f.result(timeout=300) for f in futures]
         record["burst_s"] = time.monotonic() - start
-        record["after_burst"] = quiesce(server, client, model)
+        record["flushes"] = []
+        record["after_burst"] = quiesce(server, client, model, record["flushes"])
+        record["finished_after_burst"] = server.finished()
 
         # Afterwards: the fixed prompts, prefixes again from the tiers.
         reset_device_cache(server)
@@ -243,7 +272,8 @@ def served(tmp_path_factory) -> dict:
     record["log_text"] = server.log_path.read_text(errors="replace")
     print(
         f"\n[test_tiering_online] start {record['start_s']:.1f} s, burst "
-        f"{record['burst_s']:.1f} s, usage {record['usage_before']} -> "
+        f"{record['burst_s']:.1f} s, finished {record['finished_before']} -> "
+        f"{record['finished_after_burst']}, usage {record['usage_before']} -> "
         f"{record['usage_after']}, stop {record['stop']}"
     )
     return record
@@ -257,8 +287,25 @@ def test_the_server_runs_with_tiering(served):
 def test_finished_streams_got_every_token(served):
     finished = [r for r in served["burst"] if r["how"] == "finish"]
     assert len(finished) == BURST // 3
-    # One chunk per token (the tokenizer may merge none here: one per id).
-    assert all(r["chunks"] >= BURST_TOKENS // 2 for r in finished), finished
+    assert all(r["tokens"] == BURST_TOKENS for r in finished), finished
+    assert all(r["finish_reason"] == "length" for r in finished), finished
+
+
+def test_dropped_clients_aborted_their_requests_and_none_failed(served):
+    # vLLM counts requests that ran to the end by finished_reason (aborted
+    # ones are not counted): the finished streams and the flushes, and any
+    # dropped request that the disconnect did not stop.
+    before, after = served["finished_before"], served["finished_after_burst"]
+    ran_out = after.get("length", 0.0) - before.get("length", 0.0)
+    dropped = BURST - BURST // 3
+    assert ran_out >= BURST // 3, (before, after)
+    # (The last flush may not be counted yet: an upper bound of the flushes.)
+    not_stopped = ran_out - BURST // 3 - len(served["flushes"])
+    assert not_stopped < dropped, (before, after)
+    assert after.get("error", 0.0) == before.get("error", 0.0) == 0
+    # No request of a dropped client is left in the engine.
+    for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+        assert served["after_burst"].get(gauge, 0.0) == 0, gauge
 
 
 def test_answers_after_the_burst_equal_those_without_offloading(served, reference):
