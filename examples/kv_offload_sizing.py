@@ -40,8 +40,8 @@ ENGINE_OVERHEAD_BYTES = 2 * 2**30
 # The pool check of the worker (vllm_ascend/kv_offload/cpu_pool.py) lets the
 # pool take at most 90 % of the memory available when it is allocated.
 MAX_HOST_MEMORY_FRACTION = 0.9
-# "auto" gives the pool this share of what is left after the engine, so that
-# the machine stays usable.
+# "auto" gives the pool this share of the largest pool that fits next to the
+# engine, so that the machine stays usable.
 AUTO_POOL_SHARE = 0.5
 # Device KV cache on vLLM's CPU backend when none is given: room for this many
 # sequences of max_model_len tokens (vLLM needs one), at least the minimum.
@@ -74,6 +74,16 @@ def host_available_bytes() -> int:
     import psutil
 
     return int(psutil.virtual_memory().available)
+
+
+def looks_like_cpu_backend() -> bool:
+    """Whether vLLM will run on its CPU backend (the KV cache is then host
+    memory), guessed without importing torch: no torch_npu, no NVIDIA device."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch_npu") is not None:
+        return False
+    return not Path("/dev/nvidiactl").exists()
 
 
 @dataclass(frozen=True)
@@ -134,16 +144,24 @@ def _package_sizing():
     return importlib.import_module("vllm_ascend.kv_offload.sizing")
 
 
-def auto_num_cpu_blocks(block_bytes: int, engine_bytes: int, available: int) -> int:
-    """The pool that ``--num-cpu-blocks auto`` asks for: a share of the host
-    memory left once the engine (weights, host KV cache, processes) is in.
-    The one place this is computed; vllm_ascend.kv_offload.sizing replaces it
-    where it exists."""
-    sizing = _package_sizing()
-    if sizing is not None and hasattr(sizing, "auto_num_cpu_blocks"):
-        return int(sizing.auto_num_cpu_blocks(block_bytes, engine_bytes, available))
-    left = available * MAX_HOST_MEMORY_FRACTION - engine_bytes
-    return max(0, int(left * AUTO_POOL_SHARE // block_bytes))
+def auto_num_cpu_blocks(
+    model: str, block_bytes: int, engine_bytes: int, available: int
+) -> int:
+    """The pool that ``--num-cpu-blocks auto`` asks for: AUTO_POOL_SHARE of
+    the largest pool that the worker's host-memory guard would accept once
+    the engine (weights, host KV cache, processes) is in. The one place this
+    is computed: with vllm_ascend.kv_offload.sizing (the doctor's
+    computation) where it is installed, else the same guard arithmetic."""
+    package = _package_sizing()
+    if package is not None:
+        fit = package.fit_host_memory(
+            package.size_model_dir(model),
+            reserved_bytes=engine_bytes,
+            available_bytes=available,
+        )
+        return int(fit.max_num_cpu_blocks * AUTO_POOL_SHARE)
+    left = max(0, available - engine_bytes) * MAX_HOST_MEMORY_FRACTION
+    return int(left // block_bytes * AUTO_POOL_SHARE)
 
 
 @dataclass
@@ -225,7 +243,7 @@ def plan(
                 f"--num-cpu-blocks auto needs a local model directory with a "
                 f"config.json ({model!r} has none): pass --num-cpu-blocks N"
             )
-        blocks = auto_num_cpu_blocks(block_bytes, engine_bytes, available)
+        blocks = auto_num_cpu_blocks(model, block_bytes, engine_bytes, available)
         if blocks < 1:
             raise SystemExit(
                 f"--num-cpu-blocks auto: no CPU block ({show(block_bytes)}) fits "
@@ -251,9 +269,10 @@ def plan(
             extra["num_cpu_blocks"] * block_bytes
         )
     if pool_bytes is not None and engine_bytes is not None:
-        limit = available * MAX_HOST_MEMORY_FRACTION
-        if pool_bytes + engine_bytes > limit:
-            fit = auto_num_cpu_blocks(block_bytes, engine_bytes, available)
+        # The worker's guard: the pool within 90 % of what the engine leaves.
+        limit = max(0, available - engine_bytes) * MAX_HOST_MEMORY_FRACTION
+        if pool_bytes > limit:
+            fit = auto_num_cpu_blocks(model, block_bytes, engine_bytes, available)
             what = (
                 f"cpu_bytes_to_use={extra['cpu_bytes_to_use']}"
                 if "cpu_bytes_to_use" in extra
@@ -268,9 +287,9 @@ def plan(
                 f"does not fit: the CPU pool ({what} = {show(pool_bytes)}) and the "
                 f"engine ({show(engine_bytes)}: weights, "
                 + ("KV cache, " if kv_cache_in_host else "")
-                + f"processes) need {show(pool_bytes + engine_bytes)}, more than "
-                f"{MAX_HOST_MEMORY_FRACTION:.0%} of the {show(available)} of host "
-                f"memory available; {hint}"
+                + f"processes) need {show(pool_bytes + engine_bytes)}: the pool "
+                f"may take {MAX_HOST_MEMORY_FRACTION:.0%} of what the engine "
+                f"leaves of the {show(available)} of host memory available; {hint}"
             )
     return Plan(
         extra_config=extra,

@@ -57,21 +57,13 @@ def time_to_first_token(llm, prompt: str) -> tuple[float, int, int]:
     return elapsed, out.num_cached_tokens or 0, len(out.prompt_token_ids)
 
 
-# How long the engine's processes get to exit before vLLM kills them. Its
-# default, 5 s, is about what the worker process takes to exit on the CPU
-# backend here, so the engine core was force-killed mid-teardown.
-ENGINE_SHUTDOWN_TIMEOUT_S = 30.0
-
-
 def shutdown(llm) -> None:
     """Shuts the engine down before the interpreter exits, so that its
-    processes and shared memory are released in order: no "force killing"
-    lines, no leaked shared_memory warning."""
-    core = llm.llm_engine.engine_core
-    try:
-        core.shutdown(timeout=ENGINE_SHUTDOWN_TIMEOUT_S)
-    except TypeError:  # a vLLM whose shutdown takes no timeout
-        core.shutdown()
+    processes and shared memory are released in order (no leaked
+    shared_memory warning). vLLM still force-kills the engine core when its
+    worker is slow to exit (5 s): seen here on a loaded machine, with a
+    longer timeout too, so its default is kept."""
+    llm.llm_engine.engine_core.shutdown()
 
 
 def pin_compute_threads() -> None:
@@ -141,21 +133,30 @@ def main() -> None:
             )
 
     pin_compute_threads()
+
+    def sized(kv_cache_in_host: bool):
+        try:
+            return sizing.plan(
+                model,
+                num_cpu_blocks=args.num_cpu_blocks,
+                cpu_bytes=args.cpu_bytes,
+                kv_cache_bytes=args.kv_cache_bytes,
+                max_model_len=args.max_model_len,
+                kv_cache_in_host=kv_cache_in_host,
+                generated=generated,
+            )
+        except SystemExit as e:
+            raise SystemExit(f"[example] {e}") from None
+
+    # Sized, and checked against host memory, before vLLM is even imported
+    # (tens of seconds on a busy machine), on a guess of the platform that
+    # is checked once it is.
+    guess_cpu = sizing.looks_like_cpu_backend()
+    plan = sized(guess_cpu)
     from vllm.platforms import current_platform
 
-    # Sized, and checked against host memory, before the engine starts.
-    try:
-        plan = sizing.plan(
-            model,
-            num_cpu_blocks=args.num_cpu_blocks,
-            cpu_bytes=args.cpu_bytes,
-            kv_cache_bytes=args.kv_cache_bytes,
-            max_model_len=args.max_model_len,
-            kv_cache_in_host=current_platform.is_cpu(),
-            generated=generated,
-        )
-    except SystemExit as e:
-        raise SystemExit(f"[example] {e}") from None
+    if current_platform.is_cpu() != guess_cpu:
+        plan = sized(current_platform.is_cpu())
     if current_platform.is_cpu() and not args.compile:
         plan.overrides.append("enforce_eager=True")
     print(

@@ -133,7 +133,7 @@ BATCH_ENGINE = {
     "num_gpu_blocks_override": 16,
     "max_num_seqs": 8,
 }
-BATCH_TOKENS = 100
+BATCH_TOKENS = 40
 SEEDS = [1, 2, 3]
 
 

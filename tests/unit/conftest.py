@@ -120,3 +120,30 @@ def make_connector(
             }
         )
     return connector
+
+
+@pytest.fixture
+def fs_tier_spec():
+    """What the verified fs tier reads of its spec, for a 4 KiB block of a
+    model at ``model`` (default a short path), without an engine."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_offload.config import OffloadingModelConfig
+
+    from tests.unit.kv_helpers import make_config
+    from vllm_ascend.kv_offload.tiering.identity import storage_identity
+
+    def make(model: str = "/nonexistent/model") -> SimpleNamespace:
+        config = make_config({}, worker_kv_bytes_per_block=4096, world_size=1)
+        config = dataclasses.replace(
+            config, model=OffloadingModelConfig(name=model, dtype="float32")
+        )
+        return SimpleNamespace(
+            config=config,
+            storage_identity=storage_identity(config, "cpu"),
+            blocks_per_chunk=1,
+            kv_events_config=SimpleNamespace(enable_kv_cache_events=False),
+        )
+
+    return make

@@ -74,3 +74,24 @@ QWEN3_NEXT_80B = {  # hybrid: every 4th layer is full attention
     "linear_num_value_heads": 32,
     "torch_dtype": "bfloat16",
 }
+
+
+def tiny_qwen3_config() -> dict:
+    """The repository's generated test model (testing/tiny_model.py), as its
+    config.json reads: float32, which vLLM serves in 16 bits."""
+    from vllm_ascend.kv_offload.testing.tiny_model import TinyModelSpec
+
+    spec = TinyModelSpec()
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "vocab_size": spec.vocab_size,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "torch_dtype": "float32",
+    }

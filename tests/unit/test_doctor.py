@@ -38,7 +38,13 @@ def model_dir(tmp_path_factory, name, config):
 
 
 def expected_copy_path() -> str:
-    return "native:cpu" if "cpu" in ops.native_backends() else "python-fallback"
+    """The best path this build offers on cpu: the first candidate of the
+    worker's self-check where it exists, else the op as loaded."""
+    try:
+        from vllm_ascend.kv_offload.copy_paths import candidate_paths
+    except ImportError:
+        return "native:cpu" if "cpu" in ops.native_backends() else "python-fallback"
+    return candidate_paths("cpu")[0].name
 
 
 @pytest.fixture(scope="module")
@@ -187,3 +193,48 @@ def test_platform_plugin_failing_to_import_is_reported_not_raised(tmp_path):
     assert "torch_npu" in platform["summary"]
     assert "VLLM_PLUGINS=ascend_kv_offload" in platform["summary"]
     assert report["vllm_platform"] is None
+
+
+# A stand-in for self_check.run_self_check with the result shape of the
+# pool helper's module (SelfCheckResult: passed, path, failure, attempts,
+# summary()), to check what the doctor makes of each outcome.
+FAKE_SELF_CHECK = """
+import sys, types
+from types import SimpleNamespace as NS
+attempts = [NS(path="native", passed=False, failure="byte 7 of block 0 differs")]
+if {passes}:
+    attempts.append(NS(path="torch", passed=True, failure=None))
+result = NS(
+    passed={passes}, path="torch" if {passes} else None,
+    failure=None if {passes} else "native: byte 7 of block 0 differs",
+    attempts=attempts, memory_kind="pageable", bandwidth_gbps=1.0, seconds=0.1,
+    summary=lambda: "passed on path torch",
+)
+module = types.ModuleType("vllm_ascend.kv_offload.self_check")
+module.run_self_check = lambda device, fragment_sizes: result
+sys.modules[module.__name__] = module
+"""
+
+
+def test_self_check_moving_down_to_a_byte_exact_path_sets_the_copy_path():
+    rc, out, _ = run_doctor(
+        "--json", "--alloc-mib", "0", "--bandwidth-mib", "0",
+        code=FAKE_SELF_CHECK.format(passes=True),
+    )  # fmt: skip
+    report = json.loads(out)
+    assert rc == 0
+    assert report["self_check"] == "passed"
+    assert report["copy_path"] == "torch"
+    check = next(c for c in report["checks"] if c["name"] == "self-check")
+    assert "native: byte 7 of block 0 differs" in check["lines"]
+
+
+def test_self_check_with_no_byte_exact_path_exits_nonzero():
+    rc, out, _ = run_doctor(
+        "--json", "--alloc-mib", "0", "--bandwidth-mib", "0",
+        code=FAKE_SELF_CHECK.format(passes=False),
+    )  # fmt: skip
+    report = json.loads(out)
+    assert rc == 1
+    assert report["self_check"] == "failed: native: byte 7 of block 0 differs"
+    assert report["copy_path"] is None

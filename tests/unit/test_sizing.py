@@ -15,13 +15,17 @@ from tests.unit.model_configs import (
     LLAMA3_8B,
     QWEN3_0_6B,
     QWEN3_NEXT_80B,
+    tiny_qwen3_config,
 )
 from vllm_ascend.kv_offload import cpu_pool
 from vllm_ascend.kv_offload.config import OffloadConfigError
 from vllm_ascend.kv_offload.sizing import (
+    AUTO_POOL_SHARE,
     CPU_BLOCK_ALIGNMENT,
     SizingError,
+    auto_num_cpu_blocks,
     fit_host_memory,
+    guard_max_blocks,
     size_kv,
     size_model_dir,
 )
@@ -47,6 +51,14 @@ def test_qwen3_gqa_cpu_block_of_the_guide():
     assert s.exact
     # One device block of 128 tokens: K and V, 8 * 128 * 2 * 128 bytes each.
     assert s.fragment_bytes == (262_144, 262_144)
+
+
+def test_tiny_test_model_matches_the_pool_its_engine_allocates():
+    # 2 (K, V) * 2 layers * 2 KV heads * 32 * 2 bytes (float32 served as
+    # bf16) * 128 tokens = 65,536 bytes: the row size the e2e engines log,
+    # "CPU block pool of 1000 blocks x 65536 bytes" (docs/user_guide.md).
+    s = size_kv(tiny_qwen3_config())
+    assert s.worker_bytes_per_cpu_block == 2 * 2 * 2 * 32 * 2 * 128 == 65_536
 
 
 def test_model_dir_needs_only_config_json(tmp_path):
@@ -287,6 +299,30 @@ def test_fit_reads_host_memory_now_by_default(monkeypatch):
     assert fit.max_num_cpu_blocks == 9  # 90% of 10 blocks
 
 
+def test_guard_max_blocks_is_what_the_guard_accepts(monkeypatch):
+    s = size_kv(QWEN3_0_6B)
+    available, reserved = 16 * 2**30 + 999, 3 * 2**30
+    blocks = guard_max_blocks(s.worker_bytes_per_cpu_block, available, reserved)
+    # The guard runs after the reserved memory is allocated.
+    after = available - reserved
+    assert _guard_accepts(monkeypatch, after, s, blocks)
+    assert not _guard_accepts(monkeypatch, after, s, blocks + 1)
+
+
+def test_auto_takes_a_share_of_what_the_guard_accepts_next_to_the_engine():
+    # 90% of (24 GiB - 6 GiB engine) = 17,394,617,548 bytes; half of it
+    # = 8,697,308,774; / 14,680,064 = 592 blocks.
+    gib = 2**30
+    assert AUTO_POOL_SHARE == 0.5
+    assert auto_num_cpu_blocks(14_680_064, 6 * gib, 24 * gib) == 592
+    assert auto_num_cpu_blocks(14_680_064, 6 * gib, 24 * gib, share=1.0) == (
+        guard_max_blocks(14_680_064, 24 * gib, 6 * gib)
+    )
+    assert auto_num_cpu_blocks(14_680_064, 30 * gib, 24 * gib) == 0
+    with pytest.raises(SizingError, match="share"):
+        auto_num_cpu_blocks(14_680_064, 0, gib, share=0)
+
+
 @pytest.fixture(scope="module")
 def vllm_model_config():
     """vLLM's own ModelConfig from a config.json-only directory (no
@@ -302,7 +338,13 @@ def vllm_model_config():
 
 @pytest.mark.parametrize(
     ("config", "tp"),
-    [(QWEN3_0_6B, 1), (QWEN3_0_6B, 2), (LLAMA3_8B, 4), (DEEPSEEK_V2_LITE, 2)],
+    [
+        (QWEN3_0_6B, 1),
+        (QWEN3_0_6B, 2),
+        (LLAMA3_8B, 4),
+        (DEEPSEEK_V2_LITE, 2),
+        (tiny_qwen3_config(), 1),
+    ],
 )
 def test_formula_matches_vllms_model_config_and_kv_spec(
     tmp_path, vllm_model_config, config, tp

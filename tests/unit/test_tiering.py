@@ -165,13 +165,15 @@ def test_a_failed_write_leaves_no_file(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []
 
 
-def test_an_uncreatable_tier_directory_is_dropped_with_a_log_line(tmp_path, caplog):
+def test_an_uncreatable_tier_directory_is_dropped_with_a_log_line(
+    tmp_path, caplog, fs_tier_spec
+):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    identity = storage_identity(offloading_config(), "cpu")
-    assert not tier_dir_usable(str(blocker / "kv"), identity)
-    assert "cannot be created" in caplog.text
-    assert tier_dir_usable(str(tmp_path / "kv"), identity)
+    spec = fs_tier_spec()
+    assert not tier_dir_usable({"root_dir": str(blocker / "kv")}, spec)
+    assert "cannot be used" in caplog.text and "CPU tier only" in caplog.text
+    assert tier_dir_usable({"root_dir": str(tmp_path / "kv")}, spec)
 
 
 # -- the shared region --------------------------------------------------------

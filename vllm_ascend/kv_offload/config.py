@@ -180,9 +180,12 @@ def check_keys(extra: Mapping[str, Any]) -> None:
 
 def _check_tiering(key: str, value: Any, extra: Mapping[str, Any]) -> None:
     kind = KEYS[key].kind
-    if extra.get("spec_name") != TIERING_SPEC:
+    from vllm_ascend.kv_offload.plugin import names_our_spec
+
+    if not names_our_spec(extra, tiering=True):
         raise OffloadConfigError(
-            f"{PREFIX}['{key}'] is read by {TIERING_SPEC} only; set "
+            f"{PREFIX}['{key}'] is read by {TIERING_SPEC} only (or a subclass "
+            "of it); set "
             f"spec_name='{TIERING_SPEC}' and spec_module_path="
             f"'{TIERING_MODULE}', or remove the key"
         )

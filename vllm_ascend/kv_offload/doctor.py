@@ -278,8 +278,27 @@ def check_backends(report: Report) -> None:
     report.add(Check("backends", OK, summary, {"backends": backends}))
 
 
+def _candidate_paths(device: str) -> list[str] | None:
+    """The copy paths the worker's self-check would try, best first; None
+    in a build without ``copy_paths`` (before the self-check existed)."""
+    try:
+        from vllm_ascend.kv_offload.copy_paths import candidate_paths
+    except ImportError:
+        return None
+    return [p.name for p in candidate_paths(device)]
+
+
 def choose_copy_path(device: str) -> tuple[str | None, str]:
     """(the path the worker would copy with, why), or (None, why not)."""
+    candidates = _candidate_paths(device)
+    if candidates is not None:
+        if not candidates:
+            return None, f"no copy path exists for {device}"
+        # The worker takes the first that its self-check finds byte-exact.
+        return candidates[0], (
+            f"first of {', '.join(candidates)} (the self-check below confirms "
+            "or moves down the list)"
+        )
     backends = ops.native_backends()
     if ops.HAS_NATIVE_OP and device in backends:
         return f"native:{device}", f"the native op has the {device} backend"
@@ -330,13 +349,12 @@ def check_pool_allocation(report: Report, device: str, test_bytes: int) -> None:
     t0 = time.perf_counter()
     try:
         pool = private_pool([page], 1, rows, device)
-    except (MemoryError, RuntimeError) as e:
+    except (MemoryError, RuntimeError, OSError) as e:
         report.add(Check("pool alloc", FAIL, f"{asked >> 20} MiB: {e}"))
         return
     seconds = time.perf_counter() - t0
     resident = _rss() - before
-    kind = pool.memory.kind
-    pin = pool.pinned
+    kind = str(pool.memory.kind)
     pool.release()
     details = {
         "asked_bytes": asked,
@@ -349,7 +367,7 @@ def check_pool_allocation(report: Report, device: str, test_bytes: int) -> None:
     report.fields["pool_allocation"] = details
     status = OK
     note = ""
-    if pin is False and device != "cpu":
+    if device != "cpu" and "pageable" in kind:
         status, note = WARN, "; page-locked memory unavailable: slower transfers"
     report.add(
         Check(
@@ -363,30 +381,53 @@ def check_pool_allocation(report: Report, device: str, test_bytes: int) -> None:
     )
 
 
-def _run_self_check(device: str) -> tuple[str, str]:
-    """(status, text) of the worker's start-up self-check, the one place that
-    calls it. Until ``self_check.run_self_check`` exists in this build, the
-    line says it is missing: the copies below are verified either way."""
+def _run_self_check(device: str, fragments: Sequence[int]) -> tuple[str, str, Any]:
+    """(status, text, result) of the worker's start-up self-check on scratch
+    memory, the one place that calls it. In a build without
+    ``self_check.run_self_check`` the line says it is missing (the
+    bandwidth table still verifies its copies)."""
     try:
-        from vllm_ascend.kv_offload.self_check import run_self_check  # type: ignore
+        from vllm_ascend.kv_offload.self_check import run_self_check
     except ImportError as e:
-        return WARN, (
-            "missing: vllm_ascend.kv_offload.self_check.run_self_check is not in "
-            f"this build ({e})"
+        return (
+            WARN,
+            (
+                "missing: vllm_ascend.kv_offload.self_check.run_self_check is not in "
+                f"this build ({e})"
+            ),
+            None,
         )
     try:
-        result = run_self_check(device=device)
+        result = run_self_check(device, list(fragments))
     except Exception as e:
-        return FAIL, f"failed: {type(e).__name__}: {e}"
+        return FAIL, f"failed: {type(e).__name__}: {e}", None
     if not result.passed:
-        return FAIL, f"failed: {result.failure}"
-    return OK, f"passed ({result.summary()})"
+        return FAIL, f"failed: {result.failure}", result
+    return OK, result.summary(), result
 
 
-def check_self_check(report: Report, device: str) -> None:
-    status, text = _run_self_check(device)
+def check_self_check(report: Report, device: str, fragments: Sequence[int]) -> None:
+    status, text, result = _run_self_check(device, fragments)
     report.fields["self_check"] = "passed" if status == OK else text
-    report.add(Check("self-check", status, text))
+    lines = []
+    if result is not None:
+        report.fields["self_check_result"] = {
+            "path": result.path,
+            "memory_kind": result.memory_kind,
+            "bandwidth_gbps": result.bandwidth_gbps,
+            "seconds": result.seconds,
+            "attempts": [
+                {"path": a.path, "passed": a.passed, "failure": a.failure}
+                for a in result.attempts
+            ],
+        }
+        # The path the worker would really use: the first byte-exact one.
+        report.fields["copy_path"] = result.path
+        lines = [
+            f"{a.path}: {'byte-exact' if a.passed else a.failure}"
+            for a in result.attempts
+        ]
+    report.add(Check("self-check", status, text, lines=lines))
 
 
 def _sync(device: str) -> None:
@@ -718,11 +759,11 @@ def run(args: argparse.Namespace) -> Report:
         _guarded(
             report, "pool alloc", check_pool_allocation, device, args.alloc_mib << 20
         )
-    _guarded(report, "self-check", check_self_check, device)
+    if not fragments:
+        # Qwen3-0.6B's K (or V) page of one 128-token device block.
+        fragments = [8 * 128 * 2 * 128]
+    _guarded(report, "self-check", check_self_check, device, fragments)
     if args.bandwidth_mib > 0:
-        if not fragments:
-            # Qwen3-0.6B's K (or V) page of one 128-token device block.
-            fragments = [8 * 128 * 2 * 128]
         total = args.bandwidth_mib << 20
         _guarded(
             report, "bandwidth", check_bandwidth, device, fragments, total, args.rounds

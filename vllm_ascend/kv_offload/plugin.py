@@ -98,15 +98,22 @@ def fallback_connector_class() -> type | None:
     return _fallback_loader() if _fallback_loader is not None else None
 
 
-def names_our_spec(extra_config: Mapping[str, Any]) -> bool:
-    """Whether an offloading config's spec is ours (or derives from it)."""
+def names_our_spec(extra_config: Mapping[str, Any], *, tiering: bool = False) -> bool:
+    """Whether an offloading config's spec is ours or derives from it
+    (``tiering``: our tiering spec or a subclass). The one check of which
+    spec a config names: by class, so that subclasses count."""
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
-    from vllm_ascend.kv_offload.npu import NPUOffloadingSpec
+    if tiering:
+        from vllm_ascend.kv_offload.tiering.spec import (
+            NPUTieringOffloadingSpec as base,
+        )
+    else:
+        from vllm_ascend.kv_offload.npu import NPUOffloadingSpec as base
 
     try:
         # Public in vLLM 0.30-0.33.
         spec_cls = OffloadingSpecFactory.get_spec_cls(extra_config)
-    except (ImportError, AttributeError, ValueError):
+    except (ImportError, AttributeError, ValueError, AssertionError):
         return False  # vLLM reports an unusable spec itself, with its message
-    return isinstance(spec_cls, type) and issubclass(spec_cls, NPUOffloadingSpec)
+    return isinstance(spec_cls, type) and issubclass(spec_cls, base)

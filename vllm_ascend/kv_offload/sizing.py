@@ -40,15 +40,21 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "AUTO_POOL_SHARE",
     "HostFit",
     "KVSizing",
     "SizingError",
+    "auto_num_cpu_blocks",
     "fit_host_memory",
+    "guard_max_blocks",
     "load_config",
     "size_kv",
     "size_model_dir",
 ]
 
+# "auto" pool sizing takes this share of the largest pool the guard accepts,
+# so that the host stays usable next to the engine.
+AUTO_POOL_SHARE = 0.5
 # vLLM's CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT (mmap.PAGESIZE): a CPU block
 # over all workers is padded to it.
 CPU_BLOCK_ALIGNMENT = mmap.PAGESIZE
@@ -430,13 +436,12 @@ def fit_host_memory(
 
     if available_bytes is None:
         available_bytes = cpu_pool.host_available_bytes()
-    workers = (
-        sizing.tensor_parallel_size if workers_on_host is None else workers_on_host
-    )
+    workers = workers_on_host
+    if workers is None:
+        workers = sizing.tensor_parallel_size
     if workers < 1:
         raise SizingError(f"workers_on_host={workers} must be >= 1")
-    left = max(0, available_bytes - reserved_bytes)
-    usable = int(left * cpu_pool.MAX_HOST_MEMORY_FRACTION)
+    usable = _guard_usable(available_bytes, reserved_bytes)
     blocks = usable // (sizing.worker_bytes_per_cpu_block * workers)
     return HostFit(
         available_bytes=available_bytes,
@@ -446,3 +451,37 @@ def fit_host_memory(
         max_num_cpu_blocks=blocks,
         cpu_bytes_to_use=blocks * sizing.bytes_per_cpu_block,
     )
+
+
+def _guard_usable(available: int, reserved: int) -> int:
+    """Bytes the worker's guard lets a pool take once ``reserved`` of the
+    ``available`` host memory is allocated (``check_host_memory``'s limit)."""
+    from vllm_ascend.kv_offload import cpu_pool
+
+    return int(max(0, available - reserved) * cpu_pool.MAX_HOST_MEMORY_FRACTION)
+
+
+def guard_max_blocks(block_bytes: int, available: int, reserved: int = 0) -> int:
+    """The largest number of CPU blocks of ``block_bytes`` (one worker's pool
+    row) the guard accepts with ``available`` bytes of host memory of which
+    ``reserved`` go to what is allocated before the pool."""
+    if block_bytes < 1:
+        raise SizingError(f"block_bytes={block_bytes} must be > 0")
+    return _guard_usable(available, reserved) // block_bytes
+
+
+def auto_num_cpu_blocks(
+    block_bytes: int,
+    engine_bytes: int,
+    available: int,
+    share: float = AUTO_POOL_SHARE,
+) -> int:
+    """``num_cpu_blocks`` for an "auto" setting (the examples'
+    ``--num-cpu-blocks auto``): ``share`` of the largest pool the guard
+    accepts once the engine (``engine_bytes``: weights, the host KV cache of
+    vLLM's CPU backend, its processes) is allocated."""
+    if not 0 < share <= 1:
+        raise SizingError(f"share={share} must be in (0, 1]")
+    if block_bytes < 1:
+        raise SizingError(f"block_bytes={block_bytes} must be > 0")
+    return int(_guard_usable(available, engine_bytes) * share) // block_bytes

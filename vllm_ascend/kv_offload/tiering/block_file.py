@@ -1,17 +1,32 @@
 """The block file format of the ``fs`` tier: a one-page header (magic,
-version, payload length, CRC32 of the payload, identity digest, key digest)
-followed by the payload, written atomically and verified on every read."""
+version, payload length, CRC32 of the payload, identity digest, key digest,
+optionally an HMAC-SHA256 over header and payload) followed by the payload,
+written atomically and verified on every read.
+
+Files under the tier directory are untrusted: every path is opened one
+component at a time below the configured ``root`` without following a
+symlink (``O_NOFOLLOW`` with ``dir_fd``), and only regular files are opened.
+Anything else in place of a block file or of one of its directories (a
+symlink, FIFO, device, socket, directory) is a *bad entry*: a miss, reported
+to ``on_bad_entry``, and removed, so that the block can be written again.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
+import hmac
 import mmap
 import os
+import socket
+import stat
 import struct
 import threading
+import time
 import zlib
+from collections.abc import Callable
 
 from vllm.v1.kv_offload.base import (
     OffloadKey,
@@ -26,6 +41,16 @@ MAGIC = b"VAKVOFF1"
 HEADER_VERSION = 1
 # magic, version, payload bytes, crc32 of payload, identity digest, key digest
 _HEADER = struct.Struct("<8sIQI32s32s")
+# Then the MAC kind (0: none, as the zero padding of files without one
+# reads) and an HMAC-SHA256 over the header up to the MAC and the payload.
+_MAC = struct.Struct("<I32s")
+MAC_NONE, MAC_HMAC_SHA256 = 0, 1
+# Temp files are hidden and end in ".tmp" (no "*.bin" glob or reader takes
+# them for blocks); a writer holds an exclusive flock on its temp file until
+# it is renamed, so one that nobody holds is from a writer that is gone.
+TMP_SUFFIX = ".tmp"
+# ... once it is this old (covers the instant between create and flock).
+STALE_TMP_AGE_S = 60.0
 
 
 def key_digest(key: OffloadKey) -> bytes:
@@ -38,6 +63,13 @@ class StoredBlockError(OSError):
     """A stored file that must not be loaded (short, foreign, corrupted)."""
 
 
+class BadEntryError(StoredBlockError):
+    """Something other than a regular file where a block file should be (or
+    other than a directory on the path to one)."""
+
+
+BadEntryHook = Callable[[str, str], None]  # (path, what was found there)
+
 _local = threading.local()
 
 
@@ -49,11 +81,106 @@ def _header_buffer() -> mmap.mmap:
     return buf
 
 
-def _tmp_suffix() -> str:
-    suffix = getattr(_local, "suffix", None)
-    if suffix is None:
-        suffix = _local.suffix = f".{os.getpid()}.{threading.get_ident()}.tmp"
-    return suffix
+def temp_name(name: str) -> str:
+    """This thread's temp file name for block file ``name``."""
+    writer = getattr(_local, "writer", None)
+    if writer is None:
+        host = socket.gethostname().replace(os.sep, "_")[:64]
+        writer = _local.writer = f"{host}-{os.getpid()}-{threading.get_ident()}"
+    return f".{name}.{writer}{TMP_SUFFIX}"
+
+
+def is_temp_name(name: str) -> bool:
+    return name.startswith(".") and name.endswith(TMP_SUFFIX)
+
+
+def _mac(auth_key: bytes, header: mmap.mmap, payload: memoryview) -> bytes:
+    mac = hmac.new(auth_key, header[: _HEADER.size + 4], hashlib.sha256)
+    mac.update(payload)
+    return mac.digest()
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_KINDS = (
+    (stat.S_ISLNK, "symlink"),
+    (stat.S_ISDIR, "directory"),
+    (stat.S_ISFIFO, "FIFO"),
+    (stat.S_ISSOCK, "socket"),
+    (stat.S_ISCHR, "character device"),
+    (stat.S_ISBLK, "block device"),
+    (stat.S_ISREG, "regular file"),
+)
+
+
+def _kind(mode: int) -> str:
+    return next((kind for test, kind in _KINDS if test(mode)), "special file")
+
+
+def _remove_entry(dir_fd: int, name: str) -> None:
+    """Removes a bad entry without following it; a directory only if empty
+    (nothing is removed recursively from a shared directory)."""
+    with contextlib.suppress(OSError):
+        if stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+            os.rmdir(name, dir_fd=dir_fd)
+        else:
+            os.unlink(name, dir_fd=dir_fd)
+
+
+def _split(root: str, path: str) -> tuple[list[str], str]:
+    rel = os.path.relpath(path, root)
+    parts = rel.split(os.sep)
+    if os.path.isabs(rel) or any(p in ("", os.curdir, os.pardir) for p in parts):
+        raise StoredBlockError(errno.EINVAL, f"not under the tier root {root}", path)
+    return parts[:-1], parts[-1]
+
+
+def _open_dirs(
+    root: str,
+    dirs: list[str],
+    create: bool,
+    path: str,
+    on_bad_entry: BadEntryHook | None,
+) -> int:
+    """An fd of ``root/dirs...``, reached without following a symlink below
+    ``root`` (``root`` itself is configured, so trusted). A non-directory on
+    the way is a bad entry: removed, and replaced by a directory if
+    ``create``."""
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        if not create:
+            raise
+        os.makedirs(root, exist_ok=True)
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for name in dirs:
+            try:
+                sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, 0o755, dir_fd=fd)
+                sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            except OSError as e:
+                if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
+                found = f"a {_kind(mode)} in place of a directory"
+                _remove_entry(fd, name)
+                if on_bad_entry is not None:
+                    on_bad_entry(path, found)
+                if not create:
+                    raise BadEntryError(errno.ENOTDIR, found, path) from e
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, 0o755, dir_fd=fd)
+                sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = sub
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def write_block(
@@ -62,11 +189,17 @@ def write_block(
     identity: bytes,
     key: bytes,
     o_direct: int,
+    *,
+    root: str | None = None,
+    auth_key: bytes | None = None,
+    on_bad_entry: BadEntryHook | None = None,
 ) -> bool:
-    """Writes ``header | payload`` atomically (temp file, then rename).
-    Returns False if the file exists already (another writer won)."""
-    if os.path.exists(path):
-        return False
+    """Writes ``header | payload`` atomically (temp file, then rename) at
+    ``path``, which must lie under ``root`` (default: its own directory).
+    Returns False if a block file is there already (another writer won); a
+    bad entry in its place is removed and the block written."""
+    root = root or os.path.dirname(path)
+    dirs, name = _split(root, path)
     header = _header_buffer()
     header[:] = bytes(HEADER_BYTES)
     _HEADER.pack_into(
@@ -79,23 +212,81 @@ def write_block(
         identity,
         key,
     )
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = path + _tmp_suffix()
+    if auth_key is not None:
+        struct.pack_into("<I", header, _HEADER.size, MAC_HMAC_SHA256)
+        _MAC.pack_into(
+            header, _HEADER.size, MAC_HMAC_SHA256, _mac(auth_key, header, payload)
+        )
+    dir_fd = _open_dirs(root, dirs, True, path, on_bad_entry)
     try:
-        fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | o_direct, 0o644)
         try:
+            mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+        except FileNotFoundError:
+            pass
+        else:
+            if stat.S_ISREG(mode):
+                return False
+            _remove_entry(dir_fd, name)
+            if on_bad_entry is not None:
+                on_bad_entry(path, f"a {_kind(mode)} in place of a block file")
+        tmp = temp_name(name)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=dir_fd)  # left by an earlier use of this name
+        flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(tmp, flags | o_direct, 0o644, dir_fd=dir_fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # held while live (stale temp files)
             want = HEADER_BYTES + len(payload)
             written = os.writev(fd, [header, payload])
             if written != want:
                 raise OSError(errno.EIO, f"short write: {written} of {want} bytes")
+            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dir_fd)
+            raise
         finally:
             os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
+    finally:
+        os.close(dir_fd)
     return True
+
+
+def _open_regular(
+    dir_fd: int,
+    name: str,
+    path: str,
+    o_direct: int,
+    on_bad_entry: BadEntryHook | None,
+) -> int:
+    """An fd of the regular file ``name``; nothing else is opened (no
+    symlink followed, no FIFO or device opened, so no open blocks)."""
+
+    def bad(mode: int) -> BadEntryError:
+        found = f"a {_kind(mode)} in place of a block file"
+        _remove_entry(dir_fd, name)
+        if on_bad_entry is not None:
+            on_bad_entry(path, found)
+        return BadEntryError(errno.EIO, found, path)
+
+    mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+    if not stat.S_ISREG(mode):
+        raise bad(mode)
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(name, flags | o_direct, dir_fd=dir_fd)
+    except OSError as e:  # replaced since the stat: look again
+        if e.errno == errno.ENOENT:
+            raise
+        mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+        if not stat.S_ISREG(mode):
+            raise bad(mode) from e
+        raise
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise bad(mode)
+    return fd
 
 
 def read_block(
@@ -104,12 +295,24 @@ def read_block(
     identity: bytes,
     key: bytes,
     o_direct: int,
+    *,
+    root: str | None = None,
+    auth_key: bytes | None = None,
+    on_bad_entry: BadEntryHook | None = None,
 ) -> None:
-    """Reads ``path`` into ``payload`` and verifies it; raises
-    ``StoredBlockError`` (after which ``payload`` holds garbage) if the file
-    is not exactly what ``write_block`` wrote for this identity and key."""
+    """Reads ``path`` (under ``root``, default its own directory) into
+    ``payload`` and verifies it; raises ``StoredBlockError`` (after which
+    ``payload`` holds garbage) if the file is not exactly what
+    ``write_block`` wrote for this identity and key (and, with
+    ``auth_key``, MACed with that key)."""
+    root = root or os.path.dirname(path)
+    dirs, name = _split(root, path)
     header = _header_buffer()
-    fd = os.open(path, os.O_RDONLY | o_direct)
+    dir_fd = _open_dirs(root, dirs, False, path, on_bad_entry)
+    try:
+        fd = _open_regular(dir_fd, name, path, o_direct, on_bad_entry)
+    finally:
+        os.close(dir_fd)
     try:
         size = os.fstat(fd).st_size
         want = HEADER_BYTES + len(payload)
@@ -133,3 +336,111 @@ def read_block(
         raise StoredBlockError(errno.EIO, "holds another block", path)
     if length != len(payload) or zlib.crc32(payload) != crc:
         raise StoredBlockError(errno.EIO, "checksum mismatch", path)
+    if auth_key is not None:
+        kind, mac = _MAC.unpack_from(header, _HEADER.size)
+        if kind != MAC_HMAC_SHA256 or not hmac.compare_digest(
+            mac, _mac(auth_key, header, payload)
+        ):
+            raise StoredBlockError(
+                errno.EIO, "no valid HMAC for the deployment key", path
+            )
+
+
+def remove_stale_temp_files(root: str, max_age_s: float = STALE_TMP_AGE_S) -> int:
+    """Removes temp files under ``root`` that no writer holds and that are
+    older than ``max_age_s``; returns how many. Symlinks are not followed."""
+    removed = 0
+    now = time.time()
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            if not is_temp_name(name):
+                continue
+            path = os.path.join(dirpath, name)
+            try:
+                st = os.stat(path, follow_symlinks=False)
+                if not stat.S_ISREG(st.st_mode) or now - st.st_mtime < max_age_s:
+                    continue
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # a live writer holds it
+            finally:
+                os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+                removed += 1
+    return removed
+
+
+def remove_block(path: str, root: str) -> None:
+    """Removes the regular file ``path`` under ``root`` (a file that failed
+    verification), following no symlink; anything else is left alone."""
+    dirs, name = _split(root, path)
+    with contextlib.suppress(OSError):
+        dir_fd = _open_dirs(root, dirs, False, path, None)
+        try:
+            mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+            if stat.S_ISREG(mode):
+                os.unlink(name, dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def make_dirs(path: str, root: str) -> None:
+    """``os.makedirs(path)`` below ``root`` without following a symlink (a
+    bad entry on the way is replaced by a directory)."""
+    rel = os.path.relpath(path, root)
+    if rel == os.curdir:
+        os.close(os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
+        return
+    dirs, last = _split(root, path)
+    os.close(_open_dirs(root, [*dirs, last], True, path, None))
+
+
+def write_small_file(path: str, data: bytes, root: str) -> None:
+    """Writes ``path`` under ``root`` atomically, following no symlink and
+    replacing a non-regular entry (``identity.json``, vLLM's
+    ``config.json``)."""
+    dirs, name = _split(root, path)
+    dir_fd = _open_dirs(root, dirs, True, path, None)
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+            if not stat.S_ISREG(mode):
+                _remove_entry(dir_fd, name)
+        tmp = temp_name(name)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(tmp, flags, 0o644, dir_fd=dir_fd)
+        try:
+            os.write(fd, data)
+            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dir_fd)
+            raise
+        finally:
+            os.close(fd)
+    finally:
+        os.close(dir_fd)
+
+
+def is_regular_file(path: str, root: str) -> bool:
+    """Whether ``path`` under ``root`` is a regular file (no symlink
+    followed on the way or at the end)."""
+    dirs, name = _split(root, path)
+    try:
+        dir_fd = _open_dirs(root, dirs, False, path, None)
+    except OSError:
+        return False
+    try:
+        mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+        return stat.S_ISREG(mode)
+    except OSError:
+        return False
+    finally:
+        os.close(dir_fd)

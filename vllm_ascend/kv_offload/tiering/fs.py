@@ -1,34 +1,47 @@
 """The verified ``fs`` tier: vLLM's ``FileSystemTierManager`` (thread pool,
 async lookups, events, metrics) storing ``block_file`` files under an
 identity directory of ``root_dir``; a file that fails verification is a
-miss (the request recomputes), logged and removed. A tier directory that
-cannot be created is dropped at start (CPU tier only)."""
+miss (the request recomputes), logged and removed. With ``auth_key_file``
+every file carries an HMAC under that key. A tier directory that cannot be
+used is dropped at start (CPU tier only)."""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import json
 import os
+import stat
+import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
+from vllm.v1.kv_offload.file_mapper import FileMapper
 from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 
 from vllm_ascend.kv_offload import vllm_compat
 from vllm_ascend.kv_offload.config import (
+    PREFIX,
     TIERING_MODULE,
     TIERING_SPEC,
     OffloadConfigError,
 )
 from vllm_ascend.kv_offload.logger import init_logger
 from vllm_ascend.kv_offload.tiering.block_file import (
+    BadEntryError,
     StoredBlockError,
+    is_regular_file,
     key_digest,
+    make_dirs,
     read_block,
+    remove_block,
+    remove_stale_temp_files,
     write_block,
+    write_small_file,
 )
 from vllm_ascend.kv_offload.tiering.identity import (
     IDENTITY_FILE,
@@ -43,6 +56,69 @@ logger = init_logger(__name__)
 
 # Our fs tier, registered under this type; a config's "fs" tiers become it.
 VERIFIED_FS_TYPE = "ascend_fs"
+# The tier key naming the file that holds the deployment key (never the key).
+AUTH_KEY_FILE = "auth_key_file"
+MIN_AUTH_KEY_BYTES = 16
+
+
+def read_auth_key(key_file: Any, setting: str) -> bytes:
+    """The deployment key in ``key_file``; refuses a file that is missing,
+    not a regular file, accessible to every user, or too short. Messages
+    name ``setting`` and the file, never the key."""
+    fix = (
+        "Fix: a file only the engine's user can read, e.g. "
+        "'head -c 32 /dev/urandom | base64 > FILE; chmod 600 FILE'"
+    )
+    if not isinstance(key_file, str) or not key_file:
+        raise OffloadConfigError(
+            f"{setting}={key_file!r} must be the path of a file holding the "
+            f"deployment key (not the key itself). {fix}"
+        )
+    try:
+        st = os.stat(key_file)
+        if not stat.S_ISREG(st.st_mode):
+            raise OffloadConfigError(
+                f"{setting}={key_file!r} is not a regular file. {fix}"
+            )
+        if st.st_mode & 0o007:
+            raise OffloadConfigError(
+                f"{setting}={key_file!r} is accessible to every user (mode "
+                f"{stat.S_IMODE(st.st_mode):#o}), so anyone here could forge "
+                f"block files. {fix}"
+            )
+        with open(key_file, "rb") as f:
+            key = f.read().strip()
+    except OSError as e:
+        raise OffloadConfigError(
+            f"{setting}={key_file!r} cannot be read ({e.strerror}). {fix}"
+        ) from e
+    if len(key) < MIN_AUTH_KEY_BYTES:
+        raise OffloadConfigError(
+            f"{setting}={key_file!r} holds {len(key)} bytes; the key needs at "
+            f"least {MIN_AUTH_KEY_BYTES}. {fix}"
+        )
+    return key
+
+
+def tier_identity(
+    identity: Mapping[str, Any], auth_key: bytes | None
+) -> dict[str, Any]:
+    """The identity of a tier's files: keyed tiers by key (an id derived
+    from it, not the key), so deployments with different keys do not
+    remove each other's files as forgeries."""
+    if auth_key is None:
+        return dict(identity)
+    key_id = hmac.new(auth_key, b"vllm-ascend-kv-offload key id", hashlib.sha256)
+    return {**identity, "auth_key_id": key_id.hexdigest()[:16]}
+
+
+def _tier_auth_key(tier: Mapping[str, Any]) -> bytes | None:
+    key_file = tier.get(AUTH_KEY_FILE)
+    if key_file is None:
+        return None
+    return read_auth_key(
+        key_file, f"{PREFIX}['secondary_tiers'][..]['{AUTH_KEY_FILE}']"
+    )
 
 
 class VerifiedFileSystemTier(FileSystemTierManager):
@@ -57,6 +133,7 @@ class VerifiedFileSystemTier(FileSystemTierManager):
         primary_kv_view: memoryview,
         tier_type: str,
         root_dir: str,
+        auth_key_file: str | None = None,
         **kw: Any,
     ):
         identity = getattr(offloading_spec, "storage_identity", None)
@@ -65,7 +142,8 @@ class VerifiedFileSystemTier(FileSystemTierManager):
                 f"secondary tier type {VERIFIED_FS_TYPE!r} needs spec_name="
                 f"{TIERING_SPEC!r} and spec_module_path={TIERING_MODULE!r}"
             )
-        digest = identity_digest(identity)
+        self.auth_key = _tier_auth_key({AUTH_KEY_FILE: auth_key_file})
+        digest = identity_digest(tier_identity(identity, self.auth_key))
         self.identity_bytes = bytes.fromhex(digest)
         self.user_root_dir = root_dir
         self.root_dir = identity_root(root_dir, digest)
@@ -82,11 +160,43 @@ class VerifiedFileSystemTier(FileSystemTierManager):
         use_o_direct = vllm_compat.fs_tier_uses_o_direct(self)
         self._o_direct = getattr(os, "O_DIRECT", 0) if use_o_direct else 0
         self._rejected = 0
+        self._count_lock = threading.Lock()
+        self.bad_entries = 0
+        self.stale_temp_files_removed = 0
         logger.info(
             "KV offload: fs tier at %s (identity %s; files carry a header and a "
-            "CRC32, verified on every read)",
+            "CRC32%s, verified on every read)",
             self.root_dir,
             digest[:16],
+            " and an HMAC-SHA256 under the deployment key" if self.auth_key else "",
+        )
+        # Temp files of writers that died mid-write (walks the directory).
+        threading.Thread(
+            target=self._remove_stale_temp_files,
+            name="vllm_kv_fs_tmp_sweep",
+            daemon=True,
+        ).start()
+
+    def _remove_stale_temp_files(self) -> None:
+        with contextlib.suppress(OSError):
+            removed = remove_stale_temp_files(self.root_dir)
+            self.stale_temp_files_removed = removed
+            if removed:
+                logger.info(
+                    "KV offload: removed %d temp files under %s left by writers "
+                    "that are gone",
+                    removed,
+                    self.root_dir,
+                )
+
+    def _bad_entry(self, path: str, found: str) -> None:
+        with self._count_lock:
+            self.bad_entries += 1
+        logger.warning(
+            "KV offload: fs tier: %s at %s; a miss, removed (the block can be "
+            "stored again)",
+            found,
+            path,
         )
 
     def _paths_and_offsets(
@@ -113,6 +223,9 @@ class VerifiedFileSystemTier(FileSystemTierManager):
                     self.identity_bytes,
                     key,
                     self._o_direct,
+                    root=self.user_root_dir,
+                    auth_key=self.auth_key,
+                    on_bad_entry=self._bad_entry,
                 )
 
         vllm_compat.enqueue_fs_tier_store(self, job_metadata.job_id, keys, store_task)
@@ -134,6 +247,9 @@ class VerifiedFileSystemTier(FileSystemTierManager):
                         self.identity_bytes,
                         key,
                         self._o_direct,
+                        root=self.user_root_dir,
+                        auth_key=self.auth_key,
+                        on_bad_entry=self._bad_entry,
                     )
                 except OSError as exc:
                     # Blocks before i are kept; this one and later recompute.
@@ -144,7 +260,10 @@ class VerifiedFileSystemTier(FileSystemTierManager):
         vllm_compat.enqueue_fs_tier_load(self, job_id, keys, load_task)
 
     def _log_rejected(self, path: str, exc: OSError) -> None:
-        self._rejected += 1
+        with self._count_lock:
+            self._rejected += 1
+        if isinstance(exc, BadEntryError):
+            return  # logged and removed by _bad_entry
         if isinstance(exc, StoredBlockError):
             logger.warning(
                 "KV offload: fs tier file %s is not loaded (%s); the request "
@@ -152,8 +271,7 @@ class VerifiedFileSystemTier(FileSystemTierManager):
                 path,
                 exc.strerror,
             )
-            with contextlib.suppress(OSError):
-                os.remove(path)
+            remove_block(path, self.user_root_dir)
         else:
             logger.warning(
                 "KV offload: fs tier file %s could not be read (%s); the request "
@@ -174,29 +292,45 @@ with contextlib.suppress(ValueError):  # registered already (module reloaded)
     )
 
 
-def tier_dir_usable(root_dir: str, identity: Mapping[str, Any]) -> bool:
-    """Creates the identity directory and its identity.json. False (and a log
-    line) when the directory cannot even be created; a read-only directory
-    that exists (a reader of a cache others write) is usable."""
+def tier_dir_usable(tier: Mapping[str, Any], spec: OffloadingSpec) -> bool:
+    """Prepares what vLLM's fs tier creates at start (the identity directory,
+    the per-model directory and its config.json, without following a
+    symlink) and writes identity.json. False, with one error line, when that
+    fails (name too long, read-only or not creatable, a path that cannot hold
+    directories): the engine then runs without the tier. A read-only
+    directory that has all of it already (a reader of a cache others write)
+    is usable; its stores fail and are counted."""
+    root_dir = tier["root_dir"]
+    identity = tier_identity(spec.storage_identity, _tier_auth_key(tier))
     root = identity_root(root_dir, identity_digest(identity))
     try:
-        os.makedirs(root, exist_ok=True)
+        os.makedirs(root_dir, exist_ok=True)  # configured, so trusted
+        # As FileSystemTierManager.__init__ names it.
+        mapper = FileMapper.from_offloading_spec(
+            root_dir=root,
+            offloading_spec=spec,
+            blocks_per_file=spec.blocks_per_chunk,
+            parallel_agnostic=True,
+        )
+        config_path = mapper.get_config_file_path()
+        make_dirs(os.path.dirname(config_path), root_dir)
+        if not is_regular_file(config_path, root_dir):
+            text = json.dumps(mapper.get_run_config(), indent=2, sort_keys=True)
+            write_small_file(config_path, text.encode(), root_dir)
     except OSError as e:
         logger.error(
-            "KV offload: the fs tier directory %s cannot be created (%s); the "
-            "engine runs without this tier (CPU tier only). Fix: make root_dir "
-            "writable, or point it at a shared file system mounted here",
+            "KV offload: the fs tier directory %s cannot be used (%s); the "
+            "engine runs without this tier (CPU tier only). Fix: a writable "
+            "root_dir on a file system mounted here, with a short enough path",
             root,
             e,
         )
         return False
     path = os.path.join(root, IDENTITY_FILE)
-    if not os.path.exists(path):
+    if not is_regular_file(path, root_dir):
         try:
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
-                json.dump(identity, f, indent=2, sort_keys=True)
-            os.replace(tmp, path)
+            text = json.dumps(identity, indent=2, sort_keys=True)
+            write_small_file(path, text.encode(), root_dir)
         except OSError as e:
             logger.warning(
                 "KV offload: cannot write %s (%s): the fs tier directory is "

@@ -27,7 +27,12 @@ from vllm_ascend.kv_offload.config import PREFIX, TIERING_SPEC, OffloadConfigErr
 from vllm_ascend.kv_offload.logger import init_logger
 from vllm_ascend.kv_offload.manager import FailureAwareManager
 from vllm_ascend.kv_offload.npu import NPUOffloadingSpec
-from vllm_ascend.kv_offload.tiering.fs import VERIFIED_FS_TYPE, tier_dir_usable
+from vllm_ascend.kv_offload.tiering.fs import (
+    AUTH_KEY_FILE,
+    VERIFIED_FS_TYPE,
+    read_auth_key,
+    tier_dir_usable,
+)
 from vllm_ascend.kv_offload.tiering.host_register import (
     AclRegionRegistration,
     register_with_cuda,
@@ -120,6 +125,13 @@ def check_tiering_config(extra: Mapping[str, Any]) -> None:
                     "directory on a file system every node mounts, e.g. "
                     '"root_dir": "/mnt/shared/kv"'
                 )
+            if tier.get(AUTH_KEY_FILE) is not None:
+                read_auth_key(tier[AUTH_KEY_FILE], f"{where}['{AUTH_KEY_FILE}']")
+        elif tier.get(AUTH_KEY_FILE) is not None:
+            raise OffloadConfigError(
+                f"{where}['{AUTH_KEY_FILE}'] is read by 'fs' tiers only (this "
+                f"one is {tier['type']!r}); remove it"
+            )
     backpressure = extra.get("backpressure")
     if backpressure is not None and not isinstance(backpressure, Mapping):
         raise OffloadConfigError(
@@ -172,8 +184,7 @@ class NPUTieringOffloadingSpec(TieringOffloadingSpec, NPUOffloadingSpec):
             self.secondary_tier_configs = [
                 t
                 for t in self.secondary_tier_configs
-                if t["type"] != VERIFIED_FS_TYPE
-                or tier_dir_usable(t["root_dir"], self.storage_identity)
+                if t["type"] != VERIFIED_FS_TYPE or tier_dir_usable(t, self)
             ]
             inner = TieringOffloadingSpec.get_manager(self)
             scheduler_region = vllm_compat.tiering_scheduler_region(self)

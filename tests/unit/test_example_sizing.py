@@ -1,0 +1,131 @@
+"""The examples' pre-flight sizing (``examples/kv_offload_sizing.py``): the
+guide's configuration with the flags' overrides, and a configuration that
+cannot fit refused before any engine starts, naming what to pass."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location(
+    "kv_offload_sizing", REPO / "examples" / "kv_offload_sizing.py"
+)
+sizing = importlib.util.module_from_spec(_spec)
+sys.modules["kv_offload_sizing"] = sizing
+_spec.loader.exec_module(sizing)
+
+GiB = 2**30
+MiB = 2**20
+# Qwen3-0.6B's KV shape: 28 layers x 8 KV heads x head_dim 128, bf16.
+QWEN3_06B = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "hidden_size": 1024,
+    "num_attention_heads": 16,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 40960,
+    "torch_dtype": "bfloat16",
+}
+QWEN3_06B_BLOCK_BYTES = 14_680_064  # docs/user_guide.md, "Sizing the CPU pool"
+
+
+@pytest.fixture
+def model(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_06B))
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * MiB)
+    return str(tmp_path)
+
+
+@pytest.fixture
+def host(monkeypatch):
+    """Sets the host memory available to the check."""
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+
+    def set_available(nbytes: int) -> None:
+        monkeypatch.setattr(sizing, "host_available_bytes", lambda: nbytes)
+        monkeypatch.setattr(sizing, "_package_sizing", lambda: None)
+
+    return set_available
+
+
+def test_cpu_block_bytes_from_config_match_the_user_guide(model):
+    assert sizing.read_model(model).cpu_block_bytes(128) == QWEN3_06B_BLOCK_BYTES
+
+
+def test_guide_configuration_is_refused_where_it_cannot_fit(model, host):
+    host(18 * GiB)
+    with pytest.raises(SystemExit) as info:
+        sizing.plan(model)
+    message = str(info.value)
+    assert "num_cpu_blocks=1000" in message
+    assert "13.67 GiB" in message
+    fit = sizing.auto_num_cpu_blocks(
+        model,
+        QWEN3_06B_BLOCK_BYTES,
+        MiB + sizing.ENGINE_OVERHEAD_BYTES + 2 * 8192 * QWEN3_06B_BLOCK_BYTES // 128,
+        18 * GiB,
+    )
+    assert f"pass --num-cpu-blocks {fit} (or auto)" in message
+
+
+def test_auto_sizes_the_pool_that_fits_and_keeps_the_rest_of_the_guide(model, host):
+    host(18 * GiB)
+    p = sizing.plan(model, num_cpu_blocks="auto")
+    blocks = p.extra_config["num_cpu_blocks"]
+    assert 0 < blocks < 1000
+    assert p.pool_bytes <= 0.9 * (18 * GiB - p.engine_bytes) * sizing.AUTO_POOL_SHARE
+    assert {k: v for k, v in p.extra_config.items() if k != "num_cpu_blocks"} == {
+        k: v for k, v in sizing.GUIDE_EXTRA_CONFIG.items() if k != "num_cpu_blocks"
+    }
+    assert f"num_cpu_blocks={blocks} (auto)" in p.overrides
+
+
+def test_kv_cache_on_the_cpu_backend_is_sized_for_the_model(model, host):
+    host(64 * GiB)
+    p = sizing.plan(model)
+    # A real model's max_model_len is capped at 8192; 2 sequences of it.
+    assert p.max_model_len == 8192
+    assert p.kv_cache_bytes == 2 * 8192 * QWEN3_06B_BLOCK_BYTES // 128
+    assert p.extra_config == sizing.GUIDE_EXTRA_CONFIG
+
+
+def test_kv_cache_on_a_device_is_left_to_the_platform(model, host):
+    host(64 * GiB)
+    p = sizing.plan(model, kv_cache_in_host=False)
+    assert p.kv_cache_bytes is None
+
+
+def test_cpu_bytes_replaces_num_cpu_blocks(model, host):
+    host(64 * GiB)
+    p = sizing.plan(model, cpu_bytes=2 * GiB)
+    assert "num_cpu_blocks" not in p.extra_config
+    assert p.extra_config["cpu_bytes_to_use"] == 2 * GiB
+    with pytest.raises(SystemExit, match="give one"):
+        sizing.plan(model, cpu_bytes=2 * GiB, num_cpu_blocks="10")
+
+
+def test_bad_values_name_the_flag(model, host):
+    host(64 * GiB)
+    with pytest.raises(SystemExit, match="--num-cpu-blocks 'x'"):
+        sizing.plan(model, num_cpu_blocks="x")
+    with pytest.raises(SystemExit, match="needs a local model directory"):
+        sizing.plan("Qwen/Qwen3-0.6B", num_cpu_blocks="auto")
+
+
+@pytest.mark.parametrize(
+    ("text", "nbytes"),
+    [
+        ("1073741824", GiB),
+        ("512MiB", 512 * MiB),
+        ("4G", 4 * GiB),
+        ("1.5GiB", 3 * GiB // 2),
+    ],
+)
+def test_sizes_accept_binary_units(text, nbytes):
+    assert sizing.parse_bytes(text) == nbytes

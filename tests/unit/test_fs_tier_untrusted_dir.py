@@ -1,0 +1,457 @@
+"""The fs tier's directory is shared, so untrusted: what anyone who can
+write it may put there (symlinks, FIFOs, sockets, directories, forged
+files, leftovers) never redirects a write, hangs a read, or gets loaded; a
+directory the tier cannot use is dropped at start; subclasses of our specs
+are ours everywhere names are checked."""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import logging
+import mmap
+import os
+import socket
+import subprocess
+import threading
+import time
+import zlib
+
+import numpy as np
+import pytest
+from vllm.v1.kv_offload.base import ReqContext, make_offload_key
+from vllm.v1.kv_offload.tiering.base import TransferJob
+
+from vllm_ascend.kv_offload.config import OffloadConfigError, check_keys
+from vllm_ascend.kv_offload.plugin import names_our_spec
+from vllm_ascend.kv_offload.tiering.block_file import (
+    _HEADER,
+    HEADER_BYTES,
+    BadEntryError,
+    StoredBlockError,
+    key_digest,
+    read_block,
+    remove_stale_temp_files,
+    temp_name,
+    write_block,
+)
+from vllm_ascend.kv_offload.tiering.fs import (
+    VerifiedFileSystemTier,
+    read_auth_key,
+    tier_dir_usable,
+)
+from vllm_ascend.kv_offload.tiering.spec import (
+    NPUTieringOffloadingSpec,
+    check_tiering_config,
+)
+
+IDENTITY = bytes(range(32))
+KEY = key_digest(make_offload_key(b"\x01" * 32, 0))
+AUTH_KEY = b"0123456789abcdef0123456789abcdef"
+# Long enough that anything still blocked is stuck, not slow (2 loaded cores).
+STUCK_S = 30.0
+
+
+def payload(fill: int = 7, size: int = 2 * mmap.PAGESIZE) -> memoryview:
+    buf = mmap.mmap(-1, size)
+    buf[:] = bytes([fill]) * size
+    return memoryview(buf)
+
+
+def in_thread(fn, *args, **kwargs):
+    """Runs ``fn`` in a thread; returns (finished, result or exception)."""
+    out: list = []
+
+    def run() -> None:
+        try:
+            out.append(fn(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            out.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(STUCK_S)
+    return (not thread.is_alive()), (out[0] if out else None)
+
+
+def release_fifo(path: str) -> None:
+    """Unblocks a reader stuck in open() on FIFO ``path`` (old code)."""
+    with contextlib.suppress(OSError):
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+
+
+# -- no symlink followed, nothing but regular files opened ------------------
+
+
+def test_a_symlinked_directory_does_not_redirect_writes(tmp_path):
+    root, outside = tmp_path / "tier", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    (root / "sub").symlink_to(outside)
+    seen = []
+    path = str(root / "sub" / "b.bin")
+    assert write_block(
+        path,
+        payload(),
+        IDENTITY,
+        KEY,
+        0,
+        root=str(root),
+        on_bad_entry=lambda p, found: seen.append(found),
+    )
+    assert os.listdir(outside) == []
+    assert (root / "sub").is_dir() and not (root / "sub").is_symlink()
+    assert seen == ["a symlink in place of a directory"]
+    read_block(path, payload(0), IDENTITY, KEY, 0, root=str(root))
+
+
+def test_a_symlinked_directory_is_not_read_through(tmp_path):
+    root, outside = tmp_path / "tier", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    write_block(str(outside / "b.bin"), payload(), IDENTITY, KEY, 0)
+    (root / "sub").symlink_to(outside)
+    with pytest.raises(BadEntryError, match="symlink in place of a directory"):
+        read_block(
+            str(root / "sub" / "b.bin"), payload(0), IDENTITY, KEY, 0, root=str(root)
+        )
+    assert not (root / "sub").exists() and (outside / "b.bin").exists()
+
+
+def _make_symlink_to_file(path, tmp_path):
+    target = tmp_path / "elsewhere.bin"
+    write_block(str(target), payload(), IDENTITY, KEY, 0)
+    path.symlink_to(target)
+
+
+def _make_fifo(path, tmp_path):
+    os.mkfifo(path)
+
+
+def _make_socket(path, tmp_path):
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(path))
+    sock.close()
+
+
+def _make_directory(path, tmp_path):
+    path.mkdir()
+
+
+def _make_symlink_to_device(path, tmp_path):
+    path.symlink_to("/dev/zero")
+
+
+BAD_ENTRIES = {
+    "symlink to a valid block file": _make_symlink_to_file,
+    "FIFO": _make_fifo,
+    "socket": _make_socket,
+    "directory": _make_directory,
+    "symlink to a device": _make_symlink_to_device,
+}
+
+
+@pytest.mark.parametrize("make", BAD_ENTRIES.values(), ids=BAD_ENTRIES.keys())
+def test_a_bad_entry_in_place_of_a_block_is_a_miss_removed_and_rewritable(
+    tmp_path, make
+):
+    root = tmp_path / "tier"
+    root.mkdir()
+    path = root / "b.bin"
+    make(path, tmp_path)
+    seen = []
+    try:
+        finished, result = in_thread(
+            read_block,
+            str(path),
+            payload(0),
+            IDENTITY,
+            KEY,
+            0,
+            root=str(root),
+            on_bad_entry=lambda p, found: seen.append(found),
+        )
+    finally:
+        release_fifo(str(path))
+    assert finished, "the read blocked"
+    assert isinstance(result, BadEntryError), result
+    assert len(seen) == 1 and "in place of a block file" in seen[0]
+    assert not os.path.lexists(path)  # removed
+    assert write_block(str(path), payload(), IDENTITY, KEY, 0, root=str(root))
+    read_block(str(path), payload(0), IDENTITY, KEY, 0, root=str(root))
+
+
+def test_a_write_replaces_a_bad_entry_instead_of_skipping_it(tmp_path):
+    root = tmp_path / "tier"
+    root.mkdir()
+    target = tmp_path / "victim"
+    target.write_bytes(b"precious")
+    (root / "b.bin").symlink_to(target)
+    assert write_block(str(root / "b.bin"), payload(), IDENTITY, KEY, 0, root=str(root))
+    assert target.read_bytes() == b"precious"
+    assert not (root / "b.bin").is_symlink()
+
+
+def test_paths_outside_the_root_are_refused(tmp_path):
+    with pytest.raises(StoredBlockError, match="not under the tier root"):
+        write_block(
+            str(tmp_path / "x.bin"),
+            payload(),
+            IDENTITY,
+            KEY,
+            0,
+            root=str(tmp_path / "tier"),
+        )
+
+
+@pytest.fixture
+def tier(tmp_path, fs_tier_spec):
+    """A verified fs tier (one read and one write thread) on a 4-row view."""
+    buf = mmap.mmap(-1, 4 * 4096)
+    view = memoryview(buf).cast("B", shape=(4, 4096))
+    spec = fs_tier_spec()
+    root = tmp_path / "kv"
+    assert tier_dir_usable({"root_dir": str(root)}, spec)
+    tier = VerifiedFileSystemTier(
+        spec, view, "ascend_fs", str(root), n_read_threads=1, n_write_threads=1
+    )
+    yield tier
+    tier.shutdown()
+
+
+def _job(job_id: int, key, promotion: bool) -> TransferJob:
+    return TransferJob(job_id, [key], np.array([0]), promotion, ReqContext("r"))
+
+
+def _finished(tier, job_id: int):
+    deadline = time.monotonic() + STUCK_S
+    while time.monotonic() < deadline:
+        for result in tier.get_finished_jobs():
+            if result.job_id == job_id:
+                return result
+        time.sleep(0.01)
+    return None
+
+
+def test_the_tier_counts_a_fifo_as_a_miss_and_shuts_down(tier):
+    key = make_offload_key(b"\x05" * 32, 0)
+    path = tier.file_mapper.get_file_name(key)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    os.mkfifo(path)
+    try:
+        tier.submit_load(_job(1, key, True))
+        result = _finished(tier, 1)
+    finally:
+        release_fifo(path)
+    assert result is not None and not result.success
+    assert tier.bad_entries == 1 and not os.path.lexists(path)
+    tier.submit_store(_job(2, key, False))
+    assert _finished(tier, 2).success and os.path.isfile(path)
+    finished, _ = in_thread(tier.shutdown)
+    assert finished
+
+
+# -- integrity against forgery: the deployment key --------------------------
+
+
+def _forge(path: str, other: memoryview) -> None:
+    """Keeps the header (identity, key), puts another payload, fixes the
+    CRC32: what anyone who can write the directory can do."""
+    with open(path, "r+b") as f:
+        header = bytearray(f.read(HEADER_BYTES))
+        fields = list(_HEADER.unpack_from(header, 0))
+        fields[3] = zlib.crc32(other)
+        _HEADER.pack_into(header, 0, *fields)
+        f.seek(0)
+        f.write(bytes(header) + bytes(other))
+
+
+def test_a_forged_file_is_loaded_without_a_key(tmp_path):
+    """The documented trust boundary: without a key, write access to the
+    directory is write access to every reader's KV."""
+    path = str(tmp_path / "b.bin")
+    write_block(path, payload(7), IDENTITY, KEY, 0)
+    _forge(path, payload(9))
+    out = payload(0)
+    read_block(path, out, IDENTITY, KEY, 0)
+    assert bytes(out) == bytes(payload(9))
+
+
+def test_with_a_key_a_forged_or_unkeyed_file_is_a_miss(tmp_path):
+    path = str(tmp_path / "b.bin")
+    write_block(path, payload(7), IDENTITY, KEY, 0, auth_key=AUTH_KEY)
+    out = payload(0)
+    read_block(path, out, IDENTITY, KEY, 0, auth_key=AUTH_KEY)
+    assert bytes(out) == bytes(payload(7))
+    _forge(path, payload(9))
+    with pytest.raises(StoredBlockError, match="HMAC"):
+        read_block(path, payload(0), IDENTITY, KEY, 0, auth_key=AUTH_KEY)
+    os.remove(path)
+    write_block(path, payload(7), IDENTITY, KEY, 0)  # written without the key
+    with pytest.raises(StoredBlockError, match="HMAC"):
+        read_block(path, payload(0), IDENTITY, KEY, 0, auth_key=AUTH_KEY)
+    with pytest.raises(StoredBlockError, match="HMAC"):
+        read_block(path, payload(0), IDENTITY, KEY, 0, auth_key=b"k" * 32)
+
+
+def _key_file(tmp_path, data=AUTH_KEY, mode=0o600):
+    path = tmp_path / "kv.key"
+    path.write_bytes(data + b"\n")
+    path.chmod(mode)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda t: _key_file(t, mode=0o644), "accessible to every user"),
+        (lambda t: str(t / "missing.key"), "cannot be read"),
+        (lambda t: _key_file(t, data=b"short"), "at least 16"),
+        (lambda t: str(t), "not a regular file"),
+    ],
+)
+def test_an_unusable_key_file_is_refused_naming_the_setting(tmp_path, make, message):
+    tiers = [{"type": "fs", "root_dir": str(tmp_path), "auth_key_file": make(tmp_path)}]
+    with pytest.raises(OffloadConfigError, match=message) as info:
+        check_tiering_config({"secondary_tiers": tiers})
+    assert "['auth_key_file']" in str(info.value)
+    assert AUTH_KEY.decode() not in str(info.value)
+
+
+def test_a_key_file_is_read_and_its_key_kept_out_of_messages(tmp_path):
+    assert read_auth_key(_key_file(tmp_path), "setting") == AUTH_KEY
+
+
+def test_keyed_tiers_use_their_own_identity_directory(tmp_path, fs_tier_spec):
+    spec = fs_tier_spec()
+    plain = {"root_dir": str(tmp_path)}
+    keyed = {**plain, "auth_key_file": _key_file(tmp_path)}
+    assert tier_dir_usable(plain, spec) and tier_dir_usable(keyed, spec)
+    assert len([p for p in os.listdir(tmp_path) if p.startswith("ascend-kv-")]) == 2
+
+
+# -- a tier directory that cannot be used is dropped at start --------------
+
+
+def test_a_model_path_too_long_for_vllms_directory_drops_the_tier(
+    tmp_path, fs_tier_spec, caplog
+):
+    spec = fs_tier_spec(model="/models/" + "m" * 250)
+    with caplog.at_level(logging.ERROR):
+        assert not tier_dir_usable({"root_dir": str(tmp_path)}, spec)
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "CPU tier only" in errors[0].getMessage()
+    assert "File name too long" in errors[0].getMessage()
+
+
+@pytest.fixture
+def read_only_mount(tmp_path):
+    """A tmpfs at tmp_path/ro, remounted read-only by ``freeze()`` (root
+    ignores permission bits, so only a read-only mount stops a write)."""
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    if (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)],
+            capture_output=True,
+        ).returncode
+        != 0
+    ):
+        pytest.skip("cannot mount a tmpfs here (needs CAP_SYS_ADMIN)")
+
+    def freeze() -> None:
+        subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
+
+    yield mount, freeze
+    subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_a_read_only_root_without_vllms_directories_drops_the_tier(
+    read_only_mount, fs_tier_spec, caplog
+):
+    mount, freeze = read_only_mount
+    freeze()
+    assert not tier_dir_usable({"root_dir": str(mount)}, fs_tier_spec())
+    assert "Read-only file system" in caplog.text
+
+
+def test_a_read_only_root_with_them_is_read_and_its_stores_fail(
+    read_only_mount, fs_tier_spec
+):
+    mount, freeze = read_only_mount
+    spec = fs_tier_spec()
+    assert tier_dir_usable({"root_dir": str(mount)}, spec)
+    buf = mmap.mmap(-1, 4 * 4096)
+    view = memoryview(buf).cast("B", shape=(4, 4096))
+    writer = VerifiedFileSystemTier(
+        spec, view, "ascend_fs", str(mount), n_read_threads=1, n_write_threads=1
+    )
+    stored, fresh = make_offload_key(b"\x06" * 32, 0), make_offload_key(b"\x07" * 32, 0)
+    buf[:4096] = b"\x03" * 4096
+    writer.submit_store(_job(1, stored, False))
+    assert _finished(writer, 1).success
+    writer.shutdown()
+    freeze()
+    assert tier_dir_usable({"root_dir": str(mount)}, spec)  # a reader
+    reader = VerifiedFileSystemTier(
+        spec, view, "ascend_fs", str(mount), n_read_threads=1, n_write_threads=1
+    )
+    try:
+        buf[:4096] = bytes(4096)
+        reader.submit_load(_job(2, stored, True))
+        assert _finished(reader, 2).success and buf[:4096] == b"\x03" * 4096
+        reader.submit_store(_job(3, fresh, False))
+        assert not _finished(reader, 3).success  # the store path: EROFS, counted
+    finally:
+        reader.shutdown()
+
+
+# -- temp files ---------------------------------------------------------------
+
+
+def test_temp_files_are_not_taken_for_blocks():
+    name = temp_name("0123abcd.bin")
+    assert name.startswith(".") and name.endswith(".tmp")
+    assert not fnmatch.fnmatch(name, "*.bin")
+
+
+def test_stale_temp_files_are_removed_live_ones_kept(tmp_path):
+    old = time.time() - 3600
+    stale, live, fresh = (tmp_path / temp_name(f"{n}.bin") for n in "abc")
+    for path in (stale, live, fresh):
+        path.write_bytes(b"partial")
+    for path in (stale, live):
+        os.utime(path, (old, old))
+    import fcntl
+
+    holder = os.open(live, os.O_RDONLY)
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX)  # its writer is still writing
+        assert remove_stale_temp_files(str(tmp_path)) == 1
+    finally:
+        os.close(holder)
+    assert not stale.exists() and live.exists() and fresh.exists()
+
+
+# -- subclasses of our specs ---------------------------------------------------
+
+
+class CustomTieringSpec(NPUTieringOffloadingSpec):
+    """A deployment's own subclass of the tiering spec."""
+
+
+def test_a_subclass_of_the_tiering_spec_may_have_secondary_tiers():
+    extra = {
+        "spec_name": "CustomTieringSpec",
+        "spec_module_path": __name__,
+        "secondary_tiers": [{"type": "fs", "root_dir": "/x"}],
+    }
+    check_keys(extra)
+    assert names_our_spec(extra) and names_our_spec(extra, tiering=True)
+    not_tiering = {
+        **extra,
+        "spec_name": "NPUOffloadingSpec",
+        "spec_module_path": "vllm_ascend.kv_offload.npu",
+    }
+    with pytest.raises(OffloadConfigError, match="or a subclass"):
+        check_keys(not_tiering)
