@@ -7,7 +7,9 @@ the fs root and whether the shared-memory region existed while the engine
 ran and after it shut down. Optional: ``before`` (an action run before the
 engine starts: ``{"stale_region": engine_id}`` plants a region file left
 by a dead run), ``remove_root_after_start`` (the fs directory disappears
-once the engine is up).
+once the engine is up), ``rounds`` (the prompts again, device prefix cache
+reset in between), ``barrier`` (``{"mine": path, "others": [paths]}``:
+engines started together begin serving together).
 """
 
 from __future__ import annotations
@@ -52,6 +54,16 @@ def _files(root: str) -> list[str]:
     return sorted(out)
 
 
+def _meet(mine: str, others: list[str], timeout: float = 600.0) -> None:
+    with open(mine, "w"):
+        pass
+    deadline = time.monotonic() + timeout
+    while not all(os.path.exists(p) for p in others):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the other engines never started: {others}")
+        time.sleep(0.2)
+
+
 def run(scenario: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -84,16 +96,23 @@ def run(scenario: dict) -> dict:
     if scenario.get("remove_root_after_start") and root:
         shutil.rmtree(root)
 
+    barrier = scenario.get("barrier")
+    if barrier:
+        _meet(barrier["mine"], barrier["others"])
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     results = []
-    for prompt in scenario["prompts"]:
-        out = llm.generate([prompt], params, use_tqdm=False)[0]
-        results.append(
-            {
-                "token_ids": list(out.outputs[0].token_ids),
-                "num_cached_tokens": out.num_cached_tokens or 0,
-            }
-        )
+    for round_ in range(scenario.get("rounds", 1)):
+        if round_:
+            settle_stores(llm)
+            llm.reset_prefix_cache()
+        for prompt in scenario["prompts"]:
+            out = llm.generate([prompt], params, use_tqdm=False)[0]
+            results.append(
+                {
+                    "token_ids": list(out.outputs[0].token_ids),
+                    "num_cached_tokens": out.num_cached_tokens or 0,
+                }
+            )
     settle_stores(llm)
     _settle_tier_writes(llm)
     counters = _counters(llm)

@@ -77,8 +77,18 @@ def _header_buffer() -> mmap.mmap:
     """A page-aligned page per thread (O_DIRECT needs aligned buffers)."""
     buf = getattr(_local, "header", None)
     if buf is None:
-        buf = _local.header = mmap.mmap(-1, HEADER_BYTES)
+        # Private: an anonymous mmap is shared by default, with every
+        # process forked after this one wrote or read a block.
+        buf = _local.header = mmap.mmap(-1, HEADER_BYTES, flags=mmap.MAP_PRIVATE)
     return buf
+
+
+def _forget_in_child() -> None:
+    global _local
+    _local = threading.local()  # the child's pid belongs in its temp names
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def temp_name(name: str) -> str:

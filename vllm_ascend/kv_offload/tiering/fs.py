@@ -32,6 +32,7 @@ from vllm_ascend.kv_offload.config import (
 )
 from vllm_ascend.kv_offload.logger import init_logger
 from vllm_ascend.kv_offload.tiering.block_file import (
+    HEADER_BYTES,
     BadEntryError,
     StoredBlockError,
     is_regular_file,
@@ -42,6 +43,11 @@ from vllm_ascend.kv_offload.tiering.block_file import (
     remove_stale_temp_files,
     write_block,
     write_small_file,
+)
+from vllm_ascend.kv_offload.tiering.fs_budget import (
+    MAX_BYTES_KEY,
+    FsTierBudget,
+    budget_metric_definitions,
 )
 from vllm_ascend.kv_offload.tiering.identity import (
     IDENTITY_FILE,
@@ -147,6 +153,7 @@ class VerifiedFileSystemTier(FileSystemTierManager):
         self.identity_bytes = bytes.fromhex(digest)
         self.user_root_dir = root_dir
         self.root_dir = identity_root(root_dir, digest)
+        max_bytes = kw.pop(MAX_BYTES_KEY, None)
         super().__init__(
             offloading_spec,
             primary_kv_view,
@@ -163,6 +170,12 @@ class VerifiedFileSystemTier(FileSystemTierManager):
         self._count_lock = threading.Lock()
         self.bad_entries = 0
         self.stale_temp_files_removed = 0
+        # Size bound (fs_budget): stores report, reads touch, stats count.
+        self.budget: FsTierBudget | None = None
+        if max_bytes is not None:
+            self.budget = FsTierBudget(
+                self.root_dir, max_bytes, HEADER_BYTES + self.block_bytes
+            )
         logger.info(
             "KV offload: fs tier at %s (identity %s; files carry a header and a "
             "CRC32%s, verified on every read)",
@@ -214,10 +227,12 @@ class VerifiedFileSystemTier(FileSystemTierManager):
     def submit_store(self, job_metadata: TransferJob) -> None:
         keys = list(job_metadata.keys)
         paths, offsets, key_ids = self._paths_and_offsets(job_metadata)
+        budget = self.budget
 
         def store_task() -> None:
+            written = 0
             for path, offset, key in zip(paths, offsets, key_ids, strict=True):
-                write_block(
+                written += write_block(
                     path,
                     self._payload(offset),
                     self.identity_bytes,
@@ -227,6 +242,8 @@ class VerifiedFileSystemTier(FileSystemTierManager):
                     auth_key=self.auth_key,
                     on_bad_entry=self._bad_entry,
                 )
+            if budget is not None and written:
+                budget.note_stored(written * (HEADER_BYTES + self.block_bytes))
 
         vllm_compat.enqueue_fs_tier_store(self, job_metadata.job_id, keys, store_task)
 
@@ -235,6 +252,7 @@ class VerifiedFileSystemTier(FileSystemTierManager):
         job_id = job_metadata.job_id
         keys = list(job_metadata.keys)
         paths, offsets, key_ids = self._paths_and_offsets(job_metadata)
+        budget = self.budget
 
         def load_task() -> None:
             for i, (path, offset, key) in enumerate(
@@ -256,6 +274,8 @@ class VerifiedFileSystemTier(FileSystemTierManager):
                     vllm_compat.record_fs_tier_load_progress(self, job_id, i)
                     self._log_rejected(path, exc)
                     raise
+                if budget is not None:
+                    budget.touch(path)
 
         vllm_compat.enqueue_fs_tier_load(self, job_id, keys, load_task)
 
@@ -283,7 +303,20 @@ class VerifiedFileSystemTier(FileSystemTierManager):
     @classmethod
     @override
     def build_metric_definitions(cls, tier_config: dict[str, Any]) -> dict[str, Any]:
-        return FileSystemTierManager.build_metric_definitions(tier_config)
+        return {
+            **FileSystemTierManager.build_metric_definitions(tier_config),
+            **budget_metric_definitions(),
+        }
+
+    @override
+    def get_stats(self) -> Any:
+        stats = super().get_stats()
+        ours = self.budget.take_stats() if self.budget is not None else None
+        if stats is None or stats.is_empty():
+            return ours
+        if ours is not None:
+            stats.aggregate(ours)
+        return stats
 
 
 with contextlib.suppress(ValueError):  # registered already (module reloaded)

@@ -33,6 +33,10 @@ from vllm_ascend.kv_offload.tiering.fs import (
     read_auth_key,
     tier_dir_usable,
 )
+from vllm_ascend.kv_offload.tiering.fs_budget import (
+    budget_metric_definitions,
+    check_budget_config,
+)
 from vllm_ascend.kv_offload.tiering.host_register import (
     AclRegionRegistration,
     register_with_cuda,
@@ -117,7 +121,9 @@ def check_tiering_config(extra: Mapping[str, Any]) -> None:
                 f"{where} must be a dict with a 'type', e.g. "
                 '{"type": "fs", "root_dir": "/mnt/shared/kv"}'
             )
-        if tier["type"] in ("fs", VERIFIED_FS_TYPE):
+        is_fs = tier["type"] in ("fs", VERIFIED_FS_TYPE)
+        check_budget_config(tier, where, is_fs)
+        if is_fs:
             root = tier.get("root_dir")
             if not isinstance(root, str) or not root:
                 raise OffloadConfigError(
@@ -158,6 +164,17 @@ class NPUTieringOffloadingSpec(TieringOffloadingSpec, NPUOffloadingSpec):
     """
 
     _tiering_worker: NPUTieringWorker | None = None
+
+    @classmethod
+    @override
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        # vLLM asks the class of each tier's configured type: "fs" is vLLM's,
+        # which does not define the size bound's eviction metrics.
+        metrics = super().build_metric_definitions(extra_config)
+        tiers = extra_config.get("secondary_tiers") or []
+        if any(t.get("type") in ("fs", VERIFIED_FS_TYPE) for t in tiers):
+            metrics.update(budget_metric_definitions())
+        return metrics
 
     def __init__(self, config: OffloadingConfig):
         check_tiering_config(config.extra_config)

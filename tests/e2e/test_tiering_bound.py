@@ -1,0 +1,105 @@
+"""The fs tier's size bound end to end: two engine processes write one
+bounded directory at the same time.
+
+Engines A and B (separate processes, small CPU tiers) serve the same eight
+documents in opposite orders, twice, with the device prefix cache reset
+between rounds, so the second round loads from the fs tier what the CPU
+tier dropped, while both engines store and evict in the shared directory.
+Outputs must equal offloading off; the directory must stay within
+``max_bytes`` (plus the amortization slack), evictions must show in vLLM's
+offloading metrics, and every remaining file must be a whole block file.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from tests.e2e.conftest import ENGINE, run_scenario, token_ids
+from tests.e2e.test_tiering import tiering
+from vllm_ascend.kv_offload.testing.tiny_model import make_prompt
+from vllm_ascend.kv_offload.tiering.block_file import HEADER_BYTES
+from vllm_ascend.kv_offload.tiering.fs_budget import EVICTED_BLOCKS, TIER_BYTES
+
+pytestmark = pytest.mark.e2e
+
+# Tiny model: 2 layers x K,V x 2 KV heads x 32 dims x 128 tokens x fp32.
+FILE_BYTES = HEADER_BYTES + 2 * 2 * 2 * 32 * 128 * 4
+BOUND_FILES = 12
+DOCS = [make_prompt(512, seed=300 + d) for d in range(8)]  # 4 blocks each
+PROMPTS = [f"{doc} {make_prompt(20, seed=400 + i)}" for i, doc in enumerate(DOCS)]
+
+
+def bounded(root: str) -> dict:
+    offload = tiering(root, num_cpu_blocks=16)
+    offload["secondary_tiers"][0]["max_bytes"] = BOUND_FILES * FILE_BYTES
+    return offload
+
+
+def block_files(root: str) -> list[str]:
+    return [
+        os.path.join(d, n)
+        for d, _, names in os.walk(root)
+        for n in names
+        if n.endswith(".bin")
+    ]
+
+
+def test_two_engines_share_one_bounded_directory(scenario_dir):
+    root = str(scenario_dir / "tier-bounded")
+    ready = {w: str(scenario_dir / f"bound-{w}.ready") for w in "ab"}
+    prompts = {"a": PROMPTS, "b": PROMPTS[::-1]}
+    scenarios = {
+        w: {
+            "driver": "tests.e2e.tiering_driver:run",
+            "engine": ENGINE,
+            "offload": bounded(root),
+            "root_dir": root,
+            "prompts": prompts[w],
+            "rounds": 2,
+            "barrier": {"mine": ready[w], "others": [ready["ab".replace(w, "")]]},
+        }
+        for w in "ab"
+    }
+    scenarios["ref"] = {
+        "engine": ENGINE,
+        "offload": None,
+        "phases": [{"prompts": PROMPTS}],
+    }
+    results: dict[str, dict | BaseException] = {}
+
+    def run(name: str) -> None:
+        try:
+            results[name] = run_scenario(scenario_dir, f"bound_{name}", scenarios[name])
+        except BaseException as e:  # reported below, with the engine's log
+            results[name] = e
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in scenarios]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for result in results.values():
+        if isinstance(result, BaseException):
+            raise result
+
+    expected = token_ids(results["ref"]["phases"][0])
+    a, b = results["a"], results["b"]
+    assert [r["token_ids"] for r in a["results"]] == expected * 2
+    assert [r["token_ids"] for r in b["results"]] == expected[::-1] * 2
+
+    # Files were loaded back from the tier (round two), and evicted.
+    for engine in (a, b):
+        assert engine["counters"]["vllm:kv_offload_tiering_read_bytes"] > 0
+    evicted = sum(e["counters"].get(EVICTED_BLOCKS, 0) for e in (a, b))
+    assert evicted > 0
+    # 32 distinct blocks were stored, at most the bound and the slack stay.
+    files = block_files(root)
+    total = sum(os.path.getsize(p) for p in files)
+    slack = 2 * max(1, BOUND_FILES // 8) * FILE_BYTES
+    assert total <= BOUND_FILES * FILE_BYTES + slack
+    assert all(os.path.getsize(p) == FILE_BYTES for p in files)
+    assert 0 < a["counters"].get(TIER_BYTES, 0) <= BOUND_FILES * FILE_BYTES + slack
+    assert not [n for _, _, ns in os.walk(root) for n in ns if n.endswith(".tmp")]

@@ -1,0 +1,347 @@
+"""The size bound of the ``fs`` tier (``max_bytes`` in its entry of
+``secondary_tiers``): once the block files of the tier's directory reach
+it, the least recently used ones are removed, down to ``EVICT_TO`` of it.
+
+Several engines may share the directory, so the state is on disk: a file's
+mtime is its LRU clock (set when written, touched on every read), a scan
+runs under an advisory lock (``flock`` on ``LOCK_FILE`` in the directory;
+an engine that finds it held skips its scan, the holder makes the room),
+and only regular ``*.bin`` files, re-checked just before, are unlinked;
+nothing is followed (files there are untrusted). Removing a file another
+engine is reading is safe: its open descriptor still reads the whole file;
+one that it has only looked up becomes a miss, recomputed.
+
+The scan runs in the tier's I/O thread after stores, amortized: a cached
+estimate (the last scan's size plus this engine's writes since) triggers
+it at the bound, or after an eighth of the bound written, so the bound
+holds within one eighth of it per engine sharing the directory."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import stat
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm_ascend.kv_offload.config import OffloadConfigError
+from vllm_ascend.kv_offload.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+        OffloadingConnectorStats,
+    )
+
+logger = init_logger(__name__)
+
+MAX_BYTES_KEY = "max_bytes"
+# Evict below the bound, so that one scan makes room for many stores.
+EVICT_TO = 0.9
+# A scan after this fraction of the bound written by this engine: the
+# estimate does not see other engines' writes.
+RESCAN_FRACTION = 8
+# The bound must hold this many block files (fewer would evict per store).
+MIN_FILES = 4
+LOCK_FILE = "evict.lock"
+BLOCK_SUFFIX = ".bin"
+
+EVICTED_BLOCKS = "vllm:kv_offload_tiering_fs_evicted_blocks"
+EVICTED_BYTES = "vllm:kv_offload_tiering_fs_evicted_bytes"
+TIER_BYTES = "vllm:kv_offload_tiering_fs_bytes"
+
+
+def check_budget_config(tier: Mapping[str, Any], where: str, is_fs: bool) -> None:
+    """``max_bytes`` of one ``secondary_tiers`` entry: a positive integer,
+    on an fs tier."""
+    if MAX_BYTES_KEY not in tier:
+        return
+    value = tier[MAX_BYTES_KEY]
+    if not is_fs:
+        raise OffloadConfigError(
+            f"{where}['{MAX_BYTES_KEY}'] bounds the fs tier only (this tier is "
+            f"{tier.get('type')!r}); remove it"
+        )
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise OffloadConfigError(
+            f"{where}['{MAX_BYTES_KEY}']={value!r} must be a positive integer "
+            f'number of bytes, e.g. "{MAX_BYTES_KEY}": {100 * 2**30} (100 GiB); '
+            "remove it for an unbounded tier"
+        )
+
+
+def budget_metric_definitions() -> dict[str, Any]:
+    from vllm.v1.kv_offload.base import (
+        OffloadingCounterMetadata,
+        OffloadingGaugeMetadata,
+    )
+
+    return {
+        EVICTED_BLOCKS: OffloadingCounterMetadata(
+            documentation=(
+                "Block files this engine removed from the fs tier to keep it "
+                "within max_bytes (least recently used first)."
+            ),
+        ),
+        EVICTED_BYTES: OffloadingCounterMetadata(
+            documentation="Bytes of the block files counted in " + EVICTED_BLOCKS + ".",
+        ),
+        TIER_BYTES: OffloadingGaugeMetadata(
+            documentation=(
+                "Bytes of block files in the fs tier directory at this "
+                "engine's last size scan (all engines' files)."
+            ),
+        ),
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    clock: int  # st_mtime_ns: written or last read
+    size: int
+    dirs: tuple[str, ...]  # under the root, each opened without following
+    name: str
+    ino: int
+    dev: int
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _open_dir(root: str, dirs: tuple[str, ...]) -> int:
+    """An fd of ``root/dirs...``, no component followed if a symlink."""
+    fd = os.open(root, _DIR_FLAGS)
+    try:
+        for part in dirs:
+            nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class FsTierBudget:
+    """Keeps the block files under ``root`` within ``max_bytes``."""
+
+    def __init__(self, root: str, max_bytes: int, file_bytes: int):
+        if max_bytes < MIN_FILES * file_bytes:
+            raise OffloadConfigError(
+                f"secondary_tiers fs '{MAX_BYTES_KEY}'={max_bytes} holds fewer "
+                f"than {MIN_FILES} block files of {file_bytes} bytes each; set "
+                f"it to at least {MIN_FILES * file_bytes} (a useful bound holds "
+                "many requests' prefixes)"
+            )
+        self.root = root
+        self.max_bytes = max_bytes
+        self.low_bytes = int(max_bytes * EVICT_TO)
+        self._rescan_bytes = max(file_bytes, max_bytes // RESCAN_FRACTION)
+        self._estimate: int | None = None  # unknown until the first scan
+        self._since_scan = 0
+        self._count_lock = threading.Lock()
+        self._scan_lock = threading.Lock()  # one scan per process at a time
+        self._evicted_blocks = 0
+        self._evicted_bytes = 0
+        self._last_size: int | None = None
+        self.total_evicted_blocks = 0
+
+    def note_stored(self, nbytes: int) -> None:
+        """After this engine wrote ``nbytes`` of block files (I/O thread):
+        scans when the estimate reaches the bound or is stale."""
+        with self._count_lock:
+            self._since_scan += nbytes
+            due = (
+                self._estimate is None
+                or self._estimate + self._since_scan >= self.max_bytes
+                or self._since_scan >= self._rescan_bytes
+            )
+        if due and self._scan_lock.acquire(blocking=False):
+            try:
+                self.scan()
+            finally:
+                self._scan_lock.release()
+
+    @staticmethod
+    def touch(path: str) -> None:
+        """A read is a use: the file becomes the most recently used."""
+        with contextlib.suppress(OSError):
+            os.utime(path, follow_symlinks=False)
+
+    def scan(self) -> None:
+        """Measures the directory and, above the bound, removes the least
+        recently used block files down to ``low_bytes``; skipped while
+        another engine scans (it makes the room)."""
+        lock_fd = self._lock()
+        if lock_fd is None:
+            with self._count_lock:
+                self._since_scan = 0
+            return
+        try:
+            entries = self._list_block_files()
+            total = sum(e.size for e in entries)
+            removed = removed_bytes = 0
+            if total >= self.max_bytes:
+                entries.sort(key=lambda e: e.clock)
+                for entry in entries:
+                    if total <= self.low_bytes:
+                        break
+                    gone = self._remove(entry)
+                    if gone is None:
+                        continue  # used again or replaced: kept
+                    total -= entry.size
+                    if gone:
+                        removed += 1
+                        removed_bytes += entry.size
+        finally:
+            os.close(lock_fd)  # releases the flock
+        with self._count_lock:
+            self._estimate, self._since_scan = total, 0
+            self._evicted_blocks += removed
+            self._evicted_bytes += removed_bytes
+            self._last_size = total
+            self.total_evicted_blocks += removed
+        if removed:
+            logger.info(
+                "KV offload: fs tier %s reached %s=%d; removed the %d least "
+                "recently used block files (%d bytes), %d bytes remain",
+                self.root,
+                MAX_BYTES_KEY,
+                self.max_bytes,
+                removed,
+                removed_bytes,
+                total,
+            )
+
+    def take_stats(self) -> OffloadingConnectorStats | None:
+        """Evictions since the last call, as vLLM's offloading metrics."""
+        with self._count_lock:
+            blocks, nbytes, size = (
+                self._evicted_blocks,
+                self._evicted_bytes,
+                self._last_size,
+            )
+            self._evicted_blocks = self._evicted_bytes = 0
+            self._last_size = None
+        if not blocks and size is None:
+            return None
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+            OffloadingConnectorStats,
+        )
+
+        stats = OffloadingConnectorStats()
+        stats.increase_counter(EVICTED_BLOCKS, blocks)
+        stats.increase_counter(EVICTED_BYTES, nbytes)
+        if size is not None:
+            stats.set_gauge(TIER_BYTES, size)
+        return stats
+
+    def _lock(self) -> int | None:
+        path = os.path.join(self.root, LOCK_FILE)
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+        try:
+            fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0), 0o644)
+        except OSError as e:
+            logger.warning(
+                "KV offload: fs tier lock file %s cannot be opened (%s); no "
+                "eviction this time. Fix: remove whatever is at that path",
+                path,
+                e,
+            )
+            return None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file")
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)  # another engine is scanning
+            return None
+        except OSError as e:
+            os.close(fd)
+            logger.warning(
+                "KV offload: fs tier lock file %s is unusable (%s); no eviction "
+                "this time. Fix: remove whatever is at that path",
+                path,
+                e,
+            )
+            return None
+        return fd
+
+    def _list_block_files(self) -> list[_Entry]:
+        """Regular ``*.bin`` files under the root, walked by directory fds:
+        symlinks are neither followed nor listed, temp files (in-flight
+        writes) are left out."""
+        out: list[_Entry] = []
+        stack: list[tuple[str, ...]] = [()]
+        while stack:
+            dirs = stack.pop()
+            try:
+                fd = _open_dir(self.root, dirs)
+            except OSError:
+                continue  # removed, replaced or unreadable meanwhile
+            try:
+                with os.scandir(fd) as it:
+                    for entry in it:
+                        try:
+                            st = entry.stat(follow_symlinks=False)
+                        except OSError:
+                            continue
+                        if stat.S_ISDIR(st.st_mode):
+                            stack.append((*dirs, entry.name))
+                        elif stat.S_ISREG(st.st_mode) and entry.name.endswith(
+                            BLOCK_SUFFIX
+                        ):
+                            out.append(
+                                _Entry(
+                                    st.st_mtime_ns,
+                                    st.st_size,
+                                    dirs,
+                                    entry.name,
+                                    st.st_ino,
+                                    st.st_dev,
+                                )
+                            )
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+        return out
+
+    def _remove(self, entry: _Entry) -> bool | None:
+        """True if removed, False if already gone (another evictor), None if
+        kept because it changed since the listing (read, or rewritten)."""
+        try:
+            fd = _open_dir(self.root, entry.dirs)
+        except FileNotFoundError:
+            return False
+        except OSError:
+            return None
+        try:
+            try:
+                st = os.stat(entry.name, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                return False
+            if (
+                not stat.S_ISREG(st.st_mode)
+                or (st.st_ino, st.st_dev) != (entry.ino, entry.dev)
+                or st.st_mtime_ns != entry.clock
+            ):
+                return None
+            os.unlink(entry.name, dir_fd=fd)
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            logger.warning(
+                "KV offload: fs tier file %s cannot be removed (%s); the tier "
+                "may stay above %s",
+                os.path.join(self.root, *entry.dirs, entry.name),
+                e,
+                MAX_BYTES_KEY,
+            )
+            return None
+        finally:
+            os.close(fd)
+        return True
