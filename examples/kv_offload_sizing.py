@@ -144,24 +144,17 @@ def _package_sizing():
     return importlib.import_module("vllm_ascend.kv_offload.sizing")
 
 
-def auto_num_cpu_blocks(
-    model: str, block_bytes: int, engine_bytes: int, available: int
-) -> int:
+def auto_num_cpu_blocks(block_bytes: int, engine_bytes: int, available: int) -> int:
     """The pool that ``--num-cpu-blocks auto`` asks for: AUTO_POOL_SHARE of
     the largest pool that the worker's host-memory guard would accept once
     the engine (weights, host KV cache, processes) is in. The one place this
-    is computed: with vllm_ascend.kv_offload.sizing (the doctor's
-    computation) where it is installed, else the same guard arithmetic."""
+    is decided: vllm_ascend.kv_offload.sizing.auto_num_cpu_blocks (the
+    doctor's computation) where it is installed, else the same arithmetic."""
     package = _package_sizing()
-    if package is not None:
-        fit = package.fit_host_memory(
-            package.size_model_dir(model),
-            reserved_bytes=engine_bytes,
-            available_bytes=available,
-        )
-        return int(fit.max_num_cpu_blocks * AUTO_POOL_SHARE)
+    if package is not None and hasattr(package, "auto_num_cpu_blocks"):
+        return int(package.auto_num_cpu_blocks(block_bytes, engine_bytes, available))
     left = max(0, available - engine_bytes) * MAX_HOST_MEMORY_FRACTION
-    return int(left // block_bytes * AUTO_POOL_SHARE)
+    return int(left * AUTO_POOL_SHARE) // block_bytes
 
 
 @dataclass
@@ -243,7 +236,7 @@ def plan(
                 f"--num-cpu-blocks auto needs a local model directory with a "
                 f"config.json ({model!r} has none): pass --num-cpu-blocks N"
             )
-        blocks = auto_num_cpu_blocks(model, block_bytes, engine_bytes, available)
+        blocks = auto_num_cpu_blocks(block_bytes, engine_bytes, available)
         if blocks < 1:
             raise SystemExit(
                 f"--num-cpu-blocks auto: no CPU block ({show(block_bytes)}) fits "
@@ -272,7 +265,7 @@ def plan(
         # The worker's guard: the pool within 90 % of what the engine leaves.
         limit = max(0, available - engine_bytes) * MAX_HOST_MEMORY_FRACTION
         if pool_bytes > limit:
-            fit = auto_num_cpu_blocks(model, block_bytes, engine_bytes, available)
+            fit = auto_num_cpu_blocks(block_bytes, engine_bytes, available)
             what = (
                 f"cpu_bytes_to_use={extra['cpu_bytes_to_use']}"
                 if "cpu_bytes_to_use" in extra

@@ -176,7 +176,9 @@ def inject_faults(worker: NPUOffloadingWorker, faults: FaultInjector | None) -> 
         plain_copy_job = worker._copy_job
 
         def _copy_job(kind: str, job_id: int, desc: Descriptors) -> CopyFn:
-            return _faulty(worker, kind, job_id, desc, plain_copy_job(kind, job_id, desc))
+            return _faulty(
+                worker, kind, job_id, desc, plain_copy_job(kind, job_id, desc)
+            )
 
         worker._copy_job = _copy_job  # type: ignore[method-assign]
     worker.faults = faults  # type: ignore[attr-defined]

@@ -210,8 +210,7 @@ int64_t host_alloc(int64_t size, std::string_view device) {
   TORCH_CHECK(device == "npu", "kv_offload_host_alloc: device '", device,
               "' is not supported; only 'npu' is implemented (cuda: mmap + "
               "vLLM's host_register; cpu: an anonymous mmap)");
-  TORCH_CHECK(size > 0, "kv_offload_host_alloc: size=", size,
-              " must be > 0");
+  TORCH_CHECK(size > 0, "kv_offload_host_alloc: size=", size, " must be > 0");
 #ifdef VLLM_ASCEND_WITH_NPU
   return static_cast<int64_t>(host_alloc_npu(static_cast<uint64_t>(size)));
 #else
@@ -280,8 +279,8 @@ void register_kv_offload_ops(torch::Library& m) {
   m.impl("kv_offload_host_free", c10::DispatchKey::CompositeExplicitAutograd,
          TORCH_FN(host_free));
   m.def("kv_offload_set_per_copy(str device, bool on) -> ()");
-  m.impl("kv_offload_set_per_copy",
-         c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(set_per_copy));
+  m.impl("kv_offload_set_per_copy", c10::DispatchKey::CompositeExplicitAutograd,
+         TORCH_FN(set_per_copy));
   m.def("kv_offload_backends() -> str[]");
   m.impl("kv_offload_backends", c10::DispatchKey::CompositeExplicitAutograd,
          TORCH_FN(compiled_backends));

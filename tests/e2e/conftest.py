@@ -43,7 +43,9 @@ PROMPTS_BY_DOC = [
 ALL_PROMPTS = [p for doc in PROMPTS_BY_DOC for p in doc]
 
 
-def run_scenario(tmp_path: Path, name: str, scenario: dict) -> dict:
+def run_scenario(
+    tmp_path: Path, name: str, scenario: dict, timeout_s: float = 600
+) -> dict:
     """Run ``scenario`` in its own process; return its JSON result."""
     spec_file = tmp_path / f"{name}.json"
     out_file = tmp_path / f"{name}.result.json"
@@ -60,7 +62,7 @@ def run_scenario(tmp_path: Path, name: str, scenario: dict) -> dict:
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=timeout_s,
     )
     # Everything the process printed (the error below keeps only the end).
     (tmp_path / f"{name}.log").write_text(proc.stdout + proc.stderr)

@@ -289,7 +289,8 @@ aclError aclrtMallocHost(void** hostPtr, size_t size) {
   }
   const size_t rounded = (size + 4095) / 4096 * 4096;
   void* p = std::aligned_alloc(4096, rounded);
-  if (p == nullptr) return error(s, ACL_ERROR_RT_MEMORY_ALLOCATION, "no memory");
+  if (p == nullptr)
+    return error(s, ACL_ERROR_RT_MEMORY_ALLOCATION, "no memory");
   const auto a = reinterpret_cast<uintptr_t>(p);
   Range r{a + size, aclrtMemLocation{0, ACL_MEM_LOCATION_TYPE_HOST}};
   r.malloc_host = true;

@@ -66,7 +66,6 @@ def test_guide_configuration_is_refused_where_it_cannot_fit(model, host):
     assert "num_cpu_blocks=1000" in message
     assert "13.67 GiB" in message
     fit = sizing.auto_num_cpu_blocks(
-        model,
         QWEN3_06B_BLOCK_BYTES,
         MiB + sizing.ENGINE_OVERHEAD_BYTES + 2 * 8192 * QWEN3_06B_BLOCK_BYTES // 128,
         18 * GiB,
@@ -129,3 +128,17 @@ def test_bad_values_name_the_flag(model, host):
 )
 def test_sizes_accept_binary_units(text, nbytes):
     assert sizing.parse_bytes(text) == nbytes
+
+
+def test_auto_is_the_packages_computation_where_installed(model, monkeypatch):
+    """The examples' auto and vllm_ascend.kv_offload.sizing agree: one
+    computation, not two."""
+    from vllm_ascend.kv_offload import sizing as package
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.setattr(sizing, "host_available_bytes", lambda: 18 * GiB)
+    assert sizing._package_sizing() is package
+    p = sizing.plan(model, num_cpu_blocks="auto")
+    assert p.extra_config["num_cpu_blocks"] == package.auto_num_cpu_blocks(
+        QWEN3_06B_BLOCK_BYTES, p.engine_bytes, 18 * GiB
+    )

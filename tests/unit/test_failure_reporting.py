@@ -37,6 +37,7 @@ from vllm_ascend.kv_offload.connector import AscendOffloadingConnectorMetadata
 from vllm_ascend.kv_offload.failures import (
     AscendOffloadingWorkerMetadata,
     FailureRouter,
+    SyncLoadQuarantine,
 )
 from vllm_ascend.kv_offload.manager import FailureAwareManager
 from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
@@ -325,3 +326,77 @@ def test_metadata_keeps_vllms_fields(monkeypatch):
     meta = c.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=3))
     assert meta.load_jobs is vllm_meta.load_jobs and not meta.idle_step
     assert isinstance(meta, AscendOffloadingConnectorMetadata)
+
+
+# -- sync loads: their device blocks out of reach until they succeeded ---------
+
+BLOCK = 16
+
+
+def request(req_id: str, *hashes: str) -> SimpleNamespace:
+    """A request of len(hashes) full blocks whose block hashes are ``hashes``."""
+    return SimpleNamespace(
+        request_id=req_id,
+        block_hashes=[h.encode() for h in hashes],
+        num_tokens=BLOCK * len(hashes),
+    )
+
+
+class RecordingKVCacheManager:
+    def __init__(self):
+        self.evicted: list[set[int]] = []
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        self.evicted.append(block_ids)
+
+
+def blocks(*ids: int) -> SimpleNamespace:
+    return SimpleNamespace(get_block_ids=lambda: (list(ids),))
+
+
+def sync_load(req_id: str, *block_ids: int) -> SimpleNamespace:
+    return SimpleNamespace(
+        req_id=req_id,
+        src_spec=CPULoadStoreSpec(list(block_ids)),
+        dst_spec=gpu(*block_ids),
+        sync=True,
+    )
+
+
+def quarantined_sync_load(q: SyncLoadQuarantine, loader) -> None:
+    """``loader`` hits its first block on the device and syncs-loads the two
+    after it into device blocks 11 and 12 (job 1), as vLLM schedules it."""
+    q.on_lookup(loader, BLOCK, (2 * BLOCK, False))
+    q.on_alloc(loader, blocks(10, 11, 12), 2 * BLOCK)
+
+
+def test_no_request_reaches_the_blocks_of_a_sync_load_in_flight():
+    q = SyncLoadQuarantine(BLOCK)
+    quarantined_sync_load(q, request("a", "d0", "d1", "d2"))
+    # Same step, before the metadata is built: prefixes through d1 wait ...
+    assert q.must_wait(request("b", "d0", "d1", "x2"))
+    # ... a prefix that shares only the block "a" did not load does not.
+    assert not q.must_wait(request("c", "d0", "y1"))
+    q.on_metadata(metadata(load_jobs={1: sync_load("a", 11, 12)}))
+    assert q.must_wait(request("b", "d0", "d1", "x2"))  # until it is reported
+    q.release(1, failed=False)
+    assert not q.must_wait(request("b", "d0", "d1", "x2"))
+
+
+def test_a_failed_sync_load_leaves_the_device_prefix_cache():
+    q = SyncLoadQuarantine(BLOCK)
+    manager = RecordingKVCacheManager()
+    q.bind(manager)
+    quarantined_sync_load(q, request("a", "d0", "d1", "d2"))
+    q.on_metadata(metadata(load_jobs={1: sync_load("a", 11, 12)}))
+    q.release(1, failed=True)
+    assert manager.evicted == [{11, 12}]  # not block 10, a good device hit
+    assert not q.must_wait(request("b", "d0", "d1"))
+
+
+def test_an_async_hit_is_not_quarantined():
+    q = SyncLoadQuarantine(BLOCK)
+    loader = request("a", "d0", "d1")
+    q.on_lookup(loader, 0, (2 * BLOCK, True))  # loaded before it is scheduled
+    q.on_alloc(loader, blocks(3, 4), 2 * BLOCK)
+    assert not q.must_wait(request("b", "d0", "d1"))

@@ -16,7 +16,6 @@ through its public hooks only (no vLLM method is copied here):
   ``failures.py`` (worker side: the failed load's device blocks or request;
   scheduler side: the manager told, and the device blocks of a sync load kept
   out of reach of other requests until it is known to have succeeded).
-
 * idle steps: while every request waits for its KV, vLLM steps its engine
   again as soon as a step returns, each step polling the transfers once. The
   scheduler side marks such steps (nothing scheduled) in the metadata, and the

@@ -274,7 +274,7 @@ def check_backends(report: Report) -> None:
     if ops.HAS_NATIVE_OP:
         summary = f"native op loaded, backends: {', '.join(backends) or 'none'}"
     else:
-        summary = f"no native op: {ops._fallback_reason}"
+        summary = f"no native op: {ops.fallback_reason()}"
     report.add(Check("backends", OK, summary, {"backends": backends}))
 
 
@@ -303,13 +303,13 @@ def choose_copy_path(device: str) -> tuple[str | None, str]:
     if ops.HAS_NATIVE_OP and device in backends:
         return f"native:{device}", f"the native op has the {device} backend"
     if device == "cpu":
-        why = ops._fallback_reason or "the native op lacks the cpu backend"
+        why = ops.fallback_reason() or "the native op lacks the cpu backend"
         return "python-fallback", f"the native op is not in use ({why})"
     missing = (
         f"the native op is built without the {device} backend (has "
         f"{', '.join(backends) or 'none'})"
         if ops.HAS_NATIVE_OP
-        else f"the native op is not in use ({ops._fallback_reason})"
+        else f"the native op is not in use ({ops.fallback_reason()})"
     )
     return None, (
         f"{missing}, and the Python fallback copies host memory only; rebuild "

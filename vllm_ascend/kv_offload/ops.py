@@ -34,6 +34,7 @@ __all__ = [
     "HAS_NATIVE_OP",
     "check_disjoint",
     "coalesce",
+    "fallback_reason",
     "fallback_swap_blocks_batch",
     "host_alloc",
     "host_free",
@@ -83,6 +84,11 @@ def _load_native() -> tuple[_SwapFn | None, tuple[str, ...], str | None]:
 
 _native_op, _native_backends, _fallback_reason = _load_native()
 HAS_NATIVE_OP: bool = _native_op is not None
+
+
+def fallback_reason() -> str | None:
+    """Why the native op is not in use (None when it is)."""
+    return _fallback_reason
 
 
 def native_backends() -> tuple[str, ...]:

@@ -100,13 +100,13 @@ class NPUOffloadingWorker(OffloadingWorker):
         """Before serving: the start-up self-check picks the copy path
         (``self_check.py``), or offloading is refused."""
         paths = candidate_paths(self.device.type, setting)
-        if self.device.type != "cpu" and not any(p.native for p in paths[:1]):
+        if self.device.type != "cpu" and not paths[0].native and setting != "torch":
             logger.warning(
-                "KV offload: %s on %s: the native copy op is not available "
-                "here (%s); copies use the torch path",
-                "copy_path='torch' is set" if setting == "torch" else "auto",
-                self.device,
-                ", ".join(ops.native_backends()) or "no native backend built",
+                "KV offload: the native copy op has no %s backend here (%s); "
+                "copies use the torch path",
+                self.device.type,
+                ops.fallback_reason()
+                or f"compiled backends: {', '.join(ops.native_backends())}",
             )
         result = run_self_check(
             self.device,

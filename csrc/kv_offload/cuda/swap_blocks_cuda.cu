@@ -449,10 +449,9 @@ at::Tensor swap_blocks_cuda(const std::vector<CopyRegion>& regions) {
   const bool host_side =
       src.type == cudaMemoryTypeHost || dst.type == cudaMemoryTypeHost;
   const bool small = total / regions.size() < kKernelMaxMeanBytes;
-  const bool use_kernel =
-      kernel_ok && !g_per_copy.load() &&
-      (method == Method::kKernel ||
-                    (method == Method::kAuto && small && host_side));
+  const bool use_kernel = kernel_ok && !g_per_copy.load() &&
+                          (method == Method::kKernel ||
+                           (method == Method::kAuto && small && host_side));
   if (use_kernel) {
     // Its region table lives in a staging slot guarded by an event.
     copy_with_kernel(regions, stream, device);
