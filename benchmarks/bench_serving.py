@@ -1048,7 +1048,17 @@ def main(argv: list[str] | None = None) -> None:
         f"{result['seconds']:.0f} s"
     )
     if args.plot_dir:
-        for path in plot(result, args.plot_dir):
+        try:
+            paths = plot(result, args.plot_dir)
+        except ImportError:
+            # A benchmark-only dependency: the figures are optional.
+            print(
+                "--plot-dir: matplotlib is not installed (pip install matplotlib); "
+                "no figures written, the JSON and the table above are complete",
+                file=sys.stderr,
+            )
+            paths = []
+        for path in paths:
             print(f"figure: {path}")
 
 
