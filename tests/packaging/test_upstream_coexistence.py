@@ -280,10 +280,18 @@ def _ours_ok(got: dict, *, editable_root: Path | None = None) -> None:
     assert got["ours"]["has_native_op"] is True
     assert got["ours"]["backends"] == ["cpu"]
     assert Path(got["ours"]["native"]).parent == npu.parent
-    (ours_ep,) = mine["entry_points"]
+    # One vLLM plugin (the connector) and one console script (the doctor).
+    plugin_eps = [e for e in mine["entry_points"] if e[0] == "vllm.general_plugins"]
+    (ours_ep,) = plugin_eps
     group, name, value = ours_ep
-    assert group == "vllm.general_plugins"
     assert got["groups"][group][name] == [value, None]
+    assert {tuple(e) for e in mine["entry_points"]} - {tuple(ours_ep)} == {
+        (
+            "console_scripts",
+            "vllm-ascend-kv-offload-doctor",
+            "vllm_ascend.kv_offload.doctor:main",
+        )
+    }
     # Only the subpackage: nothing of the namespace, nothing upstream owns
     # (an editable install: its .pth and finder module instead).
     allowed = ["vllm_ascend/kv_offload/", "vllm_ascend_kv_offload-"]
@@ -483,7 +491,8 @@ def test_guide_example_with_both_installed(venv, upstream_alone, tiny_model, tmp
     plugins, excluded = _vllm_plugins(venv)
     names = plugins.split(",")
     assert "ascend" not in names
-    ours_name = venv.probe(metadata_only=True)["dists"][OURS]["entry_points"][0][1]
+    ours_eps = venv.probe(metadata_only=True)["dists"][OURS]["entry_points"]
+    (ours_name,) = [e[1] for e in ours_eps if e[0] == "vllm.general_plugins"]
     assert ours_name in names
     print(f"VLLM_PLUGINS={plugins}; left out (need torch_npu): {sorted(excluded)}")
     env = _engine_env(venv, plugins, tiny_model)
