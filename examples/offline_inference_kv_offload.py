@@ -65,6 +65,7 @@ def time_to_first_token(llm, prompt: str) -> tuple[float, int, int]:
 # killing" lines and a leaked shared_memory warning. Waiting costs nothing
 # when they are quicker: shutdown returns as soon as they have exited.
 SHUTDOWN_TIMEOUT_S = 120.0
+WORKER_SHUTDOWN_TIMEOUT_S = "60"  # the engine core's wait, within the above
 
 
 def shutdown(llm) -> None:
@@ -141,6 +142,9 @@ def main() -> None:
             )
 
     pin_compute_threads()
+    os.environ.setdefault(
+        "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", WORKER_SHUTDOWN_TIMEOUT_S
+    )
 
     def sized(kv_cache_in_host: bool):
         try:
