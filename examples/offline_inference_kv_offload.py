@@ -57,13 +57,22 @@ def time_to_first_token(llm, prompt: str) -> tuple[float, int, int]:
     return elapsed, out.num_cached_tokens or 0, len(out.prompt_token_ids)
 
 
+# How long the engine's processes get to exit before vLLM SIGKILLs them.
+# vLLM's default is 5 s for the engine core, which itself first waits up to
+# 5 s (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS) for its worker: on a small busy
+# machine their teardown (garbage collection of the model and the engine,
+# offloading on or off alike) takes longer, so the default ends in "force
+# killing" lines and a leaked shared_memory warning. Waiting costs nothing
+# when they are quicker: shutdown returns as soon as they have exited.
+SHUTDOWN_TIMEOUT_S = 120.0
+WORKER_SHUTDOWN_TIMEOUT_S = "60"  # the engine core's wait, within the above
+
+
 def shutdown(llm) -> None:
-    """Shuts the engine down before the interpreter exits, so that its
-    processes and shared memory are released in order (no leaked
-    shared_memory warning). vLLM still force-kills the engine core when its
-    worker is slow to exit (5 s): seen here on a loaded machine, with a
-    longer timeout too, so its default is kept."""
-    llm.llm_engine.engine_core.shutdown()
+    """Shuts the engine down before the interpreter exits, and gives its
+    processes the time they need to exit on their own (above), so that
+    their shared memory is released in order."""
+    llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
 
 
 def pin_compute_threads() -> None:
@@ -133,6 +142,9 @@ def main() -> None:
             )
 
     pin_compute_threads()
+    os.environ.setdefault(
+        "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", WORKER_SHUTDOWN_TIMEOUT_S
+    )
 
     def sized(kv_cache_in_host: bool):
         try:

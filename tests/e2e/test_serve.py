@@ -16,179 +16,32 @@ once and records what each test checks.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
-import socket
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
-from pathlib import Path
 
-import psutil
 import pytest
 from openai import OpenAI
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.conftest import ALL_PROMPTS, PROMPTS_BY_DOC, REPO
+from tests.e2e.conftest import (
+    ALL_PROMPTS,
+    BLOCK_TOKENS,
+    PROMPTS_BY_DOC,
+    REQUEST_TIMEOUT_S,
+    START_TIMEOUT_S,
+    STOP_TIMEOUT_S,
+    Server,
+    complete,
+    cpu_block_bytes,
+)
 from tests.vllm_version import VLLM_VERSION
 from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model
 
 pytestmark = pytest.mark.e2e
 
-START_TIMEOUT_S = 300
-STOP_TIMEOUT_S = 60
-REQUEST_TIMEOUT_S = 120
-MAX_TOKENS = 16  # as the reference fixture
-BLOCK_TOKENS = 128  # the guide's block_size (= the device block size here)
 DOC_BLOCKS = 4  # each document is 512 tokens
-
-# Test-only flags; the offloading config is the example script's (the guide's).
-SERVE_FLAGS = [
-    "--dtype",
-    "float32",
-    "--enforce-eager",
-    # 10 device blocks hold one document's questions, not all three.
-    "--max-model-len",
-    "1024",
-    "--num-gpu-blocks-override",
-    "10",
-    # usage.prompt_tokens_details.cached_tokens in every response.
-    "--enable-prompt-tokens-details",
-]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def cpu_block_bytes(model_dir: str) -> int:
-    """K and V bytes of one 128-token block across all layers (fp32)."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    per_token = 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 4
-    return cfg["num_hidden_layers"] * BLOCK_TOKENS * per_token
-
-
-class Server:
-    """``examples/serve_kv_offload.sh`` as a subprocess on 127.0.0.1."""
-
-    def __init__(self, model: str, log_path: Path):
-        self.model = model
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        env = dict(os.environ)
-        # The script runs `python` and `vllm` from PATH: use this interpreter's.
-        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]])
-        env.update(
-            HOST="127.0.0.1",
-            PORT=str(self.port),
-            VLLM_SERVER_DEV_MODE="1",  # exposes POST /reset_prefix_cache
-        )
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        self._log = open(log_path, "wb")  # closed in stop()
-        self.proc = subprocess.Popen(
-            ["bash", str(REPO / "examples" / "serve_kv_offload.sh"), model]
-            + SERVE_FLAGS,
-            cwd=REPO,
-            env=env,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            # Its own session: a Ctrl-C on pytest does not hit it twice.
-            start_new_session=True,
-        )
-        self.children: list[psutil.Process] = []
-
-    def log_tail(self, chars: int = 6000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:]
-
-    def wait_ready(self) -> float:
-        start = time.monotonic()
-        while time.monotonic() - start < START_TIMEOUT_S:
-            if self.proc.poll() is not None:
-                raise AssertionError(
-                    f"server exited with {self.proc.returncode} during start-up:\n"
-                    f"{self.log_tail()}"
-                )
-            try:
-                with urllib.request.urlopen(self.base + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        # The script exec's the server: this pid is the API
-                        # server, its descendants the engine core and worker.
-                        parent = psutil.Process(self.proc.pid)
-                        self.children = parent.children(recursive=True)
-                        return time.monotonic() - start
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(1)
-        raise AssertionError(
-            f"server not healthy after {START_TIMEOUT_S} s:\n{self.log_tail()}"
-        )
-
-    def post(self, path: str) -> dict:
-        req = urllib.request.Request(self.base + path, data=b"", method="POST")
-        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
-            return json.loads(r.read())
-
-    def metrics(self) -> dict[str, float]:
-        """Every sample on /metrics, summed over labels except ``source``."""
-        with urllib.request.urlopen(self.base + "/metrics", timeout=30) as r:
-            text = r.read().decode()
-        totals: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                name = sample.name
-                if "source" in sample.labels:
-                    name += f"{{source={sample.labels['source']}}}"
-                totals[name] = totals.get(name, 0.0) + sample.value
-        return totals
-
-    def stop(self) -> dict:
-        """SIGINT, then wait; returns how the server and its children ended."""
-        result = {"returncode": self.proc.poll(), "stop_s": 0.0, "orphans": []}
-        if result["returncode"] is None:
-            start = time.monotonic()
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                result["returncode"] = self.proc.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                result["returncode"] = None
-            result["stop_s"] = time.monotonic() - start
-        # Children get a grace period to notice their parent is gone.
-        _, alive = psutil.wait_procs(self.children, timeout=15)
-        result["orphans"] = [p.pid for p in alive]
-        # Whatever is left was started by this test: end it by pid.
-        if result["returncode"] is None:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
-        for p in alive:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        self._log.close()
-        return result
-
-
-def complete(client: OpenAI, model: str, prompt: str) -> dict:
-    """A greedy completion; its token ids and prompt tokens served by a cache."""
-    resp = client.completions.create(
-        model=model,
-        prompt=prompt,
-        max_tokens=MAX_TOKENS,
-        temperature=0.0,
-        extra_body={"ignore_eos": True, "return_token_ids": True},
-    ).model_dump()
-    details = resp["usage"].get("prompt_tokens_details") or {}
-    return {
-        "token_ids": resp["choices"][0]["token_ids"],
-        "cached_tokens": details.get("cached_tokens") or 0,
-    }
 
 
 def wait_for_metric(server: Server, client, model: str, name: str, value: float):

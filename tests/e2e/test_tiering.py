@@ -24,6 +24,7 @@ from tests.e2e.conftest import (
     PROMPTS_BY_DOC,
     run_scenario,
     scenario_log,
+    tiering,
 )
 from vllm_ascend.kv_offload.tiering.block_file import HEADER_BYTES
 from vllm_ascend.kv_offload.tiering.region import region_path
@@ -33,24 +34,6 @@ pytestmark = pytest.mark.e2e
 PROMPTS = [questions[0] for questions in PROMPTS_BY_DOC]
 PREFIX_TOKENS = 512  # each prompt's document: 4 blocks of 128 tokens
 BLOCKS = 4 * len(PROMPTS)
-
-
-def tiering(root: str, write_threads: int = 2, **changes) -> dict:
-    return {
-        "num_cpu_blocks": 64,
-        "block_size": 128,
-        "spec_name": "NPUTieringOffloadingSpec",
-        "spec_module_path": "vllm_ascend.kv_offload.tiering",
-        "secondary_tiers": [
-            {
-                "type": "fs",
-                "root_dir": root,
-                "n_read_threads": 2,
-                "n_write_threads": write_threads,
-            }
-        ],
-        **changes,
-    }
 
 
 def run_engine(tmp, name: str, root: str, **extra) -> dict:

@@ -17,8 +17,7 @@ import threading
 
 import pytest
 
-from tests.e2e.conftest import ENGINE, run_scenario, token_ids
-from tests.e2e.test_tiering import tiering
+from tests.e2e.conftest import ENGINE, run_scenario, tiering, token_ids
 from vllm_ascend.kv_offload.testing.tiny_model import make_prompt
 from vllm_ascend.kv_offload.tiering.block_file import HEADER_BYTES
 from vllm_ascend.kv_offload.tiering.fs_budget import EVICTED_BLOCKS, TIER_BYTES

@@ -28,8 +28,10 @@ import pytest
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.conftest import ALL_PROMPTS, PROMPTS_BY_DOC, REPO
-from tests.e2e.test_serve import (
+from tests.e2e.conftest import (
+    ALL_PROMPTS,
+    PROMPTS_BY_DOC,
+    REPO,
     REQUEST_TIMEOUT_S,
     Server,
     complete,

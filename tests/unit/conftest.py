@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import uuid
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
@@ -147,3 +148,18 @@ def fs_tier_spec():
         )
 
     return make
+
+
+# The tiering spec's name and module (the tiering and fs budget tests).
+TIERING = {
+    "spec_name": "NPUTieringOffloadingSpec",
+    "spec_module_path": "vllm_ascend.kv_offload.tiering",
+}
+
+
+def payload(size: int = 2 * mmap.PAGESIZE, fill: int = 7) -> memoryview:
+    """``size`` bytes equal to ``fill`` in an anonymous mapping (page-aligned,
+    like a region row)."""
+    buf = mmap.mmap(-1, size)
+    buf[:] = bytes([fill]) * size
+    return memoryview(buf)

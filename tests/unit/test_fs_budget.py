@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.unit.test_tiering import TIERING, payload
+from tests.unit.conftest import TIERING, payload
 from vllm_ascend.kv_offload.config import OffloadConfigError
 from vllm_ascend.kv_offload.tiering import fs_budget
 from vllm_ascend.kv_offload.tiering.block_file import (

@@ -18,6 +18,7 @@ from vllm.v1.kv_offload.config import (
 )
 from vllm.v1.kv_offload.file_mapper import FileMapper
 
+from tests.unit.conftest import TIERING, payload
 from tests.unit.kv_helpers import make_config
 from tests.vllm_version import VLLM_VERSION
 from vllm_ascend.kv_offload.config import OffloadConfigError, check_keys
@@ -107,12 +108,6 @@ def test_model_config_is_part_of_the_identity(tmp_path):
 IDENTITY = bytes(range(32))
 KEY = make_offload_key(b"\x01" * 32, 0)
 KEY_ID = key_digest(KEY)
-
-
-def payload(size: int = 2 * mmap.PAGESIZE, fill: int = 7) -> memoryview:
-    buf = mmap.mmap(-1, size)
-    buf[:] = bytes([fill]) * size
-    return memoryview(buf)
 
 
 def test_a_written_block_reads_back(tmp_path):
@@ -223,11 +218,6 @@ def test_region_pool_addresses_this_ranks_slot_of_each_row(shared_region):
 
 
 # -- configuration ------------------------------------------------------------
-
-TIERING = {
-    "spec_name": "NPUTieringOffloadingSpec",
-    "spec_module_path": "vllm_ascend.kv_offload.tiering",
-}
 
 
 @pytest.mark.parametrize(
