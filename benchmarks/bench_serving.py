@@ -35,7 +35,12 @@ twice (greedy; the device prefix cache emptied between, so the second pass
 reads the CPU pool) and their token ids compared across servers.
 ``VLLM_CPU_NUM_OF_RESERVED_CPU`` is left to vLLM and our plugin unless
 ``--reserved-cpus`` sets it (0 is what vLLM did on 2 cores before the
-plugin's fix).
+plugin's fix). ``--unpatched`` adds a third server per round, offloading on
+with ``VLLM_CPU_NUM_OF_RESERVED_CPU=2``: what vLLM asks for with a KV
+connector and one rank, which our plugin leaves alone when set explicitly,
+so that server runs as before the plugin's correction (the "before" of
+docs/serving_benchmark.md's busy-host section). Each server's OpenMP binding
+is read from its log (vLLM's "OpenMP thread binding info").
 """
 
 from __future__ import annotations
@@ -221,6 +226,35 @@ def check_goals(results: list[dict]) -> list[dict]:
     return rows
 
 
+# The server variants of a round: offloading off, on (vLLM's reservation as
+# our plugin corrects it), and on with vLLM's own reservation (--unpatched).
+UNPATCHED = "on_unpatched"
+RATIO_FIELD = {"on": "ratios", UNPATCHED: "ratios_unpatched"}
+# VLLM_CPU_NUM_OF_RESERVED_CPU of the --unpatched server: what vLLM reserves
+# for one rank with a KV connector (cpu_threads.RESERVED_WITH_CONNECTOR).
+UNPATCHED_RESERVED_CPUS = 2
+
+
+def record_variant(rec: dict) -> str:
+    return rec.get("variant") or ("on" if rec["offload"] else "off")
+
+
+def parse_omp_binding(log_text: str) -> dict | None:
+    """Rank 0's OpenMP cores and the reserved cores from vLLM's "OpenMP thread
+    binding info" log lines (``OMPProcessManager``), or None if absent."""
+    import re
+
+    cores = re.search(r"local_rank=0, core ids=\[([0-9, ]*)\]", log_text)
+    reserved = re.search(r"reserved_cpus=\[([0-9, ]*)\]", log_text)
+    if cores is None or reserved is None:
+        return None
+
+    def ids(m):
+        return [int(x) for x in m.group(1).replace(" ", "").split(",") if x]
+
+    return {"omp_cores": ids(cores), "reserved_cpus": ids(reserved)}
+
+
 def pair_rounds(records: list[dict]) -> list[dict]:
     """Joins off and on records of the same round and workload; adds ratios."""
     by_key: dict[tuple, dict] = {}
@@ -229,12 +263,16 @@ def pair_rounds(records: list[dict]) -> list[dict]:
         by_key.setdefault(key, {"round": rec["round"], "workload": rec["workload"]})
         by_key[key]["kind"] = rec["kind"]
         by_key[key]["concurrency"] = rec["concurrency"]
-        by_key[key]["on" if rec["offload"] else "off"] = rec
+        by_key[key][record_variant(rec)] = rec
     pairs = []
     for key in sorted(by_key):
         p = by_key[key]
-        if "on" in p and "off" in p:
-            p["ratios"] = ratios(p["off"]["bench"], p["on"]["bench"])
+        if "off" in p:
+            for variant in ("on", UNPATCHED):
+                if variant in p:
+                    p[RATIO_FIELD[variant]] = ratios(
+                        p["off"]["bench"], p[variant]["bench"]
+                    )
         pairs.append(p)
     return pairs
 
@@ -380,7 +418,15 @@ def offload_config(cpu_blocks: int) -> str:
 
 
 class Server:
-    def __init__(self, args, model: str, sizes: Sizes, offload: bool, log: Path):
+    def __init__(
+        self,
+        args,
+        model: str,
+        sizes: Sizes,
+        offload: bool,
+        log: Path,
+        reserved_cpus: int | None = None,
+    ):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         cmd = [
@@ -412,8 +458,10 @@ class Server:
         env = dict(os.environ)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         env["VLLM_SERVER_DEV_MODE"] = "1"  # POST /reset_prefix_cache
-        if args.reserved_cpus is not None:
-            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(args.reserved_cpus)
+        if reserved_cpus is None:
+            reserved_cpus = args.reserved_cpus
+        if reserved_cpus is not None:
+            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(reserved_cpus)
         self.log_path = log
         self._log = open(log, "wb")
         self.proc = subprocess.Popen(
@@ -771,21 +819,35 @@ def run(args) -> dict:
         flush=True,
     )
     t_start = time.perf_counter()
+    variants = ["off", "on"] + ([UNPATCHED] if args.unpatched else [])
     for rnd in range(args.rounds):
-        order = [False, True] if rnd % 2 == 0 else [True, False]
-        for offload in order:
-            tag = f"r{rnd}-{'on' if offload else 'off'}"
+        order = variants if rnd % 2 == 0 else variants[::-1]
+        for variant in order:
+            offload = variant != "off"
+            tag = f"r{rnd}-{variant}"
             tmp = log_dir / tag
             tmp.mkdir(exist_ok=True)
-            server = Server(args, model, sizes, offload, log_dir / f"server-{tag}.log")
-            info = {"round": rnd, "offload": offload}
+            server = Server(
+                args,
+                model,
+                sizes,
+                offload,
+                log_dir / f"server-{tag}.log",
+                UNPATCHED_RESERVED_CPUS if variant == UNPATCHED else None,
+            )
+            info = {"round": rnd, "offload": offload, "variant": variant}
             try:
                 info["start_s"] = server.wait_ready()
+                info["omp_binding"] = parse_omp_binding(
+                    server.log_path.read_text(errors="replace")
+                )
+                print(f"[{tag}] OpenMP binding {info['omp_binding']}", flush=True)
                 for w in plan:
                     rec = run_workload(server, model, w, args, args.seed + rnd, tmp)
                     rec.update(
                         round=rnd,
                         offload=offload,
+                        variant=variant,
                         workload=w.name,
                         kind=w.kind,
                         concurrency=w.concurrency,
@@ -846,17 +908,22 @@ def report_markdown(result: dict) -> str:
         "| load avg (1 min, max) |",
         "|---" * 14 + "|",
     ]
-    for p in result["pairs"]:
-        if "on" not in p or "off" not in p:
-            continue
-        off, on, r = p["off"], p["on"], p["ratios"]
+    rows = [
+        (p, variant)
+        for variant in ("on", UNPATCHED)
+        for p in result["pairs"]
+        if variant in p and "off" in p
+    ]
+    for p, variant in rows:
+        off, on, r = p["off"], p[variant], p[RATIO_FIELD[variant]]
         b0, b1 = off["bench"], on["bench"]
+        label = p["workload"] + (" (vLLM's reservation)" if variant != "on" else "")
 
         def cell(key, fmt="{:.0f}", b0=b0, b1=b1, r=r):
             return f"{fmt.format(b0[key])} → {fmt.format(b1[key])} ({r[key]:.2f})"
 
         lines.append(
-            f"| {p['round']} | {p['workload']} | {p['concurrency']} "
+            f"| {p['round']} | {label} | {p['concurrency']} "
             f"| {cell('req_per_s', '{:.2f}')} | {cell('ttft_median_ms')} "
             f"| {cell('ttft_p99_ms')} | {cell('ttft_max_ms')} "
             f"| {cell('tpot_mean_ms', '{:.1f}')} "
@@ -892,7 +959,11 @@ def plot(result: dict, out_dir: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    recs = [r for r in result["records"] if r["kind"] == "prefix_repetition"]
+    recs = [
+        r
+        for r in result["records"]
+        if r["kind"] == "prefix_repetition" and record_variant(r) != UNPATCHED
+    ]
     conc = sorted({r["concurrency"] for r in recs})
 
     def series(offload: bool, key: str):
@@ -999,6 +1070,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="VLLM_CPU_NUM_OF_RESERVED_CPU for both servers "
         "(default: unset, i.e. vLLM's choice as our plugin corrects it)",
+    )
+    p.add_argument(
+        "--unpatched",
+        action="store_true",
+        help="also run, each round, offloading on with "
+        f"VLLM_CPU_NUM_OF_RESERVED_CPU={UNPATCHED_RESERVED_CPUS} (vLLM's "
+        "reservation with a connector, before our plugin's correction)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="a smoke run")

@@ -114,6 +114,33 @@ def test_a_round_without_its_other_half_gets_no_ratio():
     assert "ratios" not in pair
 
 
+def test_the_unpatched_server_is_compared_with_off_apart_from_the_goals():
+    unpatched = record(0, True, request_throughput=1.0)
+    unpatched["variant"] = bs.UNPATCHED
+    recs = [record(0, False), record(0, True, request_throughput=4.0), unpatched]
+    (pair,) = bs.pair_rounds(recs)
+    assert pair["ratios"]["req_per_s"] == 2.0
+    assert pair["ratios_unpatched"]["req_per_s"] == 0.5
+    (goal,) = [
+        g for g in bs.check_goals([pair]) if g["ratio"] == "req_per_s"
+    ]  # the goals judge the shipped configuration only
+    assert goal["measured"] == [2.0]
+    for rec in recs:  # what run_workload adds beside the client's figures
+        rec.update(counters=dict.fromkeys(bs.COUNTERS, 0.0), rss_gib=1.0, loadavg_1m=[])
+    table = bs.report_markdown({"pairs": [pair], "goals": [], "greedy_differing": 0})
+    assert "(vLLM's reservation)" in table
+
+
+def test_the_openmp_binding_is_read_from_vllms_server_log():
+    log = (
+        "(EngineCore pid=1) INFO [ompmultiprocessing.py:185] OpenMP thread "
+        "binding info: \n\tlocal_world_size=1, reserve_cpu_num=2\n"
+        "\tlocal_rank=0, core ids=[0, 1]\n\treserved_cpus=[]\n"
+    )
+    assert bs.parse_omp_binding(log) == {"omp_cores": [0, 1], "reserved_cpus": []}
+    assert bs.parse_omp_binding("no binding logged") is None
+
+
 def test_multi_turn_requests_are_summarized_like_bench_serve():
     outs = [
         {"success": True, "ttft": 0.1, "latency": 1.1, "output_tokens": 11},

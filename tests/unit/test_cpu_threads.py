@@ -103,3 +103,62 @@ def test_vllm_binds_one_core_and_keeps_one_for_the_scheduler_with_a_connector():
     # One OpenMP core for the worker, one kept for the scheduler (before the
     # fix: both cores to OpenMP, none reserved).
     assert binding == {"omp_cpus": [[cpus[0]]], "reserved": [cpus[1]]}, out.stderr
+
+
+# --- Copy threads off vLLM's OpenMP cores -----------------------------------
+# vLLM pins its worker's main thread to the first OpenMP core before our code
+# runs; threads inherit that, so without a rule all our copy threads would
+# share the core the OpenMP master thread spins on.
+
+
+@pytest.mark.parametrize(
+    ("allowed", "omp", "expected"),
+    [
+        ({0, 1}, {0}, {1}),  # VLLM_CPU_NUM_OF_RESERVED_CPU=1: the reserved core
+        ({0, 1, 2, 3}, {0, 1}, {2, 3}),
+        ({0, 1}, {0, 1}, {0, 1}),  # no core left free: anywhere, not OMP's first
+        ({0, 1}, None, None),  # no binding (nobind, other backends): inherited
+    ],
+)
+def test_copy_threads_go_to_the_cores_outside_the_openmp_binding(
+    allowed, omp, expected
+):
+    assert cpu_threads.copy_thread_cpus(allowed, omp) == expected
+
+
+@pytest.mark.parametrize(
+    "environ",
+    [
+        {"GOMP_CPU_AFFINITY": "0 1 2"},  # vLLM's formats, per OpenMP runtime
+        {"OMP_PLACES": "{0,1,2}", "OMP_PROC_BIND": "true"},
+        {"KMP_AFFINITY": "granularity=fine,explicit,proclist=[0,1,2]"},
+        {"GOMP_CPU_AFFINITY": "0-2"},
+    ],
+)
+def test_the_openmp_binding_is_read_from_the_variables_vllm_sets(environ):
+    assert cpu_threads.omp_cores_from_env(environ) == {0, 1, 2}
+
+
+@pytest.mark.parametrize("environ", [{}, {"OMP_PLACES": "cores"}])
+def test_no_binding_in_vllms_format_means_none(environ):
+    assert cpu_threads.omp_cores_from_env(environ) is None
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs two CPUs this process may use",
+)
+def test_a_thread_queue_copy_runs_outside_the_openmp_binding(monkeypatch):
+    from vllm_ascend.kv_offload.transfer_queue import ThreadTransferQueue
+
+    first, *rest = sorted(os.sched_getaffinity(0))
+    monkeypatch.setenv("GOMP_CPU_AFFINITY", str(first))  # OpenMP on `first`
+    monkeypatch.delenv("OMP_PLACES", raising=False)
+    seen = []
+    q = ThreadTransferQueue("affinity-test")
+    try:
+        q.submit(1, lambda: seen.append(os.sched_getaffinity(0)))
+        q.wait({1})
+    finally:
+        q.shutdown()
+    assert seen == [set(rest)]

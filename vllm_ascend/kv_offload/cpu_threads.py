@@ -115,3 +115,81 @@ def apply(
             RESERVED_CPU_ENV,
         )
     return value
+
+
+# --------------------------------------------------------------------------
+# Where our copy threads run
+# --------------------------------------------------------------------------
+#
+# vLLM binds its worker's OpenMP threads through the environment it spawns the
+# worker with (``OMPProcessManager.configure_omp_envs``): GOMP_CPU_AFFINITY
+# (libgomp preloaded, as vLLM's CPU wheel does), OMP_PLACES, or KMP_AFFINITY's
+# proclist. The OpenMP runtime pins the worker's main thread to the first of
+# those cores when it loads, before any of our code runs, and a thread
+# inherits its creator's affinity: our copy threads, started by the main
+# thread, would all share that one core with the OpenMP master thread, which
+# spins on it between and during forward passes. ``copy_thread_cpus`` moves
+# them to the cores vLLM left out of the binding (the reserved core, with
+# VLLM_CPU_NUM_OF_RESERVED_CPU=1 on two cores), or, where it left none, to all
+# the process's cores so the kernel can run a copy wherever compute is not.
+
+OMP_BINDING_ENVS = ("GOMP_CPU_AFFINITY", "OMP_PLACES", "KMP_AFFINITY")
+
+
+def omp_cores_from_env(environ: MutableMapping[str, str]) -> set[int] | None:
+    """The cores of vLLM's OpenMP binding, from the variables vLLM sets for
+    its worker; None where there is none (or it is not in vLLM's format)."""
+    from vllm.utils.cpu_resource_utils import parse_id_list
+
+    raw = None
+    if gomp := environ.get("GOMP_CPU_AFFINITY"):
+        raw = ",".join(gomp.split())  # vLLM writes "0 1 2"
+    elif places := environ.get("OMP_PLACES"):
+        raw = places.strip().removeprefix("{").removesuffix("}")  # "{0,1,2}"
+    elif (kmp := environ.get("KMP_AFFINITY")) and "proclist=[" in kmp:
+        raw = kmp.split("proclist=[", 1)[1].split("]", 1)[0]  # "...proclist=[0,1]"
+    if not raw:
+        return None
+    try:
+        return set(parse_id_list(raw))
+    except ValueError:
+        return None
+
+
+def copy_thread_cpus(allowed: set[int], omp_cores: set[int] | None) -> set[int] | None:
+    """The CPUs for a copy thread: the process's CPUs outside vLLM's OpenMP
+    binding, or all of them if the binding takes every one; None (keep what
+    the thread inherited) where there is no binding. Pure, for tests."""
+    if not omp_cores or not allowed:
+        return None
+    return (allowed - omp_cores) or set(allowed)
+
+
+def process_cpus() -> set[int]:
+    """The CPUs this process may use before the OpenMP runtime pinned its main
+    thread: those of the process that spawned it (vLLM's engine core starts
+    its workers; the binding is applied to the child only), or
+    this thread's own where the parent's cannot be read."""
+    try:
+        return os.sched_getaffinity(os.getppid())
+    except OSError:
+        return os.sched_getaffinity(0)
+
+
+def pin_copy_thread(environ: MutableMapping[str, str] | None = None) -> set[int] | None:
+    """Moves the calling thread (a copy thread) off vLLM's OpenMP cores (see
+    above); returns the CPUs set, or None if it left the thread as it was."""
+    environ = os.environ if environ is None else environ
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    try:
+        cpus = copy_thread_cpus(process_cpus(), omp_cores_from_env(environ))
+        if cpus is None or cpus == os.sched_getaffinity(0):
+            return None
+        os.sched_setaffinity(0, cpus)  # 0: the calling thread on Linux
+    except (OSError, ValueError) as e:
+        # Only where copies run, never whether they are right: go on as is.
+        logger.warning("KV offload: copy thread keeps its CPUs (%s)", e)
+        return None
+    logger.debug("KV offload: copy thread on CPUs %s", sorted(cpus))
+    return cpus

@@ -18,6 +18,8 @@ and reports each finished job with its duration.
   enqueued copies may still read.
 * ``ThreadTransferQueue`` (``cpu``, vLLM's CPU backend): a background thread.
   The copy op releases the GIL, so copies overlap the model's forward pass.
+  The thread runs off vLLM's OpenMP cores where vLLM left any free
+  (``cpu_threads.pin_copy_thread``; issue 18).
 
 ``wait_any`` lets the worker block, briefly, while jobs are in flight and the
 engine has nothing else to do: on the CPU backend an engine loop that polls
@@ -47,6 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_ascend.kv_offload import cpu_threads
 from vllm_ascend.kv_offload.logger import init_logger
 
 logger = init_logger(__name__)
@@ -215,6 +218,9 @@ class ThreadTransferQueue(TransferQueue):
 
     def _run(self) -> None:
         try:
+            # Off the core vLLM's OpenMP master thread spins on, which this
+            # thread would otherwise inherit from the worker's main thread.
+            cpu_threads.pin_copy_thread()
             while (item := self._todo.get()) is not self._STOP:
                 job_id, copy = item
                 start = time.perf_counter()
