@@ -45,6 +45,10 @@ pytestmark = pytest.mark.e2e
 
 BURST = 24  # concurrent streams: a third each finish, drop early, drop mid-way
 BURST_TOKENS = 32
+# A dropped client's request is long: it must still be running when the
+# disconnect reaches the engine (32 tokens of this model can be done before
+# the server notices a client that left after 0.3 s on an idle machine).
+DROP_TOKENS = 256
 # Generous: a thread or an fd per in-flight request would exceed it.
 FD_SLACK = 16
 THREAD_SLACK = 8
@@ -154,7 +158,7 @@ def stream(base: str, model: str, prompt: str, how: str, seed: int) -> dict:
     body = {
         "model": model,
         "prompt": prompt,
-        "max_tokens": BURST_TOKENS,
+        "max_tokens": BURST_TOKENS if how == "finish" else DROP_TOKENS,
         "temperature": 0.0,
         "ignore_eos": True,
         "stream": True,

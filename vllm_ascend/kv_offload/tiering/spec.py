@@ -78,7 +78,7 @@ class NPUTieringWorker(NPUOffloadingWorker):
         if self._closed:
             return
         super().shutdown()
-        if self.pool.tensor is None:  # copies stopped, the pool let go
+        if self.pool.released:  # copies stopped, the pool let go
             close_region(self.region, self.registration)
         else:
             logger.warning(
