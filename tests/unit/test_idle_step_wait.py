@@ -38,7 +38,7 @@ def test_wait_any_returns_false_at_once_when_nothing_is_in_flight():
     q = ThreadTransferQueue("test")
     start = time.perf_counter()
     assert q.wait_any(1.0) is False
-    assert time.perf_counter() - start < 0.1
+    assert time.perf_counter() - start < 0.5  # not the 1 s timeout
     q.shutdown()
 
 
@@ -72,7 +72,7 @@ def test_wait_any_returns_at_once_when_a_finished_job_awaits_polling():
     q.wait({1})
     start = time.perf_counter()
     assert q.wait_any(1.0) is True
-    assert time.perf_counter() - start < 0.1
+    assert time.perf_counter() - start < 0.5  # not the 1 s timeout
     q.shutdown()
 
 
@@ -101,7 +101,7 @@ def test_worker_with_nothing_in_flight_does_not_wait():
     assert [r.job_id for r in worker.get_finished()] == [1]
     start = time.perf_counter()
     worker.wait_for_progress(1.0)
-    assert time.perf_counter() - start < 0.1
+    assert time.perf_counter() - start < 0.5  # not the 1 s timeout
     worker.shutdown()
 
 

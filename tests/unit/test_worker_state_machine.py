@@ -276,7 +276,9 @@ def test_queue_shutdown_drops_queued_jobs_and_returns_promptly():
     time.sleep(0.05)
     start = time.perf_counter()
     assert q.shutdown()
-    assert time.perf_counter() - start < 1.0  # at most the job in progress
+    # At most the job in progress (0.2 s), not the 4 s queued; generous
+    # for a busy 2-core machine.
+    assert time.perf_counter() - start < 2.0
     done = q.poll()
     assert sorted(j.job_id for j in done) == list(range(20))
     assert sum(j.success for j in done) <= 2  # the rest were dropped, failed
