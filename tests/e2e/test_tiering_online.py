@@ -37,6 +37,7 @@ from tests.e2e.conftest import (
     complete,
     cpu_block_bytes,
     free_port,
+    tiering,
 )
 from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model
 from vllm_ascend.kv_offload.tiering.block_file import HEADER_BYTES
@@ -59,27 +60,15 @@ ACTIVE_GAUGES = (
 
 
 def tiering_config(root: str, file_bytes: int) -> dict:
+    # 8 CPU blocks: two documents of the three; the third comes from the fs
+    # tier, bounded to 64 files.
+    extra = tiering(root, num_cpu_blocks=8)
+    extra["secondary_tiers"][0]["max_bytes"] = 64 * file_bytes
     return {
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            # 8 CPU blocks: two documents of the three; the third comes
-            # from the fs tier.
-            "num_cpu_blocks": 8,
-            "block_size": 128,
-            "spec_name": "NPUTieringOffloadingSpec",
-            "spec_module_path": "vllm_ascend.kv_offload.tiering",
-            "secondary_tiers": [
-                {
-                    "type": "fs",
-                    "root_dir": root,
-                    "n_read_threads": 2,
-                    "n_write_threads": 2,
-                    "max_bytes": 64 * file_bytes,
-                }
-            ],
-        },
+        "kv_connector_extra_config": extra,
     }
 
 
