@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import mmap
+import os
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
@@ -38,6 +40,30 @@ def shared_region() -> Iterator[Callable[..., SharedOffloadRegion]]:
     yield open_one
     for region in opened:
         region.cleanup()
+
+
+# Lists of paths being recorded by ``opened_paths`` fixtures (audit hooks
+# cannot be removed, so one hook feeds whichever test is recording).
+_RECORDING: list[list[str]] = []
+_HOOKED: list[bool] = []
+
+
+def _record_open(event: str, args: tuple) -> None:
+    if event == "open" and _RECORDING and isinstance(args[0], str | bytes):
+        _RECORDING[-1].append(os.fsdecode(args[0]))
+
+
+@pytest.fixture
+def opened_paths() -> Iterator[list[str]]:
+    """The paths this test opens, by builtins.open or os.open, in order
+    (Python's "open" audit event)."""
+    if not _HOOKED:
+        sys.addaudithook(_record_open)
+        _HOOKED.append(True)
+    paths: list[str] = []
+    _RECORDING.append(paths)
+    yield paths
+    _RECORDING.remove(paths)
 
 
 # A small model's KV cache: layers of 2 KV heads of 32 fp32 values, blocks of

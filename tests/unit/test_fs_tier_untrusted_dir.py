@@ -24,6 +24,7 @@ from vllm.v1.kv_offload.tiering.base import TransferJob
 
 from vllm_ascend.kv_offload.config import OffloadConfigError, check_keys
 from vllm_ascend.kv_offload.plugin import names_our_spec
+from vllm_ascend.kv_offload.tiering.auth_key import read_auth_key
 from vllm_ascend.kv_offload.tiering.block_file import (
     _HEADER,
     HEADER_BYTES,
@@ -35,11 +36,7 @@ from vllm_ascend.kv_offload.tiering.block_file import (
     temp_name,
     write_block,
 )
-from vllm_ascend.kv_offload.tiering.fs import (
-    VerifiedFileSystemTier,
-    read_auth_key,
-    tier_dir_usable,
-)
+from vllm_ascend.kv_offload.tiering.fs import VerifiedFileSystemTier, tier_dir_usable
 from vllm_ascend.kv_offload.tiering.spec import (
     NPUTieringOffloadingSpec,
     check_tiering_config,
@@ -47,7 +44,7 @@ from vllm_ascend.kv_offload.tiering.spec import (
 
 IDENTITY = bytes(range(32))
 KEY = key_digest(make_offload_key(b"\x01" * 32, 0))
-AUTH_KEY = b"0123456789abcdef0123456789abcdef"
+AUTH_KEY = b"Xq7cN2vLp9sD4kHw8tRb1mZe6yGu3aJf0oQi5nVx="  # openssl rand -base64 32
 # Long enough that anything still blocked is stuck, not slow (2 loaded cores).
 STUCK_S = 30.0
 

@@ -8,11 +8,8 @@ used is dropped at start (CPU tier only)."""
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import hmac
 import json
 import os
-import stat
 import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -31,6 +28,11 @@ from vllm_ascend.kv_offload.config import (
     OffloadConfigError,
 )
 from vllm_ascend.kv_offload.logger import init_logger
+from vllm_ascend.kv_offload.tiering.auth_key import (
+    AUTH_KEY_FILE,
+    key_id,
+    read_auth_key,
+)
 from vllm_ascend.kv_offload.tiering.block_file import (
     HEADER_BYTES,
     BadEntryError,
@@ -62,60 +64,17 @@ logger = init_logger(__name__)
 
 # Our fs tier, registered under this type; a config's "fs" tiers become it.
 VERIFIED_FS_TYPE = "ascend_fs"
-# The tier key naming the file that holds the deployment key (never the key).
-AUTH_KEY_FILE = "auth_key_file"
-MIN_AUTH_KEY_BYTES = 16
-
-
-def read_auth_key(key_file: Any, setting: str) -> bytes:
-    """The deployment key in ``key_file``; refuses a file that is missing,
-    not a regular file, accessible to every user, or too short. Messages
-    name ``setting`` and the file, never the key."""
-    fix = (
-        "Fix: a file only the engine's user can read, e.g. "
-        "'head -c 32 /dev/urandom | base64 > FILE; chmod 600 FILE'"
-    )
-    if not isinstance(key_file, str) or not key_file:
-        raise OffloadConfigError(
-            f"{setting}={key_file!r} must be the path of a file holding the "
-            f"deployment key (not the key itself). {fix}"
-        )
-    try:
-        st = os.stat(key_file)
-        if not stat.S_ISREG(st.st_mode):
-            raise OffloadConfigError(
-                f"{setting}={key_file!r} is not a regular file. {fix}"
-            )
-        if st.st_mode & 0o007:
-            raise OffloadConfigError(
-                f"{setting}={key_file!r} is accessible to every user (mode "
-                f"{stat.S_IMODE(st.st_mode):#o}), so anyone here could forge "
-                f"block files. {fix}"
-            )
-        with open(key_file, "rb") as f:
-            key = f.read().strip()
-    except OSError as e:
-        raise OffloadConfigError(
-            f"{setting}={key_file!r} cannot be read ({e.strerror}). {fix}"
-        ) from e
-    if len(key) < MIN_AUTH_KEY_BYTES:
-        raise OffloadConfigError(
-            f"{setting}={key_file!r} holds {len(key)} bytes; the key needs at "
-            f"least {MIN_AUTH_KEY_BYTES}. {fix}"
-        )
-    return key
 
 
 def tier_identity(
     identity: Mapping[str, Any], auth_key: bytes | None
 ) -> dict[str, Any]:
-    """The identity of a tier's files: keyed tiers by key (an id derived
-    from it, not the key), so deployments with different keys do not
-    remove each other's files as forgeries."""
+    """The identity of a tier's files: keyed tiers by key (a slow, salted
+    id derived from it, not the key: ``auth_key.key_id``), so deployments
+    with different keys do not remove each other's files as forgeries."""
     if auth_key is None:
         return dict(identity)
-    key_id = hmac.new(auth_key, b"vllm-ascend-kv-offload key id", hashlib.sha256)
-    return {**identity, "auth_key_id": key_id.hexdigest()[:16]}
+    return {**identity, "auth_key_id": key_id(auth_key, identity_digest(identity))}
 
 
 def _tier_auth_key(tier: Mapping[str, Any]) -> bytes | None:

@@ -27,12 +27,8 @@ from vllm_ascend.kv_offload.config import PREFIX, TIERING_SPEC, OffloadConfigErr
 from vllm_ascend.kv_offload.logger import init_logger
 from vllm_ascend.kv_offload.manager import FailureAwareManager
 from vllm_ascend.kv_offload.npu import NPUOffloadingSpec
-from vllm_ascend.kv_offload.tiering.fs import (
-    AUTH_KEY_FILE,
-    VERIFIED_FS_TYPE,
-    read_auth_key,
-    tier_dir_usable,
-)
+from vllm_ascend.kv_offload.tiering.auth_key import AUTH_KEY_FILE, read_auth_key
+from vllm_ascend.kv_offload.tiering.fs import VERIFIED_FS_TYPE, tier_dir_usable
 from vllm_ascend.kv_offload.tiering.fs_budget import (
     budget_metric_definitions,
     check_budget_config,

@@ -1,0 +1,166 @@
+"""The fs tier's deployment key (``auth_key_file``): a file that is not a key
+is refused before anything starts, naming the setting and the file but never
+the key; the key is read once per process; what is published about it
+(identity.json, the directory name) takes a slow scrypt per guess to check."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import mmap
+import os
+import subprocess
+
+import pytest
+
+from vllm_ascend.kv_offload.config import OffloadConfigError
+from vllm_ascend.kv_offload.tiering.auth_key import read_auth_key
+from vllm_ascend.kv_offload.tiering.fs import VerifiedFileSystemTier, tier_dir_usable
+from vllm_ascend.kv_offload.tiering.identity import IDENTITY_FILE
+from vllm_ascend.kv_offload.tiering.spec import check_tiering_config
+
+SETTING = "['auth_key_file']"
+# What `openssl rand -base64 32` writes (without its newline).
+GOOD_KEY = b"q3Zk9Vx0bT7mLwR2sYc8nHfJ4pGd1aUeKiXoN6vQ5yM="
+
+
+def key_file(tmp_path, data: bytes, name: str = "kv.key") -> str:
+    path = tmp_path / name
+    path.write_bytes(data)
+    path.chmod(0o600)
+    return str(path)
+
+
+def refusal(tmp_path, path: str) -> str:
+    """The message of the config check refusing key file ``path``."""
+    tiers = [{"type": "fs", "root_dir": str(tmp_path), "auth_key_file": path}]
+    with pytest.raises(OffloadConfigError) as info:
+        check_tiering_config({"secondary_tiers": tiers})
+    return str(info.value)
+
+
+def big_sparse_file(tmp_path, size: int) -> str:
+    path = tmp_path / "blob.key"
+    with open(path, "wb") as f:
+        f.truncate(size)  # NUL bytes, no disk
+    path.chmod(0o600)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "data, wrong",
+    [
+        (b"a" * 16, "one character repeated 16 times"),
+        (b"\0" * 4000, "one character repeated 4000 times"),
+        (b"ab" * 2000, "2 distinct byte values"),
+        (b"0123456789" * 40, "10 distinct byte values"),
+        # 32 hex digits are at most 128 bits; their frequencies say fewer.
+        (b"3f9c0e1ab27d4c58e6f1a0b9c3d72e4f", "too little entropy"),
+    ],
+    ids=["one-character", "nul-bytes", "two-values", "digits", "short-hex"],
+)
+def test_a_key_with_too_little_entropy_is_refused(tmp_path, data, wrong):
+    message = refusal(tmp_path, key_file(tmp_path, data + b"\n"))
+    assert wrong in message
+    assert SETTING in message and "kv.key" in message
+    assert "openssl rand -base64 32 > FILE; chmod 600 FILE" in message
+    assert data.decode(errors="replace") not in message
+
+
+@pytest.mark.parametrize("size", [4097, 64 << 10, 2 << 30])
+def test_a_key_file_over_4_kib_is_refused_without_being_read(
+    tmp_path, size, opened_paths
+):
+    path = big_sparse_file(tmp_path, size)
+    opened_paths.clear()
+    message = refusal(tmp_path, path)
+    assert f"holds {size} bytes; a key file holds at most 4096" in message
+    assert SETTING in message and "blob.key" in message
+    assert "openssl rand -base64 32" in message
+    assert path not in opened_paths  # stat, then refused: never opened
+
+
+def test_a_random_key_made_as_the_docs_say_is_accepted(tmp_path):
+    path = tmp_path / "kv.key"
+    subprocess.run(
+        f"openssl rand -base64 32 > {path}; chmod 600 {path}", shell=True, check=True
+    )
+    key = read_auth_key(str(path), "setting")
+    assert key == path.read_bytes().strip() and len(key) == 44
+    assert read_auth_key(key_file(tmp_path, GOOD_KEY + b"\n"), "setting") == GOOD_KEY
+
+
+def test_a_changed_key_file_is_read_again(tmp_path):
+    path = key_file(tmp_path, GOOD_KEY)
+    assert read_auth_key(path, "setting") == GOOD_KEY
+    other = base64.b64encode(bytes(range(7, 71)))
+    key_file(tmp_path, other)
+    assert read_auth_key(path, "setting") == other
+
+
+@pytest.fixture
+def primary_view():
+    buf = mmap.mmap(-1, 4 * 4096)
+    return memoryview(buf).cast("B", shape=(4, 4096))
+
+
+def test_the_key_is_read_once_per_process(
+    tmp_path, fs_tier_spec, primary_view, opened_paths
+):
+    path = key_file(tmp_path, GOOD_KEY, name="once.key")
+    root = str(tmp_path / "kv")
+    tier = {"type": "fs", "root_dir": root, "auth_key_file": path}
+    opened_paths.clear()
+    # What a scheduler does with it at start: the config check, the tier
+    # directory, the tier.
+    check_tiering_config({"secondary_tiers": [tier]})
+    spec = fs_tier_spec()
+    assert tier_dir_usable(tier, spec)
+    fs_tier = VerifiedFileSystemTier(
+        spec, primary_view, "ascend_fs", root, auth_key_file=path,
+        n_read_threads=1, n_write_threads=1,
+    )  # fmt: skip
+    fs_tier.shutdown()
+    assert opened_paths.count(path) == 1
+
+
+def published_identity(tmp_path, spec, key: bytes | None) -> tuple[str, dict]:
+    """(directory name, identity.json) of a tier keyed with ``key``."""
+    root = tmp_path / hashlib.sha256(key or b"").hexdigest()[:8]
+    tier = {"root_dir": str(root)}
+    if key is not None:
+        tier["auth_key_file"] = key_file(tmp_path, key, name=f"{root.name}.key")
+    assert tier_dir_usable(tier, spec)
+    (name,) = [p for p in os.listdir(root) if p.startswith("ascend-kv-")]
+    return name, json.loads((root / name / IDENTITY_FILE).read_text())
+
+
+def test_identity_json_holds_no_key_id_a_guess_can_check_cheaply(
+    tmp_path, fs_tier_spec
+):
+    spec = fs_tier_spec()
+    _, plain = published_identity(tmp_path, spec, None)
+    name, keyed = published_identity(tmp_path, spec, GOOD_KEY)
+    other_key = base64.b64encode(bytes(range(100, 132)))
+    other_name, other = published_identity(tmp_path, spec, other_key)
+    # The key id is the only key-derived value, and it differs by key, so
+    # deployments with different keys use different directories.
+    for published in (keyed, other):
+        assert {k: v for k, v in published.items() if k != "auth_key_id"} == plain
+    assert keyed["auth_key_id"]["value"] != other["auth_key_id"]["value"]
+    assert name != other_name
+    # Checking a guess means a scrypt of at least OWASP's cost (128 MiB,
+    # N=2^17, r=8), salted with this identity's digest: no table of
+    # guesses made for one model and layout serves another.
+    kid = keyed["auth_key_id"]
+    assert kid["kdf"] == "scrypt" and kid["n"] >= 2**17 and kid["r"] >= 8
+    plain_text = json.dumps(plain, sort_keys=True, separators=(",", ":"))
+    assert kid["salt"] == hashlib.sha256(plain_text.encode()).hexdigest()
+    guess = hashlib.scrypt(
+        GOOD_KEY,
+        salt=b"vllm-ascend-kv-offload key id:" + kid["salt"].encode(),
+        n=kid["n"], r=kid["r"], p=kid["p"], dklen=kid["dklen"],
+        maxmem=2 * 128 * kid["r"] * kid["n"],
+    )  # fmt: skip
+    assert guess.hex() == kid["value"]
