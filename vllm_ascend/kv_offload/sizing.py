@@ -20,9 +20,11 @@ vLLM's KV-cache spec would give each attention layer:
 
 A CPU block holds ``block_size`` tokens (the guide's key) of every offloaded
 layer; its bytes over all tensor-parallel workers, rounded up to the page
-size, is the unit of ``cpu_bytes_to_use`` (``config.cpu_block_bytes``). A
-config this module cannot size is refused with ``SizingError`` naming the
-key that is missing or not understood.
+size, is the unit of ``cpu_bytes_to_use`` (``config.cpu_block_bytes``). Every
+size read is validated first (``config_sizes``: a positive integer within a
+bound, or ``SizingError`` naming the key and value); a config missing a key
+is refused naming it, one of a layout not covered with
+``UnsupportedModelError``.
 
 ``fit_host_memory`` then applies the worker's host-memory guard
 (``cpu_pool.check_host_memory``) to give the largest ``num_cpu_blocks`` it
@@ -39,11 +41,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vllm_ascend.kv_offload.config_sizes import (
+    MAX_HEAD_SIZE,
+    SizingError,
+    UnsupportedModelError,
+    check_sizes,
+)
+
 __all__ = [
     "AUTO_POOL_SHARE",
     "HostFit",
     "KVSizing",
     "SizingError",
+    "UnsupportedModelError",
     "auto_num_cpu_blocks",
     "fit_host_memory",
     "guard_max_blocks",
@@ -91,10 +101,6 @@ _UNSUPPORTED_KEYS = {
 }
 # layer_types / layers_block_type entries that hold KV pages.
 _ATTENTION_LAYER_TYPES = {"attention", "full_attention", "sliding_attention"}
-
-
-class SizingError(ValueError):
-    """A model config the KV sizing cannot derive exactly."""
 
 
 @dataclass(frozen=True)
@@ -179,14 +185,14 @@ def _text_config(config: Mapping[str, Any]) -> dict[str, Any]:
     return dict(config)
 
 
-def _positive_int(cfg: Mapping[str, Any], key: str, why: str) -> int:
+def _required(cfg: Mapping[str, Any], key: str, why: str) -> int:
+    """``cfg[key]``, a size ``check_sizes`` has validated if present."""
     value = cfg.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        shown = "missing" if value is None else f"{value!r}"
+    if value is None:
         raise SizingError(
-            f"config.json: {key} is {shown}, but {why} needs a positive integer"
+            f"config.json: {key} is missing, but {why} needs a positive integer"
         )
-    return value
+    return int(value)
 
 
 def _first_key(cfg: Mapping[str, Any], keys: tuple[str, ...]) -> tuple[str, Any]:
@@ -227,16 +233,26 @@ def _layer_kinds(cfg: Mapping[str, Any], num_layers: int) -> tuple[int, int]:
         attention = sum(str(k) in _ATTENTION_LAYER_TYPES for k in kinds)
         return attention, num_layers - attention
     interval = cfg.get("full_attention_interval")
-    if interval is not None:
-        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
-            raise SizingError(
-                f"config.json: full_attention_interval={interval!r} must be a "
-                "positive integer"
-            )
+    if interval is not None:  # check_sizes: a positive integer
         # Qwen3-Next: layer i is full attention iff (i + 1) % interval == 0.
         attention = num_layers // interval
         return attention, num_layers - attention
     return num_layers, 0
+
+
+def _head_size(cfg: Mapping[str, Any], heads_key: str, heads: int) -> int:
+    """vLLM's get_head_size: head_dim, else hidden_size // heads."""
+    for key in ("head_dim", "hidden_size_per_head"):
+        if cfg.get(key) is not None:
+            return int(cfg[key])
+    hidden = _required(cfg, "hidden_size", "the head size (no head_dim)")
+    if not 0 < hidden // heads <= MAX_HEAD_SIZE:
+        raise SizingError(
+            f"config.json: hidden_size={hidden} // {heads_key}={heads} gives a "
+            f"head size of {hidden // heads}, not in 1..{MAX_HEAD_SIZE}; set "
+            "head_dim to the model's head size"
+        )
+    return hidden // heads
 
 
 def size_kv(
@@ -265,23 +281,24 @@ def size_kv(
         )
     cfg = _text_config(config)
     model_type = str(cfg.get("model_type") or config.get("model_type") or "unknown")
+    check_sizes(cfg)
     if config.get("is_encoder_decoder") or cfg.get("is_encoder_decoder"):
-        raise SizingError(
+        raise UnsupportedModelError(
             f"config.json: model_type {model_type!r} is an encoder-decoder "
             "model; KV offloading sizing covers decoder-only models"
         )
     for key, what in _UNSUPPORTED_KEYS.items():
         if cfg.get(key) is not None:
-            raise SizingError(
+            raise UnsupportedModelError(
                 f"config.json has {key}: {what}, which this sizing does not "
                 "derive; read the exact CPU block size from the worker's log "
                 "line 'CPU block pool of N blocks x B bytes' instead"
             )
 
-    num_layers = _positive_int(cfg, "num_hidden_layers", "the number of layers")
+    num_layers = _required(cfg, "num_hidden_layers", "the number of layers")
     attention_layers, state_layers = _layer_kinds(cfg, num_layers)
     if attention_layers == 0:
-        raise SizingError(
+        raise UnsupportedModelError(
             f"config.json: model_type {model_type!r} has no attention layers "
             "(layer_types / full_attention_interval): nothing holds KV pages "
             "to offload"
@@ -301,8 +318,8 @@ def size_kv(
 
     kv_lora_rank = cfg.get("kv_lora_rank")
     if kv_lora_rank is not None:
-        kv_lora_rank = _positive_int(cfg, "kv_lora_rank", "MLA's latent size")
-        rope = _positive_int(cfg, "qk_rope_head_dim", "MLA's rope part")
+        kv_lora_rank = _required(cfg, "kv_lora_rank", "MLA's latent size")
+        rope = _required(cfg, "qk_rope_head_dim", "MLA's rope part")
         attention = "mla"
         kv_heads = 1  # one latent, replicated on every tensor-parallel rank
         head_size = kv_lora_rank + rope
@@ -333,7 +350,6 @@ def size_kv(
                 "config.json: num_attention_heads is missing; it is needed for "
                 "the number of KV heads and the head size"
             )
-        total_heads = _positive_int(cfg, heads_key, "the head count")
         kv_key, total_kv = _first_key(
             cfg,
             (
@@ -346,16 +362,7 @@ def size_kv(
         )
         if total_kv is None:
             total_kv = total_heads  # no grouping: one KV head per head
-        else:
-            total_kv = _positive_int(cfg, kv_key, "the number of KV heads")
-        head_dim = cfg.get("head_dim")
-        if isinstance(head_dim, int) and not isinstance(head_dim, bool) and head_dim:
-            head_size = head_dim
-        elif cfg.get("hidden_size_per_head") is not None:
-            head_size = _positive_int(cfg, "hidden_size_per_head", "the head size")
-        else:
-            hidden = _positive_int(cfg, "hidden_size", "the head size (no head_dim)")
-            head_size = hidden // total_heads
+        head_size = _head_size(cfg, heads_key, total_heads)
         if total_heads % tp:
             raise SizingError(
                 f"--tensor-parallel-size={tp} does not divide the "
