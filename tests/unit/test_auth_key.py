@@ -91,6 +91,31 @@ def test_a_random_key_made_as_the_docs_say_is_accepted(tmp_path):
     assert read_auth_key(key_file(tmp_path, GOOD_KEY + b"\n"), "setting") == GOOD_KEY
 
 
+@pytest.mark.parametrize(
+    "make, accepted",
+    [
+        (lambda: base64.b64encode(os.urandom(32)), True),  # openssl rand -base64 32
+        (lambda: os.urandom(32).hex().encode(), True),  # openssl rand -hex 32
+        (lambda: os.urandom(16).hex().encode(), False),  # openssl rand -hex 16
+        (lambda: base64.b64encode(os.urandom(16)), False),  # openssl rand -base64 16
+    ],
+    ids=["base64-32", "hex-32", "hex-16", "base64-16"],
+)
+def test_random_keys_of_one_generator_are_all_accepted_or_all_refused(
+    tmp_path, make, accepted
+):
+    # As docs/tiering.md says: never a random refusal of a good generator.
+    outcomes = set()
+    for i in range(200):
+        path = key_file(tmp_path, make() + b"\n", name=f"{i}.key")
+        try:
+            read_auth_key(path, "setting")
+            outcomes.add(True)
+        except OffloadConfigError:
+            outcomes.add(False)
+    assert outcomes == {accepted}
+
+
 def test_a_changed_key_file_is_read_again(tmp_path):
     path = key_file(tmp_path, GOOD_KEY)
     assert read_auth_key(path, "setting") == GOOD_KEY
