@@ -6,6 +6,8 @@ naming the key and its value, never a reason to derive the size another way.
 
 The bounds are far above the sizes of released models; what they stop is a
 config whose sizes would make a CPU block of petabytes, or a negative one.
+A valid config of a layout the formulas do not describe (``check_layout``)
+is refused by name with ``UnsupportedModelError``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ __all__ = [
     "SIZE_BOUNDS",
     "SizingError",
     "UnsupportedModelError",
+    "check_layout",
     "check_sizes",
 ]
 
@@ -43,6 +46,19 @@ SIZE_BOUNDS: dict[str, int] = {
     "qk_rope_head_dim": _HEAD_DIM,
     "kv_lora_rank": 4 * _HEAD_DIM,
     "hidden_size": 65536,
+}
+
+# Keys of layouts the sizing formulas do not describe: sizing them would be a
+# guess, so they are refused by name (UnsupportedModelError).
+_UNSUPPORTED_KEYS = {
+    "compress_ratios": "compressed attention (DeepSeek-V4 style)",
+    "index_topk": "a sparse-attention indexer with its own KV cache "
+    "(DeepSeek-V3.2 style)",
+    "block_configs": "per-layer block configurations (heterogeneous layers)",
+    "attn_type_list": "per-layer attention types (attn_type_list)",
+    "hybrid_override_pattern": "a hybrid layer pattern (hybrid_override_pattern)",
+    "num_kv_shared_layers": "KV shared across layers (num_kv_shared_layers)",
+    "cross_attention_layers": "cross-attention layers",
 }
 
 
@@ -71,4 +87,22 @@ def check_sizes(cfg: Mapping[str, Any]) -> None:
             raise SizingError(
                 f"config.json: {key}={value} is above {bound}, the largest this "
                 "sizing accepts (far above any released model's)"
+            )
+
+
+def check_layout(config: Mapping[str, Any], cfg: Mapping[str, Any], model: str) -> None:
+    """Raises UnsupportedModelError for a model (``config``, its language
+    model's part ``cfg``, of model_type ``model``) whose layout the sizing
+    formulas do not describe."""
+    if config.get("is_encoder_decoder") or cfg.get("is_encoder_decoder"):
+        raise UnsupportedModelError(
+            f"config.json: model_type {model!r} is an encoder-decoder "
+            "model; KV offloading sizing covers decoder-only models"
+        )
+    for key, what in _UNSUPPORTED_KEYS.items():
+        if cfg.get(key) is not None:
+            raise UnsupportedModelError(
+                f"config.json has {key}: {what}, which this sizing does not "
+                "derive; read the exact CPU block size from the worker's log "
+                "line 'CPU block pool of N blocks x B bytes' instead"
             )

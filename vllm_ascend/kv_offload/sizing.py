@@ -26,9 +26,9 @@ bound, or ``SizingError`` naming the key and value); a config missing a key
 is refused naming it, one of a layout not covered with
 ``UnsupportedModelError``.
 
-``fit_host_memory`` then applies the worker's host-memory guard
-(``cpu_pool.check_host_memory``) to give the largest ``num_cpu_blocks`` it
-would accept, and the equivalent ``cpu_bytes_to_use``.
+``fit_host_memory`` (``host_fit``, re-exported here) then applies the
+worker's host-memory guard to give the largest ``num_cpu_blocks`` it would
+accept, and the equivalent ``cpu_bytes_to_use``.
 """
 
 from __future__ import annotations
@@ -45,7 +45,15 @@ from vllm_ascend.kv_offload.config_sizes import (
     MAX_HEAD_SIZE,
     SizingError,
     UnsupportedModelError,
+    check_layout,
     check_sizes,
+)
+from vllm_ascend.kv_offload.host_fit import (
+    AUTO_POOL_SHARE,
+    HostFit,
+    auto_num_cpu_blocks,
+    fit_host_memory,
+    guard_max_blocks,
 )
 
 __all__ = [
@@ -62,9 +70,6 @@ __all__ = [
     "size_model_dir",
 ]
 
-# "auto" pool sizing takes this share of the largest pool the guard accepts,
-# so that the host stays usable next to the engine.
-AUTO_POOL_SHARE = 0.5
 # vLLM's CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT (mmap.PAGESIZE): a CPU block
 # over all workers is padded to it.
 CPU_BLOCK_ALIGNMENT = mmap.PAGESIZE
@@ -87,18 +92,6 @@ _DTYPE_BYTES = {
 # (512 fp8 latent values, 4 float32 scales, 64 bf16 rope values).
 _FP8_DS_MLA_TOKEN_BYTES = 656
 
-# Keys of layouts the formulas above do not describe: sizing them would be a
-# guess, so they are refused by name.
-_UNSUPPORTED_KEYS = {
-    "compress_ratios": "compressed attention (DeepSeek-V4 style)",
-    "index_topk": "a sparse-attention indexer with its own KV cache "
-    "(DeepSeek-V3.2 style)",
-    "block_configs": "per-layer block configurations (heterogeneous layers)",
-    "attn_type_list": "per-layer attention types (attn_type_list)",
-    "hybrid_override_pattern": "a hybrid layer pattern (hybrid_override_pattern)",
-    "num_kv_shared_layers": "KV shared across layers (num_kv_shared_layers)",
-    "cross_attention_layers": "cross-attention layers",
-}
 # layer_types / layers_block_type entries that hold KV pages.
 _ATTENTION_LAYER_TYPES = {"attention", "full_attention", "sliding_attention"}
 
@@ -138,21 +131,6 @@ class KVSizing:
         d["fragment_bytes"] = list(self.fragment_bytes)
         d["notes"] = list(self.notes)
         return d
-
-
-@dataclass(frozen=True)
-class HostFit:
-    """The largest pool the worker's host-memory guard would accept now."""
-
-    available_bytes: int  # host memory available when measured
-    reserved_bytes: int  # subtracted first (e.g. the CPU backend's KV cache)
-    usable_bytes: int  # the guard's share of what is left
-    workers_on_host: int  # pools allocated on this host
-    max_num_cpu_blocks: int
-    cpu_bytes_to_use: int  # max_num_cpu_blocks in cpu_bytes_to_use's unit
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def load_config(model_dir: str | os.PathLike[str]) -> dict[str, Any]:
@@ -282,18 +260,7 @@ def size_kv(
     cfg = _text_config(config)
     model_type = str(cfg.get("model_type") or config.get("model_type") or "unknown")
     check_sizes(cfg)
-    if config.get("is_encoder_decoder") or cfg.get("is_encoder_decoder"):
-        raise UnsupportedModelError(
-            f"config.json: model_type {model_type!r} is an encoder-decoder "
-            "model; KV offloading sizing covers decoder-only models"
-        )
-    for key, what in _UNSUPPORTED_KEYS.items():
-        if cfg.get(key) is not None:
-            raise UnsupportedModelError(
-                f"config.json has {key}: {what}, which this sizing does not "
-                "derive; read the exact CPU block size from the worker's log "
-                "line 'CPU block pool of N blocks x B bytes' instead"
-            )
+    check_layout(config, cfg, model_type)
 
     num_layers = _required(cfg, "num_hidden_layers", "the number of layers")
     attention_layers, state_layers = _layer_kinds(cfg, num_layers)
@@ -420,75 +387,3 @@ def size_kv(
 def size_model_dir(model_dir: str | os.PathLike[str], **kwargs: Any) -> KVSizing:
     """``size_kv`` of a local model directory's config.json."""
     return size_kv(load_config(model_dir), **kwargs)
-
-
-def fit_host_memory(
-    sizing: KVSizing,
-    *,
-    reserved_bytes: int = 0,
-    workers_on_host: int | None = None,
-    available_bytes: int | None = None,
-) -> HostFit:
-    """The largest ``num_cpu_blocks`` the worker's host-memory guard
-    (``cpu_pool.check_host_memory``) accepts with the host memory available
-    now (or ``available_bytes``), less ``reserved_bytes`` for what will be
-    allocated before the pool (the KV cache of vLLM's CPU backend, weights).
-
-    Each worker's guard checks its own pool alone; ``workers_on_host``
-    (default: every tensor-parallel worker) pools share this host, so the
-    result is what all of them together leave room for.
-    """
-    # Imported here: cpu_pool imports vLLM, and sizing alone must stay fast.
-    from vllm_ascend.kv_offload import cpu_pool
-
-    if available_bytes is None:
-        available_bytes = cpu_pool.host_available_bytes()
-    workers = workers_on_host
-    if workers is None:
-        workers = sizing.tensor_parallel_size
-    if workers < 1:
-        raise SizingError(f"workers_on_host={workers} must be >= 1")
-    usable = _guard_usable(available_bytes, reserved_bytes)
-    blocks = usable // (sizing.worker_bytes_per_cpu_block * workers)
-    return HostFit(
-        available_bytes=available_bytes,
-        reserved_bytes=reserved_bytes,
-        usable_bytes=usable,
-        workers_on_host=workers,
-        max_num_cpu_blocks=blocks,
-        cpu_bytes_to_use=blocks * sizing.bytes_per_cpu_block,
-    )
-
-
-def _guard_usable(available: int, reserved: int) -> int:
-    """Bytes the worker's guard lets a pool take once ``reserved`` of the
-    ``available`` host memory is allocated (``check_host_memory``'s limit)."""
-    from vllm_ascend.kv_offload import cpu_pool
-
-    return int(max(0, available - reserved) * cpu_pool.MAX_HOST_MEMORY_FRACTION)
-
-
-def guard_max_blocks(block_bytes: int, available: int, reserved: int = 0) -> int:
-    """The largest number of CPU blocks of ``block_bytes`` (one worker's pool
-    row) the guard accepts with ``available`` bytes of host memory of which
-    ``reserved`` go to what is allocated before the pool."""
-    if block_bytes < 1:
-        raise SizingError(f"block_bytes={block_bytes} must be > 0")
-    return _guard_usable(available, reserved) // block_bytes
-
-
-def auto_num_cpu_blocks(
-    block_bytes: int,
-    engine_bytes: int,
-    available: int,
-    share: float = AUTO_POOL_SHARE,
-) -> int:
-    """``num_cpu_blocks`` for an "auto" setting (the examples'
-    ``--num-cpu-blocks auto``): ``share`` of the largest pool the guard
-    accepts once the engine (``engine_bytes``: weights, the host KV cache of
-    vLLM's CPU backend, its processes) is allocated."""
-    if not 0 < share <= 1:
-        raise SizingError(f"share={share} must be in (0, 1]")
-    if block_bytes < 1:
-        raise SizingError(f"block_bytes={block_bytes} must be > 0")
-    return int(_guard_usable(available, engine_bytes) * share) // block_bytes
