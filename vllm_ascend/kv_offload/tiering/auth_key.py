@@ -6,12 +6,13 @@ name).
 A key file is a secret, so a message about it names the setting and the
 file and what is wrong, never the key. The published id is a salted scrypt
 of the key: the directory name and ``identity.json`` are readable by
-everyone who can list the shared directory, and a cheap id (an HMAC of a
-constant) let them test guesses offline at millions per second; scrypt at
-``KEY_ID_SCRYPT`` costs about 0.4 s and 128 MiB per guess, and the salt (the
-rest of the identity) makes a table of guesses good for one model and
-layout only. Deployments with different keys still get different ids, so
-different directories: neither removes the other's files as forgeries.
+everyone who can list the shared directory, and the former id (an HMAC of a
+constant) let them test a guess offline with one HMAC; scrypt at
+``KEY_ID_SCRYPT`` costs 128 MiB and 0.4-0.7 s (this CPU machine) per guess,
+and the salt (the rest of the identity) makes a table of guesses good for
+one model and layout only. Deployments with different keys still get
+different ids, so different directories: neither removes the other's files
+as forgeries.
 """
 
 from __future__ import annotations
