@@ -160,11 +160,9 @@ class FailureAwareManager:
         yield from pending
         yield from self._tracked(self.inner.take_events())
 
-    def announce_reset(self) -> None:
-        """Queues a CPU removal of every block whose store was published
-        (events queued before it come first). Called by ``reset_cache``, or
-        by the connector before vLLM's reset drops the blocks' event
-        payloads (``connector.py``)."""
+    def _announce_reset(self) -> None:
+        """Queues a CPU removal of every block whose store was published;
+        the events the manager queued before come first."""
         self._pending_events.extend(self._tracked(self.inner.take_events()))
         if self._cpu_resident:
             self._pending_events.append(
@@ -177,7 +175,7 @@ class FailureAwareManager:
     def reset_cache(self, *args: Any, **kwargs: Any) -> Any:
         # Jobs issued before a reset never complete through the manager.
         self._failed_store_keys.clear()
-        self.announce_reset()
+        self._announce_reset()
         return self.inner.reset_cache(*args, **kwargs)
 
 
