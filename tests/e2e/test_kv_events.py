@@ -213,9 +213,11 @@ def test_cpu_pool_evicts_only_blocks_it_stored(messages):
         assert all(stored_at[h] <= seq for h in block_hashes)
 
 
-def test_cpu_pool_never_holds_more_than_its_blocks(messages):
+def cpu_index(messages: list) -> list[set]:
+    """The CPU blocks an index built from the events holds, after each
+    CPU event."""
     resident: set = set()
-    peak = 0
+    states = []
     for msg in messages:
         for event in msg.batch.events:
             if getattr(event, "medium", None) != "CPU":
@@ -224,23 +226,20 @@ def test_cpu_pool_never_holds_more_than_its_blocks(messages):
                 resident.update(event.block_hashes)
             elif type(event).__name__ == "BlockRemoved":
                 resident.difference_update(event.block_hashes)
-            peak = max(peak, len(resident))
-    assert peak == NUM_CPU_BLOCKS
-    assert len(resident) == NUM_CPU_BLOCKS
+            states.append(set(resident))
+    return states
+
+
+def test_cpu_pool_never_holds_more_than_its_blocks(messages):
+    sizes = [len(resident) for resident in cpu_index(messages)]
+    assert max(sizes) == NUM_CPU_BLOCKS
+    assert sizes[-1] == NUM_CPU_BLOCKS
 
 
 def test_a_reset_of_the_cpu_pool_removes_exactly_the_blocks_it_held(
     engine_run, messages, reset_messages
 ):
-    resident: set = set()
-    for msg in messages:
-        for event in msg.batch.events:
-            if getattr(event, "medium", None) != "CPU":
-                continue
-            if type(event).__name__ == "BlockStored":
-                resident.update(event.block_hashes)
-            elif type(event).__name__ == "BlockRemoved":
-                resident.difference_update(event.block_hashes)
+    resident = cpu_index(messages)[-1]
     # The pool's own gauge agrees with the index the events built.
     assert engine_run["blocks_in_use"] == [len(resident)] == [NUM_CPU_BLOCKS]
     removed = events_of(reset_messages, "BlockRemoved", "CPU")
