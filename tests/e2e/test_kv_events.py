@@ -6,6 +6,9 @@ and the guide's offloading config with a 6-block CPU pool; the test process
 subscribes on ``tcp://127.0.0.1:<port>`` with the decoding code of
 ``examples/kv_events_subscriber.py``. Three prompts of 4 full 128-token blocks
 each are sent one at a time, so the pool stores 12 blocks and must evict 6.
+Then ``reset_prefix_cache(reset_connector=True)`` (the server's
+``POST /reset_prefix_cache?reset_external=true``) empties the pool: a CPU
+``BlockRemoved`` must announce exactly the blocks it held.
 
 The events are published by the scheduler, in the engine-core process.
 
@@ -15,6 +18,7 @@ The events are published by the scheduler, in the engine-core process.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import socket
 import subprocess
@@ -59,6 +63,7 @@ def run_engine(port: int) -> None:
         model=ensure_tiny_model(),
         kv_transfer_config=kv_transfer_config,
         kv_events_config=kv_events_config,
+        disable_log_stats=False,  # get_metrics(): the pool's gauge
         **ENGINE,
     )
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -68,6 +73,15 @@ def run_engine(port: int) -> None:
         # later engine step: a short request provides those steps, so each
         # prompt's blocks are in the pool before the next prompt evicts.
         llm.generate(["flush"], SamplingParams(max_tokens=4), use_tqdm=False)
+    in_use = [
+        m.value
+        for m in llm.get_metrics()
+        if m.name == "vllm:kv_offload_cpu_pool_blocks_in_use"
+    ]
+    # What the test reads: when the reset began and the pool's gauge then.
+    print(json.dumps({"reset_at": time.time(), "blocks_in_use": in_use}), flush=True)
+    assert llm.reset_prefix_cache(reset_connector=True)
+    llm.generate(["flush"], SamplingParams(max_tokens=4), use_tqdm=False)
     # The publisher sends from a background thread; give it time to drain.
     time.sleep(3)
 
@@ -94,8 +108,9 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def messages() -> list:
-    """Every message the subscriber received while the engine ran."""
+def engine_run() -> dict:
+    """Every message the subscriber received while the engine ran, and
+    what the engine printed before its reset."""
     subscriber = load_subscriber()
     port = free_port()
     received: list = []
@@ -135,7 +150,20 @@ def messages() -> list:
         )
     assert not thread.is_alive(), "subscriber thread did not stop"
     assert not errors, f"subscriber failed: {errors!r}"
-    return received
+    lines = [line for line in proc.stdout.splitlines() if '"reset_at"' in line]
+    return {"messages": received, **json.loads(lines[-1])}
+
+
+@pytest.fixture(scope="module")
+def messages(engine_run) -> list:
+    """The messages published before the reset."""
+    return [m for m in engine_run["messages"] if m.batch.ts < engine_run["reset_at"]]
+
+
+@pytest.fixture(scope="module")
+def reset_messages(engine_run) -> list:
+    """The messages published from the reset on."""
+    return [m for m in engine_run["messages"] if m.batch.ts >= engine_run["reset_at"]]
 
 
 def events_of(messages: list, kind: str, medium: str) -> list[tuple[int, list]]:
@@ -148,7 +176,8 @@ def events_of(messages: list, kind: str, medium: str) -> list[tuple[int, list]]:
     ]
 
 
-def test_messages_are_decoded_in_order_without_gaps(messages):
+def test_messages_are_decoded_in_order_without_gaps(engine_run):
+    messages = engine_run["messages"]
     assert messages, "no KV events received"
     assert {msg.topic for msg in messages} == {TOPIC}
     seqs = [msg.seq for msg in messages]
@@ -184,9 +213,11 @@ def test_cpu_pool_evicts_only_blocks_it_stored(messages):
         assert all(stored_at[h] <= seq for h in block_hashes)
 
 
-def test_cpu_pool_never_holds_more_than_its_blocks(messages):
+def cpu_index(messages: list) -> list[set]:
+    """The CPU blocks an index built from the events holds, after each
+    CPU event."""
     resident: set = set()
-    peak = 0
+    states = []
     for msg in messages:
         for event in msg.batch.events:
             if getattr(event, "medium", None) != "CPU":
@@ -195,9 +226,27 @@ def test_cpu_pool_never_holds_more_than_its_blocks(messages):
                 resident.update(event.block_hashes)
             elif type(event).__name__ == "BlockRemoved":
                 resident.difference_update(event.block_hashes)
-            peak = max(peak, len(resident))
-    assert peak == NUM_CPU_BLOCKS
-    assert len(resident) == NUM_CPU_BLOCKS
+            states.append(set(resident))
+    return states
+
+
+def test_cpu_pool_never_holds_more_than_its_blocks(messages):
+    sizes = [len(resident) for resident in cpu_index(messages)]
+    assert max(sizes) == NUM_CPU_BLOCKS
+    assert sizes[-1] == NUM_CPU_BLOCKS
+
+
+def test_a_reset_of_the_cpu_pool_removes_exactly_the_blocks_it_held(
+    engine_run, messages, reset_messages
+):
+    resident = cpu_index(messages)[-1]
+    # The pool's own gauge agrees with the index the events built.
+    assert engine_run["blocks_in_use"] == [len(resident)] == [NUM_CPU_BLOCKS]
+    removed = events_of(reset_messages, "BlockRemoved", "CPU")
+    removed_hashes = [h for _, block_hashes in removed for h in block_hashes]
+    assert sorted(removed_hashes) == sorted(resident)
+    # Nothing stored since (the flush request has no full block).
+    assert events_of(reset_messages, "BlockStored", "CPU") == []
 
 
 def test_subscriber_example_formats_cpu_events(messages):

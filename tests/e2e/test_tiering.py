@@ -92,6 +92,15 @@ def test_writer_serves_prompts_and_writes_every_block(written, expected):
     assert a["region_while_running"] and not a["region_after_shutdown"]
 
 
+def test_the_engine_shuts_down_in_process_without_a_traceback(written, scenario_dir):
+    # The driver shuts the engine down and drops the LLM in its own process,
+    # giving the engine core time to tear down (the scheduler's tiers too).
+    log = scenario_log(scenario_dir, "tier_writer")
+    assert "Removed mmap file" in log
+    assert "force killing" not in log
+    assert "Traceback" not in log
+
+
 def test_second_engine_serves_the_prefixes_from_the_files(
     written, expected, scenario_dir
 ):

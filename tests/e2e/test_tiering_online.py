@@ -348,6 +348,24 @@ def test_metrics_are_consistent(served):
     )
 
 
+def test_metrics_tell_a_router_the_cpu_tier_size_and_occupancy(served):
+    # The same series as NPUOffloadingSpec's (test_serve.py), for the CPU
+    # tier: 8 CPU blocks, filled by three documents of 4 blocks, which must
+    # evict at least 4 of them.
+    for name in ("before", "end"):
+        snapshot = served[name]
+        assert snapshot["vllm:kv_offload_cpu_pool_capacity_blocks"] == 8
+        assert (
+            snapshot["vllm:kv_offload_cpu_pool_capacity_bytes"]
+            == 8 * served["block_bytes"]
+        )
+        assert snapshot["vllm:kv_offload_cpu_pool_blocks_in_use"] == 8
+    assert served["before"]["vllm:kv_offload_cpu_pool_evictions_total"] >= 4
+    assert (
+        delta(served, "vllm:kv_offload_cpu_pool_evictions_total", "before", "end") > 0
+    )
+
+
 def test_nothing_leaked(served):
     before, after = served["usage_before"], served["usage_after"]
     assert after["threads"] <= before["threads"] + THREAD_SLACK, (before, after)

@@ -20,6 +20,7 @@ import shutil
 import time
 
 TIER_WRITE_BYTES = "vllm:kv_offload_tiering_write_bytes"
+SHUTDOWN_TIMEOUT_S = 60
 
 
 def _counters(llm) -> dict[str, float]:
@@ -118,7 +119,9 @@ def run(scenario: dict) -> dict:
     counters = _counters(llm)
     files = _files(root) if root and os.path.isdir(root) else []
 
-    llm.llm_engine.engine_core.shutdown()
+    # Time for the engine core's own teardown (vLLM kills it after 5 s by
+    # default, which a loaded machine can exceed): what it logs is checked.
+    llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
     del llm
     gc.collect()
     return {

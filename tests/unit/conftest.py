@@ -5,6 +5,7 @@ from __future__ import annotations
 import mmap
 import os
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
@@ -174,6 +175,50 @@ def fs_tier_spec():
         )
 
     return make
+
+
+@pytest.fixture
+def tier(tmp_path, fs_tier_spec):
+    """A verified fs tier (one read and one write thread) on a 4-row view."""
+    from vllm_ascend.kv_offload.tiering.fs import (
+        VerifiedFileSystemTier,
+        tier_dir_usable,
+    )
+
+    buf = mmap.mmap(-1, 4 * 4096)
+    view = memoryview(buf).cast("B", shape=(4, 4096))
+    spec = fs_tier_spec()
+    root = tmp_path / "kv"
+    assert tier_dir_usable({"root_dir": str(root)}, spec)
+    tier = VerifiedFileSystemTier(
+        spec, view, "ascend_fs", str(root), n_read_threads=1, n_write_threads=1
+    )
+    yield tier
+    tier.shutdown()
+
+
+def fs_job(job_id: int, key, promotion: bool):
+    """A one-block job of an fs tier on row 0 (``promotion``: a load)."""
+    import numpy as np
+    from vllm.v1.kv_offload.base import ReqContext
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    return TransferJob(job_id, [key], np.array([0]), promotion, ReqContext("r"))
+
+
+# Long enough that a job still unfinished is stuck, not slow (2 loaded cores).
+FS_JOB_TIMEOUT_S = 30.0
+
+
+def finished_job(tier, job_id: int):
+    """The tier's result of job ``job_id`` (None if it never finished)."""
+    deadline = time.monotonic() + FS_JOB_TIMEOUT_S
+    while time.monotonic() < deadline:
+        for result in tier.get_finished_jobs():
+            if result.job_id == job_id:
+                return result
+        time.sleep(0.01)
+    return None
 
 
 # The tiering spec's name and module (the tiering and fs budget tests).

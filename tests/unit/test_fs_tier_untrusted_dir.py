@@ -17,11 +17,10 @@ import threading
 import time
 import zlib
 
-import numpy as np
 import pytest
-from vllm.v1.kv_offload.base import ReqContext, make_offload_key
-from vllm.v1.kv_offload.tiering.base import TransferJob
+from vllm.v1.kv_offload.base import make_offload_key
 
+from tests.unit.conftest import finished_job, fs_job
 from vllm_ascend.kv_offload.config import OffloadConfigError, check_keys
 from vllm_ascend.kv_offload.plugin import names_our_spec
 from vllm_ascend.kv_offload.tiering.auth_key import read_auth_key
@@ -201,49 +200,20 @@ def test_paths_outside_the_root_are_refused(tmp_path):
         )
 
 
-@pytest.fixture
-def tier(tmp_path, fs_tier_spec):
-    """A verified fs tier (one read and one write thread) on a 4-row view."""
-    buf = mmap.mmap(-1, 4 * 4096)
-    view = memoryview(buf).cast("B", shape=(4, 4096))
-    spec = fs_tier_spec()
-    root = tmp_path / "kv"
-    assert tier_dir_usable({"root_dir": str(root)}, spec)
-    tier = VerifiedFileSystemTier(
-        spec, view, "ascend_fs", str(root), n_read_threads=1, n_write_threads=1
-    )
-    yield tier
-    tier.shutdown()
-
-
-def _job(job_id: int, key, promotion: bool) -> TransferJob:
-    return TransferJob(job_id, [key], np.array([0]), promotion, ReqContext("r"))
-
-
-def _finished(tier, job_id: int):
-    deadline = time.monotonic() + STUCK_S
-    while time.monotonic() < deadline:
-        for result in tier.get_finished_jobs():
-            if result.job_id == job_id:
-                return result
-        time.sleep(0.01)
-    return None
-
-
 def test_the_tier_counts_a_fifo_as_a_miss_and_shuts_down(tier):
     key = make_offload_key(b"\x05" * 32, 0)
     path = tier.file_mapper.get_file_name(key)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     os.mkfifo(path)
     try:
-        tier.submit_load(_job(1, key, True))
-        result = _finished(tier, 1)
+        tier.submit_load(fs_job(1, key, True))
+        result = finished_job(tier, 1)
     finally:
         release_fifo(path)
     assert result is not None and not result.success
     assert tier.bad_entries == 1 and not os.path.lexists(path)
-    tier.submit_store(_job(2, key, False))
-    assert _finished(tier, 2).success and os.path.isfile(path)
+    tier.submit_store(fs_job(2, key, False))
+    assert finished_job(tier, 2).success and os.path.isfile(path)
     finished, _ = in_thread(tier.shutdown)
     assert finished
 
@@ -385,8 +355,8 @@ def test_a_read_only_root_with_them_is_read_and_its_stores_fail(
     )
     stored, fresh = make_offload_key(b"\x06" * 32, 0), make_offload_key(b"\x07" * 32, 0)
     buf[:4096] = b"\x03" * 4096
-    writer.submit_store(_job(1, stored, False))
-    assert _finished(writer, 1).success
+    writer.submit_store(fs_job(1, stored, False))
+    assert finished_job(writer, 1).success
     writer.shutdown()
     freeze()
     assert tier_dir_usable({"root_dir": str(mount)}, spec)  # a reader
@@ -395,10 +365,10 @@ def test_a_read_only_root_with_them_is_read_and_its_stores_fail(
     )
     try:
         buf[:4096] = bytes(4096)
-        reader.submit_load(_job(2, stored, True))
-        assert _finished(reader, 2).success and buf[:4096] == b"\x03" * 4096
-        reader.submit_store(_job(3, fresh, False))
-        assert not _finished(reader, 3).success  # the store path: EROFS, counted
+        reader.submit_load(fs_job(2, stored, True))
+        assert finished_job(reader, 2).success and buf[:4096] == b"\x03" * 4096
+        reader.submit_store(fs_job(3, fresh, False))
+        assert not finished_job(reader, 3).success  # the store path: EROFS, counted
     finally:
         reader.shutdown()
 

@@ -1,19 +1,27 @@
-"""CPU-pool capacity, occupancy and evictions in vLLM's offloading stats.
+"""CPU-pool capacity, occupancy and evictions in vLLM's offloading stats,
+and the pool's KV events across a cache reset, for both of our specs.
 
 The manager's ``get_stats`` payload is what vLLM's front end exports on
-``/metrics`` (``OffloadPromMetrics``); our spec declares the series there.
-(``tests/e2e/test_serve.py`` reads them from a real server.)
+``/metrics`` (``OffloadPromMetrics``); our specs declare the series there.
+(``tests/e2e/test_serve.py`` and ``test_tiering_online.py`` read them from
+real servers, ``tests/e2e/test_kv_events.py`` the events of a reset.)
 """
 
 from __future__ import annotations
 
-from vllm.v1.kv_offload.base import ReqContext
+import dataclasses
+import uuid
+
+import pytest
+from vllm.v1.kv_offload.base import Medium, ReqContext
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
+from tests.unit.kv_helpers import make_config
 from vllm_ascend.kv_offload import pool_metrics
 from vllm_ascend.kv_offload.manager import FailureAwareManager
 from vllm_ascend.kv_offload.npu import NPUOffloadingSpec
 from vllm_ascend.kv_offload.pool_metrics import PoolCapacity
+from vllm_ascend.kv_offload.tiering.spec import NPUTieringOffloadingSpec
 
 BLOCK_BYTES = 1 << 20
 
@@ -23,7 +31,9 @@ def reduced(manager: FailureAwareManager) -> dict[str, float]:
 
 
 def store(manager: FailureAwareManager, *names: str) -> None:
-    ctx = ReqContext(req_id="r")
+    """One request stores blocks ``names`` (written, then completed)."""
+    ctx = ReqContext(req_id=f"store-{'-'.join(names)}")
+    manager.on_new_request(ctx)
     out = manager.prepare_store([n.encode() for n in names], ctx)
     manager.complete_store(list(out.keys_to_store), ctx)
 
@@ -52,3 +62,115 @@ def test_stats_report_capacity_occupancy_and_evictions():
     assert after[pool_metrics.EVICTIONS] == 2
     # A counter's increase is per interval: nothing new evicted since.
     assert reduced(m)[pool_metrics.EVICTIONS] == 0
+
+
+POOL_SERIES = (
+    pool_metrics.CAPACITY_BLOCKS,
+    pool_metrics.CAPACITY_BYTES,
+    pool_metrics.BLOCKS_IN_USE,
+    pool_metrics.EVICTIONS,
+)
+
+
+@pytest.fixture(params=[NPUOffloadingSpec, NPUTieringOffloadingSpec])
+def spec_manager(request):
+    """The scheduler-side manager of each of our specs: 4 CPU blocks of
+    64 KiB, KV events on (the tiering one on its own shared region)."""
+    config = dataclasses.replace(
+        make_config({"num_cpu_blocks": 4, "block_size": 128}),
+        enable_kv_cache_events=True,
+        engine_id=f"unit-{uuid.uuid4().hex[:8]}",
+    )
+    manager = request.param(config).get_manager()
+    yield manager
+    manager.shutdown()
+
+
+def workload(manager) -> list[dict[str, float]]:
+    """Six blocks through four, then a reset: the pool series after each."""
+    store(manager, "a", "b", "c")
+    series = [reduced(manager)]
+    store(manager, "d", "e", "f")
+    series.append(reduced(manager))
+    manager.reset_cache()
+    series.append(reduced(manager))
+    return [{name: s[name] for name in POOL_SERIES} for s in series]
+
+
+def test_both_specs_report_the_same_pool_series_for_the_same_workload():
+    """The tiering spec's CPU tier is the pool: same series, same values."""
+    results = []
+    for spec_cls in (NPUOffloadingSpec, NPUTieringOffloadingSpec):
+        config = dataclasses.replace(
+            make_config({"num_cpu_blocks": 4, "block_size": 128}),
+            engine_id=f"unit-{uuid.uuid4().hex[:8]}",
+        )
+        assert set(POOL_SERIES) <= set(spec_cls.build_metric_definitions({}))
+        manager = spec_cls(config).get_manager()
+        try:
+            results.append(workload(manager))
+        finally:
+            manager.shutdown()
+    plain, tiering = results
+    assert tiering == plain
+    assert [s[pool_metrics.BLOCKS_IN_USE] for s in plain] == [3, 4, 0]
+    assert [s[pool_metrics.EVICTIONS] for s in plain] == [0, 2, 0]
+    assert plain[0][pool_metrics.CAPACITY_BYTES] == 4 * 65536
+
+
+def test_promotions_into_the_cpu_tier_count_their_evictions():
+    config = dataclasses.replace(
+        make_config({"num_cpu_blocks": 4, "block_size": 128}),
+        engine_id=f"unit-{uuid.uuid4().hex[:8]}",
+    )
+    manager = NPUTieringOffloadingSpec(config).get_manager()
+    try:
+        store(manager, "a", "b", "c", "d")
+        reduced(manager)
+        # A promotion (secondary tier -> CPU tier) needs a block: one evicted.
+        ctx = ReqContext(req_id="p")
+        manager.on_new_request(ctx)
+        assert manager.inner.primary_tier.prepare_write([b"e"], ctx) is not None
+        assert reduced(manager)[pool_metrics.EVICTIONS] == 1
+    finally:
+        manager.shutdown()
+
+
+def cpu_events(manager) -> list[tuple[bool, set]]:
+    """(removed, keys) of each CPU event the manager publishes now."""
+    return [
+        (e.removed, set(e.keys))
+        for e in manager.take_events()
+        if e.medium == Medium.CPU
+    ]
+
+
+def test_a_reset_publishes_the_removal_of_every_block_the_pool_held(spec_manager):
+    m = spec_manager
+    store(m, "a", "b", "c")
+    store(m, "d", "e", "f")  # two of a, b, c evicted
+    resident: set = set()
+    for removed, keys in cpu_events(m):
+        if removed:
+            resident -= keys
+        else:
+            resident |= keys
+    in_use = reduced(m)[pool_metrics.BLOCKS_IN_USE]
+    assert len(resident) == in_use == 4
+
+    m.reset_cache()
+    assert cpu_events(m) == [(True, resident)]
+    assert reduced(m)[pool_metrics.BLOCKS_IN_USE] == 0
+    m.reset_cache()  # nothing left: nothing more to announce
+    assert cpu_events(m) == []
+
+
+def test_a_block_still_being_written_at_a_reset_is_not_announced(spec_manager):
+    m = spec_manager
+    store(m, "a", "b")
+    ctx = ReqContext(req_id="w")
+    m.on_new_request(ctx)
+    assert m.prepare_store([b"c"], ctx) is not None  # its copy never completes
+    assert cpu_events(m) == [(False, {b"a", b"b"})]
+    m.reset_cache()
+    assert cpu_events(m) == [(True, {b"a", b"b"})]

@@ -121,6 +121,26 @@ check(list(inspect.signature(SecondaryTierManager.__init__).parameters)[:3]
       "SecondaryTierManager.__init__(offloading_spec, primary_kv_view, ...) "
       "changed (tiering/fs.py keeps its own view of primary_kv_view)")
 
+from vllm.v1.kv_offload.tiering.fs import thread_pool
+pool_src = inspect.getsource(thread_pool.DualQueueThreadPool._worker)
+check(thread_pool.logger.name == "vllm.v1.kv_offload.tiering.fs.thread_pool"
+      and 'logger.error(\n                    "Job %s block I/O failed: %s",\n'
+          '                    state.job_id,\n                    exc,' in pool_src,
+      "DualQueueThreadPool no longer logs a task's exception as the second "
+      "argument of its module logger's error line "
+      "(vllm_compat.quiet_fs_tier_pool_errors)")
+
+from vllm.v1.kv_offload.tiering.manager import (
+    CPUPrimaryTierOffloadingManager, TieringOffloadingManager,
+)
+tiering_manager_src = inspect.getsource(TieringOffloadingManager)
+check("self.primary_tier.prepare_write(" in tiering_manager_src
+      and "self.prepare_write = self.prepare_store" in inspect.getsource(
+          CPUPrimaryTierOffloadingManager.__init__),
+      "the tiering manager's promotions no longer reserve CPU blocks through "
+      "primary_tier.prepare_write (manager.FailureAwareManager counts their "
+      "evictions there)")
+
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 import dataclasses

@@ -14,7 +14,11 @@ exactly two answers, from what the connector tells it
   it retry forever). Forgotten when the request finishes.
 
 It also adds the CPU pool's capacity, occupancy and evictions to vLLM's
-offloading stats (``get_stats``, ``pool_metrics.py``), for ``/metrics``.
+offloading stats (``get_stats``, ``pool_metrics.py``), for ``/metrics``, with
+the tiering manager as with the plain one (its CPU tier is the pool), and
+publishes a CPU ``BlockRemoved`` for every block a cache reset drops
+(``reset_cache``: vLLM's managers empty the pool without an event, so a
+router's index built from the events would keep them).
 
 Everything else is delegated unchanged, whatever the vLLM release adds to the
 manager interface (0.33: ``lock``, ``on_reset_flushed``, ``config_info``).
@@ -29,6 +33,8 @@ from typing import Any
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
     LookupResult,
+    Medium,
+    OffloadingEvent,
     OffloadingManager,
     ReqContext,
 )
@@ -54,6 +60,13 @@ class FailureAwareManager:
         )
         self._failed_store_keys: set[Keys] = set()
         self._failed_load_req_ids: set[str] = set()
+        # The CPU pool's manager: vLLM's tiering manager's CPU tier, or inner.
+        self._cpu = getattr(inner, "primary_tier", inner)
+        if self._cpu is not inner:
+            self._count_promotion_evictions()
+        # Keys whose CPU BlockStored was published and BlockRemoved was not.
+        self._cpu_resident: set[Any] = set()
+        self._pending_events: list[OffloadingEvent] = []
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for names not defined here.
@@ -104,6 +117,20 @@ class FailureAwareManager:
         self._failed_load_req_ids.discard(req_context.req_id)
         self.inner.on_request_finished(req_context)
 
+    def _count_promotion_evictions(self) -> None:
+        # The tiering manager's promotions (secondary tier -> CPU) reserve
+        # CPU blocks through the CPU tier's prepare_write, not prepare_store,
+        # and evict to make room just as stores do.
+        prepare_write = self._cpu.prepare_write
+
+        def counted(keys: Collection[Any], req_context: ReqContext):
+            output = prepare_write(keys, req_context)
+            if output is not None:
+                self._evictions += len(output.evicted_keys)
+            return output
+
+        self._cpu.prepare_write = counted
+
     def get_stats(self) -> Any:
         """vLLM's stats, plus the pool's series (``pool_metrics.py``)."""
         stats = self.inner.get_stats()
@@ -111,15 +138,44 @@ class FailureAwareManager:
             add_pool_stats(
                 stats,
                 self.capacity,
-                vllm_compat.cpu_blocks_in_use(self.inner),
+                vllm_compat.cpu_blocks_in_use(self._cpu),
                 self._evictions,
             )
             self._evictions = 0
         return stats
 
+    # -- KV events: what a reset drops ---------------------------------------
+
+    def _tracked(self, events: Iterable[OffloadingEvent]):
+        for event in events:
+            if event.medium == Medium.CPU and event.ownership is None:
+                if event.removed:
+                    self._cpu_resident.difference_update(event.keys)
+                else:
+                    self._cpu_resident.update(event.keys)
+            yield event
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        pending, self._pending_events = self._pending_events, []
+        yield from pending
+        yield from self._tracked(self.inner.take_events())
+
+    def _announce_reset(self) -> None:
+        """Queues a CPU removal of every block whose store was published;
+        the events the manager queued before come first."""
+        self._pending_events.extend(self._tracked(self.inner.take_events()))
+        if self._cpu_resident:
+            self._pending_events.append(
+                OffloadingEvent(
+                    keys=list(self._cpu_resident), medium=Medium.CPU, removed=True
+                )
+            )
+            self._cpu_resident.clear()
+
     def reset_cache(self, *args: Any, **kwargs: Any) -> Any:
         # Jobs issued before a reset never complete through the manager.
         self._failed_store_keys.clear()
+        self._announce_reset()
         return self.inner.reset_cache(*args, **kwargs)
 
 

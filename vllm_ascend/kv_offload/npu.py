@@ -97,12 +97,15 @@ class NPUOffloadingSpec(vllm_compat.PrivatePoolSpec, CPUOffloadingSpec):
         transfers by our connector (``manager.py``)."""
         if self._failure_aware_manager is None:
             self._failure_aware_manager = FailureAwareManager(
-                super().get_manager(),
-                PoolCapacity(
-                    self.num_chunks, self.num_chunks * cpu_block_bytes(self.config)
-                ),
+                super().get_manager(), self.pool_capacity()
             )
         return self._failure_aware_manager
+
+    def pool_capacity(self) -> PoolCapacity:
+        """The CPU pool's size, all workers together (``/metrics``)."""
+        return PoolCapacity(
+            self.num_chunks, self.num_chunks * cpu_block_bytes(self.config)
+        )
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]):

@@ -8,6 +8,7 @@ release changes one of them.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -123,6 +124,32 @@ def record_fs_tier_load_progress(tier: Any, job_id: int, num_loaded: int) -> Non
     """Before a load task raises: how many of its blocks loaded (kept), in
     ``_load_progress``, which ``get_finished_jobs`` pops (vLLM 0.32, 0.33)."""
     tier._load_progress[job_id] = num_loaded
+
+
+class _DropRecordsOf(logging.Filter):
+    """Drops records whose arguments include an exception of ``exc_type``."""
+
+    def __init__(self, exc_type: type[BaseException]):
+        super().__init__()
+        self.exc_type = exc_type
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not any(isinstance(a, self.exc_type) for a in args)
+
+
+def quiet_fs_tier_pool_errors(exc_type: type[BaseException]) -> None:
+    """vLLM's fs tier thread pool (``DualQueueThreadPool._worker``, module
+    ``vllm.v1.kv_offload.tiering.fs.thread_pool``) logs every exception of a
+    task as an error, "Job %s block I/O failed: %s", with the exception as
+    the second argument (vLLM 0.32, 0.33); the job then fails as a miss.
+    Drops those lines for exceptions of ``exc_type``, which the tier counts
+    as plain misses instead. Idempotent."""
+    pool_logger = logging.getLogger("vllm.v1.kv_offload.tiering.fs.thread_pool")
+    for existing in pool_logger.filters:
+        if isinstance(existing, _DropRecordsOf) and existing.exc_type is exc_type:
+            return
+    pool_logger.addFilter(_DropRecordsOf(exc_type))
 
 
 def tiering_scheduler_region(spec: Any) -> Any:

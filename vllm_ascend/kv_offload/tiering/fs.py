@@ -66,6 +66,10 @@ logger = init_logger(__name__)
 VERIFIED_FS_TYPE = "ascend_fs"
 
 
+class VanishedBlockError(FileNotFoundError):
+    """A block file found by a lookup was removed before its load."""
+
+
 def tier_identity(
     identity: Mapping[str, Any], auth_key: bytes | None
 ) -> dict[str, Any]:
@@ -128,6 +132,8 @@ class VerifiedFileSystemTier(FileSystemTierManager):
         self._rejected = 0
         self._count_lock = threading.Lock()
         self.bad_entries = 0
+        self.vanished_blocks = 0  # looked up, gone when loaded: misses
+        vllm_compat.quiet_fs_tier_pool_errors(VanishedBlockError)
         self.stale_temp_files_removed = 0
         # Size bound (fs_budget): stores report, reads touch, stats count.
         self.budget: FsTierBudget | None = None
@@ -228,6 +234,13 @@ class VerifiedFileSystemTier(FileSystemTierManager):
                         auth_key=self.auth_key,
                         on_bad_entry=self._bad_entry,
                     )
+                except FileNotFoundError as exc:
+                    # Removed since the lookup (the size bound, another
+                    # engine): a miss like any other, not an I/O error.
+                    vllm_compat.record_fs_tier_load_progress(self, job_id, i)
+                    with self._count_lock:
+                        self.vanished_blocks += 1
+                    raise VanishedBlockError(exc.errno, exc.strerror, path) from exc
                 except OSError as exc:
                     # Blocks before i are kept; this one and later recompute.
                     vllm_compat.record_fs_tier_load_progress(self, job_id, i)
@@ -258,6 +271,13 @@ class VerifiedFileSystemTier(FileSystemTierManager):
                 path,
                 exc,
             )
+
+    @override
+    def shutdown(self) -> None:
+        super().shutdown()  # stops the I/O threads
+        # Our view of the CPU tier's region keeps its mmap exported: vLLM's
+        # region cleanup, which follows, could not close it (BufferError).
+        self.primary_bytes.release()
 
     @classmethod
     @override

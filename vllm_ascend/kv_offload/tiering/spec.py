@@ -203,7 +203,9 @@ class NPUTieringOffloadingSpec(TieringOffloadingSpec, NPUOffloadingSpec):
             scheduler_region = vllm_compat.tiering_scheduler_region(self)
             if scheduler_region is not None:
                 hold_region(scheduler_region)
-            self._failure_aware_manager = FailureAwareManager(inner)
+            self._failure_aware_manager = FailureAwareManager(
+                inner, self.pool_capacity()
+            )
         return self._failure_aware_manager
 
     @override

@@ -1,0 +1,107 @@
+"""The verified fs tier over the CPU tier's shared region, from a lookup to
+shutdown: a file removed between a lookup and its load (the size bound,
+another engine) is a plain miss; shutting the tiers down unmaps the region
+without an error."""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import time
+
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    ReqContext,
+    ScheduleEndContext,
+    make_offload_key,
+)
+from vllm.v1.kv_offload.tiering.manager import (
+    CPUPrimaryTierOffloadingManager,
+    TieringOffloadingManager,
+)
+
+from tests.unit.conftest import FS_JOB_TIMEOUT_S, finished_job, fs_job
+from vllm_ascend.kv_offload.tiering.fs import VerifiedFileSystemTier, tier_dir_usable
+from vllm_ascend.kv_offload.tiering.fs_budget import FsTierBudget
+
+
+def test_shutting_the_tiers_down_unmaps_the_region_without_an_error(
+    shared_region, fs_tier_spec, tmp_path, caplog
+):
+    # The scheduler side of an engine: vLLM's CPU tier on the region, our fs
+    # tier on the CPU tier's view of it.
+    page = mmap.PAGESIZE
+    region = shared_region(4, kv_bytes_per_chunk=page, cpu_page_size=page)
+    primary = CPUPrimaryTierOffloadingManager(num_chunks=4, mmap_region=region)
+    spec = fs_tier_spec()
+    root = str(tmp_path / "kv")
+    assert tier_dir_usable({"root_dir": root}, spec)
+    fs_tier = VerifiedFileSystemTier(
+        spec,
+        primary.get_kv_memoryview(),
+        "ascend_fs",
+        root,
+        n_read_threads=1,
+        n_write_threads=1,
+    )
+    mapping = region.mmap_obj
+    TieringOffloadingManager(primary, [fs_tier]).shutdown()
+    assert "Failed to close" not in caplog.text
+    assert "BufferError" not in caplog.text
+    assert mapping.closed
+    assert not os.path.exists(region.mmap_path)
+
+
+def stored(tier, job_id: int, key) -> str:
+    """Stores row 0 under ``key``; the block file's path."""
+    tier.submit_store(fs_job(job_id, key, False))
+    assert finished_job(tier, job_id).success
+    return tier.file_mapper.get_file_name(key)
+
+
+def looked_up(tier, key) -> LookupResult:
+    """The tier's answer for ``key`` once its asynchronous lookup resolved
+    (the scheduler ends steps meanwhile, which posts the lookups)."""
+    ctx = ReqContext("r")
+    deadline = time.monotonic() + FS_JOB_TIMEOUT_S
+    while (result := tier.lookup(key, ctx)) is LookupResult.RETRY:
+        assert time.monotonic() < deadline, "the lookup never resolved"
+        tier.on_schedule_end(ScheduleEndContext((), ()))
+        time.sleep(0.01)
+    return result
+
+
+def test_a_file_evicted_between_its_lookup_and_its_load_is_a_plain_miss(tier, caplog):
+    key = make_offload_key(b"\x01" * 32, 0)
+    path = stored(tier, 1, key)
+    for i in range(4):
+        stored(tier, 2 + i, make_offload_key(bytes([2 + i]) * 32, 0))
+    assert looked_up(tier, key) is LookupResult.HIT
+    # The size bound makes room before the load runs, and the looked-up file
+    # is the least recently used one.
+    old = time.time() - 3600
+    os.utime(path, (old, old))
+    file_bytes = os.path.getsize(path)
+    FsTierBudget(tier.root_dir, 4 * file_bytes, file_bytes).scan()
+    assert not os.path.exists(path)
+
+    caplog.clear()
+    caplog.set_level(logging.INFO)
+    tier.submit_load(fs_job(9, key, True))
+    result = finished_job(tier, 9)
+    assert result is not None and not result.success  # recomputed, not loaded
+    assert tier.vanished_blocks == 1
+    lines = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert lines == [], [r.getMessage() for r in lines]
+    assert looked_up(tier, key) is LookupResult.MISS  # not offered again
+
+
+def test_other_load_failures_are_still_logged(tier, caplog):
+    key = make_offload_key(b"\x0a" * 32, 0)
+    path = stored(tier, 1, key)
+    os.truncate(path, 100)  # damaged, not gone
+    tier.submit_load(fs_job(2, key, True))
+    assert not finished_job(tier, 2).success
+    assert tier.vanished_blocks == 0
+    assert "block I/O failed" in caplog.text
