@@ -118,6 +118,16 @@ fi
 
 echo "[serve_kv_offload] model $model on http://$host:$port" >&2
 echo "[serve_kv_offload] the guide's configuration${overrides:+, overridden: $overrides}" >&2
+# The engine's start can be silent for minutes: say what it is doing.
+if [[ " ${serve_args[*]} " == *" --enforce-eager "* ]]; then
+  loading="loads the model (eager mode: nothing to compile)"
+else
+  loading="loads the model and compiles it (torch.compile: minutes on a small \
+CPU machine the first time; later starts reuse the compiled graphs under \
+${VLLM_CACHE_ROOT:-~/.cache/vllm}/torch_compile_cache; --enforce-eager skips it)"
+fi
+echo "[serve_kv_offload] starting the server: its engine $loading; vLLM's log \
+follows on this terminal, and the server is ready at 'Application startup complete'" >&2
 exec "${serve[@]}" \
   --host "$host" \
   --port "$port" \

@@ -142,6 +142,11 @@ def test_server_starts_with_the_guide_config(served):
     assert "Loading out-of-tree offloading spec 'NPUOffloadingSpec'" in log
     assert "NPUOffloadingSpec: 1000 CPU blocks of 128 tokens" in log
     assert served["start_s"] < START_TIMEOUT_S
+    # Said before the engine's start, which can be silent for minutes.
+    assert (
+        "[serve_kv_offload] starting the server: its engine loads the model "
+        "(eager mode: nothing to compile); vLLM's log follows on this terminal"
+    ) in log
 
 
 def test_the_serving_docs_curl_flow_gets_completions(served):
