@@ -122,9 +122,8 @@ echo "[serve_kv_offload] the guide's configuration${overrides:+, overridden: $ov
 if [[ " ${serve_args[*]} " == *" --enforce-eager "* ]]; then
   loading="loads the model (eager mode: nothing to compile)"
 else
-  loading="loads the model and compiles it (torch.compile: minutes on a small \
-CPU machine the first time; later starts reuse the compiled graphs under \
-${VLLM_CACHE_ROOT:-~/.cache/vllm}/torch_compile_cache; --enforce-eager skips it)"
+  loading="loads the model and compiles it with torch.compile (--enforce-eager \
+skips compiling): a minute or more on a small CPU machine"
 fi
 echo "[serve_kv_offload] starting the server: its engine $loading; vLLM's log \
 follows on this terminal, and the server is ready at 'Application startup complete'" >&2
