@@ -301,8 +301,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--num-cpu-blocks",
         default=None,
         metavar="N|auto",
+        # argparse %-formats help texts: a literal percent sign is "%%".
         help="CPU blocks in the pool (the guide's 1000 when unset); auto: "
-        f"{AUTO_POOL_SHARE:.0%} of the host memory left next to the engine",
+        f"{AUTO_POOL_SHARE * 100:.0f}%% of the host memory left next to the engine",
     )
     parser.add_argument(
         "--cpu-bytes",

@@ -57,6 +57,20 @@ def time_to_first_token(llm, prompt: str) -> tuple[float, int, int]:
     return elapsed, out.num_cached_tokens or 0, len(out.prompt_token_ids)
 
 
+def print_completions(outputs, generated: bool) -> None:
+    """The guide's ``Prompt:`` / ``Generated:`` lines; for the generated
+    model, what its text means (nothing)."""
+    for output in outputs:
+        print(f"Prompt: {output.prompt!r}")
+        print(f"Generated: {output.outputs[0].text!r}")
+    if generated:
+        print(
+            "[example] the generated model has random weights, so its text is "
+            "meaningless; what this example shows is the time to first token "
+            "printed at the end (cold, device hit, CPU hit)"
+        )
+
+
 # How long the engine's processes get to exit before vLLM SIGKILLs them.
 # vLLM's default is 5 s for the engine core, which itself first waits up to
 # 5 s (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS) for its worker: on a small busy
@@ -213,9 +227,7 @@ def main() -> None:
     try:
         sampling_params = SamplingParams(max_tokens=100, temperature=0.0)
         outputs = llm.generate(["Hello, my name is"], sampling_params)
-        for output in outputs:
-            print(f"Prompt: {output.prompt!r}")
-            print(f"Generated: {output.outputs[0].text!r}")
+        print_completions(outputs, generated)
 
         # Warm-up: the first long prompt pays one-time costs (buffers of the
         # new shapes) that are neither computing nor loading.

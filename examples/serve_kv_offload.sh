@@ -118,6 +118,15 @@ fi
 
 echo "[serve_kv_offload] model $model on http://$host:$port" >&2
 echo "[serve_kv_offload] the guide's configuration${overrides:+, overridden: $overrides}" >&2
+# The engine's start can be silent for minutes: say what it is doing.
+if [[ " ${serve_args[*]} " == *" --enforce-eager "* ]]; then
+  loading="loads the model (eager mode: nothing to compile)"
+else
+  loading="loads the model and compiles it with torch.compile (--enforce-eager \
+skips compiling): a minute or more on a small CPU machine"
+fi
+echo "[serve_kv_offload] starting the server: its engine $loading; vLLM's log \
+follows on this terminal, and the server is ready at 'Application startup complete'" >&2
 exec "${serve[@]}" \
   --host "$host" \
   --port "$port" \

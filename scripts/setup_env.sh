@@ -41,18 +41,25 @@ build_want=$(
     echo "torch $torch_version ${VLLM_ASCEND_BUILD_NATIVE:-1}"
   } | sha256sum | cut -d' ' -f1
 )
-installed_here() {
-  # The editable install of this checkout (not of another one) is in place.
-  python - <<'PY' 2>/dev/null
+# Where `python examples/...` finds vllm_ascend.kv_offload: asked with the
+# current directory left off sys.path, since from here it would always be
+# this checkout's, even where the venv holds another copy (e.g. one that
+# scripts/install_next_to_vllm_ascend.sh installed).
+found=$(python - <<'PY' 2>/dev/null || true
 import importlib.util, pathlib, sys
+if sys.path and sys.path[0] == "":
+    del sys.path[0]
 spec = importlib.util.find_spec("vllm_ascend.kv_offload")  # does not import it
-here = pathlib.Path.cwd().resolve()
-sys.exit(spec is None or pathlib.Path(spec.origin).resolve().parents[2] != here)
+print(pathlib.Path(spec.origin).resolve().parents[2] if spec else "")
 PY
-}
+)
+here=$(pwd -P)
+if [[ -n $found && $found != "$here" ]]; then
+  echo "[setup] $VENV runs vllm_ascend.kv_offload from $found, not this checkout: installing this checkout in its place"
+fi
 if [[ -f "$build_stamp" && "$(cat "$build_stamp")" == "$build_want" ]] &&
   { [[ ${VLLM_ASCEND_BUILD_NATIVE:-1} == 0 ]] || compgen -G "vllm_ascend/kv_offload/_C_kv_offload*.so" >/dev/null; } &&
-  installed_here; then
+  [[ $found == "$here" ]]; then
   echo "[setup] vllm-ascend is up to date (native op sources unchanged since the last build)"
 else
   echo "[setup] building vllm-ascend (native op against torch $torch_version, about 1.5 minutes)"

@@ -1,4 +1,5 @@
-"""Suite-wide pytest settings: progress lines for the slow tests.
+"""Suite-wide pytest settings: progress lines for the slow tests; the
+serving doc's client flow, run by the unit and the end-to-end tests.
 
 An end-to-end or packaging test starts real engines or builds and can run for
 minutes; in pytest's default (dots) output such a test would be silent for
@@ -8,7 +9,15 @@ duration when it ends (unless -v already shows it).
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -58,3 +67,47 @@ _CONFIG: pytest.Config | None = None
 def pytest_configure(config: pytest.Config) -> None:
     global _CONFIG
     _CONFIG = config
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class DocFlow:
+    """What the serving doc's client flow printed."""
+
+    completions: list[dict]  # req's lines: text and usage, or the error
+    resets: list[dict]  # POST /reset_prefix_cache's answers
+    metrics: list[str]  # the /metrics lines it greps
+    output: str  # stdout and stderr
+
+
+def run_serving_doc_flow(port: int) -> DocFlow | None:
+    """The client flow of docs/serving_events_metrics.md (curl + jq, the
+    block that defines ``req``), run by bash from the checkout against
+    127.0.0.1:``port`` instead of the doc's 8000; None without curl or jq."""
+    if shutil.which("curl") is None or shutil.which("jq") is None:
+        return None
+    doc = (REPO / "docs" / "serving_events_metrics.md").read_text()
+    (flow,) = [b for b in re.findall(r"```bash\n(.*?)```", doc, re.S) if "req() {" in b]
+    env = dict(os.environ)
+    # The flow runs `python` from PATH: this interpreter's.
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]])
+    proc = subprocess.run(
+        ["bash", "-c", flow.replace("127.0.0.1:8000", f"127.0.0.1:{port}")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    lines = proc.stdout.splitlines()
+    replies = [json.loads(line) for line in lines if line.startswith("{")]
+    return DocFlow(
+        completions=[r for r in replies if "success" not in r],
+        resets=[r for r in replies if "success" in r],
+        metrics=[line for line in lines if line.startswith("vllm:")],
+        output=output,
+    )

@@ -25,6 +25,7 @@ import time
 import pytest
 from openai import OpenAI
 
+from tests.conftest import run_serving_doc_flow
 from tests.e2e.conftest import (
     ALL_PROMPTS,
     BLOCK_TOKENS,
@@ -104,6 +105,9 @@ def served(tmp_path_factory) -> dict:
             "vllm:kv_offload_load_bytes_total",
             (DOC_BLOCKS + 3 * DOC_BLOCKS) * block,
         )
+        # The serving doc's curl + jq flow, as a reader runs it (after the
+        # snapshots above, which it does not disturb).
+        record["doc_flow"] = run_serving_doc_flow(server.port)
     except BaseException:
         record["stop"] = server.stop()
         print(server.log_tail(), file=sys.stderr)
@@ -138,6 +142,23 @@ def test_server_starts_with_the_guide_config(served):
     assert "Loading out-of-tree offloading spec 'NPUOffloadingSpec'" in log
     assert "NPUOffloadingSpec: 1000 CPU blocks of 128 tokens" in log
     assert served["start_s"] < START_TIMEOUT_S
+    # Said before the engine's start, which can be silent for minutes.
+    assert (
+        "[serve_kv_offload] starting the server: its engine loads the model "
+        "(eager mode: nothing to compile); vLLM's log follows on this terminal"
+    ) in log
+
+
+def test_the_serving_docs_curl_flow_gets_completions(served):
+    flow = served["doc_flow"]
+    if flow is None:
+        pytest.skip("curl or jq is not installed")
+    assert len(flow.completions) == 2, flow.output
+    for reply in flow.completions:
+        assert "error" not in reply, reply  # e.g. a 404 for a model not served
+        assert reply["usage"]["prompt_tokens"] == 600  # the doc's prompt
+    assert len(flow.resets) == 1
+    assert any(m.startswith("vllm:kv_offload_store_bytes_total") for m in flow.metrics)
 
 
 def test_answers_equal_those_without_offloading(served, reference):
