@@ -1,0 +1,405 @@
+"""KV-cache layouts as upstream vllm-ascend 0.30.0rc2 builds them, on CPU.
+
+Each :class:`Scenario` is a model's layers and the runner settings that pick
+one of upstream's allocation paths. :func:`build` makes the layers' KV cache
+specs the way upstream's ``get_kv_cache_spec`` does (model_runner_v1.py:6144,
+cited per scenario), plans the ``KVCacheConfig`` with vLLM's own planner
+(``get_kv_cache_config_from_groups``, as the engine core does), and runs
+upstream's ``initialize_kv_cache_tensors`` (``tests/unit/upstream_runner.py``)
+to get the ``kv_caches`` dict upstream hands to ``register_kv_caches``
+(model_runner_v1.py:4686).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from vllm.config.cache import KVCacheLayout
+from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    MambaSpec,
+    UniformTypeKVCacheSpecs,
+)
+from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+from tests.unit.upstream_runner import HardwareProfile
+
+NUM_BLOCKS = 6
+
+
+@dataclass
+class Scenario:
+    """A model's KV cache layers and the upstream runner settings for it."""
+
+    name: str
+    # Per KV cache group: {layer name: (spec, layer stand-in, backend)}, the
+    # backend being the name of upstream's class (upstream_runner.BACKENDS),
+    # or None for Mamba layers (their reshape asks no backend).
+    groups: list[dict[str, tuple[KVCacheSpec, Any, str | None]]]
+    kernel_block_sizes: list[int] | None = None
+    cache_dtype: str = "auto"
+    use_sparse: bool = False
+    use_compress: bool = False
+    fa_quant: bool = False  # enable_fa_quant's answer (FP8/INT8 attention)
+    contiguous_pa: bool = False  # requires_contiguous_pa_kv_cache's answer
+    capabilities: frozenset[str] = frozenset()
+    quant_config: Any = None
+    c8_cache_dtype: torch.dtype | None = None
+    # vLLM's resolved layout; the DeepSeek-V4 indexer's backend declares
+    # block-outermost ones (vLLM validate_kv_cache_layout).
+    layout: KVCacheLayout = KVCacheLayout.LBNHC
+
+    @property
+    def layers(self) -> dict[str, Any]:
+        return {n: layer for g in self.groups for n, (_, layer, _) in g.items()}
+
+    @property
+    def specs(self) -> dict[str, KVCacheSpec]:
+        return {n: spec for g in self.groups for n, (spec, _, _) in g.items()}
+
+
+@dataclass
+class Built:
+    scenario: Scenario
+    kv_cache_config: KVCacheConfig
+    kv_caches: dict[str, Any]
+
+    @property
+    def group_layer_names(self) -> list[list[str]]:
+        return [g.layer_names for g in self.kv_cache_config.kv_cache_groups]
+
+
+def register_ascend_specs(upstream) -> None:
+    """What upstream's ``register_ascend_kv_cache_specs``
+    (core/kv_cache_interface.py:372) registers for the specs used here (its
+    other registrations need NPU managers), so vLLM groups them."""
+    for cls in (
+        upstream.specs.AscendMLAAttentionSpec,
+        upstream.specs.AscendSFAIndexerCacheSpec,
+    ):
+        try:
+            KVCacheSpecRegistry.register(
+                kvcache_spec_cls=cls,
+                manager_class=FullAttentionManager,
+                uniform_type_base_spec=FullAttentionSpec,
+            )
+        except AssertionError:
+            pass  # registered by an earlier build in this process
+
+
+def _group_spec(specs: dict[str, KVCacheSpec]) -> KVCacheSpec:
+    first = next(iter(specs.values()))
+    if all(s == first for s in specs.values()):
+        return first
+    uniform = UniformTypeKVCacheSpecs.from_specs(specs)
+    assert uniform is not None, f"specs of one group are not of one type: {specs}"
+    return uniform
+
+
+def plan(scenario: Scenario, layout: KVCacheLayout) -> KVCacheConfig:
+    """vLLM's planner on the scenario's groups, for NUM_BLOCKS blocks."""
+    groups = [
+        KVCacheGroupSpec(list(g), _group_spec({n: s for n, (s, _, _) in g.items()}))
+        for g in scenario.groups
+    ]
+    config = SimpleNamespace(
+        cache_config=SimpleNamespace(
+            num_gpu_blocks_override=NUM_BLOCKS,
+            prefix_cache_retention_interval=None,
+            get_resolved_kv_cache_layout=lambda: layout,
+        ),
+        attention_config=SimpleNamespace(hisparse_config=None),
+    )
+    return get_kv_cache_config_from_groups(config, groups, available_memory=1 << 40)
+
+
+def runner(upstream, scenario: Scenario, kv_cache_config: KVCacheConfig):
+    """An object whose KV-cache methods are upstream's NPUModelRunner's, with
+    the attributes those methods read set as the runner's ``__init__`` and
+    ``initialize_kv_cache`` (model_runner_v1.py:4591-4620) would set them
+    for this scenario, the device being the CPU."""
+    ns = upstream.ns
+    layers = scenario.layers
+    ns["get_layers_from_vllm_config"] = lambda _cfg, _cls, names=None: {
+        n: layers[n] for n in (names or layers)
+    }
+    ns["enable_fa_quant"] = lambda _cfg, layer_name=None: scenario.fa_quant
+    ns["requires_contiguous_pa_kv_cache"] = lambda *a: scenario.contiguous_pa
+    profile = HardwareProfile(scenario.capabilities)
+    ns["get_current_hardware_profile"] = lambda: profile
+
+    # vLLM's attention groups: one per (KV cache group, backend).
+    groups = []
+    for i, g in enumerate(kv_cache_config.kv_cache_groups):
+        by_backend: dict[str | None, list[str]] = {}
+        for n in g.layer_names:
+            by_backend.setdefault(scenario.groups[i][n][2], []).append(n)
+        for backend, names in by_backend.items():
+            groups.append(
+                SimpleNamespace(
+                    kv_cache_group_id=i,
+                    layer_names=names,
+                    kv_cache_spec=g.kv_cache_spec,
+                    backend=upstream.backends.get(backend),
+                )
+            )
+    run = upstream.runner_methods()
+    run.device = torch.device("cpu")
+    model_config = SimpleNamespace(
+        hf_text_config=SimpleNamespace(model_type=scenario.name),
+        use_mla=any(hasattr(layer, "kv_lora_rank") for layer in layers.values()),
+        dtype=torch.bfloat16,
+    )
+    run.model_config = model_config
+    run.vllm_config = SimpleNamespace(
+        # Any KV connector: upstream then 2 MiB-aligns every allocation.
+        kv_transfer_config=SimpleNamespace(kv_connector="OffloadingConnector"),
+        cache_config=SimpleNamespace(
+            cache_dtype=scenario.cache_dtype,
+            get_resolved_kv_cache_layout=lambda: scenario.layout,
+        ),
+        quant_config=scenario.quant_config,
+        model_config=model_config,
+    )
+    run.ascend_config = SimpleNamespace(
+        kvpp_config=SimpleNamespace(size=1),
+        xlite_graph_config=SimpleNamespace(enabled=False),
+    )
+    run.compilation_config = SimpleNamespace(static_forward_context=dict(layers))
+    run.kv_cache_config = kv_cache_config
+    run._kv_cache_spec_attn_group_iterator = lambda: iter(groups)
+    run.use_dcp = False
+    run.use_sparse = scenario.use_sparse
+    run.use_compress = scenario.use_compress
+    run.sparse_kv_offload_enabled = False
+    run.use_hybrid_blocks = len(groups) > 1  # initialize_kv_cache, :4612
+    run.runner_only_attn_layers = set()
+    run.shared_kv_cache_layers = {}
+    run.kv_caches = []
+    run.tp_rank = 0
+    run.c8_cache_dtype = scenario.c8_cache_dtype
+    return run
+
+
+def build(upstream, scenario: Scenario, seed: int = 0) -> Built:
+    """Upstream's KV caches for ``scenario``, every byte random."""
+    register_ascend_specs(upstream)
+    kv_cache_config = plan(scenario, scenario.layout)
+    run = runner(upstream, scenario, kv_cache_config)
+    kv_caches = run.initialize_kv_cache_tensors(
+        kv_cache_config, kernel_block_sizes=scenario.kernel_block_sizes
+    )
+    gen = torch.Generator().manual_seed(seed)
+    for storage in {id(s): s for s in _storages(kv_caches)}.values():
+        raw = torch.tensor([], dtype=torch.uint8).set_(storage)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
+    return Built(scenario, kv_cache_config, kv_caches)
+
+
+def parts_of(cache) -> list[torch.Tensor]:
+    return [cache] if isinstance(cache, torch.Tensor) else list(cache)
+
+
+def _storages(kv_caches):
+    for cache in kv_caches.values():
+        for part in parts_of(cache):
+            yield part.untyped_storage()
+
+
+# -- the layouts -------------------------------------------------------------
+
+ATTN = "AscendAttentionBackend"
+MLA = "AscendMLABackend"
+SFA = "AscendSFABackend"
+INDEXER = "AscendSFAIndexerBackend"
+
+
+def _attn(i: int) -> str:
+    return f"model.layers.{i}.self_attn.attn"
+
+
+def _indexer(i: int) -> str:
+    return f"model.layers.{i}.self_attn.indexer.k_cache"
+
+
+def scenarios(upstream) -> dict[str, Scenario]:
+    """Every layout covered, by name. Specs are built with the arguments
+    upstream's get_kv_cache_spec passes (model_runner_v1.py line cited)."""
+    from tests.unit.upstream_runner import C8MXFPLayer, Layer, MLALayer
+
+    ns, specs = upstream.ns, upstream.specs
+    bf16 = torch.bfloat16
+    # vLLM's Attention.get_kv_cache_spec, kept as is (:6183).
+    dense = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=bf16)
+    # AscendMLAAttentionSpec from vLLM's MLA spec (:6237-6248): head_size is
+    # kv_lora_rank + qk_rope_head_dim = 512 + 64.
+    mla = specs.AscendMLAAttentionSpec(
+        block_size=128, num_kv_heads=1, head_size=576, dtype=bf16
+    )
+    # DeepSeek-V3.2 indexer with indexer_kv_dtype=int8 (:6274-6295, dtypes
+    # of :469-476): int8 K, one fp16 scale per token.
+    indexer_c8 = specs.AscendSFAIndexerCacheSpec(
+        block_size=128,
+        num_kv_heads=1,
+        head_size=128,
+        dtype=torch.int8,
+        cache_dtype_str="int8",
+        scale_dim=1,
+        scale_dtype=torch.float16,
+        cache_sparse_li_c8=True,
+    )
+    kv_quant = upstream.kv_quant()
+    kv_quant.enable_fa_quant = True  # a ModelSlim C8 checkpoint's setting
+    kv_quant.kvcache_quant_layers = {0, 1}
+    mxfp_layers = {
+        _attn(i): (
+            # mxfp_cache_spec of vLLM's spec (:6185); 512-token pages, the
+            # C8-MXFP backend's kernel block (attention_c8_mxfp.py:398).
+            ns["mxfp_cache_spec"](
+                FullAttentionSpec(block_size=512, num_kv_heads=2, head_size=128, dtype=bf16)
+            ),
+            C8MXFPLayer(torch.randint(0, 256, (2 * 128,), dtype=torch.uint8)),
+            ATTN,
+        )
+        for i in range(2)
+    }
+    return {
+        "bf16 (k, v)": Scenario(
+            "bf16_kv",
+            [{_attn(i): (dense, Layer(), ATTN) for i in range(2)}],
+            contiguous_pa=True,  # paged-attention layers: K and V apart
+        ),
+        "bf16 (k, v) interleaved in one allocation": Scenario(
+            "bf16_kv_strided",
+            [{_attn(i): (dense, Layer(), ATTN) for i in range(2)}],
+        ),
+        "C8 INT8 dense (k, v)": Scenario(
+            # kv_c8.py:125 sets the layer's cache dtype to int8; its scales
+            # are per-layer weights (kv_c8.py:132-139), not cache.
+            "c8_int8",
+            [
+                {
+                    _attn(i): (replace(dense, dtype=torch.int8), Layer(), ATTN)
+                    for i in range(2)
+                }
+            ],
+            cache_dtype="int8",
+        ),
+        "MLA (nope, rope)": Scenario(
+            "mla",
+            [{_attn(i): (mla, MLALayer(512, 64), MLA) for i in range(2)}],
+        ),
+        "MLA C8 (int8 nope, bf16 rope)": Scenario(
+            # fa_quant layer (:6226-6228): head_size = 576 + 64, int8.
+            "mla_c8",
+            [
+                {
+                    _attn(i): (
+                        replace(mla, head_size=640, dtype=torch.int8),
+                        MLALayer(512, 64),
+                        MLA,
+                    )
+                    for i in range(2)
+                }
+            ],
+            cache_dtype="int8",
+            fa_quant=True,
+            quant_config=kv_quant,
+        ),
+        "C8-MXFP (k, v, k_scale, v_scale)": Scenario(
+            "c8_mxfp", [mxfp_layers], kernel_block_sizes=[512], cache_dtype="mxfp8"
+        ),
+        "DSA: MLA (nope, rope) + indexer C8 (k, scale)": Scenario(
+            "dsa",
+            [
+                {
+                    **{_attn(i): (mla, MLALayer(512, 64), SFA) for i in range(2)},
+                    **{_indexer(i): (indexer_c8, Layer(), INDEXER) for i in range(2)},
+                }
+            ],
+            use_sparse=True,
+        ),
+        "sparse-SFA C8 packed latent + indexer C8 (k, scale)": Scenario(
+            # :6196-6213: one int8 row of latent, bf16 rope and fp32 tile
+            # scales (get_sfa_qsfa_packed_head_dim).
+            "sfa_c8",
+            [
+                {
+                    **{
+                        _attn(i): (
+                            replace(
+                                mla,
+                                head_size=ns["get_sfa_qsfa_packed_head_dim"](512, 64),
+                                dtype=torch.int8,
+                                cache_dtype_str="int8",
+                                cache_sparse_sfa_c8=True,
+                            ),
+                            MLALayer(512, 64),
+                            SFA,
+                        )
+                        for i in range(2)
+                    },
+                    **{_indexer(i): (indexer_c8, Layer(), INDEXER) for i in range(2)},
+                }
+            ],
+            use_sparse=True,
+            cache_dtype="int8",
+            c8_cache_dtype=torch.int8,
+        ),
+        "hybrid attention + Mamba": Scenario(
+            "qwen3_next",
+            [
+                {_attn(1): (replace(dense, block_size=64), Layer(), ATTN)},
+                {
+                    "model.layers.0.linear_attn": (
+                        # Padded to the attention page, as vLLM unifies
+                        # hybrid page sizes.
+                        MambaSpec(
+                            block_size=64,
+                            shapes=((3, 256), (4, 32, 32)),
+                            dtypes=(bf16, torch.float32),
+                            page_size_padded=replace(dense, block_size=64).page_size_bytes,
+                        ),
+                        Layer(),
+                        None,
+                    )
+                },
+            ],
+        ),
+        "DSV4 indexer: (k, scale) + overlapping full-page view": Scenario(
+            # _reshape_kv_cache_tensors, :5497-5517: with
+            # DSV4_COMPRESSED_CACHE the layer also gets a full view of the
+            # same page bytes (overlap_full_kv_cache).
+            "dsv4",
+            [
+                {
+                    _indexer(i): (
+                        specs.AscendMLAAttentionSpec(
+                            block_size=128,
+                            num_kv_heads=1,
+                            head_size=128,
+                            dtype=torch.int8,
+                            scale_dim=4,
+                            scale_dtype=torch.float32,
+                            tokens_per_state=4,
+                            model_version="deepseek_v4",
+                        ),
+                        Layer(),
+                        MLA,
+                    )
+                    for i in range(1)
+                }
+            ],
+            layout=KVCacheLayout.BLHNC,
+            use_compress=True,
+            capabilities=frozenset({"DSV4_COMPRESSED_CACHE"}),
+        ),
+    }
