@@ -120,7 +120,10 @@ def spec_bytes_per_block(built) -> int:
     allocation: a block id belongs to one group at a time)."""
     config = built.kv_cache_config
     specs = built.scenario.specs
-    return max(sum(specs[n].page_size_bytes for n in g.layer_names) for g in config.kv_cache_groups)
+    return max(
+        sum(specs[n].page_size_bytes for n in g.layer_names)
+        for g in config.kv_cache_groups
+    )
 
 
 def test_is_registered_and_every_part_survives_a_round_trip(layout):
@@ -146,8 +149,17 @@ def test_bytes_per_cpu_block_are_what_the_spec_says(layout):
 
 
 def without_tensor(canonical: CanonicalKVCaches, drop: int) -> CanonicalKVCaches:
-    """``canonical`` with one of its tensors (a part, or a page window of
-    several) left out, as a canonicaliser that forgot it would produce."""
+    """``canonical`` with one of its tensors (a part, or a page shared by
+    several) left out, as a canonicaliser that forgot it would produce; if it
+    is the only one, with its last byte left out instead."""
+    if len(canonical.tensors) == 1:
+        return CanonicalKVCaches(
+            tensors=canonical.tensors,
+            group_data_refs=[
+                [CanonicalKVCacheRef(r.tensor_idx, r.page_size_bytes - 1) for r in refs]
+                for refs in canonical.group_data_refs
+            ],
+        )
     keep = [i for i in range(len(canonical.tensors)) if i != drop]
     new_index = {old: new for new, old in enumerate(keep)}
     return CanonicalKVCaches(
@@ -176,6 +188,6 @@ def test_the_round_trip_check_catches_a_part_left_out(layout):
             num_cpu_blocks=NUM_CPU_BLOCKS,
         )
         try:
-            assert round_trip(worker, layout) != [], f"tensor {drop} dropped"
+            assert round_trip(worker, layout) != [], f"tensor {drop} left out"
         finally:
             worker.shutdown()

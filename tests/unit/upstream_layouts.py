@@ -264,7 +264,9 @@ def scenarios(upstream) -> dict[str, Scenario]:
             # mxfp_cache_spec of vLLM's spec (:6185); 512-token pages, the
             # C8-MXFP backend's kernel block (attention_c8_mxfp.py:398).
             ns["mxfp_cache_spec"](
-                FullAttentionSpec(block_size=512, num_kv_heads=2, head_size=128, dtype=bf16)
+                FullAttentionSpec(
+                    block_size=512, num_kv_heads=2, head_size=128, dtype=bf16
+                )
             ),
             C8MXFPLayer(torch.randint(0, 256, (2 * 128,), dtype=torch.uint8)),
             ATTN,
@@ -357,20 +359,26 @@ def scenarios(upstream) -> dict[str, Scenario]:
         "hybrid attention + Mamba": Scenario(
             "qwen3_next",
             [
-                {_attn(1): (replace(dense, block_size=64), Layer(), ATTN)},
                 {
-                    "model.layers.0.linear_attn": (
+                    _attn(i): (replace(dense, block_size=64), Layer(), ATTN)
+                    for i in (1, 3)
+                },
+                {
+                    f"model.layers.{i}.linear_attn": (
                         # Padded to the attention page, as vLLM unifies
                         # hybrid page sizes.
                         MambaSpec(
                             block_size=64,
                             shapes=((3, 256), (4, 32, 32)),
                             dtypes=(bf16, torch.float32),
-                            page_size_padded=replace(dense, block_size=64).page_size_bytes,
+                            page_size_padded=replace(
+                                dense, block_size=64
+                            ).page_size_bytes,
                         ),
                         Layer(),
                         None,
                     )
+                    for i in (0, 2)
                 },
             ],
         ),

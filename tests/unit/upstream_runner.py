@@ -366,7 +366,9 @@ def load(root: Path) -> SimpleNamespace:
         _exec([cls], ns, rel)
         backends[name] = ns[name]
 
-    quant = _methods(_source(root, QUANT)[1], "AscendModelSlimConfig", QUANT_METHODS, QUANT)
+    quant = _methods(
+        _source(root, QUANT)[1], "AscendModelSlimConfig", QUANT_METHODS, QUANT
+    )
     _exec([ast.ClassDef("ModelSlimKVQuant", [], [], quant, [])], ns, QUANT)
 
     runner_tree = _source(root, RUNNER)[1]
