@@ -25,7 +25,9 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
 from tests.unit.conftest import make_connector
 from tests.unit.upstream_layouts import build, parts_of, scenarios
-from vllm_ascend.kv_offload.kv_layout import canonicalize
+from tests.unit.upstream_runner import REPLACEMENTS, RUNNER, RUNNER_METHODS
+from vllm_ascend.kv_offload.kv_layout import KVLayoutError, canonicalize
+from vllm_ascend.kv_offload.sizing import size_kv
 from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
 
 NUM_CPU_BLOCKS = 8
@@ -49,8 +51,42 @@ LAYOUTS = [
 ]
 
 
+# Layouts start-up refuses: (layout, what the error must say).
+REFUSED = {
+    # Each part of a 1024-token block is two runs, one per 512-token kernel
+    # packet [K | K scale | V | V scale]: not one fragment per block.
+    "C8-MXFP, 1024-token blocks over 512-token kernel blocks": (
+        r"KV cache part model\.layers\.0\.self_attn\.attn\[0\] with shape "
+        r"\(12, 2, 4, 512, 32\) .* is not contiguous within a block"
+    ),
+}
+
+
 def test_every_layout_listed_here_is_one_upstream_builds(upstream):
-    assert sorted(LAYOUTS) == sorted(scenarios(upstream))
+    assert sorted(LAYOUTS + list(REFUSED)) == sorted(scenarios(upstream))
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_a_layout_offloading_cannot_copy_is_refused_at_registration(upstream, name):
+    built = build(upstream, scenarios(upstream)[name])
+    with pytest.raises(KVLayoutError, match=REFUSED[name]):
+        connector_for(built)
+
+
+def test_every_replacement_stands_for_a_name_upstreams_runner_code_reads(upstream):
+    """REPLACEMENTS lists what runs instead of NPU-only upstream code; each
+    entry is a name the cut-out runner methods really read."""
+    read = set()
+    for method in RUNNER_METHODS:
+        code = getattr(upstream.runner_methods, method).__code__
+        read |= set(code.co_names) | {
+            name
+            for c in code.co_consts
+            if hasattr(c, "co_names")
+            for name in c.co_names
+        }
+    for name in REPLACEMENTS:
+        assert name.removeprefix("self.") in read, f"{RUNNER} does not read {name}"
 
 
 @pytest.fixture(params=LAYOUTS)
@@ -144,6 +180,47 @@ def test_bytes_per_cpu_block_are_what_the_spec_says(layout):
         # vLLM's own figure from the KVCacheConfig, which sizes the pool.
         config = connector.connector_worker.spec.config
         assert config.worker_kv_bytes_per_block == spec_bytes
+    finally:
+        worker.shutdown()
+
+
+# HF configs of the layouts sizing.py can size (dense and MLA attention; it
+# knows no scale tensors, Ascend indexers or mixed-dtype MLA), with the
+# --kv-cache-dtype each was built with.
+SIZABLE = {
+    "bf16 (k, v)": ({"num_attention_heads": 4, "num_key_value_heads": 2}, "auto"),
+    "bf16 (k, v) interleaved in one allocation": (
+        {"num_attention_heads": 4, "num_key_value_heads": 2},
+        "auto",
+    ),
+    "C8 INT8 dense (k, v)": (
+        {"num_attention_heads": 4, "num_key_value_heads": 2},
+        "int8",
+    ),
+    "MLA (nope, rope)": ({"kv_lora_rank": 512, "qk_rope_head_dim": 64}, "auto"),
+}
+
+
+@pytest.mark.parametrize("name", SIZABLE)
+def test_sizing_gives_the_bytes_per_cpu_block_the_pool_holds(upstream, name):
+    built = build(upstream, scenarios(upstream)[name])
+    config, kv_cache_dtype = SIZABLE[name]
+    sizing = size_kv(
+        {
+            **config,
+            "model_type": "test",
+            "num_hidden_layers": 2,
+            "head_dim": 64,
+            "torch_dtype": "bfloat16",
+        },
+        block_size=block_size(built),
+        device_block_size=block_size(built),
+        kv_cache_dtype=kv_cache_dtype,
+    )
+    connector = connector_for(built)
+    worker = connector.connector_worker.worker
+    try:
+        assert sizing.worker_bytes_per_cpu_block == worker.pool.row_bytes
     finally:
         worker.shutdown()
 

@@ -259,20 +259,22 @@ def scenarios(upstream) -> dict[str, Scenario]:
     kv_quant = upstream.kv_quant()
     kv_quant.enable_fa_quant = True  # a ModelSlim C8 checkpoint's setting
     kv_quant.kvcache_quant_layers = {0, 1}
-    mxfp_layers = {
-        _attn(i): (
-            # mxfp_cache_spec of vLLM's spec (:6185); 512-token pages, the
-            # C8-MXFP backend's kernel block (attention_c8_mxfp.py:398).
-            ns["mxfp_cache_spec"](
-                FullAttentionSpec(
-                    block_size=512, num_kv_heads=2, head_size=128, dtype=bf16
-                )
-            ),
-            C8MXFPLayer(torch.randint(0, 256, (2 * 128,), dtype=torch.uint8)),
-            ATTN,
-        )
-        for i in range(2)
-    }
+
+    def mxfp_layers(block_size: int):
+        return {
+            _attn(i): (
+                # mxfp_cache_spec of vLLM's spec (:6185).
+                ns["mxfp_cache_spec"](
+                    FullAttentionSpec(
+                        block_size=block_size, num_kv_heads=2, head_size=128, dtype=bf16
+                    )
+                ),
+                C8MXFPLayer(torch.randint(0, 256, (2 * 128,), dtype=torch.uint8)),
+                ATTN,
+            )
+            for i in range(2)
+        }
+
     return {
         "bf16 (k, v)": Scenario(
             "bf16_kv",
@@ -316,8 +318,18 @@ def scenarios(upstream) -> dict[str, Scenario]:
             fa_quant=True,
             quant_config=kv_quant,
         ),
+        # 512-token kernel blocks: the C8-MXFP backend's only size
+        # (attention_c8_mxfp.py:398).
         "C8-MXFP (k, v, k_scale, v_scale)": Scenario(
-            "c8_mxfp", [mxfp_layers], kernel_block_sizes=[512], cache_dtype="mxfp8"
+            "c8_mxfp", [mxfp_layers(512)], kernel_block_sizes=[512], cache_dtype="mxfp8"
+        ),
+        # A larger scheduler block spans several kernel packets
+        # (mxfp_cache_views_for_spec, attention_c8_mxfp.py:236-252).
+        "C8-MXFP, 1024-token blocks over 512-token kernel blocks": Scenario(
+            "c8_mxfp_1024",
+            [mxfp_layers(1024)],
+            kernel_block_sizes=[512],
+            cache_dtype="mxfp8",
         ),
         "DSA: MLA (nope, rope) + indexer C8 (k, scale)": Scenario(
             "dsa",
