@@ -280,3 +280,31 @@ def test_groups_that_overlay_pages_with_a_shift_are_refused_by_name():
         r"groups overlap in memory, but not page for page",
     ):
         canonicalize(kv, [["layers.1.attn"], ["layers.0.mamba"]], NUM_BLOCKS)
+
+
+def packets(kernel_blocks_per_block=2, sections=(3072, 512, 1024)):
+    """Parts of one allocation of packets [a | b | c], several packets per
+    block (as C8-MXFP's [K | K scale | V | V scale] kernel packets inside a
+    larger scheduler block): each part is one run per packet."""
+    pitch = sum(sections)
+    shape = (NUM_BLOCKS, kernel_blocks_per_block, pitch)
+    raw = torch.randint(-128, 128, shape).to(torch.int8)
+    starts = [sum(sections[:i]) for i in range(len(sections))]
+    return [raw[:, :, s : s + n] for s, n in zip(starts, sections, strict=True)]
+
+
+def test_parts_that_tile_each_block_together_are_copied_as_that_block():
+    parts = packets()
+    kv = {"layers.0.attn": parts}
+    page = 2 * 4608
+    canonical = round_trip(
+        kv, [["layers.0.attn"]], bpc=2, group_sizes=[3], block_indices=[1]
+    )
+    assert [t.page_size_bytes for t in canonical.tensors] == [page]
+    canonicalize(kv, [list(kv)], NUM_BLOCKS, {"layers.0.attn": (page, page)})
+
+
+def test_parts_that_leave_a_gap_in_each_block_are_refused_by_name():
+    a, _, c = packets()  # the middle section of every packet is nobody's
+    with pytest.raises(KVLayoutError, match=r"layers\.0\.attn\[0\] .* not contiguous"):
+        canonicalize({"layers.0.attn": (a, c)}, [["layers.0.attn"]], NUM_BLOCKS)

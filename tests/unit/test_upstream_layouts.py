@@ -24,9 +24,10 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
 from tests.unit.conftest import make_connector
-from tests.unit.upstream_layouts import build, parts_of, scenarios
+from tests.unit.upstream_layouts import build, parts_of
 from tests.unit.upstream_runner import REPLACEMENTS, RUNNER, RUNNER_METHODS
-from vllm_ascend.kv_offload.kv_layout import KVLayoutError, canonicalize
+from tests.unit.upstream_scenarios import scenarios
+from vllm_ascend.kv_offload.kv_layout import canonicalize
 from vllm_ascend.kv_offload.sizing import size_kv
 from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
 
@@ -44,6 +45,7 @@ LAYOUTS = [
     "MLA (nope, rope)",
     "MLA C8 (int8 nope, bf16 rope)",
     "C8-MXFP (k, v, k_scale, v_scale)",
+    "C8-MXFP, 1024-token blocks over 512-token kernel blocks",
     "DSA: MLA (nope, rope) + indexer C8 (k, scale)",
     "sparse-SFA C8 packed latent + indexer C8 (k, scale)",
     "hybrid attention + Mamba",
@@ -51,26 +53,8 @@ LAYOUTS = [
 ]
 
 
-# Layouts start-up refuses: (layout, what the error must say).
-REFUSED = {
-    # Each part of a 1024-token block is two runs, one per 512-token kernel
-    # packet [K | K scale | V | V scale]: not one fragment per block.
-    "C8-MXFP, 1024-token blocks over 512-token kernel blocks": (
-        r"KV cache part model\.layers\.0\.self_attn\.attn\[0\] with shape "
-        r"\(12, 2, 4, 512, 32\) .* is not contiguous within a block"
-    ),
-}
-
-
 def test_every_layout_listed_here_is_one_upstream_builds(upstream):
-    assert sorted(LAYOUTS + list(REFUSED)) == sorted(scenarios(upstream))
-
-
-@pytest.mark.parametrize("name", REFUSED)
-def test_a_layout_offloading_cannot_copy_is_refused_at_registration(upstream, name):
-    built = build(upstream, scenarios(upstream)[name])
-    with pytest.raises(KVLayoutError, match=REFUSED[name]):
-        connector_for(built)
+    assert sorted(LAYOUTS) == sorted(scenarios(upstream))
 
 
 def test_every_replacement_stands_for_a_name_upstreams_runner_code_reads(upstream):

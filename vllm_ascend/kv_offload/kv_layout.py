@@ -12,7 +12,10 @@ Shapes alone are trusted no further than they can be checked: the parts of a
 layer must add up to the page vLLM's KV-cache spec gives that layer (between
 its unpadded and padded page size), and within a KV cache group no two views
 may share a byte unless they are the same view (layers sharing one cache),
-which is copied once. Two overlaps are layouts upstream vllm-ascend builds:
+which is copied once. A layer whose parts are each several runs per block
+(C8-MXFP's kernel packets [K | K scale | V | V scale] inside a larger
+scheduler block) is copied as the block they tile together, if they cover
+it exactly. Two overlaps are layouts upstream vllm-ascend builds:
 
 * a layer may hand a full-page view beside the component views of the same
   bytes (the DeepSeek-V4 indexer's ``(k, scale, full)``): a part holding every
@@ -88,6 +91,56 @@ def block_view(part: torch.Tensor, num_blocks: int, name: str) -> torch.Tensor:
         (num_blocks, page_bytes),
         (block_stride, 1),
     )
+
+
+def _tiled_page(parts: list[torch.Tensor], num_blocks: int) -> torch.Tensor | None:
+    """The view of the page ``parts`` tile together in each block (every
+    byte of one contiguous range once), if they do."""
+    storage = parts[0].untyped_storage()
+    offsets, strides = [], set()
+    for part in parts:
+        if (
+            part.untyped_storage().data_ptr() != storage.data_ptr()
+            or part.dim() < 1
+            or part.shape[0] % num_blocks
+        ):
+            return None
+        blocks = part.unflatten(0, (num_blocks, -1))
+        elem = part.element_size()
+        strides.add(blocks.stride(0) * elem if num_blocks > 1 else None)
+        # Byte offsets of block 0, from its shape and strides (no copy).
+        idx = torch.tensor(part.storage_offset() * elem, dtype=torch.int64)
+        for size, stride in zip(blocks.shape[1:], blocks.stride()[1:], strict=True):
+            idx = idx.unsqueeze(-1) + torch.arange(size) * (stride * elem)
+        offsets.append((idx.reshape(-1, 1) + torch.arange(elem)).reshape(-1))
+    block = torch.cat(offsets).sort().values
+    lo, size = int(block[0]), block.numel()
+    if len(strides) != 1 or not torch.equal(block, torch.arange(lo, lo + size)):
+        return None
+    stride = strides.pop() or size
+    if stride < size:
+        return None
+    return torch.tensor([], dtype=torch.int8, device=parts[0].device).set_(
+        storage, lo, (num_blocks, size), (stride, 1)
+    )
+
+
+def _layer_views(
+    layer: str, parts: list[torch.Tensor], num_blocks: int
+) -> list[torch.Tensor]:
+    """One block view per part; or, where the parts are several runs per
+    block (C8-MXFP's kernel packets [K | K scale | V | V scale] inside a
+    larger scheduler block), the one page they tile together."""
+    try:
+        return [
+            block_view(part, num_blocks, f"{layer}[{i}]")
+            for i, part in enumerate(parts)
+        ]
+    except KVLayoutError:
+        page = _tiled_page(parts, num_blocks)
+        if page is None:
+            raise
+        return [page]
 
 
 def _check_page_bytes(
@@ -273,10 +326,7 @@ def canonicalize(
             parts = [cache] if isinstance(cache, torch.Tensor) else list(cache)
             if not parts:
                 raise KVLayoutError(f"KV cache of layer {layer} has no tensors")
-            views = [
-                block_view(part, num_blocks, f"{layer}[{i}]")
-                for i, part in enumerate(parts)
-            ]
+            views = _layer_views(layer, parts, num_blocks)
             full = _full_view(views)
             copied = list(enumerate(views)) if full is None else [(full, views[full])]
             if page_bytes is not None and layer in page_bytes:
