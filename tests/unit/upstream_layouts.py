@@ -7,7 +7,7 @@ plans the ``KVCacheConfig`` with vLLM's own planner
 (``get_kv_cache_config_from_groups``, as the engine core does) and runs
 upstream's ``initialize_kv_cache_tensors`` (tests/unit/upstream_runner.py) to
 get the ``kv_caches`` dict upstream hands to ``register_kv_caches``
-(model_runner_v1.py:4686).
+(model_runner_v1.py:4692).
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ def runner(upstream, scenario: Scenario, kv_cache_config: KVCacheConfig):
     run.use_sparse = scenario.use_sparse
     run.use_compress = scenario.use_compress
     run.sparse_kv_offload_enabled = False
-    run.use_hybrid_blocks = len(groups) > 1  # initialize_kv_cache, :4612
+    run.use_hybrid_blocks = len(groups) > 1  # initialize_kv_cache, :4613
     run.runner_only_attn_layers = set()
     run.shared_kv_cache_layers = {}
     run.kv_caches = []

@@ -127,7 +127,7 @@ class Layer:
 
 class MLALayer(Layer):
     """Stands for vLLM's ``MLAAttention`` layer: the runner reads its
-    ``kv_lora_rank`` and ``qk_rope_head_dim`` (model_runner_v1.py:4848)."""
+    ``kv_lora_rank`` and ``qk_rope_head_dim`` (model_runner_v1.py:4853)."""
 
     def __init__(self, kv_lora_rank: int, qk_rope_head_dim: int, impl: Any = None):
         super().__init__(impl)
@@ -139,7 +139,7 @@ class C8MXFPImpl:
     """Stands for ``AscendC8MXFPAttentionBackendImpl``
     (attention_c8_mxfp.py:472), an NPU attention impl: the runner only tests
     a layer's impl against it to find C8-MXFP layers
-    (model_runner_v1.py:4719)."""
+    (model_runner_v1.py:4721)."""
 
 
 class C8MXFPLayer(Layer):
@@ -184,7 +184,7 @@ class Capability:
 # name -> (what it stands for in upstream, why it is replaced)
 REPLACEMENTS = {
     "self.device": (
-        "model_runner_v1.py:4883,5223 torch.zeros(..., device=self.device)",
+        "model_runner_v1.py:4882-4887,5184-5198 torch.zeros(..., device=self.device)",
         "the NPU; torch.device('cpu') here",
     ),
     "get_layers_from_vllm_config": (

@@ -33,14 +33,14 @@ def scenarios(upstream) -> dict[str, Scenario]:
     upstream's get_kv_cache_spec passes (model_runner_v1.py line cited)."""
     ns, specs = upstream.ns, upstream.specs
     bf16 = torch.bfloat16
-    # vLLM's Attention.get_kv_cache_spec, kept as is (:6183).
+    # vLLM's Attention.get_kv_cache_spec, kept as is (:6183-6186).
     dense = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=bf16)
-    # AscendMLAAttentionSpec from vLLM's MLA spec (:6237-6248): head_size is
+    # AscendMLAAttentionSpec from vLLM's MLA spec (:6237-6268): head_size is
     # kv_lora_rank + qk_rope_head_dim = 512 + 64.
     mla = specs.AscendMLAAttentionSpec(
         block_size=128, num_kv_heads=1, head_size=576, dtype=bf16
     )
-    # DeepSeek-V3.2 indexer with indexer_kv_dtype=int8 (:6274-6295, dtypes
+    # DeepSeek-V3.2 indexer with indexer_kv_dtype=int8 (:6270-6300, dtypes
     # of :469-476): int8 K, one fp16 scale per token.
     indexer_c8 = specs.AscendSFAIndexerCacheSpec(
         block_size=128,
@@ -98,7 +98,7 @@ def scenarios(upstream) -> dict[str, Scenario]:
             [{_attn(i): (mla, MLALayer(512, 64), MLA) for i in range(2)}],
         ),
         "MLA C8 (int8 nope, bf16 rope)": Scenario(
-            # fa_quant layer (:6226-6228): head_size = 576 + 64, int8.
+            # fa_quant layer (:6238-6239): head_size = 576 + 64, int8.
             "mla_c8",
             [
                 {
@@ -115,7 +115,7 @@ def scenarios(upstream) -> dict[str, Scenario]:
             quant_config=kv_quant,
         ),
         # 512-token kernel blocks: the C8-MXFP backend's only size
-        # (attention_c8_mxfp.py:398).
+        # (attention_c8_mxfp.py:397-399).
         "C8-MXFP (k, v, k_scale, v_scale)": Scenario(
             "c8_mxfp", [mxfp_layers(512)], kernel_block_sizes=[512], cache_dtype="mxfp8"
         ),
@@ -138,7 +138,7 @@ def scenarios(upstream) -> dict[str, Scenario]:
             use_sparse=True,
         ),
         "sparse-SFA C8 packed latent + indexer C8 (k, scale)": Scenario(
-            # :6196-6213: one int8 row of latent, bf16 rope and fp32 tile
+            # :6207-6235: one int8 row of latent, bf16 rope and fp32 tile
             # scales (get_sfa_qsfa_packed_head_dim).
             "sfa_c8",
             [
@@ -191,7 +191,7 @@ def scenarios(upstream) -> dict[str, Scenario]:
             ],
         ),
         "DSV4 indexer: (k, scale) + overlapping full-page view": Scenario(
-            # _reshape_kv_cache_tensors, :5497-5517: with
+            # _reshape_kv_cache_tensors, :5520-5535: with
             # DSV4_COMPRESSED_CACHE the layer also gets a full view of the
             # same page bytes (overlap_full_kv_cache).
             "dsv4",
