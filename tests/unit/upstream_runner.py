@@ -223,6 +223,51 @@ REPLACEMENTS = {
         "kv_pool/ascend_store/layerwise_cache_layout.py:76",
         "its answer for an OffloadingConnector config: None",
     ),
+    "HardwareCapability": (
+        "model_runner_v1.py:154 (device/hardware_profile.py:37, an Enum)",
+        "Capability: members by name, for HardwareProfile",
+    ),
+    "allocate_kvpp_cache": (
+        "model_runner_v1.py:237, called at :4964",
+        "not reached (KV pipeline parallelism off): fails if called",
+    ),
+    "allocate_kv_cache_tensors_for_sparse_kv_offload": (
+        "model_runner_v1.py:164",
+        "not reached (sparse KV offload off): fails if called",
+    ),
+    "reshape_kv_cache_tensors_for_sparse_kv_offload": (
+        "model_runner_v1.py:168",
+        "not reached (sparse KV offload off): fails if called",
+    ),
+    "view_glm5_next_cache": (
+        "model_runner_v1.py:179",
+        "not reached (no GLM-Next cache): fails if called",
+    ),
+    "v41_cache_layer_type": (
+        "model_runner_v1.py:288 (DeepseekV41CacheLayer)",
+        "a class no stand-in layer is an instance of",
+    ),
+    "extract_dsv4_layer_index": (
+        "utils.py, imported at model_runner_v1.py:4781",
+        "not reached (no model of type deepseek_v4): fails if called",
+    ),
+    "self.vllm_config": (
+        "NPUModelRunner.__init__: the VllmConfig",
+        "a namespace of the settings the code reads (KV transfer on, cache "
+        "dtype, resolved layout, quant config, model config)",
+    ),
+    "self.ascend_config": (
+        "model_runner_v1.py:426 get_ascend_config()",
+        "KV pipeline parallelism size 1, xlite graph off",
+    ),
+    "self.compilation_config": (
+        "vLLM's static forward context of the built model",
+        "the scenario's stand-in layers (Layer, MLALayer, C8MXFPLayer)",
+    ),
+    "is_sparse": (
+        "vLLM AttentionBackend.is_sparse, read at model_runner_v1.py:5014",
+        "True for upstream's SFA and indexer backends (BACKENDS)",
+    ),
     "self._kv_cache_spec_attn_group_iterator": (
         "vLLM GPUModelRunner; groups built by initialize_attn_backend",
         "that picks NPU backends: the scenario's groups with upstream's "
