@@ -67,6 +67,25 @@ def opened_paths() -> Iterator[list[str]]:
     _RECORDING.remove(paths)
 
 
+@pytest.fixture(scope="session")
+def upstream(tmp_path_factory):
+    """Upstream vllm-ascend 0.30.0rc2's KV-cache code, loaded from its sdist
+    (downloaded once into the cache of tests/packaging/upstream.py) for
+    running on CPU (tests/unit/upstream_runner.py)."""
+    from tests.packaging.upstream import (
+        PackagingSetupError,
+        unpack_sdist,
+        upstream_sdist,
+    )
+    from tests.unit.upstream_runner import load
+
+    try:
+        sdist = upstream_sdist()
+    except PackagingSetupError as e:
+        pytest.skip(f"cannot download upstream vllm-ascend's sdist: {e}")
+    return load(unpack_sdist(sdist, tmp_path_factory.mktemp("upstream")))
+
+
 # A small model's KV cache: layers of 2 KV heads of 32 fp32 values, blocks of
 # 16 tokens, one full-attention KV cache group per entry of ``groups``.
 CONNECTOR_BLOCK_SIZE = 16
@@ -79,10 +98,13 @@ def make_connector(
     num_groups: int = 1,
     num_blocks: int = CONNECTOR_DEVICE_BLOCKS,
     kv_load_failure_policy: str = "recompute",
+    kv_cache_config=None,
+    kv_caches: dict | None = None,
 ):
     """``AscendOffloadingConnector`` built by its constructor, as vLLM builds
     it (``role``: "worker" or "scheduler"), for the tiny test model. A worker
-    side gets zero-filled KV caches registered. ``extra``: the
+    side gets zero-filled KV caches registered, or ``kv_caches`` (with their
+    ``kv_cache_config``) when given. ``extra``: the
     ``kv_connector_extra_config``; default: 8 CPU blocks of the test-only
     fault-injecting spec (tests/fault_injection.py)."""
     from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
@@ -105,7 +127,7 @@ def make_connector(
     )
     groups = [[f"layers.{g}.attn"] for g in range(num_groups)]
     page = spec.page_size_bytes
-    kv_cache_config = KVCacheConfig(
+    kv_cache_config = kv_cache_config or KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[
             KVCacheTensor(
@@ -141,7 +163,8 @@ def make_connector(
     connector = AscendOffloadingConnector(vllm_config, roles[role], kv_cache_config)
     if role == "worker":
         connector.register_kv_caches(
-            {
+            kv_caches
+            or {
                 layer: torch.zeros(num_blocks, 2, CONNECTOR_BLOCK_SIZE, 2, 32)
                 for layers in groups
                 for layer in layers

@@ -210,3 +210,101 @@ def test_views_that_overlap_without_being_the_same_are_refused_by_name():
     # The same view twice is sharing, not overlap: copied once.
     shared = {"layers.0.attn": (layer0,), "layers.1.attn": (layer0,)}
     assert len(canonicalize(shared, [list(shared)], NUM_BLOCKS).tensors) == 1
+
+
+# -- overlapping views that upstream vllm-ascend builds -----------------------
+
+
+def components_and_full_view(page=4096, split=3072):
+    """One allocation viewed as K (first ``split`` bytes of each page), its
+    scales (the rest) and the whole page, as upstream's DeepSeek-V4 indexer
+    hands them over."""
+    raw = torch.randint(-128, 128, (NUM_BLOCKS, page), dtype=torch.int8)
+    return raw[:, :split], raw[:, split:], raw
+
+
+def test_a_full_page_view_beside_its_components_is_copied_alone():
+    k, scale, full = components_and_full_view()
+    kv = {"layers.0.indexer": (k, scale, full)}
+    canonical = canonicalize(
+        kv, [list(kv)], NUM_BLOCKS, {"layers.0.indexer": (4096, 4096)}
+    )
+    assert [t.page_size_bytes for t in canonical.tensors] == [4096]
+    assert canonical.tensors[0].tensor.data_ptr() == full.data_ptr()
+
+
+def test_a_view_covering_only_some_of_the_components_is_still_refused():
+    k, scale, full = components_and_full_view()
+    partial = full[:, 1024:]  # holds the scales and part of K
+    with pytest.raises(KVLayoutError, match=r"layers\.0\.indexer\[\d\] and .* overlap"):
+        canonicalize(
+            {"layers.0.indexer": (k, scale, partial)},
+            [["layers.0.indexer"]],
+            NUM_BLOCKS,
+        )
+
+
+def overlaid_groups(page=4096, conv=1024, shift=0):
+    """A hybrid model's two groups over one allocation, as vLLM's planner
+    and upstream's runner lay them out: an attention layer's K and V and a
+    Mamba layer's conv and SSM states, both in each page of the same slot."""
+    raw = torch.randint(-128, 128, ((NUM_BLOCKS + 1) * page,), dtype=torch.int8)
+    pages = raw[shift : shift + NUM_BLOCKS * page].view(NUM_BLOCKS, page)
+    base = raw[: NUM_BLOCKS * page].view(NUM_BLOCKS, page)
+    attn = (base[:, : page // 2], base[:, page // 2 :])
+    mamba = [pages[:, :conv], pages[:, conv : page // 2]]
+    return {"layers.1.attn": attn, "layers.0.mamba": mamba}
+
+
+def test_groups_that_overlay_the_same_pages_copy_one_page_each_its_own_prefix():
+    kv = overlaid_groups()
+    groups = [["layers.1.attn"], ["layers.0.mamba"]]
+    canonical = canonicalize(kv, groups, NUM_BLOCKS)
+    assert [t.page_size_bytes for t in canonical.tensors] == [4096]
+    # Attention copies its whole page, Mamba the 2048 bytes holding its states.
+    assert [
+        [r.page_size_bytes for r in refs] for refs in canonical.group_data_refs
+    ] == [
+        [4096, 4096],
+        [2048, 2048],
+    ]
+    # A block id belongs to one group at a time: here 5 to attention, 4 to Mamba.
+    round_trip(kv, groups, bpc=1, group_sizes=[1, 1], block_indices=[0, 0])
+
+
+def test_groups_that_overlay_pages_with_a_shift_are_refused_by_name():
+    kv = overlaid_groups(shift=3072)  # Mamba's block b reaches into page b + 1
+    with pytest.raises(
+        KVLayoutError,
+        match=r"layers\.1\.attn\[0\] and layers\.0\.mamba\[0\] of different KV cache "
+        r"groups overlap in memory, but not page for page",
+    ):
+        canonicalize(kv, [["layers.1.attn"], ["layers.0.mamba"]], NUM_BLOCKS)
+
+
+def packets(kernel_blocks_per_block=2, sections=(3072, 512, 1024)):
+    """Parts of one allocation of packets [a | b | c], several packets per
+    block (as C8-MXFP's [K | K scale | V | V scale] kernel packets inside a
+    larger scheduler block): each part is one run per packet."""
+    pitch = sum(sections)
+    shape = (NUM_BLOCKS, kernel_blocks_per_block, pitch)
+    raw = torch.randint(-128, 128, shape).to(torch.int8)
+    starts = [sum(sections[:i]) for i in range(len(sections))]
+    return [raw[:, :, s : s + n] for s, n in zip(starts, sections, strict=True)]
+
+
+def test_parts_that_tile_each_block_together_are_copied_as_that_block():
+    parts = packets()
+    kv = {"layers.0.attn": parts}
+    page = 2 * 4608
+    canonical = round_trip(
+        kv, [["layers.0.attn"]], bpc=2, group_sizes=[3], block_indices=[1]
+    )
+    assert [t.page_size_bytes for t in canonical.tensors] == [page]
+    canonicalize(kv, [list(kv)], NUM_BLOCKS, {"layers.0.attn": (page, page)})
+
+
+def test_parts_that_leave_a_gap_in_each_block_are_refused_by_name():
+    a, _, c = packets()  # the middle section of every packet is nobody's
+    with pytest.raises(KVLayoutError, match=r"layers\.0\.attn\[0\] .* not contiguous"):
+        canonicalize({"layers.0.attn": (a, c)}, [["layers.0.attn"]], NUM_BLOCKS)

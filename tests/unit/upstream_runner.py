@@ -1,0 +1,428 @@
+"""Upstream vllm-ascend 0.30.0rc2's KV-cache allocation code, run on CPU.
+
+The functions that build every layer's KV cache on Ascend are executed from
+the upstream sdist's own source text: each one is cut out of its file with
+``ast`` (never re-typed here) and ``exec``-ed with its module globals
+supplied. Importing the upstream modules instead is impossible in this venv:
+they import ``torch_npu`` and some hundred other upstream modules, and their
+package name ``vllm_ascend`` is this repository's.
+
+What the code reads that only exists on an NPU host is replaced; every
+replacement is in :data:`REPLACEMENTS` with the upstream file:line it stands
+for and why. Inside the cut-out functions only one thing is changed: local
+``from vllm_ascend... import X`` statements are dropped, and ``X`` is put in
+the globals instead (each such ``X`` is itself upstream code loaded here).
+``torch.zeros(..., device=self.device)`` allocates on ``self.device``, which
+is the CPU here (upstream: the NPU).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import math
+import re
+import sys
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+import vllm.envs
+from vllm.logger import logger
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionLayer
+from vllm.utils.torch_utils import get_dtype_size
+from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+    MambaSpec,
+    UniformTypeKVCacheSpecs,
+)
+
+RUNNER = "vllm_ascend/worker/model_runner_v1.py"
+# NPUModelRunner's methods that allocate and view the KV cache
+# (initialize_kv_cache, model_runner_v1.py:4591, calls
+# initialize_kv_cache_tensors and hands the result to the KV connector).
+RUNNER_METHODS = (
+    "initialize_kv_cache_tensors",
+    "_allocate_kv_cache_tensors",
+    "_allocate_sparse_c8_indexer_tensors",
+    "_allocate_int8_cache_tensor",
+    "_align_memory",
+    "_align_up",
+    "_reshape_kv_cache_tensors",
+    "_adjust_kv_layout",
+    "_get_layer_kv_cache_specs",
+    "_get_attention_kv_cache_dims",
+    "_uses_page_strided_kv_layout",
+    "_is_c8_mxfp_kv_cache",
+    "_fill_c8_mxfp_v_scale_caches",
+)
+SPECS = "vllm_ascend/core/kv_cache_interface.py"  # imports vLLM only: loaded whole
+MXFP = "vllm_ascend/attention/attention_c8_mxfp.py"
+MXFP_NAMES = (
+    "MXFP_KV_SCALE_GROUP_SIZE",
+    "MXFP_KV_SCALE_VALUES_PER_GROUP",
+    "MXFP_KV_NZ_DIM_FRAG",
+    "MXFP_K_SCALE_NZ_TOKEN_FRAG",
+    "MXFP_V_SCALE_NZ_DIM_FRAG",
+    "MXFP8_GROUP_SIZE",
+    "MXFP_SCALE_DTYPE_SIZE",
+    "validate_mxfp_k_scale_head_dim",
+    "validate_mxfp_v_scale_block_size",
+    "mxfp_kv_scale_groups",
+    "mxfp_kv_block_scale_groups",
+    "mxfp_k_scale_page_bytes",
+    "mxfp_v_scale_page_bytes",
+    "mxfp_k_scale_cache_shape",
+    "mxfp_v_scale_cache_shape",
+    "mxfp_packet_section_sizes",
+    "mxfp_cache_spec",
+    "mxfp_paged_cache_views",
+    "mxfp_cache_views_for_spec",
+    "fill_mxfp_v_scale_cache",
+)
+UTILS = "vllm_ascend/utils.py"
+UTILS_NAMES = (
+    "C8_MXFP_KV_CACHE_DTYPE",
+    "is_c8_mxfp_kv_quant",
+    "calc_split_factor",
+    "get_kv_cache_tensor_layers",
+    "is_hidden_state_cache_spec",
+    "kv_cache_spec_uses_packed_sfa_main_cache",
+    "kv_cache_spec_uses_sparse_sfa_c8",
+)
+QUANT = "vllm_ascend/quantization/configs/modelslim_config.py"
+QUANT_METHODS = ("is_fa_quant_layer", "get_kv_quant_dtype", "get_kv_quant_split_factor")
+ATTN_UTILS = "vllm_ascend/attention/utils.py"
+ATTN_UTILS_NAMES = ("SFA_QSFA_TILE_SIZE", "get_sfa_qsfa_packed_head_dim")
+# The backends' get_kv_cache_shape, as the runner calls it per group.
+BACKENDS = {
+    "AscendAttentionBackend": "vllm_ascend/attention/attention_v1.py",
+    "AscendMLABackend": "vllm_ascend/attention/mla_v1.py",
+    "AscendSFABackend": "vllm_ascend/attention/sfa_v1.py",
+    "AscendSFAIndexerBackend": "vllm_ascend/attention/indexer.py",
+}
+SPARSE_BACKENDS = {"AscendSFABackend", "AscendSFAIndexerBackend"}
+
+
+class Layer:
+    """Stands for a model layer in the static forward context: vLLM's
+    ``bind_kv_cache`` (called by initialize_kv_cache_tensors,
+    model_runner_v1.py:4797) hands it its cache."""
+
+    def __init__(self, impl: Any = None):
+        self.impl = impl
+        self.kv_cache: Any = None
+
+    def bind_kv_cache(self, kv_cache: Any) -> None:
+        self.kv_cache = kv_cache
+
+
+class MLALayer(Layer):
+    """Stands for vLLM's ``MLAAttention`` layer: the runner reads its
+    ``kv_lora_rank`` and ``qk_rope_head_dim`` (model_runner_v1.py:4853)."""
+
+    def __init__(self, kv_lora_rank: int, qk_rope_head_dim: int, impl: Any = None):
+        super().__init__(impl)
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_rope_head_dim = qk_rope_head_dim
+
+
+class C8MXFPImpl:
+    """Stands for ``AscendC8MXFPAttentionBackendImpl``
+    (attention_c8_mxfp.py:472), an NPU attention impl: the runner only tests
+    a layer's impl against it to find C8-MXFP layers
+    (model_runner_v1.py:4721)."""
+
+
+class C8MXFPLayer(Layer):
+    """A C8-MXFP attention layer: its checkpoint's static V scales
+    (``v_cache_scale``, one E8M0 byte per KV channel) are what upstream's
+    ``fill_mxfp_v_scale_cache`` writes into every page's V-scale section."""
+
+    def __init__(self, v_cache_scale: torch.Tensor):
+        super().__init__(C8MXFPImpl())
+        self.v_cache_scale = v_cache_scale
+
+
+class _NotOnCpu:
+    """Stands for a name whose path no layout here takes; fails if reached."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __call__(self, *args, **kwargs):
+        raise NotImplementedError(f"upstream {self.name} is not run on CPU")
+
+
+class HardwareProfile:
+    """Stands for ``get_current_hardware_profile()``
+    (device/hardware_profile.py), which reads the SoC: supports what the
+    scenario names."""
+
+    def __init__(self, capabilities: frozenset[str]):
+        self.capabilities = capabilities
+
+    def supports(self, capability: Any) -> bool:
+        return capability.name in self.capabilities
+
+
+class Capability:
+    """``HardwareCapability`` members, by name (device/hardware_profile.py:37)."""
+
+    def __getattr__(self, name: str) -> SimpleNamespace:
+        return SimpleNamespace(name=name)
+
+
+# name -> (what it stands for in upstream, why it is replaced)
+REPLACEMENTS = {
+    "self.device": (
+        "model_runner_v1.py:4882-4887,5184-5198 torch.zeros(..., device=self.device)",
+        "the NPU; torch.device('cpu') here",
+    ),
+    "get_layers_from_vllm_config": (
+        "model_runner_v1.py:41 (vllm.config): the model's attention layers",
+        "no model is built: returns the scenario's layers",
+    ),
+    "MLAAttention": (
+        "model_runner_v1.py:267 (vLLM's MLA layer)",
+        "a real layer needs a built model: MLALayer carries the two dims read",
+    ),
+    "AscendC8MXFPAttentionBackendImpl": (
+        "attention_c8_mxfp.py:472 (NPU attention impl)",
+        "C8MXFPImpl marks the C8-MXFP layers",
+    ),
+    "enable_fa_quant": (
+        "quantization/utils.py:268",
+        "asks the NPU's hardware profile (FP8_ATTENTION): scenario's answer",
+    ),
+    "requires_contiguous_pa_kv_cache": (
+        "attention/utils.py:215",
+        "NPU paged-attention kernel eligibility: scenario's answer",
+    ),
+    "get_current_hardware_profile": (
+        "device/hardware_profile.py (reads the SoC)",
+        "HardwareProfile with the scenario's capabilities",
+    ),
+    "is_deepseek_v41_cache": (
+        "models/deepseek_v41/cache_config.py:125",
+        "DeepSeek V4.1 caches are not covered: False",
+    ),
+    "is_glm5_next_cache_spec": (
+        "models/glm5next/kv_cache.py",
+        "GLM-Next caches are not covered: False",
+    ),
+    "get_layerwise_reuse_config": (
+        "kv_pool/ascend_store/layerwise_cache_layout.py:76",
+        "its answer for an OffloadingConnector config: None",
+    ),
+    "HardwareCapability": (
+        "model_runner_v1.py:154 (device/hardware_profile.py:37, an Enum)",
+        "Capability: members by name, for HardwareProfile",
+    ),
+    "allocate_kvpp_cache": (
+        "model_runner_v1.py:237, called at :4964",
+        "not reached (KV pipeline parallelism off): fails if called",
+    ),
+    "allocate_kv_cache_tensors_for_sparse_kv_offload": (
+        "model_runner_v1.py:164",
+        "not reached (sparse KV offload off): fails if called",
+    ),
+    "reshape_kv_cache_tensors_for_sparse_kv_offload": (
+        "model_runner_v1.py:168",
+        "not reached (sparse KV offload off): fails if called",
+    ),
+    "view_glm5_next_cache": (
+        "model_runner_v1.py:179",
+        "not reached (no GLM-Next cache): fails if called",
+    ),
+    "v41_cache_layer_type": (
+        "model_runner_v1.py:288 (DeepseekV41CacheLayer)",
+        "a class no stand-in layer is an instance of",
+    ),
+    "extract_dsv4_layer_index": (
+        "utils.py, imported at model_runner_v1.py:4781",
+        "not reached (no model of type deepseek_v4): fails if called",
+    ),
+    "self.vllm_config": (
+        "NPUModelRunner.__init__: the VllmConfig",
+        "a namespace of the settings the code reads (KV transfer on, cache "
+        "dtype, resolved layout, quant config, model config)",
+    ),
+    "self.ascend_config": (
+        "model_runner_v1.py:426 get_ascend_config()",
+        "KV pipeline parallelism size 1, xlite graph off",
+    ),
+    "self.compilation_config": (
+        "vLLM's static forward context of the built model",
+        "the scenario's stand-in layers (Layer, MLALayer, C8MXFPLayer)",
+    ),
+    "is_sparse": (
+        "vLLM AttentionBackend.is_sparse, read at model_runner_v1.py:5014",
+        "True for upstream's SFA and indexer backends (BACKENDS)",
+    ),
+    "self._kv_cache_spec_attn_group_iterator": (
+        "vLLM GPUModelRunner; groups built by initialize_attn_backend",
+        "that picks NPU backends: the scenario's groups with upstream's "
+        "get_kv_cache_shape (BACKENDS)",
+    ),
+}
+
+
+def _source(root: Path, rel: str) -> tuple[str, ast.Module]:
+    text = (root / rel).read_text()
+    return text, ast.parse(text)
+
+
+class _DropUpstreamImports(ast.NodeTransformer):
+    """Removes function-local ``from vllm_ascend... import`` statements; the
+    names they bound are supplied as globals (checked in :func:`_exec`)."""
+
+    def __init__(self):
+        self.names: set[str] = set()
+
+    def visit_ImportFrom(self, node: ast.ImportFrom):
+        if (node.module or "").startswith("vllm_ascend"):
+            self.names.update(a.asname or a.name for a in node.names)
+            return None
+        return node
+
+
+def _top_level(tree: ast.Module, names: Sequence[str], rel: str) -> list[ast.stmt]:
+    found: dict[str, ast.stmt] = {}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.ClassDef):
+            found[node.name] = node
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                if isinstance(t, ast.Name):
+                    found[t.id] = node
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise LookupError(f"upstream {rel} no longer defines {missing}")
+    return [found[n] for n in names]
+
+
+def _methods(tree: ast.Module, cls: str, names: Sequence[str], rel: str):
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            by_name = {f.name: f for f in node.body if isinstance(f, ast.FunctionDef)}
+            missing = [n for n in names if n not in by_name]
+            if missing:
+                raise LookupError(f"upstream {rel}:{cls} no longer defines {missing}")
+            return [by_name[n] for n in names]
+    raise LookupError(f"upstream {rel} no longer defines class {cls}")
+
+
+def _exec(nodes: list[ast.stmt], namespace: dict[str, Any], origin: str) -> None:
+    dropper = _DropUpstreamImports()
+    module = ast.fix_missing_locations(dropper.visit(ast.Module(nodes, [])))
+    unsupplied = sorted(n for n in dropper.names if n not in namespace)
+    if unsupplied:
+        raise LookupError(f"{origin} imports {unsupplied}, not supplied")
+    exec(compile(module, origin, "exec"), namespace)
+
+
+def _load_module(root: Path, rel: str, name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, root / rel)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def load(root: Path) -> SimpleNamespace:
+    """Upstream's specs, C8-MXFP helpers, backends' shapes and a runner class
+    whose KV-cache methods are upstream's, from the unpacked sdist ``root``."""
+    specs = _load_module(root, SPECS, "upstream_vllm_ascend_kv_cache_interface")
+    ns: dict[str, Any] = {
+        "__name__": "upstream_vllm_ascend",
+        "torch": torch,
+        "math": math,
+        "re": re,
+        "np": np,
+        "logger": logger,
+        "Any": Any,
+        "Sequence": Sequence,
+        "AbstractContextManager": AbstractContextManager,
+        "nullcontext": nullcontext,
+        "replace": __import__("dataclasses").replace,
+        "get_dtype_size": get_dtype_size,
+        "AttentionSpec": AttentionSpec,
+        "FullAttentionSpec": FullAttentionSpec,
+        "KVCacheConfig": KVCacheConfig,
+        "KVCacheSpec": KVCacheSpec,
+        "MambaSpec": MambaSpec,
+        "UniformTypeKVCacheSpecs": UniformTypeKVCacheSpecs,
+        "AttentionLayerBase": AttentionLayerBase,
+        "CacheOnlyAttentionLayer": CacheOnlyAttentionLayer,
+        "envs_vllm": vllm.envs,
+        "VllmConfig": object,  # annotations only
+        **{
+            n: getattr(specs, n)
+            for n in (
+                "AscendMLAAttentionSpec",
+                "AscendSFAIndexerCacheSpec",
+                "AscendIndexerKPoolTailSpec",
+                "AscendSlidingWindowMLASpec",
+                "requires_padded_page_layout",
+                "get_kv_cache_compression_ratio",
+                "get_storage_block_size",
+            )
+        },
+        # Replacements (REPLACEMENTS says what each stands for); the ones a
+        # scenario answers are read from the runner instance (see Runner).
+        "MLAAttention": MLALayer,
+        "AscendC8MXFPAttentionBackendImpl": C8MXFPImpl,
+        "HardwareCapability": Capability(),
+        "is_deepseek_v41_cache": lambda specs: False,
+        "is_glm5_next_cache_spec": lambda spec: False,
+        "view_glm5_next_cache": _NotOnCpu("view_glm5_next_cache"),
+        "get_layerwise_reuse_config": lambda kv_transfer_config: None,
+        "allocate_kvpp_cache": _NotOnCpu("allocate_kvpp_cache"),
+        "allocate_kv_cache_tensors_for_sparse_kv_offload": _NotOnCpu(
+            "sparse KV offload allocation"
+        ),
+        "reshape_kv_cache_tensors_for_sparse_kv_offload": _NotOnCpu(
+            "sparse KV offload reshape"
+        ),
+        "v41_cache_layer_type": type("NoV41Layer", (), {}),
+        "extract_dsv4_layer_index": _NotOnCpu("extract_dsv4_layer_index"),
+    }
+    for rel, names in ((UTILS, UTILS_NAMES), (ATTN_UTILS, ATTN_UTILS_NAMES)):
+        _exec(_top_level(_source(root, rel)[1], names, rel), ns, rel)
+    _exec(_top_level(_source(root, MXFP)[1], MXFP_NAMES, MXFP), ns, MXFP)
+
+    backends = {}
+    for name, rel in BACKENDS.items():
+        (shape_fn,) = _methods(_source(root, rel)[1], name, ["get_kv_cache_shape"], rel)
+        sparse = name in SPARSE_BACKENDS
+        body = [shape_fn, *ast.parse(f"def is_sparse():\n    return {sparse}").body]
+        cls = ast.ClassDef(name, [], [], body, [])
+        _exec([cls], ns, rel)
+        backends[name] = ns[name]
+
+    quant = _methods(
+        _source(root, QUANT)[1], "AscendModelSlimConfig", QUANT_METHODS, QUANT
+    )
+    _exec([ast.ClassDef("ModelSlimKVQuant", [], [], quant, [])], ns, QUANT)
+
+    runner_tree = _source(root, RUNNER)[1]
+    methods = _methods(runner_tree, "NPUModelRunner", RUNNER_METHODS, RUNNER)
+    _exec([ast.ClassDef("UpstreamRunnerMethods", [], [], methods, [])], ns, RUNNER)
+    return SimpleNamespace(
+        specs=specs,
+        backends=backends,
+        runner_methods=ns["UpstreamRunnerMethods"],
+        kv_quant=ns["ModelSlimKVQuant"],
+        ns=ns,
+    )
