@@ -125,11 +125,10 @@ def record_fs_tier_load_progress(tier: Any, job_id: int, num_loaded: int) -> Non
     tier._load_progress[job_id] = num_loaded
 
 
-def tiering_scheduler_region(spec: Any) -> Any:
-    """The shared region ``TieringOffloadingSpec.get_manager`` created on the
-    scheduler side (``_scheduler_mmap``; None before, or without one;
-    vLLM 0.32, 0.33)."""
-    return spec._scheduler_mmap
+def disown_region(region: Any) -> None:
+    """Stops ``SharedOffloadRegion.cleanup`` from unlinking the region's file
+    (``_creator``; vLLM 0.32, 0.33): ``tiering.region`` removes it."""
+    region._creator = False
 
 
 def cpu_blocks_in_use(manager: Any) -> int | None:
