@@ -40,11 +40,13 @@ from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model
 
 pytestmark = pytest.mark.e2e
 
-CPU_BLOCKS = 256  # 32 MiB with the tiny model (128 KiB a block)
-REGION_MIB = 32
-# vLLM's own /dev/shm use on CPU is small (measured under 1 MiB): two leaked
-# regions leave too little for a third start's region.
-SHM_MIB = 2 * REGION_MIB + REGION_MIB // 2 + 8
+CPU_BLOCKS = 384  # 48 MiB with the tiny model (128 KiB a block)
+REGION_MIB = 48
+# vLLM 0.32's worker checks for 240 MiB free before it creates its response
+# queue (sparse: it uses little of it), then the region is created: one
+# leaked region leaves room for a start, two do not.
+VLLM_FREE_MIB = 240
+SHM_MIB = VLLM_FREE_MIB + REGION_MIB + REGION_MIB // 2
 DOC_BLOCKS = 4  # each document's prefix is 512 tokens
 STOPS = [signal.SIGTERM] * 3 + [signal.SIGKILL, signal.SIGTERM]
 

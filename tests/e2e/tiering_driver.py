@@ -70,13 +70,14 @@ def run(scenario: dict) -> dict:
 
     from tests.e2e.run_scenario import settle_stores
     from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model
-    from vllm_ascend.kv_offload.tiering.region import region_path
+    from vllm_ascend.kv_offload.tiering.region import mark_path, region_path
 
     engine_id = scenario.get("engine_id")
     stale = (scenario.get("before") or {}).get("stale_region")
-    if stale:
+    if stale:  # as a run killed while starting leaves them: region, mark
         with open(region_path(stale), "wb") as f:
             f.write(b"\0" * 4096)  # smaller than any region: vLLM would wait 30 s
+        open(mark_path(stale), "wb").close()
     transfer = KVTransferConfig(
         kv_connector="OffloadingConnector",
         kv_role="kv_both",

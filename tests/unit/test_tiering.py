@@ -4,12 +4,10 @@ files, configuration errors, the region's registration."""
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import mmap
 import os
 import uuid
 
-import numpy as np
 import pytest
 from vllm.v1.kv_offload.base import make_offload_key
 from vllm.v1.kv_offload.config import (

@@ -273,14 +273,19 @@ def test_the_scan_ignores_the_packages_own_private_names() -> None:
 
 
 def _private_names(path: Path) -> set[str]:
-    """Single-underscore attribute names a module reads or defines (methods),
-    less the attributes it assigns itself (its own state, e.g. ``self._x =``)."""
+    """Single-underscore attribute names a module reads, writes on another
+    object or defines (methods), less the attributes it assigns itself (its
+    own state, ``self._x =``)."""
     tree = ast.parse(path.read_text())
     used, own = set(), set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute):
             used.add(node.attr)
-            if isinstance(node.ctx, ast.Store):
+            if (
+                isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "self"
+            ):
                 own.add(node.attr)
         elif isinstance(node, ast.FunctionDef):
             used.add(node.name)

@@ -22,7 +22,6 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from vllm_ascend.kv_offload import vllm_compat
 from vllm_ascend.kv_offload.config import PREFIX, TIERING_SPEC, OffloadConfigError
 from vllm_ascend.kv_offload.logger import init_logger
 from vllm_ascend.kv_offload.manager import FailureAwareManager
