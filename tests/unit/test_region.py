@@ -5,6 +5,7 @@ opening, and files that are not ours left alone."""
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 import signal
@@ -17,6 +18,8 @@ import numpy as np
 import pytest
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
+from tests.unit.conftest import TIERING
+from tests.unit.kv_helpers import make_config
 from vllm_ascend.kv_offload.config import OffloadConfigError
 from vllm_ascend.kv_offload.tiering.region import (
     RegionBlockPool,
@@ -25,6 +28,7 @@ from vllm_ascend.kv_offload.tiering.region import (
     mark_path,
     region_path,
 )
+from vllm_ascend.kv_offload.tiering.spec import NPUTieringOffloadingSpec
 
 PAGE = mmap.PAGESIZE
 REPO = Path(__file__).resolve().parents[2]
@@ -135,6 +139,31 @@ def test_the_name_goes_once_the_scheduler_mapped_the_region(shared_region, caplo
     scheduler_region.cleanup()
     close_region(worker_region, None, worker_mark)
     assert "Failed to unlink" not in caplog.text
+
+
+def tiering_spec(engine_id: str) -> NPUTieringOffloadingSpec:
+    extra = {**TIERING, "num_cpu_blocks": 2, "secondary_tiers": []}
+    config = make_config(extra, worker_kv_bytes_per_block=PAGE)
+    return NPUTieringOffloadingSpec(dataclasses.replace(config, engine_id=engine_id))
+
+
+def test_the_specs_manager_releases_the_name_its_workers_mapped(shared_region):
+    """The spec's scheduler side (``get_manager``), after the worker opened
+    the region as ``get_worker`` does: the name is gone, the memory shared."""
+    engine_id = new_engine_id()
+    spec = tiering_spec(engine_id)
+    region, _ = shared_region(
+        spec.num_chunks,
+        spec.kv_bytes_per_chunk,
+        spec.cpu_page_size_per_worker,
+        engine_id=engine_id,
+    )
+    manager = spec.get_manager()
+    assert leftovers(engine_id) == []
+    region.base_tensor[5] = 9
+    view = manager.inner.primary_tier.get_kv_memoryview()
+    assert view[0, 5] == 9
+    manager.shutdown()
 
 
 def test_a_dead_region_of_another_engine_is_removed_at_the_next_opening(
