@@ -93,7 +93,8 @@ def offload_files(shm: Path) -> list[str]:
 
 
 def shm_used_bytes(shm: Path) -> int:
-    return sum(p.stat().st_size for p in shm.iterdir() if p.is_file())
+    """Memory the tmpfs holds (vLLM's queues are sparse files)."""
+    return sum(p.stat().st_blocks * 512 for p in shm.iterdir() if p.is_file())
 
 
 def traffic(base: str, model: str, prompts: list[str]) -> threading.Thread:
