@@ -12,8 +12,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -137,19 +138,25 @@ REQUEST_TIMEOUT_S = 120
 MAX_TOKENS = 16  # as the reference fixture
 BLOCK_TOKENS = 128  # the guide's block_size (= the device block size here)
 
-# Test-only flags; the offloading config is the example script's (the guide's).
-SERVE_FLAGS = [
-    "--dtype",
-    "float32",
-    "--enforce-eager",
-    # 10 device blocks hold one document's questions, not all three.
-    "--max-model-len",
-    "1024",
-    "--num-gpu-blocks-override",
-    "10",
-    # usage.prompt_tokens_details.cached_tokens in every response.
-    "--enable-prompt-tokens-details",
-]
+
+def serve_flags(device_blocks: int) -> list[str]:
+    """Test-only flags of the online tests' servers."""
+    return [
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--max-model-len",
+        "1024",
+        "--num-gpu-blocks-override",
+        str(device_blocks),
+        # usage.prompt_tokens_details.cached_tokens in every response.
+        "--enable-prompt-tokens-details",
+    ]
+
+
+# The offloading config is the example script's (the guide's); 10 device
+# blocks hold one document's questions, not all three.
+SERVE_FLAGS = serve_flags(10)
 
 
 def free_port() -> int:
@@ -226,17 +233,21 @@ class Server:
         with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
             return json.loads(r.read())
 
-    def metrics(self) -> dict[str, float]:
-        """Every sample on /metrics, summed over labels except ``source``."""
+    def samples(self) -> Iterator[Any]:
+        """Every sample on /metrics (prometheus_client's ``Sample``)."""
         with urllib.request.urlopen(self.base + "/metrics", timeout=30) as r:
             text = r.read().decode()
-        totals: dict[str, float] = {}
         for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                name = sample.name
-                if "source" in sample.labels:
-                    name += f"{{source={sample.labels['source']}}}"
-                totals[name] = totals.get(name, 0.0) + sample.value
+            yield from family.samples
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample on /metrics, summed over labels except ``source``."""
+        totals: dict[str, float] = {}
+        for sample in self.samples():
+            name = sample.name
+            if "source" in sample.labels:
+                name += f"{{source={sample.labels['source']}}}"
+            totals[name] = totals.get(name, 0.0) + sample.value
         return totals
 
     def stop(self, sig: int = signal.SIGINT) -> dict:
@@ -305,14 +316,7 @@ class TieringServer(Server):
                 "127.0.0.1",
                 "--port",
                 str(self.port),
-                "--dtype",
-                "float32",
-                "--enforce-eager",
-                "--max-model-len",
-                "1024",
-                "--num-gpu-blocks-override",
-                "16",
-                "--enable-prompt-tokens-details",
+                *serve_flags(16),
                 "--kv-transfer-config",
                 json.dumps(transfer_config),
             ],
@@ -326,14 +330,11 @@ class TieringServer(Server):
 
     def finished(self) -> dict[str, float]:
         """``vllm:request_success_total`` by ``finished_reason``."""
-        with urllib.request.urlopen(self.base + "/metrics", timeout=30) as r:
-            text = r.read().decode()
         out: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == "vllm:request_success_total":
-                    reason = sample.labels.get("finished_reason", "")
-                    out[reason] = out.get(reason, 0.0) + sample.value
+        for sample in self.samples():
+            if sample.name == "vllm:request_success_total":
+                reason = sample.labels.get("finished_reason", "")
+                out[reason] = out.get(reason, 0.0) + sample.value
         return out
 
     def processes(self) -> list[psutil.Process]:

@@ -93,8 +93,9 @@ def offload_files(shm: Path) -> list[str]:
 
 
 def shm_used_bytes(shm: Path) -> int:
-    """Memory the tmpfs holds (vLLM's queues are sparse files)."""
-    return sum(p.stat().st_blocks * 512 for p in shm.iterdir() if p.is_file())
+    """Memory the tmpfs holds (as ``df``: unlinked files still mapped too)."""
+    st = os.statvfs(shm)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
 
 
 def traffic(base: str, model: str, prompts: list[str]) -> threading.Thread:
@@ -138,6 +139,7 @@ def serve_once(
     try:
         record["served"] = [(doc, 0, complete(client, model, PROMPTS_BY_DOC[doc][0]))]
         record["shm_used"] = shm_used_bytes(shm)
+        record["named_while_serving"] = offload_files(shm)
         wait_for_metric(
             server,
             client,
@@ -189,7 +191,8 @@ def runs(small_shm, tmp_path_factory) -> list[dict]:
             f"{r['stop_signal']}: start "
             + (f"{r['start_s']:.1f} s" if "start_s" in r else "FAILED")
             + f", stop {r['stop']['stop_s']:.1f} s, shm used "
-            f"{r.get('shm_used', 0) / 2**20:.1f} MiB, left {r['left']}"
+            f"{r.get('shm_used', 0) / 2**20:.1f} MiB, named while serving "
+            f"{r.get('named_while_serving')}, left {r['left']}"
             for r in records
         )
     )

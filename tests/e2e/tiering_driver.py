@@ -5,9 +5,10 @@ CPU stores and the CPU -> fs cascades land, and returns per request the
 token ids and cached tokens, vLLM's offloading counters, the files under
 the fs root and whether the shared-memory region existed while the engine
 ran and after it shut down. Optional: ``before`` (an action run before the
-engine starts: ``{"stale_region": engine_id}`` plants a region file left
-by a dead run), ``remove_root_after_start`` (the fs directory disappears
-once the engine is up), ``rounds`` (the prompts again, device prefix cache
+engine starts: ``{"stale_region": engine_id}`` plants a region file and
+our mark, as a run killed while starting leaves them),
+``remove_root_after_start`` (the fs directory disappears once the engine
+is up), ``rounds`` (the prompts again, device prefix cache
 reset in between), ``barrier`` (``{"mine": path, "others": [paths]}``:
 engines started together begin serving together).
 """

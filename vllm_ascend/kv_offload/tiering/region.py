@@ -160,6 +160,11 @@ class RegionMark:
             return
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.region_path)
+            logger.info(
+                "KV offload: unlinked %s (mapped by every process that uses "
+                "it; the kernel frees it when the last one exits)",
+                self.region_path,
+            )
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
