@@ -328,27 +328,6 @@ class TieringServer(Server):
         )
         self.children = []
 
-    def finished(self) -> dict[str, float]:
-        """``vllm:request_success_total`` by ``finished_reason``."""
-        out: dict[str, float] = {}
-        for sample in self.samples():
-            if sample.name == "vllm:request_success_total":
-                reason = sample.labels.get("finished_reason", "")
-                out[reason] = out.get(reason, 0.0) + sample.value
-        return out
-
-    def processes(self) -> list[psutil.Process]:
-        return [psutil.Process(self.proc.pid), *self.children]
-
-    def usage(self) -> dict[str, int]:
-        """Threads (/proc/<pid>/task) and fds (/proc/<pid>/fd) of the server
-        and its engine processes."""
-        procs = self.processes()
-        return {
-            "threads": sum(len(os.listdir(f"/proc/{p.pid}/task")) for p in procs),
-            "fds": sum(len(os.listdir(f"/proc/{p.pid}/fd")) for p in procs),
-        }
-
 
 def reset_device_cache(server: TieringServer) -> None:
     deadline = time.monotonic() + 60

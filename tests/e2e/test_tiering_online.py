@@ -22,6 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import psutil
 import pytest
 from openai import OpenAI
 
@@ -68,6 +69,31 @@ def tiering_config(root: str, file_bytes: int) -> dict:
     }
 
 
+class OnlineTieringServer(TieringServer):
+    """The server, with what this module reads of it."""
+
+    def finished(self) -> dict[str, float]:
+        """``vllm:request_success_total`` by ``finished_reason``."""
+        out: dict[str, float] = {}
+        for sample in self.samples():
+            if sample.name == "vllm:request_success_total":
+                reason = sample.labels.get("finished_reason", "")
+                out[reason] = out.get(reason, 0.0) + sample.value
+        return out
+
+    def processes(self) -> list[psutil.Process]:
+        return [psutil.Process(self.proc.pid), *self.children]
+
+    def usage(self) -> dict[str, int]:
+        """Threads (/proc/<pid>/task) and fds (/proc/<pid>/fd) of the server
+        and its engine processes."""
+        procs = self.processes()
+        return {
+            "threads": sum(len(os.listdir(f"/proc/{p.pid}/task")) for p in procs),
+            "fds": sum(len(os.listdir(f"/proc/{p.pid}/fd")) for p in procs),
+        }
+
+
 def stream(base: str, model: str, prompt: str, how: str, seed: int) -> dict:
     """One streaming completion: ``finish`` reads it all, ``early`` drops the
     connection before the first token, ``midway`` after the first chunk."""
@@ -105,7 +131,7 @@ def stream(base: str, model: str, prompt: str, how: str, seed: int) -> dict:
 
 
 def quiesce(
-    server: TieringServer, client: OpenAI, model: str, flushes: list | None = None
+    server: OnlineTieringServer, client: OpenAI, model: str, flushes: list | None = None
 ) -> dict:
     """Short requests (counted in ``flushes``) step the engine until no tier
     job is active and the tier's written bytes stopped changing; returns
@@ -136,7 +162,7 @@ def served(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("serve_tiering")
     root = str(tmp / "tier")
     block = cpu_block_bytes(model)
-    server = TieringServer(
+    server = OnlineTieringServer(
         model, tmp / "server.log", tiering_config(root, HEADER_BYTES + block)
     )
     record: dict = {"block_bytes": block, "root": root}
