@@ -12,7 +12,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -136,19 +138,25 @@ REQUEST_TIMEOUT_S = 120
 MAX_TOKENS = 16  # as the reference fixture
 BLOCK_TOKENS = 128  # the guide's block_size (= the device block size here)
 
-# Test-only flags; the offloading config is the example script's (the guide's).
-SERVE_FLAGS = [
-    "--dtype",
-    "float32",
-    "--enforce-eager",
-    # 10 device blocks hold one document's questions, not all three.
-    "--max-model-len",
-    "1024",
-    "--num-gpu-blocks-override",
-    "10",
-    # usage.prompt_tokens_details.cached_tokens in every response.
-    "--enable-prompt-tokens-details",
-]
+
+def serve_flags(device_blocks: int) -> list[str]:
+    """Test-only flags of the online tests' servers."""
+    return [
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--max-model-len",
+        "1024",
+        "--num-gpu-blocks-override",
+        str(device_blocks),
+        # usage.prompt_tokens_details.cached_tokens in every response.
+        "--enable-prompt-tokens-details",
+    ]
+
+
+# The offloading config is the example script's (the guide's); 10 device
+# blocks hold one document's questions, not all three.
+SERVE_FLAGS = serve_flags(10)
 
 
 def free_port() -> int:
@@ -225,25 +233,34 @@ class Server:
         with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
             return json.loads(r.read())
 
-    def metrics(self) -> dict[str, float]:
-        """Every sample on /metrics, summed over labels except ``source``."""
+    def samples(self) -> Iterator[Any]:
+        """Every sample on /metrics (prometheus_client's ``Sample``)."""
         with urllib.request.urlopen(self.base + "/metrics", timeout=30) as r:
             text = r.read().decode()
-        totals: dict[str, float] = {}
         for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                name = sample.name
-                if "source" in sample.labels:
-                    name += f"{{source={sample.labels['source']}}}"
-                totals[name] = totals.get(name, 0.0) + sample.value
+            yield from family.samples
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample on /metrics, summed over labels except ``source``."""
+        totals: dict[str, float] = {}
+        for sample in self.samples():
+            name = sample.name
+            if "source" in sample.labels:
+                name += f"{{source={sample.labels['source']}}}"
+            totals[name] = totals.get(name, 0.0) + sample.value
         return totals
 
-    def stop(self) -> dict:
-        """SIGINT, then wait; returns how the server and its children ended."""
+    def stop(self, sig: int = signal.SIGINT) -> dict:
+        """``sig`` (SIGKILL: to the whole process group), then wait; returns
+        how the server and its children ended."""
         result = {"returncode": self.proc.poll(), "stop_s": 0.0, "orphans": []}
         if result["returncode"] is None:
             start = time.monotonic()
-            self.proc.send_signal(signal.SIGINT)
+            if sig == signal.SIGKILL:
+                # Its own session (start_new_session): the group is its pid.
+                os.killpg(self.proc.pid, sig)
+            else:
+                self.proc.send_signal(sig)
             try:
                 result["returncode"] = self.proc.wait(timeout=STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
@@ -263,6 +280,72 @@ class Server:
                 pass
         self._log.close()
         return result
+
+
+class TieringServer(Server):
+    """``vllm serve``'s API server (module entry point) with
+    ``transfer_config`` as its ``--kv-transfer-config``, started through
+    ``launcher`` (a command prefix, e.g. ``nsenter``) if given."""
+
+    def __init__(
+        self,
+        model: str,
+        log_path: Path,
+        transfer_config: dict,
+        launcher: Sequence[str] = (),
+    ):
+        self.model = model
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+        self._log = open(log_path, "wb")  # closed in stop()
+        self.proc = psutil.Popen(
+            [
+                *launcher,
+                sys.executable,
+                "-m",
+                # `vllm serve` (the example script's fallback: the CLI's
+                # version check fails where the metadata says vllm-cpu).
+                "vllm.entrypoints.launchers.api_server.entry",
+                "--model",
+                model,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                *serve_flags(16),
+                "--kv-transfer-config",
+                json.dumps(transfer_config),
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=self._log,
+            stderr=self._log,
+            start_new_session=True,
+        )
+        self.children = []
+
+
+def reset_device_cache(server: TieringServer) -> None:
+    deadline = time.monotonic() + 60
+    while not server.post("/reset_prefix_cache")["success"]:
+        assert time.monotonic() < deadline, "reset_prefix_cache kept failing"
+        time.sleep(0.5)
+
+
+def wait_for_metric(server: Server, client, model: str, name: str, value: float):
+    """Poll /metrics until ``name`` reaches ``value``; short requests drive the
+    engine steps that complete transfers and report their stats."""
+    deadline = time.monotonic() + 60
+    while True:
+        metrics = server.metrics()
+        if metrics.get(name, 0.0) >= value or time.monotonic() > deadline:
+            return metrics
+        client.completions.create(model=model, prompt="flush", max_tokens=2)
+        time.sleep(0.5)
 
 
 def complete(client: OpenAI, model: str, prompt: str) -> dict:

@@ -36,6 +36,7 @@ from tests.e2e.conftest import (
     Server,
     complete,
     cpu_block_bytes,
+    wait_for_metric,
 )
 from tests.vllm_version import VLLM_VERSION
 from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model
@@ -43,18 +44,6 @@ from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model
 pytestmark = pytest.mark.e2e
 
 DOC_BLOCKS = 4  # each document is 512 tokens
-
-
-def wait_for_metric(server: Server, client, model: str, name: str, value: float):
-    """Poll /metrics until ``name`` reaches ``value``; short requests drive the
-    engine steps that complete transfers and report their stats."""
-    deadline = time.monotonic() + 60
-    while True:
-        metrics = server.metrics()
-        if metrics.get(name, 0.0) >= value or time.monotonic() > deadline:
-            return metrics
-        client.completions.create(model=model, prompt="flush", max_tokens=2)
-        time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from tests.e2e.conftest import (
     tiering,
 )
 from vllm_ascend.kv_offload.tiering.block_file import HEADER_BYTES
-from vllm_ascend.kv_offload.tiering.region import region_path
+from vllm_ascend.kv_offload.tiering.region import mark_path, region_path
 
 pytestmark = pytest.mark.e2e
 
@@ -88,8 +88,9 @@ def test_writer_serves_prompts_and_writes_every_block(written, expected):
     assert len(a["files"]) == BLOCKS
     assert "/ascend-kv-" in a["files"][0]
     assert a["counters"]["vllm:kv_offload_tiering_write_bytes"] > 0
-    # The region lived in /dev/shm while the engine ran, and is gone after.
-    assert a["region_while_running"] and not a["region_after_shutdown"]
+    # The region's name left /dev/shm once every process of the engine had
+    # mapped it (before LLM() returned): no stop can leave it.
+    assert not a["region_while_running"] and not a["region_after_shutdown"]
 
 
 def test_the_engine_shuts_down_in_process_without_a_traceback(written, scenario_dir):
@@ -201,9 +202,10 @@ def test_control_forged_files_change_the_output(written, expected, scenario_dir)
 
 
 def test_stale_region_and_vanishing_directory(written, expected, scenario_dir):
-    """A region file of a dead run with this engine_id, and the tier's
-    directory deleted once the engine is up: the engine starts, serves the
-    prompts by recomputing, logs both, removes its region at shutdown."""
+    """A region of a dead run with this engine_id (and our mark), and the
+    tier's directory deleted once the engine is up: the engine starts,
+    serves the prompts by recomputing, logs both; its own region's name is
+    gone once the engine is up (every process mapped it)."""
     root, _ = copy_of(written, scenario_dir, "tier-vanish")
     engine_id = f"kvoff-test-{uuid.uuid4().hex[:8]}"
     try:
@@ -216,11 +218,12 @@ def test_stale_region_and_vanishing_directory(written, expected, scenario_dir):
             remove_root_after_start=True,
         )
     finally:
-        if os.path.exists(region_path(engine_id)):
-            os.unlink(region_path(engine_id))
+        for path in (region_path(engine_id), mark_path(engine_id)):
+            if os.path.exists(path):
+                os.unlink(path)
     assert tokens(f) == expected
     # The copy held every block; with its directory gone nothing hits.
     assert cached(f) == [0, 0, 0]
     log = scenario_log(scenario_dir, "tier_stale_vanish")
     assert "a shared region left by a run that ended without cleanup" in log
-    assert f["region_while_running"] and not f["region_after_shutdown"]
+    assert not f["region_while_running"] and not f["region_after_shutdown"]

@@ -19,24 +19,21 @@ import os
 import random
 import sys
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import psutil
 import pytest
 from openai import OpenAI
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import (
     ALL_PROMPTS,
     PROMPTS_BY_DOC,
-    REPO,
     REQUEST_TIMEOUT_S,
-    Server,
+    TieringServer,
     complete,
     cpu_block_bytes,
-    free_port,
+    reset_device_cache,
     tiering,
 )
 from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model
@@ -72,60 +69,16 @@ def tiering_config(root: str, file_bytes: int) -> dict:
     }
 
 
-class TieringServer(Server):
-    """``vllm serve``'s API server (module entry point) with tiering."""
-
-    def __init__(self, model: str, log_path, root: str, file_bytes: int):
-        self.model = model
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-        self._log = open(log_path, "wb")  # closed in stop()
-        self.proc = psutil.Popen(
-            [
-                sys.executable,
-                "-m",
-                # `vllm serve` (the example script's fallback: the CLI's
-                # version check fails where the metadata says vllm-cpu).
-                "vllm.entrypoints.launchers.api_server.entry",
-                "--model",
-                model,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--dtype",
-                "float32",
-                "--enforce-eager",
-                "--max-model-len",
-                "1024",
-                "--num-gpu-blocks-override",
-                "16",
-                "--enable-prompt-tokens-details",
-                "--kv-transfer-config",
-                json.dumps(tiering_config(root, file_bytes)),
-            ],
-            cwd=REPO,
-            env=env,
-            stdout=self._log,
-            stderr=self._log,
-            start_new_session=True,
-        )
-        self.children = []
+class OnlineTieringServer(TieringServer):
+    """The server, with what this module reads of it."""
 
     def finished(self) -> dict[str, float]:
         """``vllm:request_success_total`` by ``finished_reason``."""
-        with urllib.request.urlopen(self.base + "/metrics", timeout=30) as r:
-            text = r.read().decode()
         out: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == "vllm:request_success_total":
-                    reason = sample.labels.get("finished_reason", "")
-                    out[reason] = out.get(reason, 0.0) + sample.value
+        for sample in self.samples():
+            if sample.name == "vllm:request_success_total":
+                reason = sample.labels.get("finished_reason", "")
+                out[reason] = out.get(reason, 0.0) + sample.value
         return out
 
     def processes(self) -> list[psutil.Process]:
@@ -178,7 +131,7 @@ def stream(base: str, model: str, prompt: str, how: str, seed: int) -> dict:
 
 
 def quiesce(
-    server: TieringServer, client: OpenAI, model: str, flushes: list | None = None
+    server: OnlineTieringServer, client: OpenAI, model: str, flushes: list | None = None
 ) -> dict:
     """Short requests (counted in ``flushes``) step the engine until no tier
     job is active and the tier's written bytes stopped changing; returns
@@ -199,13 +152,6 @@ def quiesce(
             return metrics
 
 
-def reset_device_cache(server: TieringServer) -> None:
-    deadline = time.monotonic() + 60
-    while not server.post("/reset_prefix_cache")["success"]:
-        assert time.monotonic() < deadline, "reset_prefix_cache kept failing"
-        time.sleep(0.5)
-
-
 def temp_files(root: str) -> list[str]:
     return [n for _, _, names in os.walk(root) for n in names if ".tmp" in n]
 
@@ -216,7 +162,9 @@ def served(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("serve_tiering")
     root = str(tmp / "tier")
     block = cpu_block_bytes(model)
-    server = TieringServer(model, tmp / "server.log", root, HEADER_BYTES + block)
+    server = OnlineTieringServer(
+        model, tmp / "server.log", tiering_config(root, HEADER_BYTES + block)
+    )
     record: dict = {"block_bytes": block, "root": root}
     try:
         record["start_s"] = server.wait_ready()

@@ -5,9 +5,10 @@ CPU stores and the CPU -> fs cascades land, and returns per request the
 token ids and cached tokens, vLLM's offloading counters, the files under
 the fs root and whether the shared-memory region existed while the engine
 ran and after it shut down. Optional: ``before`` (an action run before the
-engine starts: ``{"stale_region": engine_id}`` plants a region file left
-by a dead run), ``remove_root_after_start`` (the fs directory disappears
-once the engine is up), ``rounds`` (the prompts again, device prefix cache
+engine starts: ``{"stale_region": engine_id}`` plants a region file and
+our mark, as a run killed while starting leaves them),
+``remove_root_after_start`` (the fs directory disappears once the engine
+is up), ``rounds`` (the prompts again, device prefix cache
 reset in between), ``barrier`` (``{"mine": path, "others": [paths]}``:
 engines started together begin serving together).
 """
@@ -71,13 +72,14 @@ def run(scenario: dict) -> dict:
 
     from tests.e2e.run_scenario import settle_stores
     from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model
-    from vllm_ascend.kv_offload.tiering.region import region_path
+    from vllm_ascend.kv_offload.tiering.region import mark_path, region_path
 
     engine_id = scenario.get("engine_id")
     stale = (scenario.get("before") or {}).get("stale_region")
-    if stale:
+    if stale:  # as a run killed while starting leaves them: region, mark
         with open(region_path(stale), "wb") as f:
             f.write(b"\0" * 4096)  # smaller than any region: vLLM would wait 30 s
+        open(mark_path(stale), "wb").close()
     transfer = KVTransferConfig(
         kv_connector="OffloadingConnector",
         kv_role="kv_both",

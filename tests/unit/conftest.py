@@ -16,31 +16,37 @@ import torch
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
+    from vllm_ascend.kv_offload.tiering.region import RegionMark
+
 
 @pytest.fixture
-def shared_region() -> Iterator[Callable[..., SharedOffloadRegion]]:
-    """Opens tiering regions (``open_region``) under a fresh engine id;
-    each is unmapped and removed at teardown if the test did not."""
-    from vllm_ascend.kv_offload.tiering.region import open_region
+def shared_region() -> Iterator[Callable[..., tuple[SharedOffloadRegion, RegionMark]]]:
+    """Opens tiering regions (``open_region``) under a fresh engine id (or
+    the one given); each is closed at teardown if the test did not."""
+    from vllm_ascend.kv_offload.tiering.region import close_region, open_region
 
-    opened: list[SharedOffloadRegion] = []
+    opened: list[tuple[SharedOffloadRegion, RegionMark]] = []
 
     def open_one(
-        num_chunks: int, kv_bytes_per_chunk: int, cpu_page_size: int, rank: int = 0
-    ) -> SharedOffloadRegion:
-        region = open_region(
-            engine_id=f"unit-{uuid.uuid4().hex[:8]}",
+        num_chunks: int,
+        kv_bytes_per_chunk: int,
+        cpu_page_size: int,
+        rank: int = 0,
+        engine_id: str | None = None,
+    ) -> tuple[SharedOffloadRegion, RegionMark]:
+        region, mark = open_region(
+            engine_id=engine_id or f"unit-{uuid.uuid4().hex[:8]}",
             num_chunks=num_chunks,
             rank=rank,
             kv_bytes_per_chunk=kv_bytes_per_chunk,
             cpu_page_size=cpu_page_size,
         )
-        opened.append(region)
-        return region
+        opened.append((region, mark))
+        return region, mark
 
     yield open_one
-    for region in opened:
-        region.cleanup()
+    for region, mark in opened:
+        close_region(region, None, mark)
 
 
 # Lists of paths being recorded by ``opened_paths`` fixtures (audit hooks

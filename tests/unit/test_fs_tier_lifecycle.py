@@ -24,6 +24,7 @@ from vllm.v1.kv_offload.tiering.manager import (
 from tests.unit.conftest import FS_JOB_TIMEOUT_S, finished_job, fs_job
 from vllm_ascend.kv_offload.tiering.fs import VerifiedFileSystemTier, tier_dir_usable
 from vllm_ascend.kv_offload.tiering.fs_budget import FsTierBudget
+from vllm_ascend.kv_offload.tiering.region import close_region
 
 
 def test_shutting_the_tiers_down_unmaps_the_region_without_an_error(
@@ -32,7 +33,7 @@ def test_shutting_the_tiers_down_unmaps_the_region_without_an_error(
     # The scheduler side of an engine: vLLM's CPU tier on the region, our fs
     # tier on the CPU tier's view of it.
     page = mmap.PAGESIZE
-    region = shared_region(4, kv_bytes_per_chunk=page, cpu_page_size=page)
+    region, mark = shared_region(4, kv_bytes_per_chunk=page, cpu_page_size=page)
     primary = CPUPrimaryTierOffloadingManager(num_chunks=4, mmap_region=region)
     spec = fs_tier_spec()
     root = str(tmp_path / "kv")
@@ -50,6 +51,8 @@ def test_shutting_the_tiers_down_unmaps_the_region_without_an_error(
     assert "Failed to close" not in caplog.text
     assert "BufferError" not in caplog.text
     assert mapping.closed
+    # The region's name is ours to remove (tiering.region), not vLLM's cleanup.
+    close_region(region, None, mark)
     assert not os.path.exists(region.mmap_path)
 
 

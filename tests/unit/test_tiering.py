@@ -1,15 +1,13 @@
 """NPUTieringOffloadingSpec's pieces without an engine: identity, verified
-files, the stale-region check, configuration errors, the region pool."""
+files, configuration errors, the region's registration."""
 
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import mmap
 import os
 import uuid
 
-import numpy as np
 import pytest
 from vllm.v1.kv_offload.base import make_offload_key
 from vllm.v1.kv_offload.config import (
@@ -41,7 +39,6 @@ from vllm_ascend.kv_offload.tiering.region import (
     RegionBlockPool,
     close_region,
     region_path,
-    remove_stale_region,
 )
 from vllm_ascend.kv_offload.tiering.spec import (
     NPUTieringOffloadingSpec,
@@ -169,52 +166,6 @@ def test_an_uncreatable_tier_directory_is_dropped_with_a_log_line(
     assert not tier_dir_usable({"root_dir": str(blocker / "kv")}, spec)
     assert "cannot be used" in caplog.text and "CPU tier only" in caplog.text
     assert tier_dir_usable({"root_dir": str(tmp_path / "kv")}, spec)
-
-
-# -- the shared region --------------------------------------------------------
-
-
-def test_a_stale_region_is_removed_a_held_one_is_kept(tmp_path):
-    path = str(tmp_path / "region.mmap")
-    with open(path, "wb") as f:
-        f.write(b"\0" * 4096)
-    holder = os.open(path, os.O_RDWR)
-    try:
-        fcntl.flock(holder, fcntl.LOCK_SH)  # a live engine maps it
-        assert not remove_stale_region(path)
-        assert os.path.exists(path)
-    finally:
-        os.close(holder)  # the engine died
-    assert remove_stale_region(path)
-    assert not os.path.exists(path)
-    assert not remove_stale_region(path)  # nothing there: nothing to do
-
-
-def test_region_pool_addresses_this_ranks_slot_of_each_row(shared_region):
-    page = mmap.PAGESIZE
-    region = shared_region(
-        3, kv_bytes_per_chunk=4 * page, cpu_page_size=2 * page, rank=1
-    )
-    pool = RegionBlockPool(
-        region,
-        page_bytes=[page // 2, page // 2, page],
-        blocks_per_chunk=1,
-        slot_offset=2 * page,
-        slot_capacity=2 * page,
-        row_stride=4 * page,
-    )
-    assert pool.row_bytes == 4 * page  # the stride CopyEngine uses
-    assert pool.slot_bytes == 2 * page
-    assert pool.nbytes == 3 * 2 * page
-    assert list(pool.tensor_offsets) == [2 * page, 2 * page + page // 2, 3 * page]
-    assert pool.base == region.base_tensor.data_ptr()
-    with pytest.raises(OffloadConfigError, match="more than its slot"):
-        RegionBlockPool(region, [3 * page], 1, 0, 2 * page, 4 * page)
-    pool.release()
-    assert region.base_tensor is not None  # the pool frees nothing
-    assert np.all(region.base_tensor.numpy() == 0)
-    region.cleanup()
-    assert not os.path.exists(region.mmap_path)
 
 
 # -- configuration ------------------------------------------------------------
@@ -363,7 +314,7 @@ def test_a_failing_unregister_is_logged_and_the_region_still_unmapped(
     caplog, shared_region
 ):
     page = mmap.PAGESIZE
-    region = shared_region(2, kv_bytes_per_chunk=page, cpu_page_size=page)
+    region, mark = shared_region(2, kv_bytes_per_chunk=page, cpu_page_size=page)
 
     def unregister(addr, device):
         raise RuntimeError("ACL error 507911")
@@ -374,7 +325,7 @@ def test_a_failing_unregister_is_logged_and_the_region_still_unmapped(
         unregister=unregister,
         kernel_release="6.1",
     )
-    close_region(region, registration)
+    close_region(region, registration, mark)
     assert "unregistering the shared region" in caplog.text
     assert "ACL error 507911" in caplog.text
     assert region.mmap_obj is None and not os.path.exists(region.mmap_path)
@@ -411,7 +362,7 @@ def test_cuda_registration_is_vllms_pin_mmap_region(monkeypatch, shared_region):
     page = mmap.PAGESIZE
     # Chunks of 2 rows, as vLLM cuts 64 GiB ones: 3 chunks for 5 rows.
     monkeypatch.setattr(gpu_worker, "MAX_HOST_REGISTER_CHUNK_BYTES", 2 * page)
-    region = shared_region(5, kv_bytes_per_chunk=page, cpu_page_size=page)
+    region, mark = shared_region(5, kv_bytes_per_chunk=page, cpu_page_size=page)
     base = region.base_tensor.data_ptr()
     pool = RegionBlockPool(region, [page], 1, 0, page, page)
     register_with_cuda(region, pool)
@@ -421,7 +372,7 @@ def test_cuda_registration_is_vllms_pin_mmap_region(monkeypatch, shared_region):
         ("register", base + 4 * page, page),
     ]
     assert pool.pinned and region.is_pinned
-    close_region(region, None)
+    close_region(region, None, mark)
     assert calls[3:] == [
         ("unregister", base + 4 * page, True),
         ("unregister", base + 2 * page, True),

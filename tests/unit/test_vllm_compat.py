@@ -31,7 +31,7 @@ PRIVATE_VLLM_NAMES = {
     "_load_job_keys",
     "_load_progress",
     "_pool",
-    "_scheduler_mmap",
+    "_creator",
     "_num_allocated_chunks",
     "_free_list",
 }
@@ -145,9 +145,13 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 import dataclasses
 tiering_src = inspect.getsource(TieringOffloadingSpec)
-check("self._scheduler_mmap = " in tiering_src,
-      "TieringOffloadingSpec no longer keeps its scheduler-side region in "
-      "_scheduler_mmap (vllm_compat.tiering_scheduler_region)")
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+region_src = inspect.getsource(SharedOffloadRegion)
+check("self._creator = True" in region_src
+      and "if self._creator and getattr(self, \"mmap_path\", None):"
+      in inspect.getsource(SharedOffloadRegion.cleanup),
+      "SharedOffloadRegion.cleanup no longer unlinks the file only where "
+      "_creator is set (vllm_compat.disown_region)")
 check("engine_id" in {f.name for f in dataclasses.fields(OffloadingConfig)}
       and "engine_id=self._engine_id" in tiering_src
       and "self._engine_id = config.engine_id" in tiering_src,
@@ -289,14 +293,19 @@ def test_the_scan_ignores_the_packages_own_private_names() -> None:
 
 
 def _private_names(path: Path) -> set[str]:
-    """Single-underscore attribute names a module reads or defines (methods),
-    less the attributes it assigns itself (its own state, e.g. ``self._x =``)."""
+    """Single-underscore attribute names a module reads, writes on another
+    object or defines (methods), less the attributes it assigns itself (its
+    own state, ``self._x =``)."""
     tree = ast.parse(path.read_text())
     used, own = set(), set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute):
             used.add(node.attr)
-            if isinstance(node.ctx, ast.Store):
+            if (
+                isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "self"
+            ):
                 own.add(node.attr)
         elif isinstance(node, ast.FunctionDef):
             used.add(node.name)

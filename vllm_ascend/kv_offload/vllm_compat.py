@@ -152,11 +152,10 @@ def quiet_fs_tier_pool_errors(exc_type: type[BaseException]) -> None:
     pool_logger.addFilter(_DropRecordsOf(exc_type))
 
 
-def tiering_scheduler_region(spec: Any) -> Any:
-    """The shared region ``TieringOffloadingSpec.get_manager`` created on the
-    scheduler side (``_scheduler_mmap``; None before, or without one;
-    vLLM 0.32, 0.33)."""
-    return spec._scheduler_mmap
+def disown_region(region: Any) -> None:
+    """Stops ``SharedOffloadRegion.cleanup`` from unlinking the region's file
+    (``_creator``; vLLM 0.32, 0.33): ``tiering.region`` removes it."""
+    region._creator = False
 
 
 def cpu_blocks_in_use(manager: Any) -> int | None:

@@ -1,9 +1,34 @@
 """The CPU primary tier's memory: vLLM's shared ``/dev/shm`` region
-(``SharedOffloadRegion``), opened after removing a stale one left by a run
-that died, and ``RegionBlockPool``, this rank's slot of each region row.
+(``SharedOffloadRegion``) and ``RegionBlockPool``, this rank's slot of each
+region row; and the region's lifetime.
 
-Liveness is a shared ``flock`` that every process mapping the region holds;
-vLLM unlinks the region only on clean shutdown.
+vLLM names a region after its engine id (``vllm_offload_<engine_id>.mmap``)
+and removes it only in the creating worker's ``cleanup``, which ``vllm
+serve``'s default ``--shutdown-timeout 0`` never lets run (the engine core
+and the worker are force-killed), nor does a crash or SIGKILL. Every start
+has a new engine id, so each such stop used to leave a region the pool's
+size in ``/dev/shm`` until starts failed for want of space. Here:
+
+* The name lives only while a process is still to map it. The workers map
+  the region first (``open_region``, the first one creating it), the
+  scheduler's tiering manager last (vLLM builds the scheduler after every
+  worker registered its KV caches); once the manager has joined it,
+  ``RegionMark.release_name`` unlinks it: the kernel frees the memory when
+  the last mapping goes, however the processes end. Where the name was not
+  released (a worker without our scheduler on its host), the first of its
+  processes to close the region unlinks it, as vLLM's creator did.
+* A mark of ours beside each region, ``vllm_ascend_offload_<engine_id>.lock``,
+  on which every process that opens the region through this module holds a
+  shared ``flock`` until it closes the region or dies; the mark goes with
+  the name. vLLM on CUDA names its regions the same way and marks none, so
+  a region without our mark is never touched.
+* Every opening first sweeps (``sweep_dead_regions``): each mark no process
+  holds, whatever its engine id, is a start that died before its name was
+  released; the mark and its region are removed. Only this user's regular
+  files are removed (``/dev/shm`` is world-writable).
+
+Creation, joining and the sweep are serialised by a ``flock`` on the
+directory, so a sweep never sees a mark between its creation and its lock.
 """
 
 from __future__ import annotations
@@ -11,11 +36,13 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import stat
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
+from vllm_ascend.kv_offload import vllm_compat
 from vllm_ascend.kv_offload.config import OffloadConfigError
 from vllm_ascend.kv_offload.cpu_pool import CpuBlockPool, PoolLayout
 from vllm_ascend.kv_offload.host_memory import borrowed
@@ -27,17 +54,25 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 SHM_DIR = "/dev/shm"
+REGION_PREFIX, REGION_SUFFIX = "vllm_offload_", ".mmap"  # vLLM's names
+MARK_PREFIX, MARK_SUFFIX = "vllm_ascend_offload_", ".lock"  # ours
 
 
-def region_path(engine_id: str) -> str:
+def region_path(engine_id: str, shm_dir: str = SHM_DIR) -> str:
     """Where vLLM's ``SharedOffloadRegion`` puts an engine's region."""
-    return os.path.join(SHM_DIR, f"vllm_offload_{engine_id}.mmap")
+    return os.path.join(shm_dir, f"{REGION_PREFIX}{engine_id}{REGION_SUFFIX}")
+
+
+def mark_path(engine_id: str, shm_dir: str = SHM_DIR) -> str:
+    """Our mark beside that region."""
+    return os.path.join(shm_dir, f"{MARK_PREFIX}{engine_id}{MARK_SUFFIX}")
 
 
 @contextlib.contextmanager
-def _shm_lock() -> Iterator[None]:
-    """Serialises region creation between this package's processes."""
-    fd = os.open(SHM_DIR, os.O_RDONLY)
+def _shm_lock(shm_dir: str = SHM_DIR) -> Iterator[None]:
+    """Serialises opening regions and sweeping between this package's
+    processes."""
+    fd = os.open(shm_dir, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -45,48 +80,124 @@ def _shm_lock() -> Iterator[None]:
         os.close(fd)
 
 
-def remove_stale_region(path: str) -> bool:
-    """Removes ``path`` if no process holds it (every process that maps a
-    region of ours holds a shared flock on it until it unmaps or dies)."""
+def _is_users_file(path: str) -> bool:
     try:
-        fd = os.open(path, os.O_RDWR)
+        st = os.stat(path, follow_symlinks=False)
     except FileNotFoundError:
         return False
-    try:
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
+
+
+def sweep_dead_regions(shm_dir: str = SHM_DIR) -> list[str]:
+    """Removes every region of ours whose processes are all gone (its mark
+    unlocked) and the mark; returns the regions removed. Call it under
+    ``_shm_lock``."""
+    removed = []
+    for name in sorted(os.listdir(shm_dir)):
+        if not (name.startswith(MARK_PREFIX) and name.endswith(MARK_SUFFIX)):
+            continue
+        engine_id = name[len(MARK_PREFIX) : -len(MARK_SUFFIX)]
+        mark = os.path.join(shm_dir, name)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False  # a live engine maps it
-        os.unlink(path)
-        logger.warning(
-            "KV offload: removed %s, a shared region left by a run that ended "
-            "without cleanup (crash or kill); this run creates its own",
-            path,
-        )
-        return True
-    finally:
-        os.close(fd)
-
-
-def hold_region(region: SharedOffloadRegion) -> None:
-    """Marks ``region`` live for ``remove_stale_region`` (until its fd closes)."""
-    if region.fd is not None:
-        fcntl.flock(region.fd, fcntl.LOCK_SH)
-
-
-def open_region(**kwargs: Any) -> SharedOffloadRegion:
-    """``SharedOffloadRegion(**kwargs)`` after removing a stale file of the
-    same name; the region is held (``hold_region``) before anyone else can
-    look at it."""
-    with _shm_lock():
-        remove_stale_region(region_path(kwargs["engine_id"]))
-        region = SharedOffloadRegion(**kwargs)
-        try:
-            hold_region(region)
+            fd = os.open(mark, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
-            region.cleanup()
+            continue  # gone meanwhile, or a link: not a mark of ours
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a live engine holds it
+            region = region_path(engine_id, shm_dir)
+            if _is_users_file(region):
+                os.unlink(region)
+                removed.append(region)
+                logger.warning(
+                    "KV offload: removed %s, a shared region left by a run that "
+                    "ended without cleanup (killed while starting)",
+                    region,
+                )
+            os.unlink(mark)
+        finally:
+            os.close(fd)
+    return removed
+
+
+class RegionMark:
+    """This process's hold on our mark of ``engine_id``'s region: a shared
+    ``flock`` on the mark (created if missing), until ``close``."""
+
+    def __init__(self, engine_id: str, shm_dir: str = SHM_DIR):
+        self.region_path = region_path(engine_id, shm_dir)
+        self.path = mark_path(engine_id, shm_dir)
+        # Whether the region was there before this process opened it.
+        self.region_existed = os.path.exists(self.region_path)
+        if self.region_existed and not os.path.exists(self.path):
+            raise OffloadConfigError(
+                f"KV offload: {self.region_path} exists and is not a region of "
+                f"this package (no {self.path} beside it): another program "
+                f"uses engine id {engine_id!r}. Give this engine another "
+                "kv_transfer_config engine_id (or leave it unset), or remove "
+                "the file if no process uses it"
+            )
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        self.fd: int | None = os.open(self.path, flags, 0o600)
+        fcntl.flock(self.fd, fcntl.LOCK_SH)
+
+    def release_name(self) -> None:
+        """Unlinks the region and the mark, unless the mark there is no
+        longer the one this process holds (released already)."""
+        if self.fd is None:
+            return
+        held = os.fstat(self.fd)
+        try:
+            there = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        if (there.st_dev, there.st_ino) != (held.st_dev, held.st_ino):
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.region_path)
+            logger.info(
+                "KV offload: unlinked %s (mapped by every process that uses "
+                "it; the kernel frees it when the last one exits)",
+                self.region_path,
+            )
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def hold_mark(engine_id: str) -> RegionMark:
+    """``RegionMark`` after a sweep, for a process about to map the region
+    through vLLM (the scheduler's tiering manager)."""
+    with _shm_lock():
+        sweep_dead_regions()
+        return RegionMark(engine_id)
+
+
+def open_region(**kwargs: Any) -> tuple[SharedOffloadRegion, RegionMark]:
+    """``SharedOffloadRegion(**kwargs)`` after a sweep, held by its mark
+    before anyone else can look at it. vLLM's own unlink at ``cleanup`` is
+    turned off: ``close_region`` releases the name (if no one did)."""
+    with _shm_lock():
+        sweep_dead_regions()
+        mark = RegionMark(kwargs["engine_id"])
+        try:
+            region = SharedOffloadRegion(**kwargs)
+        except BaseException:
+            if not mark.region_existed:
+                mark.release_name()
+            mark.close()
             raise
-    return region
+        vllm_compat.disown_region(region)
+    return region, mark
 
 
 class RegionBlockPool(CpuBlockPool):
@@ -131,12 +242,18 @@ class RegionBlockPool(CpuBlockPool):
 
 
 def close_region(
-    region: SharedOffloadRegion, registration: AclRegionRegistration | None
+    region: SharedOffloadRegion,
+    registration: AclRegionRegistration | None,
+    mark: RegionMark,
 ) -> None:
-    """Unregisters the region from ACL (if it was), then unmaps it (and
-    removes its file if this process created it)."""
+    """Unregisters the region from ACL (if it was), unmaps it, then removes
+    its name if no one did."""
     try:
         if registration is not None:
             registration.release()
     finally:
-        region.cleanup()
+        try:
+            region.cleanup()
+        finally:
+            mark.release_name()
+            mark.close()

@@ -22,7 +22,6 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from vllm_ascend.kv_offload import vllm_compat
 from vllm_ascend.kv_offload.config import PREFIX, TIERING_SPEC, OffloadConfigError
 from vllm_ascend.kv_offload.logger import init_logger
 from vllm_ascend.kv_offload.manager import FailureAwareManager
@@ -40,8 +39,9 @@ from vllm_ascend.kv_offload.tiering.host_register import (
 from vllm_ascend.kv_offload.tiering.identity import storage_identity
 from vllm_ascend.kv_offload.tiering.region import (
     RegionBlockPool,
+    RegionMark,
     close_region,
-    hold_region,
+    hold_mark,
     open_region,
 )
 from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
@@ -50,17 +50,20 @@ logger = init_logger(__name__)
 
 
 class NPUTieringWorker(NPUOffloadingWorker):
-    """Our worker on a shared region, which it unregisters from ACL (npu),
-    unmaps and, if it created it, removes once its copies have stopped."""
+    """Our worker on a shared region, which it unregisters from ACL (npu)
+    and unmaps once its copies have stopped (its name, unless released
+    already, is removed in any case)."""
 
     def __init__(
         self,
         kv_caches: CanonicalKVCaches,
         region: SharedOffloadRegion,
+        mark: RegionMark,
         pool: RegionBlockPool,
         registration: AclRegionRegistration | None = None,
     ):
         self.region = region
+        self.mark = mark
         self.registration = registration
         super().__init__(
             kv_caches,
@@ -75,8 +78,9 @@ class NPUTieringWorker(NPUOffloadingWorker):
             return
         super().shutdown()
         if self.pool.released:  # copies stopped, the pool let go
-            close_region(self.region, self.registration)
+            close_region(self.region, self.registration, self.mark)
         else:
+            self.mark.release_name()
             logger.warning(
                 "KV offload: copies still running at shutdown; the shared "
                 "region %s stays mapped until the process exits",
@@ -160,6 +164,7 @@ class NPUTieringOffloadingSpec(TieringOffloadingSpec, NPUOffloadingSpec):
     """
 
     _tiering_worker: NPUTieringWorker | None = None
+    _scheduler_mark: RegionMark | None = None
 
     @classmethod
     @override
@@ -199,10 +204,20 @@ class NPUTieringOffloadingSpec(TieringOffloadingSpec, NPUOffloadingSpec):
                 for t in self.secondary_tier_configs
                 if t["type"] != VERIFIED_FS_TYPE or tier_dir_usable(t, self)
             ]
-            inner = TieringOffloadingSpec.get_manager(self)
-            scheduler_region = vllm_compat.tiering_scheduler_region(self)
-            if scheduler_region is not None:
-                hold_region(scheduler_region)
+            mark = hold_mark(self.config.engine_id)
+            try:
+                inner = TieringOffloadingSpec.get_manager(self)
+                if mark.region_existed:
+                    # vLLM builds the scheduler after every worker mapped the
+                    # region: no one needs its name now (tiering.region).
+                    mark.release_name()
+            finally:
+                if mark.region_existed:
+                    mark.close()
+                else:
+                    # This process created it: workers may join later; the
+                    # hold ends with the process.
+                    self._scheduler_mark = mark
             self._failure_aware_manager = FailureAwareManager(
                 inner, self.pool_capacity()
             )
@@ -214,7 +229,7 @@ class NPUTieringOffloadingSpec(TieringOffloadingSpec, NPUOffloadingSpec):
             return self._tiering_worker
         device = kv_caches.tensors[0].tensor.device
         rank = 0 if self.replicated_layout else self.config.parallel.rank
-        region = open_region(
+        region, mark = open_region(
             engine_id=self.config.engine_id,
             num_chunks=self.num_chunks,
             rank=rank,
@@ -238,10 +253,10 @@ class NPUTieringOffloadingSpec(TieringOffloadingSpec, NPUOffloadingSpec):
                 registration = AclRegionRegistration(region)
                 pool.mark_pinned(True)
             self._tiering_worker = NPUTieringWorker(
-                kv_caches, region, pool, registration
+                kv_caches, region, mark, pool, registration
             )
         except BaseException:
-            close_region(region, registration)
+            close_region(region, registration, mark)
             raise
         logger.info(
             "KV offload: %s worker on shared region %s: %d rows of %d bytes, "

@@ -1,0 +1,231 @@
+"""The tiering spec's shared ``/dev/shm`` region: this rank's pool on it, and
+its lifetime (``tiering/region.py``): the name released once every process
+has mapped it, our mark beside it, the sweep of dead regions at every
+opening, and files that are not ours left alone."""
+
+from __future__ import annotations
+
+import dataclasses
+import mmap
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+from tests.unit.conftest import TIERING
+from tests.unit.kv_helpers import make_config
+from vllm_ascend.kv_offload.config import OffloadConfigError
+from vllm_ascend.kv_offload.tiering.region import (
+    RegionBlockPool,
+    close_region,
+    hold_mark,
+    mark_path,
+    region_path,
+)
+from vllm_ascend.kv_offload.tiering.spec import NPUTieringOffloadingSpec
+
+PAGE = mmap.PAGESIZE
+REPO = Path(__file__).resolve().parents[2]
+
+
+def new_engine_id() -> str:
+    return f"unit-{uuid.uuid4().hex[:8]}"
+
+
+def leftovers(engine_id: str) -> list[str]:
+    """What is left in /dev/shm of ``engine_id``'s region: region, mark."""
+    paths = [region_path(engine_id), mark_path(engine_id)]
+    return [os.path.basename(p) for p in paths if os.path.exists(p)]
+
+
+def write_leftovers(engine_id: str, with_mark: bool = True) -> None:
+    """A region as a run that died before its name was released leaves it
+    (``with_mark``), or as vLLM on CUDA leaves one (no mark)."""
+    with open(region_path(engine_id), "wb") as f:
+        f.write(b"\x07" * PAGE)
+    if with_mark:
+        Path(mark_path(engine_id)).touch()
+
+
+@pytest.fixture
+def engine_ids():
+    """Fresh engine ids; whatever a test leaves of them is removed."""
+    ids: list[str] = []
+
+    def make() -> str:
+        ids.append(new_engine_id())
+        return ids[-1]
+
+    yield make
+    for engine_id in ids:
+        for path in (region_path(engine_id), mark_path(engine_id)):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def start(code: str) -> subprocess.Popen:
+    """A Python process that runs ``code``, says "ready" and waits."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code + "\nprint('ready', flush=True)\nsleep(600)"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def test_region_pool_addresses_this_ranks_slot_of_each_row(shared_region):
+    region, mark = shared_region(
+        3, kv_bytes_per_chunk=4 * PAGE, cpu_page_size=2 * PAGE, rank=1
+    )
+    pool = RegionBlockPool(
+        region,
+        page_bytes=[PAGE // 2, PAGE // 2, PAGE],
+        blocks_per_chunk=1,
+        slot_offset=2 * PAGE,
+        slot_capacity=2 * PAGE,
+        row_stride=4 * PAGE,
+    )
+    assert pool.row_bytes == 4 * PAGE  # the stride CopyEngine uses
+    assert pool.slot_bytes == 2 * PAGE
+    assert pool.nbytes == 3 * 2 * PAGE
+    assert list(pool.tensor_offsets) == [2 * PAGE, 2 * PAGE + PAGE // 2, 3 * PAGE]
+    assert pool.base == region.base_tensor.data_ptr()
+    with pytest.raises(OffloadConfigError, match="more than its slot"):
+        RegionBlockPool(region, [3 * PAGE], 1, 0, 2 * PAGE, 4 * PAGE)
+    pool.release()
+    assert region.base_tensor is not None  # the pool frees nothing
+    assert np.all(region.base_tensor.numpy() == 0)
+
+
+def test_a_worker_alone_removes_region_and_mark_when_it_closes(shared_region):
+    engine_id = new_engine_id()
+    region, mark = shared_region(2, PAGE, PAGE, engine_id=engine_id)
+    assert leftovers(engine_id) == [
+        os.path.basename(region_path(engine_id)),
+        os.path.basename(mark_path(engine_id)),
+    ]
+    close_region(region, None, mark)
+    assert region.mmap_obj is None and leftovers(engine_id) == []
+
+
+def test_the_name_goes_once_the_scheduler_mapped_the_region(shared_region, caplog):
+    """The order of an engine: the worker creates the region, the scheduler's
+    manager joins it last and then releases the name; both mappings stay
+    one memory, and the worker's close has nothing left to remove."""
+    engine_id = new_engine_id()
+    worker_region, worker_mark = shared_region(2, PAGE, PAGE, engine_id=engine_id)
+    scheduler_mark = hold_mark(engine_id)
+    scheduler_region = SharedOffloadRegion(
+        engine_id=engine_id,
+        num_chunks=2,
+        rank=None,
+        kv_bytes_per_chunk=PAGE,
+        cpu_page_size=PAGE,
+    )
+    assert scheduler_mark.region_existed
+    scheduler_mark.release_name()
+    scheduler_mark.close()
+    assert leftovers(engine_id) == []
+    worker_region.base_tensor[PAGE + 3] = 42
+    assert int(scheduler_region.base_tensor[PAGE + 3]) == 42
+    scheduler_region.cleanup()
+    close_region(worker_region, None, worker_mark)
+    assert "Failed to unlink" not in caplog.text
+
+
+def tiering_spec(engine_id: str) -> NPUTieringOffloadingSpec:
+    extra = {**TIERING, "num_cpu_blocks": 2, "secondary_tiers": []}
+    config = make_config(extra, worker_kv_bytes_per_block=PAGE)
+    return NPUTieringOffloadingSpec(dataclasses.replace(config, engine_id=engine_id))
+
+
+def test_the_specs_manager_releases_the_name_its_workers_mapped(shared_region):
+    """The spec's scheduler side (``get_manager``), after the worker opened
+    the region as ``get_worker`` does: the name is gone, the memory shared."""
+    engine_id = new_engine_id()
+    spec = tiering_spec(engine_id)
+    region, _ = shared_region(
+        spec.num_chunks,
+        spec.kv_bytes_per_chunk,
+        spec.cpu_page_size_per_worker,
+        engine_id=engine_id,
+    )
+    manager = spec.get_manager()
+    assert leftovers(engine_id) == []
+    region.base_tensor[5] = 9
+    view = manager.inner.primary_tier.get_kv_memoryview()
+    assert view[0, 5] == 9
+    manager.shutdown()
+
+
+def test_a_dead_region_of_another_engine_is_removed_at_the_next_opening(
+    engine_ids, shared_region, caplog
+):
+    dead = engine_ids()
+    write_leftovers(dead)
+    shared_region(2, PAGE, PAGE)
+    assert leftovers(dead) == []
+    assert f"removed {region_path(dead)}" in caplog.text
+
+
+def test_a_live_region_is_kept_until_its_holder_dies(engine_ids, shared_region):
+    live = engine_ids()
+    write_leftovers(live)
+    holder = start(
+        "import fcntl, os\nfrom time import sleep\n"
+        f"fd = os.open({mark_path(live)!r}, os.O_RDONLY)\n"
+        "fcntl.flock(fd, fcntl.LOCK_SH)"
+    )
+    try:
+        shared_region(2, PAGE, PAGE)
+        assert len(leftovers(live)) == 2
+    finally:
+        holder.kill()
+        holder.wait()
+    shared_region(2, PAGE, PAGE)
+    assert leftovers(live) == []
+
+
+def test_a_region_that_is_not_ours_is_never_touched(engine_ids, shared_region):
+    """No mark beside it (vLLM on CUDA names regions the same way), or a
+    mark of another user's: the sweep leaves it, and opening a region under
+    its engine id is refused with what to do."""
+    foreign, others = engine_ids(), engine_ids()
+    write_leftovers(foreign, with_mark=False)
+    write_leftovers(others)
+    for path in (region_path(others), mark_path(others)):
+        os.chown(path, 65534, 65534)
+    shared_region(2, PAGE, PAGE)
+    assert Path(region_path(foreign)).read_bytes() == b"\x07" * PAGE
+    assert len(leftovers(others)) == 2
+    with pytest.raises(OffloadConfigError, match="engine_id") as info:
+        shared_region(2, PAGE, PAGE, engine_id=foreign)
+    assert "is not a region of this package" in str(info.value)
+    assert Path(region_path(foreign)).read_bytes() == b"\x07" * PAGE
+    assert not os.path.exists(mark_path(foreign))
+
+
+def test_a_killed_processs_region_is_gone_after_the_next_opening(
+    engine_ids, shared_region
+):
+    killed = engine_ids()
+    proc = start(
+        "from time import sleep\n"
+        "from vllm_ascend.kv_offload.tiering.region import open_region\n"
+        f"region = open_region(engine_id={killed!r}, num_chunks=2, rank=0, "
+        f"kv_bytes_per_chunk={PAGE}, cpu_page_size={PAGE})"
+    )
+    assert len(leftovers(killed)) == 2
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert len(leftovers(killed)) == 2  # nobody removed them at the kill
+    shared_region(2, PAGE, PAGE)
+    assert leftovers(killed) == []
