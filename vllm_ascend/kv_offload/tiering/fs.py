@@ -278,6 +278,7 @@ class VerifiedFileSystemTier(FileSystemTierManager):
         # Our view of the CPU tier's region keeps its mmap exported: vLLM's
         # region cleanup, which follows, could not close it (BufferError).
         self.primary_bytes.release()
+        logger.info("KV offload: fs tier on %s shut down", self.root_dir)
 
     @classmethod
     @override
