@@ -25,6 +25,7 @@ from tests.e2e.conftest import (
     run_scenario,
     scenario_log,
     tiering,
+    token_ids,
 )
 from vllm_ascend.kv_offload.tiering.block_file import HEADER_BYTES
 from vllm_ascend.kv_offload.tiering.region import region_path
@@ -118,6 +119,44 @@ def test_an_incompatible_engine_gets_misses_never_wrong_output(
     assert cached(c) == [0, 0, 0]
     assert c["counters"].get("vllm:kv_offload_tiering_chunk_hits", 0) == 0
     assert len({f.split("/ascend-kv-")[1][:16] for f in c["files"]}) == 2
+
+
+# Another RoPE theta: same model directory and config.json, other K.
+ROPE_OVERRIDE = {"rope_parameters": {"rope_theta": 1000.0, "rope_type": "default"}}
+
+
+@pytest.fixture(scope="module")
+def expected_with_override(scenario_dir) -> list[list[int]]:
+    """Greedy outputs of PROMPTS with ROPE_OVERRIDE and offloading off."""
+    result = run_scenario(
+        scenario_dir,
+        "reference_rope",
+        {
+            "engine": {**ENGINE, "hf_overrides": ROPE_OVERRIDE},
+            "offload": None,
+            "phases": [{"prompts": PROMPTS}],
+        },
+    )
+    return token_ids(result["phases"][0])
+
+
+def test_an_engine_with_model_overrides_never_reads_the_files(
+    written, expected, expected_with_override, scenario_dir
+):
+    """Same model path, config.json and layout as A, but hf_overrides give
+    another model: A's files are another identity's (issue 28, D2)."""
+    assert expected_with_override != expected  # the override changes the model
+    root, _ = copy_of(written, scenario_dir, "tier-rope")
+    g = run_engine(
+        scenario_dir,
+        "tier_rope",
+        root,
+        engine={**ENGINE, "hf_overrides": ROPE_OVERRIDE},
+    )
+    assert g["counters"].get("vllm:kv_offload_tiering_chunk_hits", 0) == 0
+    assert cached(g) == [0, 0, 0]
+    assert tokens(g) == expected_with_override
+    assert len({f.split("/ascend-kv-")[1][:16] for f in g["files"]}) == 2
 
 
 def _truncate(path: str) -> None:
