@@ -99,9 +99,7 @@ def test_other_weights_under_the_same_config_json_change_only_the_weights(
 
 def test_copies_of_the_same_weights_have_the_same_fingerprint(model_dir, tmp_path):
     shutil.copytree(model_dir, tmp_path / "copy")
-    assert fingerprint_weights(str(tmp_path / "copy")) == fingerprint_weights(
-        model_dir
-    )
+    assert fingerprint_weights(str(tmp_path / "copy")) == fingerprint_weights(model_dir)
 
 
 def _sparse_checkpoint(path, size: int, header: dict) -> int:
@@ -189,9 +187,7 @@ def test_a_shared_id_on_another_tier_type_is_refused():
         check_tiering_config({**TIERING, "secondary_tiers": [tier]})
 
 
-def test_the_connector_gives_the_tier_vllms_resolved_model_config(
-    model_dir, tmp_path
-):
+def test_the_connector_gives_the_tier_vllms_resolved_model_config(model_dir, tmp_path):
     """What the engine builds (our connector, the tiering spec, the fs
     tier) writes an identity.json holding the resolved config's identity,
     fingerprinted weights included."""

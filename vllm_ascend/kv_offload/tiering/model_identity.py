@@ -160,4 +160,3 @@ def with_shared_id(identity: dict[str, Any], shared_id: str | None) -> dict[str,
     if shared_id is None:
         return identity
     return {**identity, "weights": {"shared_id": shared_id}}
-
