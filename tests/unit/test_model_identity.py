@@ -202,3 +202,16 @@ def test_the_connector_gives_the_tier_vllms_resolved_model_config(model_dir, tmp
     expected = identity(model_dir, dtype="float32")  # make_connector's
     assert {k: stored[k] for k in expected} == expected
     assert "unidentified" not in stored["weights"]
+
+
+def test_a_config_transformers_cannot_serialise_leaves_the_model_unidentified(
+    model_dir, monkeypatch
+):
+    config = resolved(model_dir)
+
+    def refuse(**kwargs):
+        raise TypeError("Object of type X is not JSON serializable")
+
+    monkeypatch.setattr(config.model_config.hf_config, "to_json_string", refuse)
+    weights = model_identity(config)["weights"]
+    assert "not serialisable" in weights["unidentified"]

@@ -125,8 +125,11 @@ def model_identity(vllm_config: Any | None) -> dict[str, Any]:
         return {"weights": unidentified("vLLM's resolved model config not seen")}
     model = vllm_config.model_config
     load_format = str(vllm_config.load_config.load_format)
-    # transformers' own canonical serialisation (sorted keys), overrides in.
-    hf_config = model.hf_config.to_json_string(use_diff=False)
+    try:
+        # transformers' own canonical serialisation (sorted keys), overrides in.
+        hf_config = model.hf_config.to_json_string(use_diff=False)
+    except (TypeError, ValueError) as e:
+        return {"weights": unidentified(f"model config not serialisable ({e})")}
     return {
         "hf_config_sha256": hashlib.sha256(hf_config.encode()).hexdigest(),
         "model_dtype": str(model.dtype).removeprefix("torch."),
