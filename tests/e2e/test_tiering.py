@@ -121,42 +121,35 @@ def test_an_incompatible_engine_gets_misses_never_wrong_output(
     assert len({f.split("/ascend-kv-")[1][:16] for f in c["files"]}) == 2
 
 
-# Another RoPE theta: same model directory and config.json, other K.
-ROPE_OVERRIDE = {"rope_parameters": {"rope_theta": 1000.0, "rope_type": "default"}}
+# Engines on A's model directory (same config.json, same layout) whose KV is
+# not A's: another RoPE theta, random (dummy) weights (issue 28, D2).
+OTHER_KV = {
+    "hf_overrides": {
+        "hf_overrides": {
+            "rope_parameters": {"rope_theta": 1000.0, "rope_type": "default"}
+        }
+    },
+    "dummy_weights": {"load_format": "dummy"},
+}
 
 
-@pytest.fixture(scope="module")
-def expected_with_override(scenario_dir) -> list[list[int]]:
-    """Greedy outputs of PROMPTS with ROPE_OVERRIDE and offloading off."""
-    result = run_scenario(
-        scenario_dir,
-        "reference_rope",
-        {
-            "engine": {**ENGINE, "hf_overrides": ROPE_OVERRIDE},
-            "offload": None,
-            "phases": [{"prompts": PROMPTS}],
-        },
-    )
-    return token_ids(result["phases"][0])
-
-
-def test_an_engine_with_model_overrides_never_reads_the_files(
-    written, expected, expected_with_override, scenario_dir
+@pytest.mark.parametrize("change", list(OTHER_KV))
+def test_an_engine_computing_other_kv_never_reads_the_files(
+    written, expected, scenario_dir, change
 ):
-    """Same model path, config.json and layout as A, but hf_overrides give
-    another model: A's files are another identity's (issue 28, D2)."""
-    assert expected_with_override != expected  # the override changes the model
-    root, _ = copy_of(written, scenario_dir, "tier-rope")
-    g = run_engine(
+    engine = {**ENGINE, **OTHER_KV[change]}
+    offloading_off = run_scenario(
         scenario_dir,
-        "tier_rope",
-        root,
-        engine={**ENGINE, "hf_overrides": ROPE_OVERRIDE},
+        f"reference_{change}",
+        {"engine": engine, "offload": None, "phases": [{"prompts": PROMPTS}]},
     )
-    assert tokens(g) == expected_with_override
+    own = token_ids(offloading_off["phases"][0])
+    assert own != expected  # the change does change the model
+    root, _ = copy_of(written, scenario_dir, f"tier-{change}")
+    g = run_engine(scenario_dir, f"tier_{change}", root, engine=engine)
+    assert tokens(g) == own
     assert cached(g) == [0, 0, 0]
     assert g["counters"].get("vllm:kv_offload_tiering_chunk_hits", 0) == 0
-    assert len({f.split("/ascend-kv-")[1][:16] for f in g["files"]}) == 2
 
 
 def _truncate(path: str) -> None:
