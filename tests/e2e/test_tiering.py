@@ -25,6 +25,7 @@ from tests.e2e.conftest import (
     run_scenario,
     scenario_log,
     tiering,
+    token_ids,
 )
 from vllm_ascend.kv_offload.tiering.block_file import HEADER_BYTES
 from vllm_ascend.kv_offload.tiering.region import mark_path, region_path
@@ -130,6 +131,37 @@ def test_an_incompatible_engine_gets_misses_never_wrong_output(
     assert cached(c) == [0, 0, 0]
     assert c["counters"].get("vllm:kv_offload_tiering_chunk_hits", 0) == 0
     assert len({f.split("/ascend-kv-")[1][:16] for f in c["files"]}) == 2
+
+
+# Engines on A's model directory (same config.json, same layout) whose KV is
+# not A's: another RoPE theta, random (dummy) weights (issue 28, D2).
+OTHER_KV = {
+    "hf_overrides": {
+        "hf_overrides": {
+            "rope_parameters": {"rope_theta": 1000.0, "rope_type": "default"}
+        }
+    },
+    "dummy_weights": {"load_format": "dummy"},
+}
+
+
+@pytest.mark.parametrize("change", list(OTHER_KV))
+def test_an_engine_computing_other_kv_never_reads_the_files(
+    written, expected, scenario_dir, change
+):
+    engine = {**ENGINE, **OTHER_KV[change]}
+    offloading_off = run_scenario(
+        scenario_dir,
+        f"reference_{change}",
+        {"engine": engine, "offload": None, "phases": [{"prompts": PROMPTS}]},
+    )
+    own = token_ids(offloading_off["phases"][0])
+    assert own != expected  # the change does change the model
+    root, _ = copy_of(written, scenario_dir, f"tier-{change}")
+    g = run_engine(scenario_dir, f"tier_{change}", root, engine=engine)
+    assert tokens(g) == own
+    assert cached(g) == [0, 0, 0]
+    assert g["counters"].get("vllm:kv_offload_tiering_chunk_hits", 0) == 0
 
 
 def _truncate(path: str) -> None:

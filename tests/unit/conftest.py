@@ -198,7 +198,7 @@ def fs_tier_spec():
         )
         return SimpleNamespace(
             config=config,
-            storage_identity=storage_identity(config, "cpu"),
+            storage_identity=storage_identity(config, "cpu", None),
             blocks_per_chunk=1,
             kv_events_config=SimpleNamespace(enable_kv_cache_events=False),
         )

@@ -36,7 +36,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, fields, replace
 
 import torch
-from vllm.config import VllmConfig
+from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
@@ -164,7 +164,10 @@ class AscendOffloadingConnector(OffloadingConnector):
                 "synchronous load could not be reported to vLLM there; remove "
                 "sync_load_budget_bytes (loads then run asynchronously)"
             )
-        super().__init__(vllm_config, role, kv_cache_config)
+        # The tiering spec's storage identity reads the resolved model config
+        # (vLLM hands the spec only its OffloadingConfig).
+        with set_current_vllm_config(vllm_config):
+            super().__init__(vllm_config, role, kv_cache_config)
         self._failure_log: WorkerFailureLog | None = None
         self._failure_router: FailureRouter | None = None
         self._quarantine: SyncLoadQuarantine | None = None

@@ -56,6 +56,7 @@ from vllm_ascend.kv_offload.tiering.identity import (
     identity_digest,
     identity_root,
 )
+from vllm_ascend.kv_offload.tiering.model_identity import SHARED_ID, with_shared_id
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -103,17 +104,31 @@ class VerifiedFileSystemTier(FileSystemTierManager):
         tier_type: str,
         root_dir: str,
         auth_key_file: str | None = None,
+        identity: str | None = None,
         **kw: Any,
     ):
-        identity = getattr(offloading_spec, "storage_identity", None)
-        if identity is None:
+        spec_identity = getattr(offloading_spec, "storage_identity", None)
+        if spec_identity is None:
             raise OffloadConfigError(
                 f"secondary tier type {VERIFIED_FS_TYPE!r} needs spec_name="
                 f"{TIERING_SPEC!r} and spec_module_path={TIERING_MODULE!r}"
             )
         self.auth_key = _tier_auth_key({AUTH_KEY_FILE: auth_key_file})
-        digest = identity_digest(tier_identity(identity, self.auth_key))
+        digest = identity_digest(
+            tier_identity(with_shared_id(spec_identity, identity), self.auth_key)
+        )
         self.identity_bytes = bytes.fromhex(digest)
+        weights = spec_identity.get("weights", {})
+        if identity is None and "unidentified" in weights:
+            logger.warning(
+                "KV offload: the fs tier cannot identify the model's weights "
+                "(%s): this engine reads no file another engine wrote. If "
+                "every engine on %s serves the same weights, name them: "
+                "secondary_tiers[..]['%s'] = 'your-deployment-id'",
+                weights["unidentified"],
+                root_dir,
+                SHARED_ID,
+            )
         self.user_root_dir = root_dir
         self.root_dir = identity_root(root_dir, digest)
         max_bytes = kw.pop(MAX_BYTES_KEY, None)
@@ -314,7 +329,10 @@ def tier_dir_usable(tier: Mapping[str, Any], spec: OffloadingSpec) -> bool:
     directory that has all of it already (a reader of a cache others write)
     is usable; its stores fail and are counted."""
     root_dir = tier["root_dir"]
-    identity = tier_identity(spec.storage_identity, _tier_auth_key(tier))
+    identity = tier_identity(
+        with_shared_id(spec.storage_identity, tier.get(SHARED_ID)),
+        _tier_auth_key(tier),
+    )
     root = identity_root(root_dir, identity_digest(identity))
     try:
         os.makedirs(root_dir, exist_ok=True)  # configured, so trusted

@@ -15,32 +15,27 @@ from typing import Any
 
 from vllm.v1.kv_offload.config import OffloadingConfig
 
-# Bumped whenever the bytes a file holds change meaning (row layout, header).
-FORMAT = "vllm-ascend-kv-offload/rows-v1"
+from vllm_ascend.kv_offload.tiering.model_identity import model_identity
+
+# Bumped whenever the bytes a file holds, or the identity's fields, change
+# meaning (v2: the model part is vLLM's resolved config and the weights).
+FORMAT = "vllm-ascend-kv-offload/rows-v2"
 IDENTITY_DIR_PREFIX = "ascend-kv-"
 IDENTITY_FILE = "identity.json"
 
 
-def _model_fingerprint(model: str) -> str | None:
-    """sha256 of a local model's config.json (None for a hub id): two
-    checkpoints at one path with different architectures never match."""
-    path = os.path.join(model, "config.json")
-    try:
-        with open(path, "rb") as f:
-            return hashlib.sha256(f.read()).hexdigest()
-    except OSError:
-        return None
-
-
-def storage_identity(config: OffloadingConfig, device_type: str) -> dict[str, Any]:
+def storage_identity(
+    config: OffloadingConfig, device_type: str, vllm_config: Any | None
+) -> dict[str, Any]:
     """What must be equal for one instance's stored KV bytes to be valid in
-    another. The scheduler side computes it (it owns the secondary tiers)."""
+    another: the layout from ``config``, the model from vLLM's resolved
+    ``vllm_config`` (``model_identity``). The scheduler side computes it (it
+    owns the secondary tiers)."""
     parallel = config.parallel
     return {
         "format": FORMAT,
         "device_type": device_type,
         "model": config.model.name,
-        "model_config_sha256": _model_fingerprint(config.model.name),
         "kv_dtype": config.model.dtype,
         "kv_cache_layout": config.kv_cache_layout,
         "worker_kv_bytes_per_block": config.worker_kv_bytes_per_block,
@@ -56,6 +51,7 @@ def storage_identity(config: OffloadingConfig, device_type: str) -> dict[str, An
         "pcp_size": parallel.pcp_size,
         "dcp_size": parallel.dcp_size,
         "replicated_layout": config.replicated_layout,
+        **model_identity(vllm_config),
     }
 
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
+from functools import cached_property
 from typing import Any
 
 from typing_extensions import override
+from vllm.config import get_current_vllm_config_or_none
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     OffloadingManager,
@@ -37,6 +39,7 @@ from vllm_ascend.kv_offload.tiering.host_register import (
     register_with_cuda,
 )
 from vllm_ascend.kv_offload.tiering.identity import storage_identity
+from vllm_ascend.kv_offload.tiering.model_identity import SHARED_ID, check_shared_id
 from vllm_ascend.kv_offload.tiering.region import (
     RegionBlockPool,
     RegionMark,
@@ -133,11 +136,15 @@ def check_tiering_config(extra: Mapping[str, Any]) -> None:
                 )
             if tier.get(AUTH_KEY_FILE) is not None:
                 read_auth_key(tier[AUTH_KEY_FILE], f"{where}['{AUTH_KEY_FILE}']")
-        elif tier.get(AUTH_KEY_FILE) is not None:
-            raise OffloadConfigError(
-                f"{where}['{AUTH_KEY_FILE}'] is read by 'fs' tiers only (this "
-                f"one is {tier['type']!r}); remove it"
-            )
+            if SHARED_ID in tier:
+                check_shared_id(tier[SHARED_ID], where)
+        else:
+            for key in (AUTH_KEY_FILE, SHARED_ID):
+                if tier.get(key) is not None:
+                    raise OffloadConfigError(
+                        f"{where}['{key}'] is read by 'fs' tiers only (this "
+                        f"one is {tier['type']!r}); remove it"
+                    )
     backpressure = extra.get("backpressure")
     if backpressure is not None and not isinstance(backpressure, Mapping):
         raise OffloadConfigError(
@@ -182,7 +189,10 @@ class NPUTieringOffloadingSpec(TieringOffloadingSpec, NPUOffloadingSpec):
         # MRO: TieringOffloadingSpec -> NPUOffloadingSpec (keys, num_cpu_blocks)
         # -> CPUOffloadingSpec; then tiering reads secondary_tiers.
         super().__init__(config)
-        self.storage_identity = storage_identity(config, _device_type())
+        # Our connector builds the spec inside set_current_vllm_config, so
+        # the identity can see the resolved model config (None otherwise:
+        # the weights are then unidentified and nothing is shared).
+        self._vllm_config = get_current_vllm_config_or_none()
         tiers = []
         for tier in copy.deepcopy(self.secondary_tier_configs):
             if tier.get("type") == "fs":
@@ -195,6 +205,12 @@ class NPUTieringOffloadingSpec(TieringOffloadingSpec, NPUOffloadingSpec):
                 )
             tiers.append(tier)
         self.secondary_tier_configs = tiers
+
+    @cached_property
+    def storage_identity(self) -> dict[str, Any]:
+        """Read by the fs tiers only (scheduler side): the weights are
+        fingerprinted once, and only where a tier needs them."""
+        return storage_identity(self.config, _device_type(), self._vllm_config)
 
     @override
     def get_manager(self) -> OffloadingManager:
