@@ -259,7 +259,12 @@ def upstream_run(request, scenario_dir, tmp_path_factory) -> dict:
         "port": free_port(),
     }
     result = run_scenario(scenario_dir, f"upstream_ci_{request.param}", scenario)
-    print(f"\n{request.param}: {summary(result['rounds'])}")
+    acc = result["accuracy"]
+    print(
+        f"\n{request.param}: {summary(result['rounds'])}\n"
+        f"accuracy: cold {acc['cold_token_ids']}, after the reload "
+        f"{acc['reload_token_ids']} ({acc['reload_cached']} tokens cached)"
+    )
     return result
 
 
@@ -281,6 +286,10 @@ def summary(rounds: list[dict]) -> str:
         + ", ".join(
             f"{1000 * r['cold_s']:.0f}/{1000 * r['cpu_hit_s']:.0f}" for r in rounds
         )
+        + "; CPU blocks stored per round: "
+        + ", ".join(str(r["cpu_stored_blocks"]) for r in rounds)
+        + "; CPU hit's cached tokens per round: "
+        + ", ".join(str(r["cpu_hit_cached"]) for r in rounds)
     )
 
 
