@@ -159,6 +159,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def zmq_events_config(port: int, topic: str):
+    """The guide's ``KVEventsConfig``: vLLM publishes on ``tcp://*:port``."""
+    from vllm.config import KVEventsConfig
+
+    return KVEventsConfig(
+        enable_kv_cache_events=True,
+        publisher="zmq",
+        endpoint=f"tcp://*:{port}",
+        topic=topic,
+    )
+
+
 def load_subscriber() -> ModuleType:
     """``examples/kv_events_subscriber.py``, imported by path."""
     name = "kv_events_subscriber"

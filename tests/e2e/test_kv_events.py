@@ -34,6 +34,7 @@ from tests.e2e.conftest import (
     REPO,
     free_port,
     load_subscriber,
+    zmq_events_config,
 )
 
 pytestmark = pytest.mark.e2e
@@ -51,16 +52,11 @@ KV_CACHE_BYTES = 2**30
 def run_engine(port: int) -> None:
     """The engine side: the guide's events and offloading configs, 3 prompts."""
     from vllm import LLM, SamplingParams
-    from vllm.config import KVEventsConfig, KVTransferConfig
+    from vllm.config import KVTransferConfig
 
     from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model
 
-    kv_events_config = KVEventsConfig(
-        enable_kv_cache_events=True,
-        publisher="zmq",
-        endpoint=f"tcp://*:{port}",
-        topic=TOPIC,
-    )
+    kv_events_config = zmq_events_config(port, TOPIC)
     kv_transfer_config = KVTransferConfig(
         kv_connector="OffloadingConnector",
         kv_role="kv_both",

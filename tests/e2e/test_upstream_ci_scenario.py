@@ -74,6 +74,7 @@ from tests.e2e.conftest import (
     load_subscriber,
     run_scenario,
     tiering,
+    zmq_events_config,
 )
 from vllm_ascend.kv_offload.testing.tiny_model import (
     DEFAULT_DIR,
@@ -201,23 +202,15 @@ def drive(scenario: dict) -> dict:
     """The engine side (run by ``run_scenario`` in its own process)."""
     import zmq
     from vllm import LLM
-    from vllm.config import KVEventsConfig, KVTransferConfig
+
+    from tests.e2e.run_scenario import kv_transfer_config
 
     subscriber = load_subscriber()
     port = scenario["port"]
     llm = LLM(
         model=scenario["model"],
-        kv_events_config=KVEventsConfig(
-            enable_kv_cache_events=True,
-            publisher="zmq",
-            endpoint=f"tcp://*:{port}",
-            topic=TOPIC,
-        ),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="OffloadingConnector",
-            kv_role="kv_both",
-            kv_connector_extra_config=scenario["offload"],
-        ),
+        kv_events_config=zmq_events_config(port, TOPIC),
+        kv_transfer_config=kv_transfer_config(scenario),
         **scenario["engine"],
     )
     ctx = zmq.Context()
