@@ -3,6 +3,7 @@ OpenAI server of the online tests and the tiering config."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import psutil
@@ -163,6 +165,33 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def zmq_events_config(port: int, topic: str):
+    """The guide's ``KVEventsConfig``: vLLM publishes on ``tcp://*:port``."""
+    from vllm.config import KVEventsConfig
+
+    return KVEventsConfig(
+        enable_kv_cache_events=True,
+        publisher="zmq",
+        endpoint=f"tcp://*:{port}",
+        topic=topic,
+    )
+
+
+def load_subscriber() -> ModuleType:
+    """``examples/kv_events_subscriber.py``, imported by path."""
+    name = "kv_events_subscriber"
+    if name in sys.modules:
+        return sys.modules[name]
+    path = REPO / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    # Registered first: its dataclasses resolve their annotations through it.
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def cpu_block_bytes(model_dir: str) -> int:

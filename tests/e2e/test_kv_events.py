@@ -17,20 +17,25 @@ The events are published by the scheduler, in the engine-core process.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
 import time
 from collections import Counter
-from types import ModuleType
 
 import pytest
 
-from tests.e2e.conftest import ENGINE, GUIDE_OFFLOAD, PROMPTS_BY_DOC, REPO
+from tests.e2e.conftest import (
+    ENGINE,
+    GUIDE_OFFLOAD,
+    PROMPTS_BY_DOC,
+    REPO,
+    free_port,
+    load_subscriber,
+    zmq_events_config,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -47,16 +52,11 @@ KV_CACHE_BYTES = 2**30
 def run_engine(port: int) -> None:
     """The engine side: the guide's events and offloading configs, 3 prompts."""
     from vllm import LLM, SamplingParams
-    from vllm.config import KVEventsConfig, KVTransferConfig
+    from vllm.config import KVTransferConfig
 
     from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model
 
-    kv_events_config = KVEventsConfig(
-        enable_kv_cache_events=True,
-        publisher="zmq",
-        endpoint=f"tcp://*:{port}",
-        topic=TOPIC,
-    )
+    kv_events_config = zmq_events_config(port, TOPIC)
     kv_transfer_config = KVTransferConfig(
         kv_connector="OffloadingConnector",
         kv_role="kv_both",
@@ -88,27 +88,6 @@ def run_engine(port: int) -> None:
     llm.generate(["flush"], SamplingParams(max_tokens=4), use_tqdm=False)
     # The publisher sends from a background thread; give it time to drain.
     time.sleep(3)
-
-
-def load_subscriber() -> ModuleType:
-    """``examples/kv_events_subscriber.py``, imported by path."""
-    name = "kv_events_subscriber"
-    if name in sys.modules:
-        return sys.modules[name]
-    path = REPO / "examples" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    # Registered first: its dataclasses resolve their annotations through it.
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
