@@ -113,7 +113,15 @@ def run(scenario: dict) -> dict:
     for metric in llm.get_metrics():
         if metric.name.startswith("vllm:kv_offload") and hasattr(metric, "value"):
             counters[metric.name] = counters.get(metric.name, 0.0) + metric.value
-    return {"phases": phases, "counters": counters, "offloading_overlay": overlay}
+    # What vLLM's platform made of the compilation settings (the CPU backend
+    # rewrites them), for the compiled-mode tests.
+    compilation = llm.llm_engine.vllm_config.compilation_config
+    return {
+        "phases": phases,
+        "counters": counters,
+        "offloading_overlay": overlay,
+        "compilation": {"mode": compilation.mode.name, "backend": compilation.backend},
+    }
 
 
 def main() -> None:
