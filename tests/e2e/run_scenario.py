@@ -10,13 +10,16 @@ Optional keys: ``env`` (variables set before the engine starts, e.g. the
 test-only fault injection of ``vllm_ascend.kv_offload.worker``),
 ``kv_role`` and ``kv_load_failure_policy`` (for ``KVTransferConfig``), and
 ``driver`` (``"module:function"``, called with the scenario instead of the
-phases above, for scenarios that drive the engine step by step).
+phases above, for scenarios that drive the engine step by step), and
+``sequence`` (scenarios run one after another in this process, each engine
+shut down before the next starts: one interpreter start instead of several).
 
     python -m tests.e2e.run_scenario SCENARIO.json RESULT.json
 """
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import os
@@ -67,12 +70,36 @@ def settle_stores(llm, max_rounds: int = 50) -> None:
         last = stored
 
 
+def shutdown_engine(llm, timeout_s: float = 60) -> None:
+    """Shuts ``llm``'s engine core down and waits for it: vLLM kills it after
+    5 s by default, which a loaded machine can exceed."""
+    llm.llm_engine.engine_core.shutdown(timeout=timeout_s)
+
+
+def counters(llm) -> dict[str, float]:
+    """vLLM's offloading metrics (ours included), summed over labels."""
+    totals: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:kv_offload") and hasattr(metric, "value"):
+            totals[metric.name] = totals.get(metric.name, 0.0) + metric.value
+    return totals
+
+
 def run(scenario: dict) -> dict:
     os.environ.update(scenario.get("env", {}))
     if "driver" in scenario:
         module, function = scenario["driver"].split(":")
         return getattr(importlib.import_module(module), function)(scenario)
+    if "sequence" in scenario:
+        runs = []
+        for step in scenario["sequence"]:
+            runs.append(_run_engine(step, shutdown=True))
+            gc.collect()  # the engine's KV cache goes before the next one's
+        return {"runs": runs}
+    return _run_engine(scenario)
 
+
+def _run_engine(scenario: dict, shutdown: bool = False) -> dict:
     from vllm import LLM, SamplingParams
 
     from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model
@@ -83,7 +110,7 @@ def run(scenario: dict) -> dict:
         kwargs["kv_transfer_config"] = transfer_config
     llm = LLM(model=ensure_tiny_model(), disable_log_stats=False, **kwargs)
 
-    phases = []
+    phases, phase_counters = [], []
     for phase in scenario["phases"]:
         if phase.get("reset_prefix_cache"):
             assert llm.reset_prefix_cache()
@@ -106,22 +133,24 @@ def run(scenario: dict) -> dict:
             ]
         )
         settle_stores(llm)
+        # After each phase: what it stored and loaded is the difference.
+        phase_counters.append(counters(llm))
 
-    counters: dict[str, float] = {}
     # Which vLLM offloading code ran: "0.33.0" under tests/vllm033's overlay.
     overlay = os.environ.get("VLLM_KV_OFFLOAD_OVERLAY")
-    for metric in llm.get_metrics():
-        if metric.name.startswith("vllm:kv_offload") and hasattr(metric, "value"):
-            counters[metric.name] = counters.get(metric.name, 0.0) + metric.value
     # What vLLM's platform made of the compilation settings (the CPU backend
     # rewrites them), for the compiled-mode tests.
     compilation = llm.llm_engine.vllm_config.compilation_config
-    return {
+    result = {
         "phases": phases,
-        "counters": counters,
+        "counters": phase_counters[-1] if phase_counters else counters(llm),
+        "phase_counters": phase_counters,
         "offloading_overlay": overlay,
         "compilation": {"mode": compilation.mode.name, "backend": compilation.backend},
     }
+    if shutdown:
+        shutdown_engine(llm)
+    return result
 
 
 def main() -> None:

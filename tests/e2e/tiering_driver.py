@@ -20,16 +20,9 @@ import os
 import shutil
 import time
 
+from tests.e2e.run_scenario import counters, settle_stores, shutdown_engine
+
 TIER_WRITE_BYTES = "vllm:kv_offload_tiering_write_bytes"
-SHUTDOWN_TIMEOUT_S = 60
-
-
-def _counters(llm) -> dict[str, float]:
-    counters: dict[str, float] = {}
-    for metric in llm.get_metrics():
-        if metric.name.startswith("vllm:kv_offload") and hasattr(metric, "value"):
-            counters[metric.name] = counters.get(metric.name, 0.0) + metric.value
-    return counters
 
 
 def _settle_tier_writes(llm, max_rounds: int = 60) -> None:
@@ -42,7 +35,7 @@ def _settle_tier_writes(llm, max_rounds: int = 60) -> None:
     for _ in range(max_rounds):
         llm.generate(["flush"], params, use_tqdm=False)
         time.sleep(0.1)
-        written = _counters(llm).get(TIER_WRITE_BYTES, 0.0)
+        written = counters(llm).get(TIER_WRITE_BYTES, 0.0)
         steady = steady + 1 if written == last else 0
         if steady >= 3:
             return
@@ -70,7 +63,6 @@ def run(scenario: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    from tests.e2e.run_scenario import settle_stores
     from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model
     from vllm_ascend.kv_offload.tiering.region import mark_path, region_path
 
@@ -118,17 +110,16 @@ def run(scenario: dict) -> dict:
             )
     settle_stores(llm)
     _settle_tier_writes(llm)
-    counters = _counters(llm)
+    totals = counters(llm)
     files = _files(root) if root and os.path.isdir(root) else []
 
-    # Time for the engine core's own teardown (vLLM kills it after 5 s by
-    # default, which a loaded machine can exceed): what it logs is checked.
-    llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
+    # Time for the engine core's own teardown: what it logs is checked.
+    shutdown_engine(llm)
     del llm
     gc.collect()
     return {
         "results": results,
-        "counters": counters,
+        "counters": totals,
         "files": files,
         "engine_id": engine_id,
         "region_while_running": region_while_running,
