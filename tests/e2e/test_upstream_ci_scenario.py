@@ -203,7 +203,7 @@ def drive(scenario: dict) -> dict:
     import zmq
     from vllm import LLM
 
-    from tests.e2e.run_scenario import kv_transfer_config
+    from tests.e2e.run_scenario import kv_transfer_config, shutdown_engine
 
     subscriber = load_subscriber()
     port = scenario["port"]
@@ -231,7 +231,7 @@ def drive(scenario: dict) -> dict:
     finally:
         sock.close(linger=0)
         ctx.term()
-        llm.llm_engine.engine_core.shutdown(timeout=60)
+        shutdown_engine(llm)
 
 
 SPECS = ["NPUOffloadingSpec", "NPUTieringOffloadingSpec"]
