@@ -263,3 +263,16 @@ def payload(size: int = 2 * mmap.PAGESIZE, fill: int = 7) -> memoryview:
     buf = mmap.mmap(-1, size)
     buf[:] = bytes([fill]) * size
     return memoryview(buf)
+
+
+@pytest.fixture(scope="module")
+def vllm_model_config():
+    """vLLM's own ModelConfig from a config.json-only directory (no
+    weights, no tokenizer). Slow: its first use of an architecture inspects
+    vLLM's model registry."""
+    from vllm.config import ModelConfig
+
+    def build(model_dir, **kwargs):
+        return ModelConfig(model=str(model_dir), skip_tokenizer_init=True, **kwargs)
+
+    return build

@@ -1,6 +1,8 @@
 """config.json shapes of public checkpoints (the keys KV sizing reads, plus
 a few it must ignore), shared by test_sizing.py and test_doctor.py."""
 
+import json
+
 # Shapes of public checkpoints' config.json (the keys sizing reads, plus a
 # few it must ignore).
 QWEN3_0_6B = {
@@ -95,3 +97,11 @@ def tiny_qwen3_config() -> dict:
         "max_position_embeddings": spec.max_position_embeddings,
         "torch_dtype": "float32",
     }
+
+
+def write_model(tmp_path, config, name="model"):
+    """A model directory holding only ``config`` as its config.json."""
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(config))
+    return d

@@ -5,8 +5,6 @@ to each; one test checks the formula against vLLM's own ModelConfig and
 KV-cache spec for the same configs.
 """
 
-import json
-
 import pytest
 
 from tests.unit.model_configs import (
@@ -16,6 +14,7 @@ from tests.unit.model_configs import (
     QWEN3_0_6B,
     QWEN3_NEXT_80B,
     tiny_qwen3_config,
+    write_model,
 )
 from vllm_ascend.kv_offload import cpu_pool
 from vllm_ascend.kv_offload.config import OffloadConfigError
@@ -29,13 +28,6 @@ from vllm_ascend.kv_offload.sizing import (
     size_kv,
     size_model_dir,
 )
-
-
-def write_model(tmp_path, config, name="model"):
-    d = tmp_path / name
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps(config))
-    return d
 
 
 def test_qwen3_gqa_cpu_block_of_the_guide():
@@ -323,19 +315,6 @@ def test_auto_takes_a_share_of_what_the_guard_accepts_next_to_the_engine():
         auto_num_cpu_blocks(14_680_064, 0, gib, share=0)
 
 
-@pytest.fixture(scope="module")
-def vllm_model_config():
-    """vLLM's own ModelConfig from a config.json-only directory (no
-    weights, no tokenizer). Slow: its first use of an architecture inspects
-    vLLM's model registry."""
-    from vllm.config import ModelConfig
-
-    def build(model_dir, **kwargs):
-        return ModelConfig(model=str(model_dir), skip_tokenizer_init=True, **kwargs)
-
-    return build
-
-
 @pytest.mark.parametrize(
     ("config", "tp"),
     [
@@ -370,41 +349,3 @@ def test_formula_matches_vllms_model_config_and_kv_spec(
     )
     layers = ours.num_attention_layers
     assert spec.page_size_bytes * layers == ours.worker_bytes_per_cpu_block
-
-
-def _cpu_backend_quantised_dtypes() -> list[str]:
-    """The quantised KV dtypes vLLM's CPU attention backend declares, read
-    from vLLM (not a copy of its list)."""
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-    return [d for d in CPUAttentionBackend.supported_kv_cache_dtypes if d != "auto"]
-
-
-@pytest.mark.parametrize("kv_cache_dtype", _cpu_backend_quantised_dtypes())
-@pytest.mark.parametrize("config", [QWEN3_0_6B, tiny_qwen3_config()])
-def test_quantised_kv_matches_the_page_vllms_cpu_backend_allocates(
-    tmp_path, vllm_model_config, config, kv_cache_dtype
-):
-    # The spec as vLLM's attention layer builds it for this dtype, then as
-    # the CPU backend customises it (it adds no scale bytes: fp8 scales are
-    # per-tensor floats on the layer, not part of the KV cache).
-    from vllm.config import ParallelConfig
-    from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, get_kv_quant_mode
-
-    mc = vllm_model_config(write_model(tmp_path, config))
-    spec = CPUAttentionBackend.customize_spec(
-        FullAttentionSpec(
-            block_size=128,
-            num_kv_heads=mc.get_num_kv_heads(ParallelConfig()),
-            head_size=mc.get_head_size(),
-            dtype=kv_cache_dtype_str_to_dtype(kv_cache_dtype, mc),
-            kv_quant_mode=get_kv_quant_mode(kv_cache_dtype),
-        )
-    )
-    ours = size_kv(config, kv_cache_dtype=kv_cache_dtype)
-    assert spec.page_size_bytes * ours.num_attention_layers == (
-        ours.worker_bytes_per_cpu_block
-    )
-    assert ours.dtype_bytes == spec.dtype.itemsize
