@@ -12,6 +12,8 @@ is refused by name with ``UnsupportedModelError``.
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,6 +24,7 @@ __all__ = [
     "UnsupportedModelError",
     "check_layout",
     "check_sizes",
+    "modelslim_kv_dtype",
 ]
 
 # The largest value accepted for each size key sizing reads (the first of a
@@ -106,3 +109,55 @@ def check_layout(config: Mapping[str, Any], cfg: Mapping[str, Any], model: str) 
                 "derive; read the exact CPU block size from the worker's log "
                 "line 'CPU block pool of N blocks x B bytes' instead"
             )
+
+
+# vllm-ascend's ModelSlim checkpoints declare KV quantisation in a file beside
+# config.json (upstream 0.30.0rc2, quantization/configs/modelslim_config.py:
+# the file name :108, kv_cache_type / fa_quant_type / indexer_quant_type
+# :1047-1054, the C8-MXFP recipe :64 and :831). Only dense C8 keeps the pages
+# config.json describes (int8 K and V; its scales are layer weights, not
+# cache); the others add parts (scale tensors, an int8 latent beside a bf16
+# rope) config.json does not show, so sizing from it would undercount.
+MODELSLIM_FILE = "quant_model_description.json"
+_POOL_LINE = "the worker's log line 'CPU block pool of N blocks x B bytes'"
+
+
+def modelslim_kv_dtype(model_dir: str, kv_cache_dtype: str) -> str:
+    """The KV cache dtype to size a model in ``model_dir`` with, given
+    ``--kv-cache-dtype`` ``kv_cache_dtype``: "int8" for a ModelSlim dense C8
+    checkpoint under "auto"; UnsupportedModelError where vllm-ascend's KV
+    quantisation adds cache parts config.json does not describe."""
+    if kv_cache_dtype == "mxfp8":
+        raise UnsupportedModelError(
+            "--kv-cache-dtype mxfp8 is vllm-ascend's C8-MXFP KV cache: fp8 K "
+            "and V plus K and V scale tensors config.json does not describe; "
+            f"read the exact CPU block size from {_POOL_LINE} instead"
+        )
+    path = os.path.join(model_dir, MODELSLIM_FILE)
+    try:
+        with open(path, "rb") as f:
+            description = json.load(f)
+    except FileNotFoundError:
+        return kv_cache_dtype
+    except (OSError, ValueError) as e:
+        raise SizingError(f"{path} cannot be read as JSON: {e}") from e
+    if not isinstance(description, Mapping):
+        raise SizingError(f"{path} must hold a JSON object")
+    kv_type = description.get("kv_cache_type") or ""
+    for key in ("fa_quant_type", "indexer_quant_type"):
+        if description.get(key):
+            raise UnsupportedModelError(
+                f"{MODELSLIM_FILE}: {key}={description[key]!r} quantises part of "
+                "the KV cache (an int8 part beside a bf16 one, or an indexer "
+                "cache with its scales), which this sizing does not derive; "
+                f"read the exact CPU block size from {_POOL_LINE} instead"
+            )
+    if kv_type and kv_type != "C8":
+        raise UnsupportedModelError(
+            f"{MODELSLIM_FILE}: kv_cache_type={kv_type!r} (C8-MXFP or another "
+            "recipe) adds scale tensors config.json does not describe; read "
+            f"the exact CPU block size from {_POOL_LINE} instead"
+        )
+    if kv_type == "C8" and kv_cache_dtype == "auto":
+        return "int8"
+    return kv_cache_dtype

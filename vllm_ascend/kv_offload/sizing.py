@@ -47,6 +47,7 @@ from vllm_ascend.kv_offload.config_sizes import (
     UnsupportedModelError,
     check_layout,
     check_sizes,
+    modelslim_kv_dtype,
 )
 from vllm_ascend.kv_offload.host_fit import (
     AUTO_POOL_SHARE,
@@ -385,5 +386,11 @@ def size_kv(
 
 
 def size_model_dir(model_dir: str | os.PathLike[str], **kwargs: Any) -> KVSizing:
-    """``size_kv`` of a local model directory's config.json."""
-    return size_kv(load_config(model_dir), **kwargs)
+    """``size_kv`` of a local model directory's config.json (and of the KV
+    quantisation a vllm-ascend ModelSlim checkpoint declares beside it)."""
+    config = load_config(model_dir)
+    directory = model_dir if os.path.isdir(model_dir) else os.path.dirname(model_dir)
+    kv_dtype = modelslim_kv_dtype(
+        os.fspath(directory), kwargs.pop("kv_cache_dtype", "auto")
+    )
+    return size_kv(config, kv_cache_dtype=kv_dtype, **kwargs)
