@@ -49,14 +49,6 @@ def multi_connector_config(engine: dict, pd: dict) -> dict:
     }
 
 
-def _counters(llm) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for m in llm.get_metrics():
-        if m.name.startswith("vllm:kv_offload") and hasattr(m, "value"):
-            out[m.name] = out.get(m.name, 0.0) + m.value
-    return out
-
-
 def _change_storage(action: str, storage: str) -> None:
     hidden = storage + ".hidden"
     if action == "hide":
@@ -79,7 +71,7 @@ def _change_storage(action: str, storage: str) -> None:
 def _run_phases(llm, phases: list[dict], storage: str) -> list[dict]:
     from vllm import SamplingParams
 
-    from tests.e2e.run_scenario import settle_stores
+    from tests.e2e.run_scenario import offload_counters, settle_stores
 
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     out = []
@@ -99,7 +91,7 @@ def _run_phases(llm, phases: list[dict], storage: str) -> list[dict]:
                 }
             )
         settle_stores(llm)
-        out.append({"results": results, "counters": _counters(llm)})
+        out.append({"results": results, "counters": offload_counters(llm)})
     return out
 
 

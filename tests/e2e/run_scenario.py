@@ -47,6 +47,15 @@ def _stored_bytes(llm) -> float:
     )
 
 
+def offload_counters(llm) -> dict[str, float]:
+    """vLLM's offloading metrics (``vllm:kv_offload*``), summed over labels."""
+    counters: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:kv_offload") and hasattr(metric, "value"):
+            counters[metric.name] = counters.get(metric.name, 0.0) + metric.value
+    return counters
+
+
 def settle_stores(llm, max_rounds: int = 50) -> None:
     """Lets the stores of the last phase land before the next one looks the
     blocks up. Stores are submitted at the start of the next engine step and
@@ -107,13 +116,13 @@ def run(scenario: dict) -> dict:
         )
         settle_stores(llm)
 
-    counters: dict[str, float] = {}
     # Which vLLM offloading code ran: "0.33.0" under tests/vllm033's overlay.
     overlay = os.environ.get("VLLM_KV_OFFLOAD_OVERLAY")
-    for metric in llm.get_metrics():
-        if metric.name.startswith("vllm:kv_offload") and hasattr(metric, "value"):
-            counters[metric.name] = counters.get(metric.name, 0.0) + metric.value
-    return {"phases": phases, "counters": counters, "offloading_overlay": overlay}
+    return {
+        "phases": phases,
+        "counters": offload_counters(llm),
+        "offloading_overlay": overlay,
+    }
 
 
 def main() -> None:

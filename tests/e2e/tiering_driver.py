@@ -19,16 +19,10 @@ import os
 import shutil
 import time
 
+from tests.e2e.run_scenario import offload_counters
+
 TIER_WRITE_BYTES = "vllm:kv_offload_tiering_write_bytes"
 SHUTDOWN_TIMEOUT_S = 60
-
-
-def _counters(llm) -> dict[str, float]:
-    counters: dict[str, float] = {}
-    for metric in llm.get_metrics():
-        if metric.name.startswith("vllm:kv_offload") and hasattr(metric, "value"):
-            counters[metric.name] = counters.get(metric.name, 0.0) + metric.value
-    return counters
 
 
 def _settle_tier_writes(llm, max_rounds: int = 60) -> None:
@@ -41,7 +35,7 @@ def _settle_tier_writes(llm, max_rounds: int = 60) -> None:
     for _ in range(max_rounds):
         llm.generate(["flush"], params, use_tqdm=False)
         time.sleep(0.1)
-        written = _counters(llm).get(TIER_WRITE_BYTES, 0.0)
+        written = offload_counters(llm).get(TIER_WRITE_BYTES, 0.0)
         steady = steady + 1 if written == last else 0
         if steady >= 3:
             return
@@ -116,7 +110,7 @@ def run(scenario: dict) -> dict:
             )
     settle_stores(llm)
     _settle_tier_writes(llm)
-    counters = _counters(llm)
+    counters = offload_counters(llm)
     files = _files(root) if root and os.path.isdir(root) else []
 
     # Time for the engine core's own teardown (vLLM kills it after 5 s by
