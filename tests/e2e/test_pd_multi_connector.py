@@ -6,8 +6,9 @@ one ``MultiConnector``. Here the P/D connector is vLLM's ``ExampleConnector``
 itself needs NPUs and RDMA. Each engine's MultiConnector holds the P/D
 connector first and the guide's offloading connector second (spec
 ``NPUOffloadingSpec``). Three engines run one after the other in one process
-(``pd_driver.py``): a producer, a consumer and a consumer whose connectors
-both fail some loads. What ran: vLLM 0.32's CPU backend; nothing on an NPU.
+(``pd_driver.py``): a producer; a consumer whose first CPU loads fail
+(injected); a consumer whose P/D loads fail. What ran: vLLM 0.32's CPU
+backend; nothing on an NPU.
 """
 
 from __future__ import annotations
