@@ -72,6 +72,14 @@ SPEC_CASES = [
 # connector before vLLM derives the chunk size from block_size.
 CONNECTOR_CASES = [
     ("kv_producer", {}, [16], ["kv_role='kv_producer'", "set kv_role='kv_both'"]),
+    # A P/D node's MultiConnector has the node's role at the top level and
+    # in the P/D entry; ours needs its own (docs/ascend_layouts.md).
+    (
+        "kv_producer",
+        {},
+        [16],
+        ["in a MultiConnector", "the OffloadingConnector entry of its 'connectors'"],
+    ),
     ("kv_consumer", {}, [16], ["kv_role='kv_consumer'", "set kv_role='kv_both'"]),
     (None, {}, [16], ["kv_role=None", "set kv_role='kv_both'"]),
     (

@@ -137,3 +137,29 @@ def test_the_entry_point_is_installed_and_registers_ours() -> None:
     load_general_plugins()
     cls = KVConnectorFactory.get_connector_class_by_name("OffloadingConnector")
     assert cls is AscendOffloadingConnector
+
+
+def test_multi_connector_rebuilds_our_stats_from_their_class_name() -> None:
+    """Inside vLLM's MultiConnector, each child's stats travel to the front
+    end filed under the child's class name, and are rebuilt there by looking
+    that name up in the connector registry (``build_kv_connector_stats``).
+    Our class serves the name ``OffloadingConnector`` but is called
+    ``AscendOffloadingConnector``: without that name registered too, the
+    first stats an engine logged ended it (tests/e2e/test_pd_multi_connector.py
+    is the engine that showed it)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+        MultiConnector,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+        OffloadingConnectorStats,
+    )
+
+    from vllm_ascend.kv_offload import plugin
+    from vllm_ascend.kv_offload.connector import AscendOffloadingConnector
+
+    plugin.register()
+    name = AscendOffloadingConnector.__name__  # MultiConnector's key for it
+    # What crosses the process boundary: the stats' data, not the object.
+    serialized = {name: OffloadingConnectorStats().data}
+    rebuilt = MultiConnector.build_kv_connector_stats(data=serialized)
+    assert isinstance(rebuilt[name], OffloadingConnectorStats)

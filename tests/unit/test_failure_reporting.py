@@ -317,6 +317,35 @@ def test_a_store_issued_while_its_requests_sync_load_failed_is_not_kept():
     assert m.lookup(b"k1", ctx("c")) == LookupResult.MISS
 
 
+def test_a_store_of_blocks_another_connector_failed_to_load_is_not_kept():
+    """Beside a P/D connector in vLLM's MultiConnector: a synchronous load of
+    that connector fails, vLLM gets its device blocks in
+    ``KVConnectorOutput.invalid_block_ids`` and recomputes them, but our
+    store of the same step already copies them as the failed load left them
+    (tests/e2e/test_pd_multi_connector.py served those bytes back as CPU
+    hits, with wrong outputs)."""
+    m = manager()
+    router = FailureRouter(m, num_workers=1)
+    bad = m.prepare_store(keys("k1"), ctx("a"))
+    good = m.prepare_store(keys("k2"), ctx("b"))
+    router.expect(
+        metadata(
+            store_jobs={
+                1: TransferJob("a", gpu(3, 4), bad.store_spec),
+                2: TransferJob("b", gpu(5), good.store_spec),
+            }
+        )
+    )
+    router.invalidate_blocks({4})  # the other connector's failed load
+    meta = AscendOffloadingWorkerMetadata()
+    meta.completed_jobs.update({1: 1, 2: 1})  # both copies "succeeded"
+    router.route(meta)
+    m.complete_store(list(bad.keys_to_store), ctx("a"))
+    m.complete_store(list(good.keys_to_store), ctx("b"))
+    assert m.lookup(b"k1", ctx("c")) == LookupResult.MISS
+    assert m.lookup(b"k2", ctx("c")) == LookupResult.HIT
+
+
 def test_metadata_keeps_vllms_fields(monkeypatch):
     c = make_connector("scheduler")
     vllm_meta = OffloadingConnectorMetadata(load_jobs={1: load("a", 1)}, store_jobs={})

@@ -218,7 +218,9 @@ def validate_connector_config(
         raise OffloadConfigError(
             f"kv_transfer_config.kv_role={kv_role!r} cannot be used with "
             f"OffloadingConnector, which both stores KV to the CPU and loads it "
-            f"back; set kv_role='{KV_ROLE}'"
+            f"back; set kv_role='{KV_ROLE}' (in a MultiConnector: in the "
+            "OffloadingConnector entry of its 'connectors', whatever the "
+            "node's P/D role)"
         )
     block_size = int_setting(extra, "block_size")
     blocks_per_chunk = int_setting(extra, "blocks_per_chunk")

@@ -304,5 +304,6 @@ class AscendOffloadingConnector(OffloadingConnector):
         # Before vLLM completes the jobs: complete_store must already know
         # that a failed store's keys hold nothing.
         assert self._failure_router is not None
+        self._failure_router.invalidate_blocks(connector_output.invalid_block_ids)
         self._failure_router.route(connector_output.kv_connector_worker_meta)
         super().update_connector_output(connector_output)

@@ -15,7 +15,9 @@ through vLLM's public hooks, with the three parts of this module:
   ``manager.FailureAwareManager``: a failed store's CPU blocks are freed, a
   request whose load failed gets no CPU hits again. A store of a request
   whose synchronous load failed copies KV computed from that load's garbage:
-  it is failed too.
+  it is failed too, as is a store of device blocks that any connector failed
+  to load (vLLM's ``invalid_block_ids``; in a ``MultiConnector`` also a P/D
+  connector's).
 * ``SyncLoadQuarantine`` (scheduler side): a synchronous load (vLLM >= 0.33,
   ``sync_load_budget_bytes``) fills device blocks that vLLM's scheduler has
   already put in its device prefix cache (they are hashed at allocation).
@@ -273,6 +275,8 @@ class FailureRouter:
         # Unresolved sync load per request, and the stores issued meanwhile.
         self._sync_load_of: dict[ReqId, int] = {}
         self._dependent_stores: dict[int, list[int]] = {}
+        # Device blocks each pending store job copies.
+        self._store_blocks: dict[int, set[int]] = {}
 
     def expect(self, meta: OffloadingConnectorMetadata) -> None:
         """The jobs of the step's metadata (``build_connector_meta``)."""
@@ -284,6 +288,7 @@ class FailureRouter:
         for job_id, entry in meta.store_jobs.items():
             keys = self.manager.keys_of_store(entry.dst_spec)
             self.expect_reports(job_id, (True, keys))
+            self._store_blocks[job_id] = {int(b) for b in entry.src_spec.block_ids}
             load_job = self._sync_load_of.get(entry.req_id)
             if load_job is not None:
                 self._dependent_stores[load_job].append(job_id)
@@ -293,6 +298,19 @@ class FailureRouter:
     def expect_reports(self, job_id: int, target: tuple[bool, object]) -> None:
         self._failure_target[job_id] = target
         self._reports_due[job_id] = self.num_workers
+
+    def invalidate_blocks(self, block_ids: set[int]) -> None:
+        """Device blocks a load failed to fill, as vLLM's scheduler gets them
+        (``KVConnectorOutput.invalid_block_ids``): in a ``MultiConnector``
+        also those of a P/D connector beside us. vLLM recomputes them, but a
+        store issued in the step of the failed load copies them as the load
+        left them: such a store is failed, its keys then hold nothing."""
+        if not block_ids:
+            return
+        for job_id, blocks in self._store_blocks.items():
+            _, keys = self._failure_target.get(job_id, (None, None))
+            if keys is not None and not blocks.isdisjoint(block_ids):
+                self.manager.store_failed(keys)
 
     def route(self, meta: Any) -> None:
         """The workers' metadata of a step (``update_connector_output``),
@@ -323,6 +341,7 @@ class FailureRouter:
                 continue
             del self._reports_due[job_id]
             is_store, target = self._failure_target.pop(job_id, (None, None))
+            self._store_blocks.pop(job_id, None)
             if job_id in self._dependent_stores:
                 del self._dependent_stores[job_id]
                 if self._sync_load_of.get(target) == job_id:  # type: ignore[arg-type]

@@ -59,6 +59,16 @@ def _claim_connector_name() -> None:
         _fallback_loader = previous
 
 
+def _register_class_name() -> None:
+    """Files our class under its own name too. vLLM's ``MultiConnector``
+    sends each child's stats to the front end under the child's class name
+    and rebuilds them there by looking that name up in the registry; without
+    this entry the first stats of an engine whose MultiConnector holds our
+    connector end it ("Connector 'AscendOffloadingConnector' is not
+    registered")."""
+    vllm_compat.replace_connector_loader(_CONNECTOR_CLASS, _our_loader)
+
+
 def _follow_upstream_registration() -> None:
     """Makes upstream's ``register_connector`` re-claim the name after it."""
     if importlib.util.find_spec(UPSTREAM_REGISTRATION_MODULE.rsplit(".", 1)[0]) is None:
@@ -89,6 +99,7 @@ def register() -> None:
     engine-core process that reads it.
     """
     _claim_connector_name()
+    _register_class_name()
     _follow_upstream_registration()
     cpu_threads.apply()
 

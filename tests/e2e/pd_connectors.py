@@ -1,0 +1,45 @@
+"""TEST ONLY: vLLM's ExampleConnector as the P/D stand-in, with a failed load
+reported the way MooncakeConnector reports one.
+
+vLLM's ``ExampleConnector`` (shared-storage P/D on CPU) raises in the forward
+when a KV file it matched is gone by the time it loads, which ends the
+engine. Mooncake instead reports the blocks it could not fill
+(``get_block_ids_with_load_errors``) and vLLM recomputes them under
+``kv_load_failure_policy="recompute"``. This subclass does the same, so a
+failed P/D load can be exercised beside our offloading connector.
+"""
+
+from __future__ import annotations
+
+from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
+    ExampleConnector,
+    ExampleConnectorMetadata,
+)
+
+from vllm_ascend.kv_offload.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+class ReportingExampleConnector(ExampleConnector):
+    """ExampleConnector whose failed loads become load errors, not a crash."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._failed_block_ids: set[int] = set()
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        try:
+            super().start_load_kv(forward_context, **kwargs)
+        except FileNotFoundError as e:
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, ExampleConnectorMetadata)
+            for req in meta.requests:
+                if not req.is_store:
+                    blocks = (req.slot_mapping // self._block_size).tolist()
+                    self._failed_block_ids.update(blocks)
+            logger.warning("P/D stand-in: load failed (%s); reporting blocks", e)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_block_ids = self._failed_block_ids, set()
+        return failed

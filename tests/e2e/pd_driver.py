@@ -1,0 +1,122 @@
+"""Scenario driver for tests/e2e/test_pd_multi_connector.py: P/D engines
+whose ``MultiConnector`` holds a P/D connector and our offloading connector.
+
+The P/D connector is vLLM's ``ExampleConnector`` (KV files in a shared
+directory), the stand-in on the CPU backend for Mooncake; it comes first, as
+Mooncake does in upstream vllm-ascend's documented MultiConnector configs.
+``scenario["engines"]`` are started one after the other in this process
+(a producer, then consumers), each running its ``phases`` of greedy
+requests, one request at a time. Per phase: token ids, cached tokens and
+finish reason per request, and vLLM's offloading counters after it.
+
+Phase keys: ``prompts``; ``reset_prefix_cache``; ``pd_storage``, done
+before the phase: ``"hide"`` (the P/D directory moves away: the P/D
+connector finds nothing and the offloading connector may serve) or
+``"restore_without_a_layer"`` (it comes back with each request's first
+layer file gone: the P/D connector matches, then its load fails) or
+``"clear"`` (what the P/D connector wrote meanwhile is deleted: on a miss it
+saves each prompt's KV, so the next phase would hit it there).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+
+SHUTDOWN_TIMEOUT_S = 60
+ROLES = {"producer": "kv_producer", "consumer": "kv_consumer"}
+
+
+def multi_connector_config(engine: dict, pd: dict) -> dict:
+    """The engine's KVTransferConfig arguments: P/D first, offloading second
+    (the guide's OffloadingConnector entry; offloading needs kv_both)."""
+    role = ROLES[engine["role"]]
+    return {
+        "kv_connector": "MultiConnector",
+        "kv_role": role,
+        "kv_load_failure_policy": engine.get("kv_load_failure_policy", "fail"),
+        "kv_connector_extra_config": {
+            "connectors": [
+                dict(pd, **engine.get("pd", {}), kv_role=role),
+                {
+                    "kv_connector": "OffloadingConnector",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": engine["offload"],
+                },
+            ]
+        },
+    }
+
+
+def _change_storage(action: str, storage: str) -> None:
+    hidden = storage + ".hidden"
+    if action == "hide":
+        os.rename(storage, hidden)
+    elif action == "clear":
+        shutil.rmtree(storage, ignore_errors=True)
+    elif action == "restore_without_a_layer":
+        # What the P/D connector wrote since it was hidden (the flush
+        # requests of settle_stores) gives way to the hidden directory.
+        shutil.rmtree(storage, ignore_errors=True)
+        os.rename(hidden, storage)
+        for folder in os.listdir(storage):
+            files = sorted(os.listdir(os.path.join(storage, folder)))
+            if files:  # the first layer's file: nothing of the load lands
+                os.remove(os.path.join(storage, folder, files[0]))
+    else:
+        raise ValueError(f"pd_storage: unknown action {action!r}")
+
+
+def _run_phases(llm, phases: list[dict], storage: str) -> list[dict]:
+    from vllm import SamplingParams
+
+    from tests.e2e.run_scenario import counters, settle_stores
+
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    out = []
+    for phase in phases:
+        if "pd_storage" in phase:
+            _change_storage(phase["pd_storage"], storage)
+        if phase.get("reset_prefix_cache"):
+            assert llm.reset_prefix_cache()
+        results = []
+        for prompt in phase["prompts"]:
+            r = llm.generate([prompt], params, use_tqdm=False)[0]
+            results.append(
+                {
+                    "token_ids": list(r.outputs[0].token_ids),
+                    "num_cached_tokens": r.num_cached_tokens or 0,
+                    "finish_reason": r.outputs[0].finish_reason,
+                }
+            )
+        settle_stores(llm)
+        out.append({"results": results, "counters": counters(llm)})
+    return out
+
+
+def run(scenario: dict) -> dict:
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model
+
+    pd = scenario["pd"]
+    storage = pd["kv_connector_extra_config"]["shared_storage_path"]
+    result = {}
+    for engine in scenario["engines"]:
+        # Read by the engine's processes when they start (fault injection).
+        os.environ.update(engine.get("env", {}))
+        llm = LLM(
+            model=ensure_tiny_model(),
+            disable_log_stats=False,
+            kv_transfer_config=KVTransferConfig(**multi_connector_config(engine, pd)),
+            **scenario["engine"],
+        )
+        result[engine["name"]] = _run_phases(llm, engine["phases"], storage)
+        llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
+        del llm
+        gc.collect()
+        for key in engine.get("env", {}):
+            os.environ.pop(key)
+    return result

@@ -1,0 +1,178 @@
+"""P/D disaggregation beside offloading, through vLLM's MultiConnector (CPU).
+
+Ascend production serving pairs a P/D connector (Mooncake) with a KV store in
+one ``MultiConnector``. Here the P/D connector is vLLM's ``ExampleConnector``
+(KV files in a shared directory), which runs on vLLM's CPU backend; Mooncake
+itself needs NPUs and RDMA. Each engine's MultiConnector holds the P/D
+connector first and the guide's offloading connector second (spec
+``NPUOffloadingSpec``). Three engines run one after the other in one process
+(``pd_driver.py``): a producer; a consumer whose first CPU loads fail
+(injected); a consumer whose P/D loads fail. What ran: vLLM 0.32's CPU
+backend; nothing on an NPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.conftest import (
+    ALL_PROMPTS,
+    ENGINE,
+    FAULTY_OFFLOAD,
+    GUIDE_OFFLOAD,
+    cached,
+    run_scenario,
+    scenario_log,
+)
+
+pytestmark = pytest.mark.e2e
+
+FULL_DOC_TOKENS = 512
+FIRST_QUESTIONS = [0, 3, 6]  # one prompt per document: no shared prefixes
+PROMPTS = [ALL_PROMPTS[i] for i in FIRST_QUESTIONS]
+LOAD_BYTES = "vllm:kv_offload_load_bytes"
+STORE_BYTES = "vllm:kv_offload_store_bytes"
+# A P/D load that fails in the stand-in (its KV file gone): logged per request.
+PD_LOAD_FAILED = "P/D stand-in: load failed"
+
+
+@pytest.fixture(scope="module")
+def pd_run(scenario_dir) -> dict:
+    storage = scenario_dir / "pd_storage"
+    faults_log = scenario_dir / "pd_offload.faults"
+    scenario = {
+        "driver": "tests.e2e.pd_driver:run",
+        "engine": ENGINE,
+        "pd": {
+            "kv_connector": "ExampleConnector",
+            "kv_connector_extra_config": {"shared_storage_path": str(storage)},
+        },
+        "engines": [
+            {
+                "name": "producer",
+                "role": "producer",
+                "offload": GUIDE_OFFLOAD,
+                "phases": [{"prompts": PROMPTS}],
+            },
+            {
+                "name": "consumer",
+                "role": "consumer",
+                # The guide's config with test-only fault injection: the
+                # first three CPU->device loads fail.
+                "offload": FAULTY_OFFLOAD,
+                "env": {
+                    "VLLM_ASCEND_KV_OFFLOAD_FAULTS": "load:1:3",
+                    "VLLM_ASCEND_KV_OFFLOAD_FAULTS_LOG": str(faults_log),
+                },
+                "kv_load_failure_policy": "recompute",
+                "phases": [
+                    {"prompts": PROMPTS},  # the producer's KV, through P/D
+                    {  # P/D has nothing now; every CPU load fails (injected)
+                        "prompts": PROMPTS,
+                        "pd_storage": "hide",
+                        "reset_prefix_cache": True,
+                    },
+                    {  # the CPU copies serve
+                        "prompts": PROMPTS,
+                        "pd_storage": "clear",
+                        "reset_prefix_cache": True,
+                    },
+                ],
+            },
+            {
+                "name": "failing_pd",
+                "role": "consumer",
+                # Reports its failed loads as Mooncake does (pd_connectors.py).
+                "pd": {
+                    "kv_connector": "ReportingExampleConnector",
+                    "kv_connector_module_path": "tests.e2e.pd_connectors",
+                },
+                "offload": GUIDE_OFFLOAD,
+                "kv_load_failure_policy": "recompute",
+                "phases": [
+                    # Every P/D load fails: a KV file is gone.
+                    {"prompts": PROMPTS, "pd_storage": "restore_without_a_layer"},
+                    # P/D has nothing: what the CPU holds now may serve.
+                    {
+                        "prompts": PROMPTS,
+                        "pd_storage": "hide",
+                        "reset_prefix_cache": True,
+                    },
+                    {
+                        "prompts": PROMPTS,
+                        "pd_storage": "clear",
+                        "reset_prefix_cache": True,
+                    },
+                ],
+            },
+        ],
+    }
+    result = run_scenario(scenario_dir, "pd_multi_connector", scenario)
+    injected = faults_log.read_text().split("\n")[:-1] if faults_log.exists() else []
+    result["injected"] = injected
+    result["log"] = scenario_log(scenario_dir, "pd_multi_connector")
+    return result
+
+
+@pytest.fixture(scope="module")
+def expected(reference) -> list[list[int]]:
+    return [reference[i] for i in FIRST_QUESTIONS]
+
+
+def token_ids(phase: dict) -> list[list[int]]:
+    return [r["token_ids"] for r in phase["results"]]
+
+
+def grew(before: dict, after: dict, counter: str) -> float:
+    return after["counters"].get(counter, 0.0) - before["counters"].get(counter, 0.0)
+
+
+def test_producer_outputs_equal_a_plain_run_and_it_offloads(pd_run, expected):
+    (phase,) = pd_run["producer"]
+    assert token_ids(phase) == expected
+    assert phase["counters"].get(STORE_BYTES, 0) > 0
+
+
+def test_consumer_takes_the_prefill_through_the_pd_connector(pd_run, expected):
+    pd_phase = pd_run["consumer"][0]
+    assert token_ids(pd_phase) == expected
+    # Each prompt's full blocks came from the producer, not the CPU pool ...
+    assert all(n >= FULL_DOC_TOKENS for n in cached(pd_phase["results"]))
+    assert pd_phase["counters"].get(LOAD_BYTES, 0) == 0
+    # ... and the offloading connector beside it stored them to the CPU.
+    assert pd_phase["counters"].get(STORE_BYTES, 0) > 0
+
+
+def test_failed_offloading_loads_are_recomputed(pd_run, expected):
+    pd_phase, failed_cpu, _ = pd_run["consumer"]
+    assert [line.split()[0] for line in pd_run["injected"]] == ["load"] * 3
+    assert token_ids(failed_cpu) == expected
+    # Recomputed, not served from a cache.
+    assert cached(failed_cpu["results"]) == [0] * len(PROMPTS)
+    assert grew(pd_phase, failed_cpu, LOAD_BYTES) == 0
+
+
+def test_consumer_serves_cpu_hits_when_the_pd_connector_has_nothing(pd_run, expected):
+    pd_phase, failed_cpu, cpu_phase = pd_run["consumer"]
+    assert token_ids(cpu_phase) == expected
+    assert all(n >= FULL_DOC_TOKENS for n in cached(cpu_phase["results"]))
+    # Every block stored in the P/D phase came back from the CPU.
+    stored = pd_phase["counters"][STORE_BYTES]
+    assert grew(failed_cpu, cpu_phase, LOAD_BYTES) == stored
+
+
+def test_failed_pd_loads_are_recomputed_and_never_offloaded(pd_run, expected):
+    """The store issued with a failed P/D load copies what the load left in
+    the device blocks; before the fix, that came back as CPU hits here with
+    wrong outputs (FailureRouter.invalidate_blocks)."""
+    failed_pd, after, cpu_hits = pd_run["failing_pd"]
+    assert pd_run["log"].count(PD_LOAD_FAILED) == len(PROMPTS)
+    assert token_ids(failed_pd) == expected
+    # Nothing of the failed loads is in the CPU pool ...
+    assert token_ids(after) == expected
+    assert cached(after["results"]) == [0] * len(PROMPTS)
+    assert grew(failed_pd, after, LOAD_BYTES) == 0
+    # ... and the recomputed KV, stored then, serves.
+    assert all(n >= FULL_DOC_TOKENS for n in cached(cpu_hits["results"]))
+    assert grew(after, cpu_hits, LOAD_BYTES) > 0
+    assert token_ids(cpu_hits) == expected
