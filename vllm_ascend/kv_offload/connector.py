@@ -22,6 +22,9 @@ through its public hooks only (no vLLM method is copied here):
   worker side then waits, at most ``IDLE_STEP_WAIT_S``, for a transfer to
   finish before polling: on the CPU backend the busy loop took CPU from the
   very copy it waited for (docs/e2e_benchmark.md).
+* the worker's facts on ``/metrics``: each worker adds its pool's info series
+  (memory kind, pieces, copy path: ``pool_metrics.py``) to the KV connector
+  stats vLLM collects from workers; vLLM's worker side reports none.
 
 The ``vllm.general_plugins`` entry point (``plugin.register``) puts this class
 under the name ``OffloadingConnector``, so the guide's
@@ -58,7 +61,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig, MambaSpec
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
-from vllm_ascend.kv_offload import vllm_compat
+from vllm_ascend.kv_offload import pool_metrics, vllm_compat
 from vllm_ascend.kv_offload.failures import (
     FailureRouter,
     SyncLoadQuarantine,
@@ -257,6 +260,16 @@ class AscendOffloadingConnector(OffloadingConnector):
         # load's blocks arrive with its request's finished_recving.
         assert self._failure_log is not None
         return self._failure_log.take_load_error_block_ids()
+
+    def get_kv_connector_stats(self):
+        stats = super().get_kv_connector_stats()
+        if self.connector_worker is None or self.connector_worker.worker is None:
+            return stats
+        # Every step, not once: it is one gauge, and then no single step's
+        # output has to reach the front end for the series to appear.
+        info = self.build_kv_connector_stats()
+        pool_metrics.add_pool_info(info, self._offloading_worker.pool_info())
+        return info if stats is None else stats.aggregate(info)
 
     def build_connector_worker_meta(self) -> OffloadingWorkerMetadata | None:
         meta = super().build_connector_worker_meta()

@@ -272,6 +272,8 @@ class FailureRouter:
         # request) and how many workers have yet to report it.
         self._failure_target: dict[int, tuple[bool, object]] = {}
         self._reports_due: dict[int, int] = {}
+        # Failed jobs already routed: each worker may report the same one.
+        self._routed: set[int] = set()
         # Unresolved sync load per request, and the stores issued meanwhile.
         self._sync_load_of: dict[ReqId, int] = {}
         self._dependent_stores: dict[int, list[int]] = {}
@@ -318,8 +320,9 @@ class FailureRouter:
         that a failed store's keys hold nothing."""
         for job_id in getattr(meta, "failed_jobs", ()):
             is_store, target = self._failure_target.get(job_id, (None, None))
-            if target is None:
-                continue  # stale (issued before a cache reset) or unknown
+            if target is None or job_id in self._routed:
+                continue  # stale, unknown, or reported by another worker
+            self._routed.add(job_id)
             if is_store:
                 self.manager.store_failed(target)
                 continue
@@ -340,6 +343,7 @@ class FailureRouter:
                 self._reports_due[job_id] = due - count
                 continue
             del self._reports_due[job_id]
+            self._routed.discard(job_id)
             is_store, target = self._failure_target.pop(job_id, (None, None))
             self._store_blocks.pop(job_id, None)
             if job_id in self._dependent_stores:

@@ -67,6 +67,8 @@ class HostMemory:
     pinned: bool
     owned: bool = True
     _release: Callable[[], None] | None = field(default=None, repr=False)
+    # Separate allocations the memory is made of (one today), on /metrics.
+    pieces: int = 1
 
     @property
     def base(self) -> int:

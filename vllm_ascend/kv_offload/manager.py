@@ -13,8 +13,9 @@ exactly two answers, from what the connector tells it
   so it recomputes instead of loading again (a fault that repeats cannot make
   it retry forever). Forgotten when the request finishes.
 
-It also adds the CPU pool's capacity, occupancy and evictions to vLLM's
-offloading stats (``get_stats``, ``pool_metrics.py``), for ``/metrics``, with
+It also adds the CPU pool's capacity, occupancy and evictions, and the
+failed stores and loads, to vLLM's offloading stats (``get_stats``,
+``pool_metrics.py``), for ``/metrics``, with
 the tiering manager as with the plain one (its CPU tier is the pool), and
 publishes a CPU ``BlockRemoved`` for every block a cache reset drops
 (``reset_cache``: vLLM's managers empty the pool without an event, so a
@@ -40,7 +41,11 @@ from vllm.v1.kv_offload.base import (
 )
 
 from vllm_ascend.kv_offload import vllm_compat
-from vllm_ascend.kv_offload.pool_metrics import PoolCapacity, add_pool_stats
+from vllm_ascend.kv_offload.pool_metrics import (
+    PoolCapacity,
+    PoolCounts,
+    add_pool_stats,
+)
 
 # OffloadKey is hashable; the exact type moved between vLLM releases.
 Keys = frozenset
@@ -52,7 +57,10 @@ class FailureAwareManager:
     def __init__(self, inner: OffloadingManager, capacity: PoolCapacity | None = None):
         self.inner = inner
         self.capacity = capacity
-        self._evictions = 0  # CPU blocks evicted since the last get_stats
+        # Since the last get_stats: CPU blocks evicted, jobs failed.
+        self._evictions = 0
+        self._failed_stores = 0
+        self._failed_loads = 0
         # store spec handed out by prepare_store -> the keys it stores; weak,
         # so specs of jobs that were never created do not accumulate.
         self._store_keys: weakref.WeakKeyDictionary[LoadStoreSpec, Keys] = (
@@ -83,8 +91,10 @@ class FailureAwareManager:
         self._failed_store_keys.add(keys)
 
     def load_failed(self, req_id: str) -> None:
-        """A load of request ``req_id`` failed: offer it no more hits."""
+        """A load job of request ``req_id`` failed (called once per job):
+        offer it no more hits."""
         self._failed_load_req_ids.add(req_id)
+        self._failed_loads += 1
 
     # -- the two changed answers -------------------------------------------
 
@@ -106,6 +116,8 @@ class FailureAwareManager:
         if key_set in self._failed_store_keys:
             self._failed_store_keys.discard(key_set)
             success = False
+        if not success:
+            self._failed_stores += 1
         self.inner.complete_store(keys, req_context, success=success)
 
     def lookup(self, key: Any, req_context: ReqContext):
@@ -139,9 +151,9 @@ class FailureAwareManager:
                 stats,
                 self.capacity,
                 vllm_compat.cpu_blocks_in_use(self._cpu),
-                self._evictions,
+                PoolCounts(self._evictions, self._failed_stores, self._failed_loads),
             )
-            self._evictions = 0
+            self._evictions = self._failed_stores = self._failed_loads = 0
         return stats
 
     # -- KV events: what a reset drops ---------------------------------------

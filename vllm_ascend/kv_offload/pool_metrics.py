@@ -7,8 +7,17 @@ the fraction of the pool held by transfers in flight, and vLLM counts the
 prompt tokens served from host memory per request source
 (``vllm:prompt_tokens_cached_by_source{source="host"}``). What a router that
 places requests by cache contents also needs, and vLLM does not export, is
-how large the CPU cache is and how full: these four series, declared and
+how large the CPU cache is and how full: four series, declared and
 reported here in the same framework (docs/serving_events_metrics.md).
+
+For an operator, three more: failed stores and failed loads (counters; the
+failures are otherwise only in the log), and an info series (a gauge of 1,
+Prometheus' ``_info`` convention) whose labels say what the pool's memory is
+and which copy path the start-up self-check chose. Those two facts live in
+the worker processes: each worker reports them in its own KV connector stats
+(``connector.AscendOffloadingConnector.get_kv_connector_stats``), which vLLM
+merges over workers and with the scheduler's; workers that differ show as
+one series each.
 """
 
 from __future__ import annotations
@@ -30,6 +39,10 @@ CAPACITY_BYTES = "vllm:kv_offload_cpu_pool_capacity_bytes"
 BLOCKS_IN_USE = "vllm:kv_offload_cpu_pool_blocks_in_use"
 # prometheus_client exports a counter as <name>_total.
 EVICTIONS = "vllm:kv_offload_cpu_pool_evictions"
+FAILED_STORES = "vllm:kv_offload_failed_stores"
+FAILED_LOADS = "vllm:kv_offload_failed_loads"
+POOL_INFO = "vllm:kv_offload_cpu_pool_info"
+POOL_INFO_LABELS = ("memory_kind", "pinned", "pieces", "copy_path")
 
 
 def metric_definitions() -> dict[str, Any]:
@@ -56,6 +69,27 @@ def metric_definitions() -> dict[str, Any]:
                 "CPU blocks evicted from the CPU KV cache to make room for new stores."
             ),
         ),
+        FAILED_STORES: OffloadingCounterMetadata(
+            documentation=(
+                "Store jobs (device -> CPU) that failed on some worker; their "
+                "CPU blocks were freed, not kept."
+            ),
+        ),
+        FAILED_LOADS: OffloadingCounterMetadata(
+            documentation=(
+                "Load jobs (CPU -> device) that failed on some worker; their "
+                "blocks were recomputed or their request failed "
+                "(kv_load_failure_policy)."
+            ),
+        ),
+        POOL_INFO: OffloadingGaugeMetadata(
+            documentation=(
+                "1 per kind of worker CPU pool: its host memory (memory_kind, "
+                "pinned), the allocations it is made of (pieces) and the copy "
+                "path the start-up self-check chose (copy_path)."
+            ),
+            labelnames=POOL_INFO_LABELS,
+        ),
     }
 
 
@@ -65,8 +99,36 @@ class PoolCapacity:
     bytes: int
 
 
+@dataclass(frozen=True)
+class PoolCounts:
+    """Counter increases since the last report (scheduler side)."""
+
+    evictions: int = 0
+    failed_stores: int = 0
+    failed_loads: int = 0
+
+
+@dataclass(frozen=True)
+class PoolInfo:
+    """What one worker's pool is (worker side): ``host_memory``'s kind,
+    whether it is page-locked, its allocations, the self-check's path."""
+
+    memory_kind: str
+    pinned: bool
+    pieces: int
+    copy_path: str
+
+    def labelvalues(self) -> tuple[str, ...]:
+        return (
+            self.memory_kind,
+            str(self.pinned).lower(),
+            str(self.pieces),
+            self.copy_path,
+        )
+
+
 def add_pool_stats(
-    stats: Any, capacity: PoolCapacity, blocks_in_use: int | None, evictions: int
+    stats: Any, capacity: PoolCapacity, blocks_in_use: int | None, counts: PoolCounts
 ) -> None:
     """Adds the pool series to an ``OffloadingConnectorStats`` payload.
     ``blocks_in_use`` None: the manager's occupancy is unknown (not reported)."""
@@ -74,4 +136,13 @@ def add_pool_stats(
     stats.set_gauge(CAPACITY_BYTES, capacity.bytes)
     if blocks_in_use is not None:
         stats.set_gauge(BLOCKS_IN_USE, blocks_in_use)
-    stats.increase_counter(EVICTIONS, evictions)
+    stats.increase_counter(EVICTIONS, counts.evictions)
+    stats.increase_counter(FAILED_STORES, counts.failed_stores)
+    stats.increase_counter(FAILED_LOADS, counts.failed_loads)
+
+
+def add_pool_info(stats: Any, info: PoolInfo) -> None:
+    """Adds a worker's info series to an ``OffloadingConnectorStats`` payload
+    (nothing where vLLM has no offloading metrics framework)."""
+    if OffloadingMetricMetadata is not None:
+        stats.set_gauge(POOL_INFO, 1, info.labelvalues())

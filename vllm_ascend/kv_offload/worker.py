@@ -37,6 +37,7 @@ from vllm_ascend.kv_offload.copy_engine import CopyEngine, Descriptors
 from vllm_ascend.kv_offload.copy_paths import candidate_paths
 from vllm_ascend.kv_offload.cpu_pool import CpuBlockPool, private_pool
 from vllm_ascend.kv_offload.logger import init_logger
+from vllm_ascend.kv_offload.pool_metrics import PoolInfo
 from vllm_ascend.kv_offload.self_check import SelfCheckResult, refusal, run_self_check
 from vllm_ascend.kv_offload.transfer_queue import (
     CopyFn,
@@ -127,6 +128,15 @@ class NPUOffloadingWorker(OffloadingWorker):
             self.device,
             result.bandwidth_gbps,
             result.seconds * 1e3,
+        )
+
+    def pool_info(self) -> PoolInfo:
+        """What this worker's pool is, for ``/metrics`` (``pool_metrics``)."""
+        return PoolInfo(
+            memory_kind=self.pool.memory.kind,
+            pinned=self.pool.pinned,
+            pieces=self.pool.memory.pieces,
+            copy_path=self.copy_path,
         )
 
     def divert_failures(self) -> None:
