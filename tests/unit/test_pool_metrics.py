@@ -1,5 +1,6 @@
-"""CPU-pool capacity, occupancy and evictions in vLLM's offloading stats,
-and the pool's KV events across a cache reset, for both of our specs.
+"""CPU-pool capacity, occupancy, evictions and failed transfers in vLLM's
+offloading stats, each worker's pool info series, and the pool's KV events
+across a cache reset, for both of our specs.
 
 The manager's ``get_stats`` payload is what vLLM's front end exports on
 ``/metrics`` (``OffloadPromMetrics``); our specs declare the series there.
@@ -11,13 +12,27 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
+from types import SimpleNamespace
 
 import pytest
-from vllm.v1.kv_offload.base import Medium, ReqContext
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
+from vllm.v1.kv_offload.base import (
+    Medium,
+    OffloadingCounterMetadata,
+    OffloadingGaugeMetadata,
+    ReqContext,
+)
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
+from tests.unit.conftest import make_connector
 from tests.unit.kv_helpers import make_config
 from vllm_ascend.kv_offload import pool_metrics
+from vllm_ascend.kv_offload.failures import (
+    AscendOffloadingWorkerMetadata,
+    FailureRouter,
+)
 from vllm_ascend.kv_offload.manager import FailureAwareManager
 from vllm_ascend.kv_offload.npu import NPUOffloadingSpec
 from vllm_ascend.kv_offload.pool_metrics import PoolCapacity
@@ -38,10 +53,16 @@ def store(manager: FailureAwareManager, *names: str) -> None:
     manager.complete_store(list(out.keys_to_store), ctx)
 
 
-def test_the_spec_declares_the_pool_series_beside_vllms():
-    defs = NPUOffloadingSpec.build_metric_definitions({})
+@pytest.mark.parametrize("spec_cls", [NPUOffloadingSpec, NPUTieringOffloadingSpec])
+def test_the_spec_declares_the_pool_series_beside_vllms(spec_cls):
+    defs = spec_cls.build_metric_definitions({})
     assert set(pool_metrics.metric_definitions()) <= set(defs)
     assert "vllm:kv_offload_cpu_cache_usage_perc" in defs  # vLLM's own stays
+    assert isinstance(defs[pool_metrics.FAILED_STORES], OffloadingCounterMetadata)
+    assert isinstance(defs[pool_metrics.FAILED_LOADS], OffloadingCounterMetadata)
+    info = defs[pool_metrics.POOL_INFO]
+    assert isinstance(info, OffloadingGaugeMetadata)
+    assert info.labelnames == ("memory_kind", "pinned", "pieces", "copy_path")
 
 
 def test_stats_report_capacity_occupancy_and_evictions():
@@ -69,6 +90,8 @@ POOL_SERIES = (
     pool_metrics.CAPACITY_BYTES,
     pool_metrics.BLOCKS_IN_USE,
     pool_metrics.EVICTIONS,
+    pool_metrics.FAILED_STORES,
+    pool_metrics.FAILED_LOADS,
 )
 
 
@@ -174,3 +197,89 @@ def test_a_block_still_being_written_at_a_reset_is_not_announced(spec_manager):
     assert cpu_events(m) == [(False, {b"a", b"b"})]
     m.reset_cache()
     assert cpu_events(m) == [(True, {b"a", b"b"})]
+
+
+# -- failed transfers ----------------------------------------------------------
+
+
+def worker_report(router: FailureRouter, completed: dict, failed: set) -> None:
+    """One worker's metadata of a step, as the connector routes it."""
+    meta = AscendOffloadingWorkerMetadata(failed_jobs=failed)
+    meta.completed_jobs.update(completed)
+    router.route(meta)
+
+
+def test_failed_stores_and_loads_are_counted_once_per_job(spec_manager):
+    """Two workers each report the same failed store and load, in different
+    steps: one failed store, one failed load."""
+    m = spec_manager
+    router = FailureRouter(m, num_workers=2)
+    ctx = ReqContext(req_id="a")
+    m.on_new_request(ctx)
+    out = m.prepare_store([b"k1", b"k2"], ctx)
+    loaded = ReqContext(req_id="b")
+    m.on_new_request(loaded)
+    router.expect(
+        SimpleNamespace(
+            load_jobs={8: SimpleNamespace(req_id="b")},
+            store_jobs={7: SimpleNamespace(req_id="a", dst_spec=out.store_spec)},
+        )
+    )
+    worker_report(router, {7: 1, 8: 1}, failed={7, 8})  # worker 0
+    worker_report(router, {7: 1, 8: 1}, failed={7, 8})  # worker 1, a step later
+    m.complete_store(list(out.keys_to_store), ctx)  # vLLM completes job 7
+    first = reduced(m)
+    assert first[pool_metrics.FAILED_STORES] == 1
+    assert first[pool_metrics.FAILED_LOADS] == 1
+    assert first[pool_metrics.BLOCKS_IN_USE] == 0  # the failed store's freed
+    # A counter's increase is per interval.
+    again = reduced(m)
+    assert again[pool_metrics.FAILED_STORES] == again[pool_metrics.FAILED_LOADS] == 0
+
+
+def test_good_transfers_count_no_failures(spec_manager):
+    store(spec_manager, "a", "b")
+    stats = reduced(spec_manager)
+    assert stats[pool_metrics.FAILED_STORES] == stats[pool_metrics.FAILED_LOADS] == 0
+
+
+# -- the worker's pool info ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def worker_connector():
+    connector = make_connector("worker")
+    yield connector
+    connector.shutdown()
+
+
+def test_each_worker_reports_its_pool_and_copy_path_as_an_info_series(
+    worker_connector,
+):
+    worker = worker_connector.connector_worker.worker
+    stats = worker_connector.get_kv_connector_stats()
+    labels = (
+        worker.pool.memory.kind,  # the CPU backend's: a pageable mmap
+        "false",
+        "1",
+        worker.self_check.path,
+    )
+    assert worker.pool.memory.kind == "pageable mmap"
+    assert worker.self_check.path in ("native", "python")
+    assert stats.reduce() == {f"{pool_metrics.POOL_INFO}:{labels}": 1}
+
+
+def test_workers_with_different_pools_show_as_one_series_each():
+    """vLLM merges the workers' stats: a worker whose pool differs (here its
+    copy path) is its own series; identical ones are one."""
+    native = pool_metrics.PoolInfo("aclrtMallocHost", True, 1, "native-batch")
+    torch_path = pool_metrics.PoolInfo("aclrtMallocHost", True, 1, "torch")
+    merged = None
+    for info in (native, native, torch_path):
+        stats = OffloadingConnectorStats()
+        pool_metrics.add_pool_info(stats, info)
+        merged = stats if merged is None else merged.aggregate(stats)
+    assert merged.reduce() == {
+        f"{pool_metrics.POOL_INFO}:{native.labelvalues()}": 1,
+        f"{pool_metrics.POOL_INFO}:{torch_path.labelvalues()}": 1,
+    }
