@@ -94,6 +94,11 @@ def served(tmp_path_factory) -> dict:
             "vllm:kv_offload_load_bytes_total",
             (DOC_BLOCKS + 3 * DOC_BLOCKS) * block,
         )
+        record["pool_info"] = [
+            s.labels
+            for s in server.samples()
+            if s.name == "vllm:kv_offload_cpu_pool_info"
+        ]
         # The serving doc's curl + jq flow, as a reader runs it (after the
         # snapshots above, which it does not disturb).
         record["doc_flow"] = run_serving_doc_flow(server.port)
@@ -216,6 +221,26 @@ def test_metrics_tell_a_router_the_cpu_pool_size_and_occupancy(served):
     # The three documents' 4 blocks each, nothing evicted from 1000.
     assert after["vllm:kv_offload_cpu_pool_blocks_in_use"] == 3 * DOC_BLOCKS
     assert delta(served, "vllm:kv_offload_cpu_pool_evictions_total") == 0
+
+
+def test_metrics_tell_an_operator_the_pool_kind_copy_path_and_failures(served):
+    # One worker: one info series, with the copy path its self-check logged.
+    chosen = re.findall(r"KV offload: copy path (\S+) on", served["log_text"])
+    assert len(chosen) == 1, chosen
+    assert [
+        {k: v for k, v in labels.items() if k not in ("model_name", "engine")}
+        for labels in served["pool_info"]
+    ] == [
+        {
+            "memory_kind": "pageable mmap",  # the cpu backend's pool
+            "pinned": "false",
+            "pieces": "1",
+            "copy_path": chosen[0],
+        }
+    ]
+    assert delta(served, "vllm:kv_offload_failed_stores_total") == 0
+    assert delta(served, "vllm:kv_offload_failed_loads_total") == 0
+    assert "vllm:kv_offload_failed_loads_total" in served["after_all"]
 
 
 def test_the_cpu_backend_keeps_a_core_for_the_scheduler(served):
