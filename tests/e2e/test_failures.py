@@ -86,6 +86,8 @@ def test_failed_loads_are_recomputed(scenario_dir, reference, kind):
     assert token_ids(result["phases"][0]) == reference
     assert token_ids(result["phases"][1]) == reference
     assert result["counters"].get("vllm:kv_offload_load_bytes", 0) == 0
+    # /metrics counts each failed load job (one worker: one per fault).
+    assert result["counters"]["vllm:kv_offload_failed_loads"] == len(injected)
 
 
 def test_failed_load_fails_only_its_request_and_the_engine_serves_on(
@@ -120,6 +122,9 @@ def test_failed_stores_are_never_loaded(scenario_dir, reference, kind):
     # Nothing was recorded in the CPU cache, so nothing came back from it.
     assert [cached(second)[i] for i in FIRST_QUESTIONS] == [0, 0, 0]
     assert result["counters"].get("vllm:kv_offload_load_bytes", 0) == 0
+    # /metrics counts the failed store jobs (the last may not have been
+    # reported yet when the counters were read).
+    assert 3 <= result["counters"]["vllm:kv_offload_failed_stores"] <= len(injected)
 
 
 def test_random_faults_with_eviction_in_a_multiprocess_engine(scenario_dir, reference):
