@@ -12,18 +12,23 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from types import SimpleNamespace
 
 import pytest
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingConnectorMetadata,
+    TransferJob,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
 from vllm.v1.kv_offload.base import (
+    GPULoadStoreSpec,
     Medium,
     OffloadingCounterMetadata,
     OffloadingGaugeMetadata,
     ReqContext,
 )
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
 from tests.unit.conftest import make_connector
@@ -219,10 +224,11 @@ def test_failed_stores_and_loads_are_counted_once_per_job(spec_manager):
     out = m.prepare_store([b"k1", b"k2"], ctx)
     loaded = ReqContext(req_id="b")
     m.on_new_request(loaded)
+    device = GPULoadStoreSpec([1], group_sizes=[1], block_indices=[0])
     router.expect(
-        SimpleNamespace(
-            load_jobs={8: SimpleNamespace(req_id="b")},
-            store_jobs={7: SimpleNamespace(req_id="a", dst_spec=out.store_spec)},
+        OffloadingConnectorMetadata(
+            load_jobs={8: TransferJob("b", CPULoadStoreSpec([0]), device)},
+            store_jobs={7: TransferJob("a", device, out.store_spec)},
         )
     )
     worker_report(router, {7: 1, 8: 1}, failed={7, 8})  # worker 0

@@ -71,8 +71,9 @@ def metric_definitions() -> dict[str, Any]:
         ),
         FAILED_STORES: OffloadingCounterMetadata(
             documentation=(
-                "Store jobs (device -> CPU) that failed on some worker; their "
-                "CPU blocks were freed, not kept."
+                "Store jobs (device -> CPU) that failed on some worker, or "
+                "copied device blocks a load failed to fill; their CPU blocks "
+                "were freed, not kept."
             ),
         ),
         FAILED_LOADS: OffloadingCounterMetadata(
