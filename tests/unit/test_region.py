@@ -166,6 +166,17 @@ def test_the_specs_manager_releases_the_name_its_workers_mapped(shared_region):
     manager.shutdown()
 
 
+def test_a_scheduler_that_created_the_region_leaves_nothing_at_shutdown():
+    """No worker of the engine mapped the region before the scheduler's
+    manager (a scheduler on a host without its workers): the manager's
+    shutdown removes the region and our mark, not only the next start."""
+    engine_id = new_engine_id()
+    manager = tiering_spec(engine_id).get_manager()
+    assert leftovers(engine_id) != []  # the workers still have to join
+    manager.shutdown()
+    assert leftovers(engine_id) == []
+
+
 def test_a_dead_region_of_another_engine_is_removed_at_the_next_opening(
     engine_ids, shared_region, caplog
 ):

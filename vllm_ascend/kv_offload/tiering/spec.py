@@ -91,6 +91,25 @@ class NPUTieringWorker(NPUOffloadingWorker):
             )
 
 
+class _TieringManager(FailureAwareManager):
+    """Ends the scheduler's hold on a region it created itself (no worker of
+    its engine had mapped it): vLLM's cleanup removed the region, so the
+    mark goes too rather than waiting for the next start's sweep."""
+
+    def __init__(self, inner, capacity, spec: NPUTieringOffloadingSpec):
+        super().__init__(inner, capacity)
+        self._spec = spec
+
+    def shutdown(self) -> None:
+        try:
+            self.inner.shutdown()
+        finally:
+            mark, self._spec._scheduler_mark = self._spec._scheduler_mark, None
+            if mark is not None:
+                mark.release_name()
+                mark.close()
+
+
 def check_tiering_config(extra: Mapping[str, Any]) -> None:
     """What this spec cannot do, refused before anything is allocated."""
     if extra.get("canonical_layout"):
@@ -234,8 +253,8 @@ class NPUTieringOffloadingSpec(TieringOffloadingSpec, NPUOffloadingSpec):
                     # This process created it: workers may join later; the
                     # hold ends with the process.
                     self._scheduler_mark = mark
-            self._failure_aware_manager = FailureAwareManager(
-                inner, self.pool_capacity()
+            self._failure_aware_manager = _TieringManager(
+                inner, self.pool_capacity(), self
             )
         return self._failure_aware_manager
 
