@@ -277,8 +277,9 @@ class FailureRouter:
         # Unresolved sync load per request, and the stores issued meanwhile.
         self._sync_load_of: dict[ReqId, int] = {}
         self._dependent_stores: dict[int, list[int]] = {}
-        # Device blocks each pending store job copies.
-        self._store_blocks: dict[int, set[int]] = {}
+        # Device block ids each pending store job copies (the spec's own
+        # array: compared only when a load failed, not per block per step).
+        self._store_blocks: dict[int, Any] = {}
 
     def expect(self, meta: OffloadingConnectorMetadata) -> None:
         """The jobs of the step's metadata (``build_connector_meta``)."""
@@ -290,7 +291,7 @@ class FailureRouter:
         for job_id, entry in meta.store_jobs.items():
             keys = self.manager.keys_of_store(entry.dst_spec)
             self.expect_reports(job_id, (True, keys))
-            self._store_blocks[job_id] = {int(b) for b in entry.src_spec.block_ids}
+            self._store_blocks[job_id] = entry.src_spec.block_ids
             load_job = self._sync_load_of.get(entry.req_id)
             if load_job is not None:
                 self._dependent_stores[load_job].append(job_id)
@@ -309,9 +310,10 @@ class FailureRouter:
         left them: such a store is failed, its keys then hold nothing."""
         if not block_ids:
             return
+        invalid = np.fromiter(block_ids, dtype=np.int64, count=len(block_ids))
         for job_id, blocks in self._store_blocks.items():
             _, keys = self._failure_target.get(job_id, (None, None))
-            if keys is not None and not blocks.isdisjoint(block_ids):
+            if keys is not None and np.isin(blocks, invalid).any():
                 self.manager.store_failed(keys)
 
     def route(self, meta: Any) -> None:
