@@ -96,15 +96,15 @@ class _TieringManager(FailureAwareManager):
     its engine had mapped it): vLLM's cleanup removed the region, so the
     mark goes too rather than waiting for the next start's sweep."""
 
-    def __init__(self, inner, capacity, spec: NPUTieringOffloadingSpec):
+    def __init__(self, inner, capacity, own_mark: RegionMark | None):
         super().__init__(inner, capacity)
-        self._spec = spec
+        self._own_mark = own_mark
 
     def shutdown(self) -> None:
         try:
             self.inner.shutdown()
         finally:
-            mark, self._spec._scheduler_mark = self._spec._scheduler_mark, None
+            mark, self._own_mark = self._own_mark, None
             if mark is not None:
                 mark.release_name()
                 mark.close()
@@ -190,7 +190,6 @@ class NPUTieringOffloadingSpec(TieringOffloadingSpec, NPUOffloadingSpec):
     """
 
     _tiering_worker: NPUTieringWorker | None = None
-    _scheduler_mark: RegionMark | None = None
 
     @classmethod
     @override
@@ -249,12 +248,11 @@ class NPUTieringOffloadingSpec(TieringOffloadingSpec, NPUOffloadingSpec):
             finally:
                 if mark.region_existed:
                     mark.close()
-                else:
-                    # This process created it: workers may join later; the
-                    # hold ends with the process.
-                    self._scheduler_mark = mark
+            # A region this process created: workers may join later; the
+            # hold ends with the manager (or the process).
+            own_mark = None if mark.region_existed else mark
             self._failure_aware_manager = _TieringManager(
-                inner, self.pool_capacity(), self
+                inner, self.pool_capacity(), own_mark
             )
         return self._failure_aware_manager
 
