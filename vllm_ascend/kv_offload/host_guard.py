@@ -276,7 +276,7 @@ def _room(budget: HostBudget) -> str:
 def _raise_cap(budget: HostBudget, total: int) -> str:
     """The other fix where the cap, not the memory, refuses."""
     if budget.cap_binds and total <= usable_bytes(budget.available + budget.held):
-        return f"raise {HOST_BUDGET_ENV} to at least {total}, "
+        return f"raise {HOST_BUDGET_ENV} to at least {total} ({show(total)}), "
     return ""
 
 
