@@ -48,7 +48,6 @@ KV_CACHE_MIN_BYTES = 256 * 2**20
 KV_CACHE_UNKNOWN_MODEL_BYTES = 4 * 2**30
 
 
-
 def parse_bytes(text: str) -> int:
     """``1073741824``, ``512MiB``, ``4G``, ``1.5GiB`` -> bytes (a flag's type:
     argparse prints an ArgumentTypeError's message)."""

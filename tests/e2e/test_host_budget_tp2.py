@@ -58,9 +58,7 @@ def test_two_pools_that_fit_alone_but_not_together_are_refused_by_name(
     log = scenario_log(scenario_dir, "tp2-over-budget")
     assert log.count("KV offload: host memory check passed") == 1
     assert log.count("CPU block pool of 1000 blocks x 65536 bytes") == 1
-    assert (
-        f"['num_cpu_blocks']=1000 asks for a CPU pool of {POOL_MIB:.2f} MiB" in log
-    )
+    assert f"['num_cpu_blocks']=1000 asks for a CPU pool of {POOL_MIB:.2f} MiB" in log
     # The other worker's pool is allocated, or being allocated, by then.
     assert "with the 1 other CPU pool of this host (62.50 MiB, " in log
     assert (

@@ -58,9 +58,7 @@ def available(monkeypatch):
     return set_available
 
 
-def test_two_workers_whose_pools_fit_alone_but_not_together(
-    host_ledger_dir, available
-):
+def test_two_workers_whose_pools_fit_alone_but_not_together(host_ledger_dir, available):
     """Tensor-parallel ranks of one engine, each checking its own pool: the
     second sees the first's, is refused naming the total, and is told the
     num_cpu_blocks both ranks fit with."""
@@ -233,7 +231,9 @@ def test_a_released_pool_leaves_the_ledger_and_a_failed_allocation_too(
 ):
     worker = spec(16).get_worker(kv())
     (entry,) = host_ledger.live_pools()
-    assert entry == Reserved(MiB, allocated=True, engine_id="test-engine", pid=os.getpid())
+    assert entry == Reserved(
+        MiB, allocated=True, engine_id="test-engine", pid=os.getpid()
+    )
     worker.shutdown()
     assert ledger_files(host_ledger_dir) == []
 

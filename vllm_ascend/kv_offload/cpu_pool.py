@@ -34,6 +34,7 @@ from vllm_ascend.kv_offload.logger import init_logger
 
 logger = init_logger(__name__)
 
+
 @dataclass(frozen=True)
 class PoolLayout:
     """Where each tensor's pages of a CPU block sit: block ``b`` of tensor

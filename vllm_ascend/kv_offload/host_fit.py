@@ -67,9 +67,7 @@ def fit_host_memory(
     budget = host_guard.HostBudget(available_bytes, other_pools or (), cap)
     # What the pools may take once the engine's memory is allocated, less
     # what the other pools take (the worker's check: host_guard.check_pool).
-    limit = host_guard.usable_bytes(
-        available_bytes + budget.held, reserved_bytes, cap
-    )
+    limit = host_guard.usable_bytes(available_bytes + budget.held, reserved_bytes, cap)
     usable = max(0, limit - budget.others_bytes)
     blocks = usable // (sizing.worker_bytes_per_cpu_block * workers)
     return HostFit(

@@ -243,7 +243,10 @@ def check_pool(
     kv_fix = ""
     if not budget.cap_binds:
         kv_fix = _kv_cache_fix(total, budget, host_kv_bytes, workers)
-    return f"{asked}, more than {room}; {lowered}{kv_fix}, {_raise_cap(budget, total)}or free host memory"
+    raise_cap = _raise_cap(budget, total)
+    return (
+        f"{asked}, more than {room}; {lowered}{kv_fix}, {raise_cap}or free host memory"
+    )
 
 
 def passed(pool: PoolRequest, budget: HostBudget) -> str:
