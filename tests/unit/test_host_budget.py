@@ -129,6 +129,14 @@ def test_a_host_budget_that_is_not_a_size_is_refused_naming_it(
     assert ledger_files(host_ledger_dir) == []
 
 
+def test_a_ledger_directory_that_does_not_exist_is_refused_naming_it(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv(host_ledger.LEDGER_DIR_ENV, str(tmp_path / "missing"))
+    with pytest.raises(OffloadConfigError, match=f"{host_ledger.LEDGER_DIR_ENV}="):
+        spec(10).reserve_host_memory(kv())
+
+
 def _reserve_and_hold(ledger: str, budget: str, go, results, done) -> None:
     """A worker process: checks and records a pool of 16 blocks (1 MiB)
     when ``go`` is set, reports, and holds its record until ``done``."""

@@ -51,10 +51,6 @@ def fit_host_memory(
     this engine share this host: the result is what all of them together
     leave room for.
     """
-    if available_bytes is None:
-        available_bytes = host_guard.host_available_bytes()
-        if other_pools is None:
-            other_pools = host_ledger.live_pools()
     workers = workers_on_host
     if workers is None:
         workers = sizing.tensor_parallel_size
@@ -62,7 +58,11 @@ def fit_host_memory(
         raise SizingError(f"workers_on_host={workers} must be >= 1")
     try:
         cap = host_guard.budget_cap()
-    except ValueError as e:
+        if available_bytes is None:
+            available_bytes = host_guard.host_available_bytes()
+            if other_pools is None:
+                other_pools = host_ledger.live_pools()
+    except ValueError as e:  # a setting that is not one
         raise SizingError(str(e)) from None
     budget = host_guard.HostBudget(available_bytes, other_pools or (), cap)
     # What the pools may take once the engine's memory is allocated, less

@@ -44,7 +44,14 @@ PREFIX, SUFFIX = "vllm_ascend_host_pool_", ".json"
 
 
 def ledger_dir(environ: Mapping[str, str] = os.environ) -> str:
-    return environ.get(LEDGER_DIR_ENV) or SHM_DIR
+    """The ledger's directory; ValueError naming the setting if it is none."""
+    directory = environ.get(LEDGER_DIR_ENV) or SHM_DIR
+    if not os.path.isdir(directory):
+        raise ValueError(
+            f"{LEDGER_DIR_ENV}={directory!r} is not a directory: create it (the "
+            f"same for every worker of the host), or unset it ({SHM_DIR})"
+        )
+    return directory
 
 
 def live_pools(directory: str | None = None) -> list[Reserved]:
@@ -61,7 +68,9 @@ def reserve(
     directory: str | None = None,
 ) -> Reservation:
     """Records a pool of ``nbytes`` once ``check(the other live pools)``
-    returned (it raises to refuse), both under the ledger's lock."""
+    returned (it raises to refuse), both under the ledger's lock. The
+    record lasts until ``Reservation.release``, or until the reservation
+    is no longer referenced (or the process ends)."""
     directory = directory or ledger_dir()
     with dir_lock(directory):
         check(_live(directory))

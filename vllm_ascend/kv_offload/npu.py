@@ -151,6 +151,7 @@ class NPUOffloadingSpec(vllm_compat.PrivatePoolSpec, CPUOffloadingSpec):
         host_kv_bytes = host_guard.host_kv_cache_bytes(kv_caches)
         try:
             cap = host_guard.budget_cap()
+            ledger = host_ledger.ledger_dir()
         except ValueError as e:
             raise OffloadConfigError(f"KV offload: {e}") from None
 
@@ -171,7 +172,7 @@ class NPUOffloadingSpec(vllm_compat.PrivatePoolSpec, CPUOffloadingSpec):
                 raise OffloadConfigError(refusal)
             logger.info(host_guard.passed(pool, budget))
 
-        return host_ledger.reserve(pool.nbytes, self.config.engine_id, check)
+        return host_ledger.reserve(pool.nbytes, self.config.engine_id, check, ledger)
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._npu_worker is None:
