@@ -20,6 +20,7 @@ from tests.unit.conftest import TIERING, payload
 from tests.unit.kv_helpers import make_config
 from tests.vllm_version import VLLM_VERSION
 from vllm_ascend.kv_offload.config import OffloadConfigError, check_keys
+from vllm_ascend.kv_offload.npu import NPUOffloadingSpec
 from vllm_ascend.kv_offload.tiering import block_file, host_register
 from vllm_ascend.kv_offload.tiering.block_file import (
     HEADER_BYTES,
@@ -177,17 +178,21 @@ def test_what_the_spec_cannot_do_is_refused(extra, message):
 
 def test_tiering_keys_need_the_tiering_spec():
     tiers = [{"type": "fs", "root_dir": "/x"}]
-    check_keys({**TIERING, "secondary_tiers": tiers})
+    tiering_keys = NPUTieringOffloadingSpec.extra_config_keys
+    check_keys({**TIERING, "secondary_tiers": tiers}, tiering_keys)
     with pytest.raises(OffloadConfigError, match="NPUTieringOffloadingSpec only"):
-        check_keys({"spec_name": "NPUOffloadingSpec", "secondary_tiers": tiers})
+        check_keys(
+            {"spec_name": "NPUOffloadingSpec", "secondary_tiers": tiers},
+            NPUOffloadingSpec.extra_config_keys,
+        )
     with pytest.raises(OffloadConfigError, match="must be a list"):
-        check_keys({**TIERING, "secondary_tiers": "fs"})
+        check_keys({**TIERING, "secondary_tiers": "fs"}, tiering_keys)
 
 
 def test_our_connector_serves_the_tiering_spec():
-    from vllm_ascend.kv_offload.plugin import names_our_spec
+    from vllm_ascend.kv_offload.connector import our_spec_class
 
-    assert names_our_spec(TIERING)
+    assert our_spec_class(TIERING) is NPUTieringOffloadingSpec
 
 
 # -- registering the region: npu (ACL, through our op) and cuda (vLLM's) ----

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
@@ -43,6 +43,7 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm_ascend.kv_offload import host_guard, host_ledger, pool_metrics, vllm_compat
 from vllm_ascend.kv_offload.config import (
     PREFIX,
+    SPEC_KEYS,
     OffloadConfigError,
     check_keys,
     cpu_block_bytes,
@@ -70,8 +71,12 @@ __all__ = [
 class NPUOffloadingSpec(vllm_compat.PrivatePoolSpec, CPUOffloadingSpec):
     """Offloads KV blocks to a CPU block pool; runs on npu, cuda and cpu."""
 
+    # The kv_connector_extra_config keys this spec reads (config.KEYS has
+    # their types); the connector and the spec refuse any other.
+    extra_config_keys: ClassVar[frozenset[str]] = SPEC_KEYS
+
     def __init__(self, config: OffloadingConfig):
-        extra, num_cpu_blocks = resolve_extra_config(config)
+        extra, num_cpu_blocks = resolve_extra_config(config, self.extra_config_keys)
         super().__init__(dataclasses.replace(config, extra_config=extra))
         if num_cpu_blocks is not None and config.worker_kv_bytes_per_block > 0:
             # The guide's meaning, exactly: this many CPU blocks.
@@ -108,7 +113,7 @@ class NPUOffloadingSpec(vllm_compat.PrivatePoolSpec, CPUOffloadingSpec):
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]):
         # vLLM's reads store_threshold with a bare int(), in the front end.
-        check_keys(extra_config)
+        check_keys(extra_config, cls.extra_config_keys)
         return {
             **super().build_metric_definitions(extra_config),
             **pool_metrics.metric_definitions(),

@@ -24,6 +24,7 @@ device only.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 from collections.abc import Callable
 
@@ -82,18 +83,31 @@ def _load_native() -> tuple[_SwapFn | None, tuple[str, ...], str | None]:
     )
 
 
-_native_op, _native_backends, _fallback_reason = _load_native()
-HAS_NATIVE_OP: bool = _native_op is not None
+@functools.cache
+def _native() -> tuple[_SwapFn | None, tuple[str, ...], str | None]:
+    """The library, loaded on first use: a process that never copies (the
+    scheduler's, the API server's) does not load it."""
+    loaded = _load_native()
+    if loaded[2] is not None:
+        _warn_fallback(loaded[2])
+    return loaded
+
+
+def __getattr__(name: str) -> bool:
+    # HAS_NATIVE_OP: whether the native op is in use (loads it on first read).
+    if name == "HAS_NATIVE_OP":
+        return _native()[0] is not None
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def fallback_reason() -> str | None:
     """Why the native op is not in use (None when it is)."""
-    return _fallback_reason
+    return _native()[2]
 
 
 def native_backends() -> tuple[str, ...]:
     """Backends compiled into the native op in use; () when falling back."""
-    return _native_backends
+    return _native()[1]
 
 
 def swap_blocks_batch(
@@ -102,19 +116,21 @@ def swap_blocks_batch(
     """Copies the batch on ``device`` ("cpu", "cuda", "npu"); returns the number
     of copies after merging adjacent fragments and the workspace to keep until
     they have completed. See the module docstring."""
-    if _native_op is not None:
-        return _native_op(src_addrs, dst_addrs, sizes, device)
+    native_op = _native()[0]
+    if native_op is not None:
+        return native_op(src_addrs, dst_addrs, sizes, device)
     return fallback_swap_blocks_batch(src_addrs, dst_addrs, sizes, device)
 
 
 def _host_register_op(name: str):
+    native_op, _, reason = _native()
     op = getattr(torch.ops._C_ascend, f"kv_offload_host_{name}", None)
-    if _native_op is None or op is None:
+    if native_op is None or op is None:
         raise RuntimeError(
             f"kv_offload_host_{name} needs the native extension "
             f"vllm_ascend.kv_offload._C_kv_offload with the npu backend; "
             f"{_BUILD_HINT} on a machine with torch_npu "
-            f"({_fallback_reason or 'this build predates the op'})"
+            f"({reason or 'this build predates the op'})"
         )
     return op.default
 
@@ -149,7 +165,7 @@ def set_per_copy(device: str, on: bool) -> None:
     (no batch call, no copy kernel): the self-check's next path down.
     Contract: ``kv_offload_set_per_copy`` in ``ops.h``."""
     op = getattr(torch.ops._C_ascend, "kv_offload_set_per_copy", None)
-    if _native_op is None or op is None:
+    if _native()[0] is None or op is None:
         raise RuntimeError(
             "kv_offload_set_per_copy needs the native extension "
             f"vllm_ascend.kv_offload._C_kv_offload; {_BUILD_HINT}"
@@ -196,7 +212,7 @@ def fallback_swap_blocks_batch(
             "vllm_ascend.kv_offload._C_kv_offload (the Python fallback only copies "
             "host memory); "
             f"{_BUILD_HINT} on a machine with the {device} toolchain "
-            f"(fallback in use because {_fallback_reason or 'it was called directly'})"
+            f"(fallback in use because {_native()[2] or 'it was called directly'})"
         )
     m_src, m_dst, m_size, first = coalesce(src_addrs, dst_addrs, sizes)
     check_disjoint(m_src, m_dst, m_size, first, device)
@@ -310,6 +326,3 @@ def _warn_fallback(reason: str) -> None:
         reason,
     )
 
-
-if _fallback_reason is not None:
-    _warn_fallback(_fallback_reason)
