@@ -116,6 +116,14 @@ def test_the_guides_keys_and_vllms_keys_keep_working():
     assert (manager.store_threshold, manager.max_tracker_size) == (2, 100)
 
 
+def test_canonical_layout_is_refused_by_the_guides_spec_as_by_tiering():
+    """vLLM's canonical layout is a tiering worker's; ours store each rank's
+    KV in its device layout, so the key would be accepted and ignored."""
+    for message in refusals({**GUIDE, "canonical_layout": True}):
+        assert "['canonical_layout']=True is not supported" in message
+        assert "remove canonical_layout" in message
+
+
 def test_a_custom_policy_module_may_name_its_own_policy():
     extra = {
         **GUIDE,

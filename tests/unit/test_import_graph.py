@@ -10,6 +10,8 @@ when there is one, else on the package's ``__init__``.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -122,3 +124,20 @@ def test_the_package_itself_imports_none_of_its_modules():
     """``import vllm_ascend.kv_offload`` (every submodule import runs it
     first) loads nothing of ours: no native library, no vLLM."""
     assert import_graph()[PACKAGE] == set()
+
+
+def test_ops_loads_the_native_library_on_first_use_only():
+    """A process that never copies (scheduler, API server) does not load it."""
+    code = (
+        "import sys; from vllm_ascend.kv_offload import ops; "
+        "native = 'vllm_ascend.kv_offload._C_kv_offload'; "
+        "print(native in sys.modules); ops.native_backends(); "
+        "print(native in sys.modules)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    before, after = proc.stdout.split()
+    assert before == "False"
+    if list(ROOT.glob("_C_kv_offload*.so")):  # built here: loaded on use
+        assert after == "True"
