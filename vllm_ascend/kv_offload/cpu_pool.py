@@ -7,10 +7,10 @@ across every cached tensor (all layers, K and V): tensor ``t`` owns
 object that another tier can move whole. A private pool's row is exactly
 its slot; a shared region's row holds every rank's slot.
 
-Pool (``CpuBlockPool``): a layout over memory, from one of two factories:
-``private_pool`` (exact-size memory of our own, ``host_memory.py``) or
-``region_pool`` (memory another component owns). Whether the host can
-hold a private pool is checked before it is allocated (``host_guard``,
+Pool (``CpuBlockPool``): a layout over memory: ``private_pool`` (exact-size
+memory of our own, ``host_memory.py``) or a shared region's
+(``tiering/region.py``, memory another component owns). Whether the host
+can hold a private pool is checked before it is allocated (``host_guard``,
 ``host_ledger``).
 """
 
@@ -25,11 +25,7 @@ import torch
 
 from vllm_ascend.kv_offload.config import PREFIX
 from vllm_ascend.kv_offload.host_guard import show
-from vllm_ascend.kv_offload.host_memory import (
-    HostMemory,
-    allocate_host_memory,
-    borrowed,
-)
+from vllm_ascend.kv_offload.host_memory import HostMemory, allocate_host_memory
 from vllm_ascend.kv_offload.logger import init_logger
 
 logger = init_logger(__name__)
@@ -82,7 +78,7 @@ class CpuBlockPool:
 
     ``tensor`` is ``[num_blocks, row_bytes]`` int8 over the memory, ``None``
     once released; ``release`` gives the memory back as its owner said
-    (``HostMemory.release``: frees our own, hands a borrowed one back)."""
+    (``HostMemory.release``: frees our own, leaves a borrowed one)."""
 
     def __init__(self, layout: PoolLayout, memory: HostMemory):
         if memory.nbytes < layout.span_bytes:
@@ -179,13 +175,3 @@ def private_pool(
     )
     return CpuBlockPool(layout, memory)
 
-
-def region_pool(
-    base: torch.Tensor,
-    layout: PoolLayout,
-    pinned: bool,
-    release: Callable[[], None] | None = None,
-) -> CpuBlockPool:
-    """A pool over memory someone else owns (a shared region's ``base``
-    tensor): ``release`` is what the owner wants done when the pool lets go."""
-    return CpuBlockPool(layout, borrowed(base.view(-1), pinned, release))

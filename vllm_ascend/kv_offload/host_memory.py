@@ -21,8 +21,8 @@ could take 16 GiB behind the host-memory guard's back.
   path (or refuses to offload).
 
 Every ``HostMemory`` knows what it is (``kind``, ``pinned``) and how to give
-itself back (``release``); ``owned`` is False for memory someone else
-allocated (a shared region), whose release is its owner's business.
+itself back (``release``); memory someone else allocated (``borrowed``: a
+shared region) is its owner's to free.
 """
 
 from __future__ import annotations
@@ -65,7 +65,6 @@ class HostMemory:
     nbytes: int
     kind: str
     pinned: bool
-    owned: bool = True
     _release: Callable[[], None] | None = field(default=None, repr=False)
     # Separate allocations the memory is made of (one today), on /metrics.
     pieces: int = 1
@@ -91,12 +90,10 @@ class HostMemory:
             )
 
 
-def borrowed(tensor: torch.Tensor, pinned: bool, release=None) -> HostMemory:
-    """Memory another component owns (e.g. a shared region): ``release``
-    is what that owner wants done when the pool lets go (None: nothing)."""
-    return HostMemory(
-        tensor, tensor.numel() * tensor.element_size(), BORROWED, pinned, False, release
-    )
+def borrowed(tensor: torch.Tensor, pinned: bool) -> HostMemory:
+    """Memory another component owns (e.g. a shared region): releasing it
+    frees nothing."""
+    return HostMemory(tensor, tensor.numel() * tensor.element_size(), BORROWED, pinned)
 
 
 # -- kernels and runtimes ----------------------------------------------------
