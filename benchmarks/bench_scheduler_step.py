@@ -202,9 +202,7 @@ def run_once(impl: str, args: argparse.Namespace, round_idx: int) -> dict[str, A
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=[[1] for _ in req_ids],
-            kv_connector_output=KVConnectorOutput(
-                kv_connector_worker_meta=worker_meta
-            ),
+            kv_connector_output=KVConnectorOutput(kv_connector_worker_meta=worker_meta),
         )
         scheduler.update_from_output(out, runner_output)
         if len(req_ids) == args.requests:
@@ -217,6 +215,9 @@ def run_once(impl: str, args: argparse.Namespace, round_idx: int) -> dict[str, A
         "load_jobs": loads,
         "mean_us": statistics.fmean(per_step) * 1e6,
         "median_us": statistics.median(per_step) * 1e6,
+        # The prefill step stores every prompt block (prepare_store) and the
+        # next one completes those stores (complete_store).
+        "prefill_us": sum(per_step[:2]) * 1e6,
     }
 
 
@@ -250,15 +251,18 @@ def main() -> None:
                     f"round {r} {impl:5s} ({row['connector']}): "
                     f"{row['median_us']:8.0f} us/step median, "
                     f"{row['mean_us']:8.0f} mean over {row['steps']} steps "
-                    f"({row['store_jobs']} store jobs)"
+                    f"({row['store_jobs']} store jobs); prefill + next step "
+                    f"{row['prefill_us']:.0f} us"
                 )
     print(f"load average: start {load_start}, end {loadavg()}")
     for impl in impls:
         medians = [row["median_us"] for row in rows if row["impl"] == impl]
+        prefills = [row["prefill_us"] for row in rows if row["impl"] == impl]
         print(
             f"{impl}: median of round medians {statistics.median(medians):.0f} "
             f"us/step with {args.requests} running requests "
-            f"(rounds: {', '.join(f'{m:.0f}' for m in medians)})"
+            f"(rounds: {', '.join(f'{m:.0f}' for m in medians)}); prefill + "
+            f"next step {statistics.median(prefills):.0f} us"
         )
 
 

@@ -80,3 +80,22 @@ def make_kv_caches(
         for g in groups
     ]
     return CanonicalKVCaches(tensors=tensors, group_data_refs=refs)
+
+
+def make_worker(
+    kv_caches: CanonicalKVCaches,
+    blocks_per_chunk: int,
+    num_cpu_blocks: int,
+    worker_cls: type | None = None,
+    **kwargs,
+):
+    """A worker (``NPUOffloadingWorker`` or ``worker_cls``) on a private pool
+    of ``num_cpu_blocks`` blocks of ``blocks_per_chunk`` device blocks, as
+    ``NPUOffloadingSpec.get_worker`` assembles one."""
+    from vllm_ascend.kv_offload.cpu_pool import private_pool
+    from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
+
+    pages = [t.page_size_bytes for t in kv_caches.tensors]
+    device = kv_caches.tensors[0].tensor.device.type if pages else "cpu"
+    pool = private_pool(pages, blocks_per_chunk, num_cpu_blocks, device)
+    return (worker_cls or NPUOffloadingWorker)(kv_caches, pool, **kwargs)

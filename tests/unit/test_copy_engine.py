@@ -6,10 +6,9 @@ import torch
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
-from tests.unit.kv_helpers import make_kv_caches
+from tests.unit.kv_helpers import make_kv_caches, make_worker
 from vllm_ascend.kv_offload.copy_engine import CopyEngine
 from vllm_ascend.kv_offload.cpu_pool import private_pool
-from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
 
 PAGES = [256, 256, 512]  # e.g. K, V and a larger third part
 
@@ -147,7 +146,7 @@ def test_submit_returns_the_copy_count_and_the_workspace():
 def test_worker_round_trip_is_byte_exact(bpc, first):
     kv = make_kv_caches(32, PAGES, seed=bpc + first)
     original = [t.tensor.clone() for t in kv.tensors]
-    worker = NPUOffloadingWorker(kv, blocks_per_chunk=bpc, num_cpu_blocks=8)
+    worker = make_worker(kv, bpc, 8)
     try:
         dev_blocks = [11, 3, 4, 20, 7, 8]
         n_cpu = -(-(first % bpc + len(dev_blocks)) // bpc)
@@ -175,7 +174,7 @@ def test_worker_round_trip_is_byte_exact(bpc, first):
 
 def test_worker_shutdown_with_jobs_in_flight_returns():
     kv = make_kv_caches(64, [1 << 16])
-    worker = NPUOffloadingWorker(kv, blocks_per_chunk=1, num_cpu_blocks=64)
+    worker = make_worker(kv, 1, 64)
     spec = GPULoadStoreSpec(list(range(64)), group_sizes=[64], block_indices=[0])
     for job in range(8):
         worker.submit_store(job, spec, CPULoadStoreSpec(list(range(64))))

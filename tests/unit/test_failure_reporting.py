@@ -37,7 +37,7 @@ from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
 from tests.fault_injection import FaultInjectingWorker, FaultInjector
 from tests.unit.conftest import CONNECTOR_BLOCK_SIZE, make_connector
-from tests.unit.kv_helpers import make_kv_caches
+from tests.unit.kv_helpers import make_kv_caches, make_worker
 from vllm_ascend.kv_offload.connector import AscendOffloadingConnectorMetadata
 from vllm_ascend.kv_offload.failures import (
     AscendOffloadingWorkerMetadata,
@@ -46,7 +46,6 @@ from vllm_ascend.kv_offload.failures import (
     WorkerFailureLog,
 )
 from vllm_ascend.kv_offload.manager import FailureAwareManager
-from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
 
 PAGES = [256, 128]
 NUM_DEVICE_BLOCKS = 16
@@ -189,8 +188,11 @@ def test_loads_that_do_not_fail_cost_no_work_per_block():
 
 
 def test_without_diversion_the_worker_reports_failures_to_vllm_truthfully():
-    worker = FaultInjectingWorker(
-        make_kv_caches(NUM_DEVICE_BLOCKS, PAGES), 1, NUM_CPU_BLOCKS
+    worker = make_worker(
+        make_kv_caches(NUM_DEVICE_BLOCKS, PAGES),
+        1,
+        NUM_CPU_BLOCKS,
+        FaultInjectingWorker,
     )
     worker.faults = FaultInjector.parse("load:1,store_submit:1")
     try:
@@ -222,9 +224,7 @@ def test_worker_metadata_merges_failures_across_workers():
 
 
 def test_an_expedited_load_does_not_wait_behind_regular_loads():
-    worker = NPUOffloadingWorker(
-        make_kv_caches(NUM_DEVICE_BLOCKS, PAGES), 1, NUM_CPU_BLOCKS
-    )
+    worker = make_worker(make_kv_caches(NUM_DEVICE_BLOCKS, PAGES), 1, NUM_CPU_BLOCKS)
     release = threading.Event()
     try:
         # A regular load that cannot finish until released occupies its queue.
@@ -240,7 +240,7 @@ def test_an_expedited_load_does_not_wait_behind_regular_loads():
 
 def test_an_expedited_load_copies_the_same_bytes():
     kv = make_kv_caches(NUM_DEVICE_BLOCKS, PAGES, seed=3)
-    worker = NPUOffloadingWorker(kv, 1, NUM_CPU_BLOCKS)
+    worker = make_worker(kv, 1, NUM_CPU_BLOCKS)
     try:
         want = [t.tensor[7].clone() for t in kv.tensors]
         assert worker.submit_store(1, gpu(7), CPULoadStoreSpec([5]))

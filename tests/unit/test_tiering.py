@@ -172,8 +172,11 @@ def test_an_uncreatable_tier_directory_is_dropped_with_a_log_line(
     ],
 )
 def test_what_the_spec_cannot_do_is_refused(extra, message):
+    """Both start-up checks of the spec: its keys, then what it cannot do."""
     with pytest.raises(OffloadConfigError, match=message):
-        check_tiering_config({**TIERING, **extra})
+        config = {**TIERING, **extra}
+        check_keys(config, NPUTieringOffloadingSpec.extra_config_keys)
+        check_tiering_config(config)
 
 
 def test_tiering_keys_need_the_tiering_spec():

@@ -6,8 +6,9 @@ offloading keys (which vLLM reads with a bare ``int()`` or ``bool()``, so
 that nothing reads is a typo (``eviction_polcy`` would silently run LRU).
 Each spec declares the keys it accepts (``extra_config_keys``); ``check_keys``
 refuses any other key and a value of the wrong type at start-up, naming the
-key, the value and the fix. This module imports nothing of this package. vLLM's keys are those vLLM 0.30-0.33 read for ``OffloadingConnector``
-with a ``CPUOffloadingSpec``-derived spec (``vllm/v1/kv_offload/`` and
+key, the value and the fix. This module imports nothing of this package.
+vLLM's keys are those vLLM 0.30-0.33 read for ``OffloadingConnector`` with
+a ``CPUOffloadingSpec``-derived spec (``vllm/v1/kv_offload/`` and
 ``vllm/distributed/kv_transfer/kv_connector/v1/offloading*``).
 
 What the values mean together is checked here too: the connector's view

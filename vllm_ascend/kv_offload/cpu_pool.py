@@ -174,4 +174,3 @@ def private_pool(
         device_type,
     )
     return CpuBlockPool(layout, memory)
-

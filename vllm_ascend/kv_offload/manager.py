@@ -65,9 +65,9 @@ class FailureAwareManager:
         # store spec handed out by prepare_store -> the keys it stores (the
         # manager's own list, not a copy: hashed only if the store fails);
         # weak, so specs of jobs that were never created do not accumulate.
-        self._store_keys: weakref.WeakKeyDictionary[
-            LoadStoreSpec, Collection[Any]
-        ] = weakref.WeakKeyDictionary()
+        self._store_keys: weakref.WeakKeyDictionary[LoadStoreSpec, Collection[Any]] = (
+            weakref.WeakKeyDictionary()
+        )
         self._failed_store_keys: set[Keys] = set()
         self._failed_load_req_ids: set[str] = set()
         # The CPU pool's manager: vLLM's tiering manager's CPU tier, or inner.

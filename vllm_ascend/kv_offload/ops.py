@@ -31,8 +31,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+# HAS_NATIVE_OP: a module attribute too (``__getattr__``, loads the op).
 __all__ = [
-    "HAS_NATIVE_OP",
     "check_disjoint",
     "coalesce",
     "fallback_reason",
@@ -325,4 +325,3 @@ def _warn_fallback(reason: str) -> None:
         "because %s",
         reason,
     )
-

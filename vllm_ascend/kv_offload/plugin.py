@@ -151,4 +151,3 @@ def register() -> None:
 def fallback_connector_class() -> type | None:
     """The class that served CONNECTOR_NAME before us (None: vLLM's own)."""
     return _fallback_loader() if _fallback_loader is not None else None
-

@@ -73,12 +73,7 @@ class NPUTieringWorker(NPUOffloadingWorker):
         self.region = region
         self.mark = mark
         self.registration = registration
-        super().__init__(
-            kv_caches,
-            blocks_per_chunk=pool.blocks_per_chunk,
-            num_cpu_blocks=pool.num_blocks,
-            pool=pool,
-        )
+        super().__init__(kv_caches, pool)
 
     @override
     def shutdown(self) -> None:
