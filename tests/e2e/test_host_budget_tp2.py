@@ -9,8 +9,9 @@ pool is the only one allocated, and the engine does not start (instead of
 the host running out of memory). At 128 MiB both start and serve.
 
 On 2 cores the two workers' OpenMP threads are bound one core each
-(``VLLM_CPU_OMP_THREADS_BIND=0|1``: ``scripts/cpu_layout.sh`` binds one core
-for one worker, and vLLM wants one list per worker).
+(``VLLM_CPU_OMP_THREADS_BIND=0|1``: our plugin's core reservation,
+``cpu_threads.apply``, covers one worker per NUMA node only, and vLLM wants
+one list per worker).
 """
 
 from __future__ import annotations
