@@ -16,11 +16,10 @@ that took 0.8-2.4 s/GiB on a 2-core VM: a 900 GiB pool would hold the engine
   it would fault one after another.
 * Transparent huge pages (``MADV_HUGEPAGE`` first, where THP is
   ``madvise``-only) on request (``HUGE_PAGES_ENV=1``): one fault per 2 MiB
-  instead of one per 4 KiB, but not faster everywhere. On this project's VM
-  they took 0.12-0.15 s of CPU per GiB where the memory had just been freed
-  and 1.0-2.6 s where it had been free for a second or more (its hypervisor
-  takes free memory back), 4 KiB pages 0.25-0.30 s either way; a pool's
-  memory has usually been free for long (docs/host_memory.md).
+  instead of one per 4 KiB, but not faster everywhere: on this project's
+  VM they took 0.14-0.16 s of CPU per GiB where the previous mapping had
+  just freed its huge pages and 0.4-2.7 s otherwise (its hypervisor takes
+  free memory back), 4 KiB pages 0.27-0.32 s (docs/host_memory.md).
 * A kernel without ``MADV_POPULATE_WRITE`` (before 5.14: EINVAL) gets one
   write per page instead, on the same threads (numpy's strided store
   releases the GIL too). ENOMEM raises MemoryError: writing the pages
