@@ -30,7 +30,7 @@ The threads run on the CPUs the engine leaves free
 backend; elsewhere the worker's own CPUs), as many as there are unless
 ``THREADS_ENV`` says otherwise. The engine's own threads are idle meanwhile:
 the pool is allocated while the worker initialises its KV caches, before
-any forward pass.
+any forward pass. One thread (or one chunk) is the caller's own thread.
 """
 
 from __future__ import annotations
