@@ -78,16 +78,16 @@ CHUNK_BYTES = max(64 * 2**20, huge_page_bytes())
 Advise = Callable[[int, int, int], None]  # (addr, nbytes, advice); raises OSError
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.madvise.restype = ctypes.c_int
+
+
 def libc_madvise(addr: int, nbytes: int, advice: int) -> None:
     """``madvise(2)`` through ctypes (the GIL released while it runs)."""
     if _libc.madvise(addr, nbytes, advice) != 0:
         code = ctypes.get_errno()
         raise OSError(code, f"madvise({advice}): {os.strerror(code)}")
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.madvise.restype = ctypes.c_int
 
 
 def split(
@@ -103,31 +103,21 @@ def split(
     return [(s, e - s) for s, e in zip(starts, [*edges, end], strict=True)]
 
 
-def _positive_int(environ: Mapping[str, str], name: str) -> int | None:
-    raw = environ.get(name)
-    if raw is None or raw.strip() == "":
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(
-            f"KV offload: {name}={raw!r} must be a positive integer (threads "
-            f"faulting the CPU block pool in); set e.g. {name}=8, or unset it "
-            "for one per CPU the engine leaves free"
-        )
-    return value
-
-
 def default_threads(environ: Mapping[str, str] | None = None) -> int:
     """``THREADS_ENV`` if set, else one thread per CPU the engine leaves free
     (``cpu_threads.free_cpus``, else this thread's CPUs)."""
     environ = os.environ if environ is None else environ
-    if (threads := _positive_int(environ, THREADS_ENV)) is not None:
-        return threads
-    cpus = cpu_threads.free_cpus(environ) or os.sched_getaffinity(0)
-    return max(1, len(cpus))
+    raw = environ.get(THREADS_ENV, "").strip()
+    if not raw:
+        cpus = cpu_threads.free_cpus(environ) or os.sched_getaffinity(0)
+        return max(1, len(cpus))
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(
+            f"KV offload: {THREADS_ENV}={raw!r} must be a positive integer "
+            f"(threads faulting the CPU block pool in); set e.g. "
+            f"{THREADS_ENV}=8, or unset it for one per CPU the engine leaves free"
+        )
+    return int(raw)
 
 
 HUGE_PAGES_CHOICES = {"0": False, "1": True}
