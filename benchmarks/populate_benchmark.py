@@ -15,6 +15,9 @@ only if the process's resident memory grew by the mapping's size; ``huge``
 is the share of it in transparent huge pages; CPU s/GiB the process's CPU
 time (all threads), which a shared machine's load changes less than the
 wall-clock time. The 1-minute load average is printed beside each trial.
+First, how fast another Python thread runs while one thread faults a
+mapping in with ``mmap.madvise`` and with ``populate.libc_madvise``:
+whether each holds the GIL.
 ``--settle`` rests before each trial: on a VM whose hypervisor takes free
 memory back (free page reporting), memory freed by the previous trial is
 faulted in faster than memory free for a while, as an engine's pool is.
@@ -28,9 +31,11 @@ import mmap
 import os
 import resource
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -98,6 +103,51 @@ def trial(fault_in, nbytes: int) -> tuple[float, float, float]:
         raise RuntimeError(f"only {grew} of {nbytes} bytes became resident")
     huge = (m1["AnonHugePages"] - m0["AnonHugePages"]) * 1024 / nbytes
     return seconds * GiB / nbytes, cpu * GiB / nbytes, huge
+
+
+def spins_during(call: Callable[[], None]) -> float:
+    """Loop iterations per second a second Python thread makes while
+    ``call`` runs on another: near zero where ``call`` holds the GIL."""
+    window, done = [], threading.Event()
+
+    def work() -> None:
+        t0 = time.perf_counter()
+        call()
+        window.extend((t0, time.perf_counter()))
+        done.set()
+
+    stamps = []  # the spinning thread's clock, every 1024 iterations
+    worker = threading.Thread(target=work)
+    worker.start()
+    while not done.is_set():
+        stamps.append(time.perf_counter())
+        for _ in range(1024):
+            pass
+    worker.join()
+    t0, t1 = window
+    return 1024 * sum(t0 <= t < t1 for t in stamps) / (t1 - t0)
+
+
+def gil_check(nbytes: int) -> dict[str, float]:
+    """``spins_during`` the fault-in of a fresh mapping by ``mmap.madvise``
+    and by ``populate.libc_madvise`` (ctypes)."""
+    found = {}
+    for name in ("mmap.madvise", "libc_madvise"):
+        region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        view = torch.frombuffer(region, dtype=torch.int8)
+        if name == "mmap.madvise":
+            call = partial(before, region, 0, nbytes)
+        else:
+            call = partial(
+                populate.libc_madvise,
+                view.data_ptr(),
+                nbytes,
+                populate.MADV_POPULATE_WRITE,
+            )
+        found[name] = spins_during(call)
+        del view, call
+        region.close()
+    return found
 
 
 def variants(threads: list[int]) -> dict[str, Callable]:
@@ -176,6 +226,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    nbytes = int(args.gib * GiB) // populate.PAGE_BYTES * populate.PAGE_BYTES
+    for name, rate in gil_check(nbytes).items():
+        print(f"another Python thread during {name}: {rate:,.0f} iterations/s")
     trials = run(args)
     names = list(variants(args.threads))
     print(report(trials, names))
