@@ -7,7 +7,8 @@ moved its own pool to mmap + ``cudaHostRegister`` for it), so a 10 GiB pool
 could take 16 GiB behind the host-memory guard's back.
 
 * ``cpu``: an anonymous private mmap (pageable), faulted in at start-up so
-  that the first store into a block does not pay for its page faults.
+  that the first store into a block does not pay for its page faults
+  (``populate``: on several threads, in huge pages where the kernel allows).
 * ``cuda``: the same mmap, page-locked with ``cudaHostRegister`` through
   vLLM's ``host_register`` (where vLLM has it, else torch's cudart binding),
   in chunks of at most vLLM's limit; left pageable if that fails (the cuda
@@ -35,17 +36,13 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from vllm_ascend.kv_offload.logger import init_logger
+from vllm_ascend.kv_offload.populate import populate
 
 logger = init_logger(__name__)
 
-PAGE_BYTES = mmap.PAGESIZE
-# madvise(2) advice that pre-faults writable pages (Linux >= 5.14); Python's
-# mmap module has no name for it before 3.13.
-MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 # vLLM's bound on one cudaHostRegister call (driver limits on large ranges).
 MAX_REGISTER_CHUNK_BYTES = 64 * 2**30
 
@@ -175,12 +172,13 @@ def _mmap_memory(nbytes: int) -> HostMemory:
         raise MemoryError(
             f"KV offload: mapping {nbytes} bytes of host memory failed ({e})"
         ) from e
-    try:
-        region.madvise(MADV_POPULATE_WRITE)
-    except OSError:
-        # Older kernels: one write per page faults each in.
-        np.frombuffer(region, dtype=np.uint8)[::PAGE_BYTES] = 0
     tensor = torch.frombuffer(region, dtype=torch.int8)
+    try:
+        populate(tensor.data_ptr(), nbytes)
+    except MemoryError:
+        del tensor
+        region.close()
+        raise
 
     def unmap() -> None:
         try:
