@@ -64,6 +64,9 @@ KEYS: dict[str, Key] = {
     # Ours: how the worker copies (self_check.py): "auto" tries the native op
     # first, then the torch path; "native" / "torch" allow that one only.
     "copy_path": Key(str, "auto", choices=("auto", "native", "torch")),
+    # Ours: the most bytes of the CPU pool one host allocation or
+    # registration takes (host_pieces.py); runtimes refuse larger ones.
+    "host_piece_bytes": Key(int, 64 * 2**30, minimum=64 * 2**10),
     # vLLM's tiering, read by NPUTieringOffloadingSpec only (tiering/spec.py
     # checks what is inside them).
     "secondary_tiers": Key(list, [{"type": "fs", "root_dir": "/mnt/shared/kv"}]),
