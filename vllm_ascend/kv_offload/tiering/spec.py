@@ -24,7 +24,12 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from vllm_ascend.kv_offload.config import PREFIX, TIERING_SPEC, OffloadConfigError
+from vllm_ascend.kv_offload.config import (
+    PREFIX,
+    TIERING_SPEC,
+    OffloadConfigError,
+    int_setting,
+)
 from vllm_ascend.kv_offload.logger import init_logger
 from vllm_ascend.kv_offload.manager import FailureAwareManager
 from vllm_ascend.kv_offload.npu import NPUOffloadingSpec
@@ -283,7 +288,12 @@ class NPUTieringOffloadingSpec(TieringOffloadingSpec, NPUOffloadingSpec):
                 register_with_cuda(region, pool)
             elif device.type == "npu":
                 # The NPU copy backend refuses pageable host memory.
-                registration = AclRegionRegistration(region)
+                registration = AclRegionRegistration(
+                    region,
+                    piece_bytes=int_setting(
+                        self.config.extra_config, "host_piece_bytes"
+                    ),
+                )
                 pool.mark_pinned(True)
             self._tiering_worker = NPUTieringWorker(
                 kv_caches, region, mark, pool, registration
