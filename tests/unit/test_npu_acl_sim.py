@@ -17,6 +17,7 @@ once by tools/check_npu_compile.py).
 from __future__ import annotations
 
 import ctypes
+import gc
 import importlib.util
 import mmap
 import os
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SIM_SRC = ROOT / "tests" / "sim_acl"
@@ -1110,6 +1112,81 @@ def test_sim_npu_pool_memory_is_not_registered_on_old_kernels(sim) -> None:
     memory = npu_memory(sim, 2, 4096, malloc=False, kernel=OLD_KERNEL)
     assert memory.kind == host_memory.PAGEABLE
     assert sim.calls(HOST_REGISTER) == 0  # CANN: "causes exceptions" there
+
+
+def round_trip(sim: SimAcl, memory, rows: int, row_bytes: int) -> None:
+    """Stores device blocks into every row of ``memory`` (a pool of ``rows``
+    rows, in any order) through the copy engine's addressing and the
+    SIMULATED runtime, loads them back into poisoned blocks: byte-exact, and
+    no copy straddles two pieces (the runtime would refuse it). Releases
+    ``memory``."""
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from tests.unit.kv_helpers import make_kv_caches
+    from vllm_ascend.kv_offload import ops
+    from vllm_ascend.kv_offload.copy_engine import CopyEngine
+    from vllm_ascend.kv_offload.cpu_pool import CpuBlockPool, PoolLayout
+
+    kv = make_kv_caches(rows, [row_bytes], seed=rows)
+    device = kv.tensors[0].tensor
+    sim.register(device.view(torch.uint8).numpy(), LOC_DEVICE, device_id=0)
+    original = device.clone()
+    pool = CpuBlockPool(PoolLayout.of([row_bytes], 1, rows), memory)
+    engine = CopyEngine(kv, pool)
+    spec = GPULoadStoreSpec(list(range(rows)), group_sizes=[rows], block_indices=[0])
+    cpu = np.random.default_rng(rows).permutation(rows)
+    for to_cpu in (True, False):
+        desc = engine.build(spec, cpu, to_cpu=to_cpu)
+        src, dst, size, first = ops.coalesce(desc.src, desc.dst, desc.sizes)
+        sim.copy(src, dst, size, first)
+        if to_cpu:
+            for dev, row in enumerate(cpu.tolist()):
+                assert torch.equal(pool.row(row), original[dev])
+            device.fill_(0x5A)
+    assert torch.equal(device, original)
+    pool.release()  # as the worker does: gives ``memory`` back
+
+
+def test_sim_a_refused_malloc_host_piece_is_retried_smaller_and_stays_pinned(
+    sim,
+) -> None:
+    """A piece aclrtMallocHost refuses (more than the runtime's per-call
+    limit, error 207001) is allocated as two of half the size; the pool is
+    page-locked, every row of it, and byte-exact through the runtime."""
+    from vllm_ascend.kv_offload import acl_host
+
+    sim.limit_host_memory(max_bytes=600 * 1024, alignment=SVM)
+    # 1 MiB pieces: 16 units of one 4 KiB row, 64 KiB apart (SVM alignment).
+    memory = npu_memory(sim, 64, 4096, piece_bytes=2**20)
+    assert (memory.kind, memory.pinned) == (acl_host.ACL_MALLOC_HOST, True)
+    assert memory.pieces == 8 and set(memory.piece_bytes) == {512 * 1024}
+    assert sim.calls(MALLOC_HOST) == 1 + 8  # the refused one, then 8 halves
+    units = [(u.data_ptr(), u.numel()) for u in memory.units]
+    assert all(addr % SVM == 0 for addr, _ in units)
+    assert all(sim.location_of(addr + n - 1) == LOC_HOST for addr, n in units)
+    round_trip(sim, memory, 64, 4096)
+    gc.collect()
+    assert sim.calls(FREE_HOST) == 8
+
+
+def test_sim_on_a5_the_pool_is_registered_mapped_in_smaller_aligned_pieces(
+    sim,
+) -> None:
+    """A5: PINNED refused (107000), MAPPED alone accepted; pieces larger than
+    the runtime takes are registered at half the size, each 64 KiB-aligned
+    (the simulation refuses any other address)."""
+    from vllm_ascend.kv_offload import acl_host
+
+    sim.limit_host_memory(max_bytes=600 * 1024, alignment=SVM, a5=True)
+    memory = npu_memory(sim, 64, 4096, malloc=False, piece_bytes=2**20)
+    assert (memory.kind, memory.pinned) == (acl_host.ACL_REGISTERED_MAPPED, True)
+    assert memory.pieces == 8
+    assert sim.lib.simacl_last_register_flag() == ACL_HOST_REG_MAPPED
+    assert all(sim.location_of(u.data_ptr()) == LOC_HOST for u in memory.units)
+    units = [u.data_ptr() for u in memory.units]
+    round_trip(sim, memory, 64, 4096)
+    assert sim.calls(HOST_UNREGISTER) == 8
+    assert all(sim.location_of(a) == LOC_UNREGISTERED for a in units)
 
 
 def test_sim_acl_malloc_host_is_freed_only_after_its_last_view(sim) -> None:

@@ -115,7 +115,7 @@ def int_setting(extra: Mapping[str, Any], key: str) -> int | None:
     if isinstance(value, bool) or not (
         isinstance(value, int) or (isinstance(value, float) and value.is_integer())
     ):
-        kind = "a positive" if spec.minimum == 1 else "a non-negative"
+        kind = "a non-negative" if spec.minimum == 0 else "a positive"
         raise OffloadConfigError(
             f"{PREFIX}['{key}']={shown(value)} must be {kind} integer (a JSON "
             f"number, not a string); set it to e.g. {example}"

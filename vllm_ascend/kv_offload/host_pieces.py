@@ -78,7 +78,10 @@ class PiecePlan:
                 f"KV offload: no pool of {num_rows} rows of {row_bytes} bytes "
                 f"in pieces of {limit} bytes"
             )
-        unit_rows = max(1, min(num_rows, limit // UNITS_PER_PIECE // row_bytes))
+        # With gaps, 16 units and the 15 gaps between them (each less than
+        # the alignment) fit in the limit.
+        room = limit - (UNITS_PER_PIECE - 1) * align if gaps else limit
+        unit_rows = max(1, min(num_rows, room // UNITS_PER_PIECE // row_bytes))
         if not gaps:
             # Back to back: a unit's length keeps the next unit aligned, where
             # the rows allow it (vLLM's region rows are page-aligned).
