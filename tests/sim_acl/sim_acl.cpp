@@ -275,8 +275,9 @@ aclError aclrtHostRegisterV2(void* ptr, uint64_t size, uint32_t flag) {
   }
   if (s.max_host_bytes != 0 && size > s.max_host_bytes) {
     return error(s, ACL_ERROR_RT_MEMORY_ALLOCATION,
-                 std::to_string(size) + " bytes in one registration, more "
-                 "than the simulated limit of " +
+                 std::to_string(size) +
+                     " bytes in one registration, more "
+                     "than the simulated limit of " +
                      std::to_string(s.max_host_bytes));
   }
   // Any overlap with a registered range (host registration or test hook).
@@ -307,8 +308,9 @@ aclError aclrtMallocHost(void** hostPtr, size_t size) {
   }
   if (s.max_host_bytes != 0 && size > s.max_host_bytes) {
     return error(s, ACL_ERROR_RT_MEMORY_ALLOCATION,
-                 std::to_string(size) + " bytes in one aclrtMallocHost, more "
-                 "than the simulated limit of " +
+                 std::to_string(size) +
+                     " bytes in one aclrtMallocHost, more "
+                     "than the simulated limit of " +
                      std::to_string(s.max_host_bytes));
   }
   const size_t align = s.host_alignment;

@@ -120,8 +120,7 @@ void register_host_range(uint64_t addr, uint64_t size, uint32_t flags) {
     fail(kRegister,
          "range " + range(addr, size) +
              " was registered (aclrtHostRegisterV2, " + flag_names(flags) +
-             "), but " +
-             why + "; it was unregistered again" +
+             "), but " + why + "; it was unregistered again" +
              (u == ACL_SUCCESS
                   ? std::string()
                   : " (aclrtHostUnregister failed as well, with ACL error " +

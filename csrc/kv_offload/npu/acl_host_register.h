@@ -23,8 +23,8 @@ inline constexpr uint32_t kHostRegisterKnownFlags =
 
 // Registers [addr, addr + size) with aclrtHostRegisterV2(..., flags) (flags:
 // ACL_HOST_REG_MAPPED, optionally | ACL_HOST_REG_PINNED; anything else is
-// refused before any ACL call) and checks that aclrtPointerGetAttributes then reports
-// its first and last byte as page-locked host memory
+// refused before any ACL call) and checks that aclrtPointerGetAttributes then
+// reports its first and last byte as page-locked host memory
 // (ACL_MEM_LOCATION_TYPE_HOST or _HOST_NUMA), which is what the batch copy path
 // requires; if it does not, the range is unregistered again and the call fails.
 // Throws std::runtime_error naming the range, the ACL call and its error code
