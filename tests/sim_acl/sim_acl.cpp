@@ -164,6 +164,17 @@ bool locate(const State& s, const void* ptr, size_t n, aclrtMemLocation* out) {
   return it == s.ranges.end() || it->first - p >= n;
 }
 
+// simacl_set_host_limits' size limit: true (with *code set) when one call
+// of `api` asks for more than it.
+bool over_host_limit(State& s, uint64_t size, const char* api, aclError* code) {
+  if (s.max_host_bytes == 0 || size <= s.max_host_bytes) return false;
+  *code = error(s, ACL_ERROR_RT_MEMORY_ALLOCATION,
+                std::to_string(size) + " bytes in one " + api +
+                    ", more than the simulated limit of " +
+                    std::to_string(s.max_host_bytes));
+  return true;
+}
+
 bool is_device(const aclrtMemLocation& loc) {
   return loc.type == ACL_MEM_LOCATION_TYPE_DEVICE;
 }
@@ -273,13 +284,7 @@ aclError aclrtHostRegisterV2(void* ptr, uint64_t size, uint32_t flag) {
                  "host address is not " + std::to_string(s.host_alignment) +
                      "-byte aligned");
   }
-  if (s.max_host_bytes != 0 && size > s.max_host_bytes) {
-    return error(s, ACL_ERROR_RT_MEMORY_ALLOCATION,
-                 std::to_string(size) +
-                     " bytes in one registration, more "
-                     "than the simulated limit of " +
-                     std::to_string(s.max_host_bytes));
-  }
+  if (over_host_limit(s, size, "aclrtHostRegisterV2", &code)) return code;
   // Any overlap with a registered range (host registration or test hook).
   auto it = s.ranges.lower_bound(p);
   const bool overlaps_next = it != s.ranges.end() && it->first < p + size;
@@ -306,13 +311,7 @@ aclError aclrtMallocHost(void** hostPtr, size_t size) {
   if (hostPtr == nullptr || size == 0) {
     return error(s, ACL_ERROR_INVALID_PARAM, "null hostPtr or size 0");
   }
-  if (s.max_host_bytes != 0 && size > s.max_host_bytes) {
-    return error(s, ACL_ERROR_RT_MEMORY_ALLOCATION,
-                 std::to_string(size) +
-                     " bytes in one aclrtMallocHost, more "
-                     "than the simulated limit of " +
-                     std::to_string(s.max_host_bytes));
-  }
+  if (over_host_limit(s, size, "aclrtMallocHost", &code)) return code;
   const size_t align = s.host_alignment;
   const size_t rounded = (size + align - 1) / align * align;
   void* p = std::aligned_alloc(align, rounded);
