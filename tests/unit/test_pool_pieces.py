@@ -201,3 +201,36 @@ def test_a_1_tib_pool_addresses_reserved_untouched_memory():
     assert (addresses[boundary + 1] > addresses[boundary] + row_bytes).all()
     del pool, memory, units, whole
     reserved.close()
+
+
+def test_on_cuda_each_piece_is_registered_through_vllms_host_register(monkeypatch):
+    """cudaHostRegister per piece (vLLM's host_register, False when
+    refused): a refused piece halved, every piece unregistered at release
+    before the mapping goes."""
+    from vllm.v1.kv_offload.cpu import host_register
+
+    from vllm_ascend.kv_offload import host_memory
+
+    calls, limit = [], 300 * 2**10  # what the runtime takes at most
+
+    def register(addr: int, size: int) -> bool:
+        calls.append(("register", addr, size))
+        return size <= limit
+
+    monkeypatch.setattr(host_register, "host_register", register)
+    monkeypatch.setattr(
+        host_register, "host_unregister", lambda a: calls.append(("unregister", a))
+    )
+    memory = host_memory.allocate_host_memory(128, 4096, "cuda", piece_bytes=2**20)
+    assert (memory.kind, memory.pinned) == (host_memory.CUDA_REGISTERED, True)
+    taken = [(a, n) for op, a, n in calls if n <= limit]
+    refused = [n for op, a, n in calls if n > limit]
+    assert len(refused) == 1  # the pieces after it keep the smaller size
+    assert memory.pieces == len(taken) >= 2
+    # Every unit of rows inside exactly one registered piece.
+    for unit in memory.units:
+        start, end = unit.data_ptr(), unit.data_ptr() + unit.numel()
+        assert sum(a <= start and end <= a + n for a, n in taken) == 1
+    calls.clear()
+    memory.release()
+    assert calls == [("unregister", a) for a, _ in reversed(taken)]

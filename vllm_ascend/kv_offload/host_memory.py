@@ -321,6 +321,7 @@ def _npu_memory(plan: PiecePlan, acl: AclHostApi, kernel: str | None) -> HostMem
             piece_bytes=tuple(sizes),
         )
     release = kernel or kernel_release()
+    memory = None
     if kernel_registers_pageable_memory(release):
         memory = _mmap_memory(plan)
         registrar = AclRegistrar(acl.register)
@@ -335,7 +336,7 @@ def _npu_memory(plan: PiecePlan, acl: AclHostApi, kernel: str | None) -> HostMem
                 failures[0],
             )
             return memory
-        memory.release()
+        # Pageable, faulted in already: kept, not mapped again.
         failures.append(f"aclrtHostRegisterV2: {'; '.join(refused)}")
     else:
         failures.append(
@@ -350,4 +351,4 @@ def _npu_memory(plan: PiecePlan, acl: AclHostApi, kernel: str | None) -> HostMem
         plan.row_span,
         "; ".join(failures),
     )
-    return _mmap_memory(plan)
+    return memory or _mmap_memory(plan)
