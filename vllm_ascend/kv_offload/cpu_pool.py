@@ -350,8 +350,8 @@ def private_pool(
             f"cpu_bytes_to_use) in {PREFIX}"
         ) from e
     logger.info(
-        "KV offload: CPU block pool of %d blocks x %d bytes (%s, %s in %d "
-        "pieces) allocated in %.2f s for %d KV cache tensors on %s",
+        "KV offload: CPU block pool of %d blocks x %d bytes (%s, %s, pieces: "
+        "%d) allocated in %.2f s for %d KV cache tensors on %s",
         num_cpu_blocks,
         layout.row_bytes,
         _size(layout.span_bytes),
