@@ -99,3 +99,21 @@ def make_worker(
     device = kv_caches.tensors[0].tensor.device.type if pages else "cpu"
     pool = private_pool(pages, blocks_per_chunk, num_cpu_blocks, device)
     return (worker_cls or NPUOffloadingWorker)(kv_caches, pool, **kwargs)
+
+
+def store_then_load(worker, kv: CanonicalKVCaches, spec, cpu_blocks: list[int]):
+    """Stores ``spec``'s device blocks into ``cpu_blocks`` (job 1), poisons
+    them on the device, loads them back (job 2) and checks every KV cache
+    tensor is as before; returns the jobs' TransferResults by job id."""
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    original = [t.tensor.clone() for t in kv.tensors]
+    assert worker.submit_store(1, spec, CPULoadStoreSpec(cpu_blocks))
+    worker.wait({1})
+    for t in kv.tensors:
+        t.tensor[list(spec.block_ids)] = 0x5A
+    assert worker.submit_load(2, CPULoadStoreSpec(cpu_blocks), spec)
+    worker.wait({2})
+    for t, before in zip(kv.tensors, original, strict=True):
+        assert torch.equal(t.tensor, before)
+    return {r.job_id: r for r in worker.get_finished()}

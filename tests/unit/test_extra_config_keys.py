@@ -78,6 +78,8 @@ def test_an_unknown_key_unlike_any_other_lists_the_known_keys():
         ("max_tracker_size", 0, ["=0", "> 0", "max_tracker_size=64000"]),
         ("store_threshold", 1.5, ["=1.5", "non-negative integer"]),
         ("sync_load_budget_bytes", -1, ["=-1", ">= 0"]),
+        ("host_piece_bytes", 4096, ["=4096", ">= 65536", "=68719476736"]),
+        ("host_piece_bytes", "64GiB", ["='64GiB'", "positive integer"]),
         ("eviction_policy", "fifo", ["='fifo'", "use one of lru, arc"]),
         ("cache_policy_module_path", 3, ["=3", "must be a string"]),
         ("spec_module_path", ["x"], ["=['x']", "must be a string"]),

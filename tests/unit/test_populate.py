@@ -186,7 +186,7 @@ def test_a_failed_population_unmaps_the_pool_memory(monkeypatch):
 
     monkeypatch.setattr(host_memory, "populate", no_memory)
     with pytest.raises(MemoryError) as failed:
-        host_memory.allocate_host_memory(CHUNK_BYTES, "cpu")
+        host_memory.allocate_host_memory(1, CHUNK_BYTES, "cpu")
     # Unmapped by the time the error is raised, not when it is collected
     # (its traceback holds the allocating frame).
     assert failed.tb is not None

@@ -67,6 +67,9 @@ KEYS: dict[str, Key] = {
     # Ours: how the worker copies (self_check.py): "auto" tries the native op
     # first, then the torch path; "native" / "torch" allow that one only.
     "copy_path": Key(str, "auto", choices=("auto", "native", "torch")),
+    # Ours: the most bytes of the CPU pool one host allocation or
+    # registration takes (host_pieces.py); runtimes refuse larger ones.
+    "host_piece_bytes": Key(int, 64 * 2**30, minimum=64 * 2**10),
     # vLLM's tiering, read by NPUTieringOffloadingSpec only (tiering/spec.py
     # checks what is inside them).
     "secondary_tiers": Key(
@@ -128,7 +131,7 @@ def int_setting(extra: Mapping[str, Any], key: str) -> int | None:
     if isinstance(value, bool) or not (
         isinstance(value, int) or (isinstance(value, float) and value.is_integer())
     ):
-        kind = "a positive" if spec.minimum == 1 else "a non-negative"
+        kind = "a non-negative" if spec.minimum == 0 else "a positive"
         raise OffloadConfigError(
             f"{PREFIX}['{key}']={shown(value)} must be {kind} integer (a JSON "
             f"number, not a string); set it to e.g. {example}"

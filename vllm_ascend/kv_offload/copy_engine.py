@@ -66,8 +66,8 @@ class CopyEngine:
 
     def use(self, path: CopyPath) -> None:
         """Copies with ``path`` from now on (over the KV caches and the pool)."""
-        assert self.pool.memory.tensor is not None
-        self._swap = path.bind([*self._buffers, self.pool.memory.tensor])
+        assert not self.pool.released
+        self._swap = path.bind([*self._buffers, *self.pool.tensors])
 
     def _group_tensors(self, kv_caches: CanonicalKVCaches, refs) -> _GroupTensors:
         # Layers that alias one tensor reach it through several refs; copy it
@@ -107,7 +107,7 @@ class CopyEngine:
         ``blocks_per_chunk`` logical blocks, so a group may start part-way
         into its first CPU block: that many pages are skipped there.
         """
-        if self.pool.tensor is None:
+        if self.pool.released:
             # Its base address is 0 now: the descriptors would name small,
             # non-null addresses that are not ours.
             raise RuntimeError(
@@ -153,7 +153,8 @@ class CopyEngine:
             # slot (skip + k) % bpc. Rows are tensors, columns are pages, so a
             # run of consecutive blocks stays contiguous for coalescing.
             logical = np.arange(skip, skip + n, dtype=np.int64)
-            cpu_row = self.pool.base + cpu[logical // bpc] * self.pool.row_bytes
+            # Rows may sit in different pieces: one vectorised unit lookup.
+            cpu_row = self.pool.row_addresses(cpu[logical // bpc])
             cpu_addr = (
                 cpu_row[None, :]
                 + group.cpu_offset

@@ -26,6 +26,7 @@ import torch
 from vllm_ascend.kv_offload.config import PREFIX
 from vllm_ascend.kv_offload.host_guard import show
 from vllm_ascend.kv_offload.host_memory import HostMemory, allocate_host_memory
+from vllm_ascend.kv_offload.host_pieces import DEFAULT_PIECE_BYTES
 from vllm_ascend.kv_offload.logger import init_logger
 
 logger = init_logger(__name__)
@@ -76,8 +77,10 @@ class PoolLayout:
 class CpuBlockPool:
     """The host memory offloaded KV lives in, read through its layout.
 
-    ``tensor`` is ``[num_blocks, row_bytes]`` int8 over the memory, ``None``
-    once released; ``release`` gives the memory back as its owner said
+    The memory's units (``host_pieces``) each hold whole rows: ``tensors``
+    are ``[rows, row_bytes]`` int8 views of them (one for a shared region),
+    ``[]`` once released; ``row_addresses`` finds any rows' addresses in one
+    numpy expression. ``release`` gives the memory back as its owner said
     (``HostMemory.release``: frees our own, leaves a borrowed one)."""
 
     def __init__(self, layout: PoolLayout, memory: HostMemory):
@@ -88,12 +91,47 @@ class CpuBlockPool:
             )
         self.layout = layout
         self.memory = memory
-        assert memory.tensor is not None
-        self.tensor: torch.Tensor | None = memory.tensor[: layout.span_bytes].view(
-            layout.num_blocks, layout.row_bytes
+        units = memory.units
+        rows = layout.num_blocks
+        self._unit_rows = (
+            units[0].numel() // layout.row_bytes if len(units) > 1 else rows
         )
-        self.base = self.tensor.data_ptr()
         self._after_release: list[Callable[[], None]] = []
+        self.tensors: list[torch.Tensor] = []
+        for i, unit in enumerate(units):
+            n = min(self._unit_rows, rows - i * self._unit_rows)
+            self.tensors.append(unit[: n * layout.row_bytes].view(n, layout.row_bytes))
+        self._unit_base = np.asarray([t.data_ptr() for t in self.tensors], np.int64)
+
+    def row_addresses(self, rows: np.ndarray) -> np.ndarray:
+        """int64 addresses of the first byte of each of ``rows`` (CPU block
+        ids): a lookup of their unit, no Python per row."""
+        rows = np.asarray(rows, dtype=np.int64)
+        unit, within = np.divmod(rows, self._unit_rows)
+        return self._unit_base[unit] + within * self.layout.row_bytes
+
+    def row(self, i: int) -> torch.Tensor:
+        """Row ``i`` (CPU block ``i``) as an int8 view."""
+        return self.tensors[i // self._unit_rows][i % self._unit_rows]
+
+    @property
+    def tensor(self) -> torch.Tensor | None:
+        """The rows as one ``[num_blocks, row_bytes]`` view, where they are
+        one unit (a pool in one piece below 1/16 of its limit, a shared
+        region); None once released."""
+        if not self.tensors:
+            return None
+        if len(self.tensors) > 1:
+            raise ValueError(
+                f"KV offload: the CPU block pool is {len(self.tensors)} units "
+                "of memory, not one tensor; read its rows with row(i)"
+            )
+        return self.tensors[0]
+
+    @property
+    def base(self) -> int:
+        """Address of row 0 (0 once released)."""
+        return int(self._unit_base[0]) if self.tensors else 0
 
     # The layout's fields, as the copy engine and tests read them.
     @property
@@ -127,14 +165,13 @@ class CpuBlockPool:
 
     @property
     def released(self) -> bool:
-        return self.tensor is None
+        return not self.tensors
 
     def release(self) -> None:
         """No job may use the pool afterwards; idempotent."""
-        if self.tensor is None:
+        if not self.tensors:
             return
-        self.tensor = None
-        self.base = 0
+        self.tensors = []
         self.memory.release()
         for callback in self._after_release:
             callback()
@@ -146,15 +183,26 @@ class CpuBlockPool:
 
 
 def private_pool(
-    page_bytes: list[int], blocks_per_chunk: int, num_cpu_blocks: int, device_type: str
+    page_bytes: list[int],
+    blocks_per_chunk: int,
+    num_cpu_blocks: int,
+    device_type: str,
+    piece_bytes: int | None = None,
 ) -> CpuBlockPool:
-    """A pool of our own: exactly its size, in the memory ``device_type``'s
-    copies accept (``host_memory.allocate_host_memory``). Raises MemoryError
-    naming the setting to lower when the host cannot give it."""
+    """A pool of our own: exactly its rows, in pieces of at most
+    ``piece_bytes`` (``host_piece_bytes``; None: 64 GiB), in the memory
+    ``device_type``'s copies accept (``host_memory.allocate_host_memory``).
+    Raises MemoryError naming the setting to lower when the host cannot give
+    it."""
     layout = PoolLayout.of(page_bytes, blocks_per_chunk, num_cpu_blocks)
     t0 = time.perf_counter()
     try:
-        memory = allocate_host_memory(layout.span_bytes, device_type)
+        memory = allocate_host_memory(
+            num_cpu_blocks,
+            layout.row_bytes,
+            device_type,
+            piece_bytes=piece_bytes or DEFAULT_PIECE_BYTES,
+        )
     except MemoryError as e:
         raise MemoryError(
             f"KV offload: the CPU block pool of {num_cpu_blocks} blocks x "
@@ -163,12 +211,13 @@ def private_pool(
             f"cpu_bytes_to_use) in {PREFIX}"
         ) from e
     logger.info(
-        "KV offload: CPU block pool of %d blocks x %d bytes (%s, %s) allocated "
-        "in %.2f s for %d KV cache tensors on %s",
+        "KV offload: CPU block pool of %d blocks x %d bytes (%s, %s, pieces: "
+        "%d) allocated in %.2f s for %d KV cache tensors on %s",
         num_cpu_blocks,
         layout.row_bytes,
         show(layout.span_bytes),
         memory.kind,
+        memory.pieces,
         time.perf_counter() - t0,
         len(page_bytes),
         device_type,

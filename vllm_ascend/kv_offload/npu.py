@@ -47,6 +47,7 @@ from vllm_ascend.kv_offload.config import (
     OffloadConfigError,
     check_keys,
     cpu_block_bytes,
+    int_setting,
     resolve_extra_config,
     shown,
     validate_connector_config,
@@ -143,6 +144,7 @@ class NPUOffloadingSpec(vllm_compat.PrivatePoolSpec, CPUOffloadingSpec):
             self.blocks_per_chunk,
             self.num_chunks,
             kv_caches.tensors[0].tensor.device.type,
+            int_setting(self.config.extra_config, "host_piece_bytes"),
         )
 
     def reserve_host_memory(

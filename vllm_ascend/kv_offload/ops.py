@@ -135,12 +135,13 @@ def _host_register_op(name: str):
     return op.default
 
 
-def host_register(addr: int, size: int, device: str) -> None:
+def host_register(addr: int, size: int, device: str, flags: int = 0x10000002) -> None:
     """Makes the existing host range ``[addr, addr + size)`` page-locked memory
     that ``device``'s copy backend accepts ("npu": aclrtHostRegisterV2 with
-    ACL_HOST_REG_PINNED); raises RuntimeError naming the range and the ACL
+    ``flags``, by default ACL_HOST_REG_MAPPED | ACL_HOST_REG_PINNED; A5 takes
+    MAPPED, 0x2, alone); raises RuntimeError naming the range and the ACL
     error. Contract: ``kv_offload_host_register`` in ``csrc/kv_offload/ops.h``."""
-    _host_register_op("register")(addr, size, device)
+    _host_register_op("register")(addr, size, device, flags)
 
 
 def host_unregister(addr: int, device: str) -> None:

@@ -29,6 +29,7 @@ from vllm_ascend.kv_offload.config import (
     TIERING_KEYS,
     TIERING_SPEC,
     OffloadConfigError,
+    int_setting,
 )
 from vllm_ascend.kv_offload.logger import init_logger
 from vllm_ascend.kv_offload.manager import FailureAwareManager
@@ -277,7 +278,12 @@ class NPUTieringOffloadingSpec(TieringOffloadingSpec, NPUOffloadingSpec):
                 register_with_cuda(region, pool)
             elif device.type == "npu":
                 # The NPU copy backend refuses pageable host memory.
-                registration = AclRegionRegistration(region)
+                registration = AclRegionRegistration(
+                    region,
+                    piece_bytes=int_setting(
+                        self.config.extra_config, "host_piece_bytes"
+                    ),
+                )
                 pool.mark_pinned(True)
             self._tiering_worker = NPUTieringWorker(
                 kv_caches, region, mark, pool, registration
