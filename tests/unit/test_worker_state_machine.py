@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import gc
 import random
-import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec, TransferResult
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
 from tests.fault_injection import FaultInjectingWorker, FaultInjector
-from tests.unit.conftest import copy_threads_end, kv_offload_threads
+from tests.unit.conftest import kv_offload_threads
 from tests.unit.kv_helpers import make_kv_caches, make_worker
 from vllm_ascend.kv_offload.transfer_queue import ThreadTransferQueue
 
