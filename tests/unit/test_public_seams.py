@@ -23,10 +23,6 @@ ALLOWED = {
         "starts shutdown at the instant submit records its job, the race "
         "window under test; no public call lands inside submit"
     ),
-    ("test_transfer_queue.py", "_finished"): (
-        "makes the copy thread's own bookkeeping die, a bug the queue must "
-        "survive; a copy function's errors are caught before it"
-    ),
     ("upstream_layouts.py", "_kv_cache_spec_attn_group_iterator"): (
         "upstream vllm-ascend's model-runner code, run on CPU, reads this of "
         "its self; the test plays that self (upstream_runner.REPLACEMENTS)"
