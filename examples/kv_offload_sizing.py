@@ -26,6 +26,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+# The package's host-memory arithmetic, the one place it is decided.
+from vllm_ascend.kv_offload.host_fit import AUTO_POOL_SHARE, auto_num_cpu_blocks
+
 # The user guide's offloading configuration, key for key.
 GUIDE_EXTRA_CONFIG = {
     "num_cpu_blocks": 1000,
@@ -40,9 +43,6 @@ ENGINE_OVERHEAD_BYTES = 2 * 2**30
 # The pool check of the worker (vllm_ascend/kv_offload/cpu_pool.py) lets the
 # pool take at most 90 % of the memory available when it is allocated.
 MAX_HOST_MEMORY_FRACTION = 0.9
-# "auto" gives the pool this share of the largest pool that fits next to the
-# engine, so that the machine stays usable.
-AUTO_POOL_SHARE = 0.5
 # Device KV cache on vLLM's CPU backend when none is given: room for this many
 # sequences of max_model_len tokens (vLLM needs one), at least the minimum.
 KV_CACHE_SEQUENCES = 2
@@ -92,69 +92,41 @@ class ModelKV:
 
     kv_bytes_per_token: int  # all layers, K and V (or MLA's latent + rope)
     weights_bytes: int
-    max_position_embeddings: int
+    max_position_embeddings: int  # vLLM's default max_model_len
 
     def cpu_block_bytes(self, block_size: int) -> int:
         return self.kv_bytes_per_token * block_size
 
 
 def read_model(path: str) -> ModelKV | None:
-    """The KV shape of a local model directory; None for a hub name (its
-    config is not read before the engine fetches it)."""
-    config_file = Path(path, "config.json")
-    if not config_file.is_file():
+    """The KV shape of a local model directory, by the package's sizing
+    (vLLM's ModelConfig of its config.json); None for a hub name (its config
+    is not read before the engine fetches it) or a model it cannot size."""
+    if not Path(path, "config.json").is_file():
         return None
-    cfg = json.loads(config_file.read_text())
-    cfg = cfg.get("text_config", cfg)  # multimodal configs nest the LM's
-    # vLLM serves float32 and bfloat16 checkpoints in 16 bits by default.
-    dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
-    elem = 1 if "8" in dtype else 2
-    layers = int(cfg["num_hidden_layers"])
-    if cfg.get("kv_lora_rank"):  # MLA: one latent vector and the rope part
-        per_layer = int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim", 0))
-    else:
-        heads = int(cfg["num_attention_heads"])
-        kv_heads = int(cfg.get("num_key_value_heads") or heads)
-        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
-        per_layer = 2 * kv_heads * head_dim
+    from vllm_ascend.kv_offload.sizing import (
+        SizingError,
+        UnsupportedModelError,
+        size_model_dir,
+    )
+
+    try:
+        kv = size_model_dir(path)
+    except UnsupportedModelError as e:
+        print(f"[sizing] cannot size this model: {e}", file=sys.stderr)
+        return None
+    except SizingError as e:
+        raise SystemExit(f"{path}: {e}") from None
     weights = sum(
         f.stat().st_size
         for pattern in ("*.safetensors", "*.bin", "*.pt")
         for f in Path(path).glob(pattern)
     )
     return ModelKV(
-        kv_bytes_per_token=layers * per_layer * elem,
+        kv_bytes_per_token=kv.kv_bytes_per_token,
         weights_bytes=weights,
-        max_position_embeddings=int(cfg.get("max_position_embeddings") or 8192),
+        max_position_embeddings=kv.max_model_len,
     )
-
-
-def _package_sizing():
-    """vllm_ascend.kv_offload.sizing where installed, else None; looked up
-    without importing the package (which loads torch) when it is absent."""
-    import importlib
-    import importlib.util
-
-    package = importlib.util.find_spec("vllm_ascend")
-    if package is None or not any(
-        Path(d, "kv_offload", "sizing.py").is_file()
-        for d in package.submodule_search_locations or ()
-    ):
-        return None
-    return importlib.import_module("vllm_ascend.kv_offload.sizing")
-
-
-def auto_num_cpu_blocks(block_bytes: int, engine_bytes: int, available: int) -> int:
-    """The pool that ``--num-cpu-blocks auto`` asks for: AUTO_POOL_SHARE of
-    the largest pool that the worker's host-memory guard would accept once
-    the engine (weights, host KV cache, processes) is in. The one place this
-    is decided: vllm_ascend.kv_offload.sizing.auto_num_cpu_blocks (the
-    doctor's computation) where it is installed, else the same arithmetic."""
-    package = _package_sizing()
-    if package is not None and hasattr(package, "auto_num_cpu_blocks"):
-        return int(package.auto_num_cpu_blocks(block_bytes, engine_bytes, available))
-    left = max(0, available - engine_bytes) * MAX_HOST_MEMORY_FRACTION
-    return int(left * AUTO_POOL_SHARE) // block_bytes
 
 
 @dataclass

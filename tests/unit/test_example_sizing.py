@@ -24,6 +24,7 @@ MiB = 2**20
 # Qwen3-0.6B's KV shape: 28 layers x 8 KV heads x head_dim 128, bf16.
 QWEN3_06B = {
     "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",  # as the checkpoint's; vLLM's ModelConfig needs it
     "hidden_size": 1024,
     "num_attention_heads": 16,
     "num_hidden_layers": 28,
@@ -49,7 +50,6 @@ def host(monkeypatch):
 
     def set_available(nbytes: int) -> None:
         monkeypatch.setattr(sizing, "host_available_bytes", lambda: nbytes)
-        monkeypatch.setattr(sizing, "_package_sizing", lambda: None)
 
     return set_available
 
@@ -131,13 +131,13 @@ def test_sizes_accept_binary_units(text, nbytes):
 
 
 def test_auto_is_the_packages_computation_where_installed(model, monkeypatch):
-    """The examples' auto and vllm_ascend.kv_offload.sizing agree: one
+    """The examples' auto and vllm_ascend.kv_offload.host_fit agree: one
     computation, not two."""
-    from vllm_ascend.kv_offload import sizing as package
+    from vllm_ascend.kv_offload import host_fit as package
 
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     monkeypatch.setattr(sizing, "host_available_bytes", lambda: 18 * GiB)
-    assert sizing._package_sizing() is package
+    assert sizing.auto_num_cpu_blocks is package.auto_num_cpu_blocks
     p = sizing.plan(model, num_cpu_blocks="auto")
     assert p.extra_config["num_cpu_blocks"] == package.auto_num_cpu_blocks(
         QWEN3_06B_BLOCK_BYTES, p.engine_bytes, 18 * GiB
