@@ -271,7 +271,9 @@ def _guard_accepts(monkeypatch, available, sizing, num_blocks) -> bool:
 
 
 @pytest.mark.parametrize("config", [QWEN3_0_6B, DEEPSEEK_V2_LITE, LLAMA3_8B])
-def test_max_num_cpu_blocks_is_the_largest_the_guard_accepts(monkeypatch, config, size_kv):
+def test_max_num_cpu_blocks_is_the_largest_the_guard_accepts(
+    monkeypatch, config, size_kv
+):
     available = 24 * 2**30 + 12345
     s = size_kv(config)
     fit = fit_host_memory(s, available_bytes=available)
@@ -345,7 +347,9 @@ def test_auto_takes_a_share_of_what_the_guard_accepts_next_to_the_engine():
         (tiny_qwen3_config(), 1),
     ],
 )
-def test_formula_matches_vllms_model_config_and_kv_spec(tmp_path, vllm_model_config, config, tp, size_kv):
+def test_formula_matches_vllms_model_config_and_kv_spec(
+    tmp_path, vllm_model_config, config, tp, size_kv
+):
     from vllm.config import ParallelConfig
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 

@@ -211,7 +211,9 @@ def size_model_config(
             f"of the device block size {device_block_size} (--device-block-size)"
         )
     text = mc.hf_text_config
-    raw_text = raw.get("text_config") or raw
+    raw_text = (
+        raw["text_config"] if isinstance(raw.get("text_config"), Mapping) else raw
+    )
     model_type = str(getattr(text, "model_type", None) or "unknown")
     _require(raw_text, text, "num_hidden_layers", "the number of layers")
     tp = tensor_parallel_size
@@ -334,7 +336,9 @@ def size_model_dir(
     path = Path(model_dir)
     directory = path if path.is_dir() else path.parent
     raw = load_config(path)
-    text = raw.get("text_config") if isinstance(raw.get("text_config"), Mapping) else raw
+    text = (
+        raw.get("text_config") if isinstance(raw.get("text_config"), Mapping) else raw
+    )
     check_sizes(text)
     check_layout(raw, text, str(text.get("model_type") or raw.get("model_type")))
     if dtype == "auto":
