@@ -79,6 +79,7 @@ from vllm_ascend.kv_offload.copy_bandwidth import (
     DIRECTIONS,
     POISON,
     Device,
+    by_case,
     measure,
     scatter_slots,
 )
@@ -383,11 +384,7 @@ def print_table(
         head += f"{m:>18}"
     vs_memcpy = "memcpy" in methods and "op" in methods
     print(head + f"{'op copies':>11}" + (f"{'op/memcpy':>11}" if vs_memcpy else ""))
-    groups: dict[tuple, dict[str, dict]] = {}
-    for r in rows:
-        key = (r["direction"], r["fragment_bytes"], r["num_fragments"])
-        groups.setdefault(key, {})[r["method"]] = r
-    for (direction, frag, n), by_method in groups.items():
+    for (direction, frag, n), by_method in by_case(rows).items():
         line = f"{direction:<8}{format_bytes(frag):>10}{n:>8}"
         for m in methods:
             r = by_method[m]

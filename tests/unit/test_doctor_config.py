@@ -10,7 +10,12 @@ import json
 
 import pytest
 
-from tests.unit.model_configs import DEEPSEEK_V2_LITE, QWEN3_0_6B
+from tests.unit.model_configs import (
+    DEEPSEEK_V2_LITE,
+    LLAMA3_8B,
+    QWEN3_0_6B,
+    QWEN3_NEXT_80B,
+)
 from vllm_ascend.kv_offload import doctor, self_check
 
 NO_COPY_CHECKS = ["--alloc-mib", "0", "--bandwidth-mib", "0"]
@@ -103,7 +108,8 @@ def test_an_invalid_size_exits_1_with_one_line_naming_key_and_value(
         ({**QWEN3_0_6B, "index_topk": 2048}, "config.json has index_topk"),
         ({**QWEN3_0_6B, "is_encoder_decoder": True}, "encoder-decoder"),
         (
-            {**QWEN3_0_6B, "layer_types": ["linear_attention"] * 28},
+            # A hybrid model whose every layer is linear attention.
+            {**QWEN3_NEXT_80B, "layer_types": ["linear_attention"] * 48},
             "no attention layers",
         ),
     ],
@@ -119,8 +125,10 @@ def test_a_model_it_cannot_size_is_a_warning_not_broken(tmp_path, capsys, config
 
 
 def test_a_json_null_size_is_an_absent_one(tmp_path, capsys):
-    # Configs write "head_dim": null; the head size is then hidden_size's.
-    config = {**QWEN3_0_6B, "head_dim": None}
+    # Configs write "head_dim": null; the head size is then hidden_size's
+    # (Llama's rule; transformers refuses a null head_dim for Qwen3).
+    config = {**LLAMA3_8B, "hidden_size": 1024, "num_attention_heads": 16}
+    config["head_dim"] = None
     rc, lines = run_doctor(tmp_path, capsys, config, *NO_COPY_CHECKS)
     assert rc == 0
     assert "head size 64" in "\n".join(lines)  # 1024 // 16

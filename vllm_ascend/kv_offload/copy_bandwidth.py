@@ -296,6 +296,16 @@ def bench_cases(
     ]
 
 
+def by_case(rows: Sequence[dict]) -> dict[tuple[str, int, int], dict[str, dict]]:
+    """``measure``'s rows by (direction, fragment bytes, fragments), then by
+    method: one table line each."""
+    cases: dict[tuple[str, int, int], dict[str, dict]] = {}
+    for r in rows:
+        key = (r["direction"], r["fragment_bytes"], r["num_fragments"])
+        cases.setdefault(key, {})[r["method"]] = r
+    return cases
+
+
 def measure(
     device: Device,
     plan: Sequence[tuple[int, int]],

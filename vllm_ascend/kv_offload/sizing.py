@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vllm_ascend.kv_offload.config_sizes import (
-    MAX_HEAD_SIZE,
     SizingError,
     UnsupportedModelError,
     check_layout,
@@ -267,13 +266,6 @@ def size_model_config(
             raise SizingError(
                 "--kv-cache-dtype=fp8_ds_mla is for MLA models (kv_lora_rank "
                 "set); this config has standard attention"
-            )
-        if not 0 < head_size <= MAX_HEAD_SIZE:
-            raise SizingError(
-                f"config.json: hidden_size={text.hidden_size} // "
-                f"num_attention_heads={text.num_attention_heads} gives a head "
-                f"size of {head_size}, not in 1..{MAX_HEAD_SIZE}; set head_dim "
-                "to the model's head size"
             )
         total_kv = mc.get_total_num_kv_heads()
         kv_heads = mc.get_num_kv_heads(parallel)
