@@ -163,3 +163,34 @@ def test_copy_checks_allocate_a_bounded_amount_whatever_the_model(
     assert checked and max(max(c) for c in checked) <= 8 << 20
     rows = report["bandwidth"]
     assert rows and max(r["fragment_bytes"] for r in rows) <= 8 << 20
+
+
+# GPT-2's config.json names its sizes n_layer / n_head / n_embd; transformers
+# maps them (attribute_map), as vLLM reads them.
+GPT2 = {
+    "architectures": ["GPT2LMHeadModel"],
+    "model_type": "gpt2",
+    "n_layer": 12,
+    "n_head": 12,
+    "n_embd": 768,
+    "torch_dtype": "float16",
+}
+
+
+def test_a_model_with_its_own_key_names_is_sized_as_vllm_reads_it(tmp_path, capsys):
+    rc, lines = run_doctor(tmp_path, capsys, GPT2, *NO_COPY_CHECKS, "--json")
+    report = json.loads("\n".join(lines))
+    assert rc == 0, report["checks"]
+    # 2 (K, V) * 12 layers * 12 heads * 64 (768 / 12) * 2 bytes * 128 tokens.
+    assert report["bytes_per_cpu_block"] == 2 * 12 * 12 * 64 * 2 * 128 == 4_718_592
+
+
+def test_a_model_vllm_cannot_load_is_a_warning_with_vllms_reason(tmp_path, capsys):
+    config = {**QWEN3_0_6B, "model_type": "no_such_model"}
+    config["architectures"] = ["NoSuchForCausalLM"]
+    rc, lines = run_doctor(tmp_path, capsys, config, *NO_COPY_CHECKS)
+    assert rc == 0
+    (sizing,) = sizing_lines(lines)
+    assert sizing.startswith("[warn] sizing      cannot size this model: ")
+    assert "vLLM's ModelConfig cannot load" in sizing
+    assert lines[-1].startswith("OK")
