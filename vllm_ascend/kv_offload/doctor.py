@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from importlib import metadata
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -35,8 +35,7 @@ NOT_FOUND = "not found"
 _CANN_HOMES = ("ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH")
 _CANN_FILES = ("version.cfg", "*-linux/ascend_toolkit_install.info")
 _DRIVER_FILE = Path("/usr/local/Ascend/driver/version.info")
-# Larger pages would only make the copy checks allocate more, same code.
-MAX_TEST_FRAGMENT_BYTES = 8 << 20
+MAX_TEST_FRAGMENT_BYTES = 8 << 20  # larger would only allocate more, same code
 # Qwen3-0.6B's K (or V) page of one 128-token device block, without --model.
 _DEFAULT_FRAGMENT = 8 * 128 * 2 * 128
 # The copy benchmark's methods shown: the limit, the naive loop, the op.
@@ -46,20 +45,14 @@ _REPORTED = ("copy_path", "vllm_platform", "bytes_per_cpu_block", "host")
 _REPORTED += ("max_num_cpu_blocks", "cpu_bytes_to_use", "sizing")
 
 
-class Check(NamedTuple):
-    name: str
-    status: str
-    summary: str
-    lines: Sequence[str] = ()  # extra text lines
-
-
 class Report:
     def __init__(self, fields: dict[str, Any]) -> None:
-        self.checks: list[Check] = []
+        self.checks: list[dict[str, Any]] = []
         self.fields = fields  # the --json object
 
-    def add(self, *check: Any) -> None:
-        self.checks.append(Check(*check))
+    def add(self, name: str, status: str, summary: str, lines=()) -> None:
+        """One check's line; ``lines``: text lines under it."""
+        self.checks.append(dict(name=name, status=status, summary=summary, lines=lines))
 
 
 def _dist(name: str) -> str:
@@ -128,8 +121,9 @@ def check_versions(report: Report, npu_version: str) -> None:
         report.add("vllm", FAIL, f"vLLM {vllm_version}: install vLLM 0.30-0.33")
         return
     # Importing this package already refused an upstream it cannot live with.
-    upstream = f"upstream vllm-ascend {v['vllm_ascend_upstream']}"
-    report.add("vllm", OK, f"vLLM {vllm_version}; {upstream} (coexists if found)")
+    up = v["vllm_ascend_upstream"]
+    up = "not installed" if up == NOT_FOUND else f"{up}: coexists"
+    report.add("vllm", OK, f"vLLM {vllm_version}; upstream vllm-ascend {up}")
 
 
 def check_platform(report: Report, npu_problem: str | None) -> None:
@@ -382,15 +376,15 @@ def run(args: argparse.Namespace) -> Report:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
     report = run(args)
-    failed = [c.name for c in report.checks if c.status == FAIL]
+    failed = [c["name"] for c in report.checks if c["status"] == FAIL]
     if args.json:
-        checks = [c._asdict() for c in report.checks]
-        print(json.dumps(dict(report.fields, ok=not failed, checks=checks), indent=2))
+        out = dict(report.fields, ok=not failed, checks=report.checks)
+        print(json.dumps(out, indent=2))
         return 1 if failed else 0
     print(f"vllm-ascend-kv-offload doctor {kv_offload.__version__}")
     for c in report.checks:
-        print(f"[{c.status:^4}] {c.name:<11} {c.summary}")
-        print("".join(f"{'':18}{line}\n" for line in c.lines), end="")
+        print(f"[{c['status']:^4}] {c['name']:<11} {c['summary']}")
+        print("".join(f"{'':18}{line}\n" for line in c["lines"]), end="")
     verdict = f"BROKEN: {', '.join(failed)} failed" if failed else "OK"
     print(f"{verdict} ({report.fields['seconds']:.1f} s)")
     return 1 if failed else 0
