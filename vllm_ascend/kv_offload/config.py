@@ -13,7 +13,7 @@ What the values mean together is checked here too: the connector's view
 (``validate_connector_config``: ``kv_role`` and the device block size, before
 vLLM derives the chunk size) and the spec's (``resolve_extra_config``: the
 pool size in blocks and bytes). Host memory is checked where the pool is
-allocated (``cpu_pool.check_host_memory``).
+allocated (``host_guard``, ``host_ledger``).
 """
 
 from __future__ import annotations
@@ -267,7 +267,7 @@ def resolve_extra_config(config: OffloadingConfig) -> tuple[dict[str, Any], int 
 
     Returns vLLM-native extra config (``cpu_bytes_to_use`` always set) and the
     guide's ``num_cpu_blocks`` if it was given. Host memory is not looked at
-    here (``check_host_memory`` does, when the pool is allocated).
+    here (``host_guard`` is, when the pool is allocated).
     """
     given = config.extra_config
     check_keys(given)

@@ -1,5 +1,4 @@
-"""The CPU block pool: its layout, where its memory comes from, and whether
-the host can hold it.
+"""The CPU block pool: its layout and where its memory comes from.
 
 Layout (``PoolLayout``): ``num_cpu_blocks`` rows. A row is one CPU block
 across every cached tensor (all layers, K and V): tensor ``t`` owns
@@ -10,26 +9,22 @@ its slot; a shared region's row holds every rank's slot.
 
 Pool (``CpuBlockPool``): a layout over memory, from one of two factories:
 ``private_pool`` (exact-size memory of our own, ``host_memory.py``) or
-``region_pool`` (memory another component owns). Before a private pool is
-allocated, ``check_host_memory`` refuses one the host cannot hold, naming
-the setting to lower; it counts exactly what the factory allocates.
+``region_pool`` (memory another component owns). Whether the host can
+hold a private pool is checked before it is allocated (``host_guard``,
+``host_ledger``).
 """
 
 from __future__ import annotations
 
-import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
-import psutil
 import torch
-from vllm.v1.kv_offload.base import CanonicalKVCaches
 
-from vllm_ascend.kv_offload.config import PREFIX, OffloadConfigError, shown
+from vllm_ascend.kv_offload.config import PREFIX
+from vllm_ascend.kv_offload.host_guard import show
 from vllm_ascend.kv_offload.host_memory import (
     HostMemory,
     allocate_host_memory,
@@ -38,144 +33,6 @@ from vllm_ascend.kv_offload.host_memory import (
 from vllm_ascend.kv_offload.logger import init_logger
 
 logger = init_logger(__name__)
-
-# The pool may take at most this share of the host memory available when it
-# is allocated: the rest is headroom for the engine, the tokenizer and the OS.
-MAX_HOST_MEMORY_FRACTION = 0.9
-# Where vLLM's CPU backend sizes its KV cache (GiB), besides kv_cache_memory_bytes.
-CPU_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
-
-
-def host_available_bytes() -> int:
-    """Host memory available now (a function so that tests can replace it)."""
-    return int(psutil.virtual_memory().available)
-
-
-def _size(nbytes: int) -> str:
-    if nbytes >= 2**30:
-        return f"{nbytes / 2**30:.2f} GiB"
-    return f"{nbytes / 2**20:.2f} MiB"
-
-
-def host_kv_cache_bytes(kv_caches: CanonicalKVCaches) -> int:
-    """Bytes of the device KV cache that live in host memory: all of it on
-    vLLM's CPU backend, none on an accelerator. Tensors may share storage."""
-    storages = {}
-    for t in kv_caches.tensors:
-        if t.tensor.device.type == "cpu":
-            storage = t.tensor.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
-
-
-@dataclass(frozen=True)
-class PoolRequest:
-    """One worker's CPU block pool, as the user asked for it."""
-
-    num_blocks: int
-    row_bytes: int  # host bytes of one CPU block in this worker's pool
-    key: str  # the setting that sized it: num_cpu_blocks or cpu_bytes_to_use
-    value: Any  # its value as given
-    # Bytes of one CPU block over all workers, padded: cpu_bytes_to_use's unit.
-    all_workers_block_bytes: int
-    blocks_per_chunk: int
-    chunk_key: str  # the setting that sized a CPU block: block_size or blocks_per_chunk
-    device_block_tokens: int
-
-
-def check_host_memory(pool: PoolRequest, host_kv_bytes: int) -> None:
-    """Refuses a pool that would not fit in the host memory available now.
-
-    Called once, by the worker that is about to allocate the pool (the
-    scheduler side allocates nothing, and by the time it starts the pools
-    exist), so nothing it counts is counted twice: vLLM's allocations so far,
-    the KV cache of its CPU backend included (``host_kv_bytes``), are no
-    longer available, and the pool is the one large allocation still to
-    come. Each worker checks its own pool; workers allocating at the same
-    moment do not see each other's.
-    """
-    need = pool.num_blocks * pool.row_bytes
-    available = host_available_bytes()
-    limit = int(available * MAX_HOST_MEMORY_FRACTION)
-    fit = limit // pool.row_bytes
-    if need <= limit:
-        logger.info(
-            "KV offload: host memory check passed: %d CPU blocks (%s) fit in "
-            "%.0f%% of the %s available (at most %d blocks)",
-            pool.num_blocks,
-            _size(need),
-            MAX_HOST_MEMORY_FRACTION * 100,
-            _size(available),
-            fit,
-        )
-        return
-    asked = (
-        f"{PREFIX}['{pool.key}']={shown(pool.value)} asks for a CPU pool of "
-        f"{_size(need)} ({pool.num_blocks} blocks of {pool.row_bytes} bytes)"
-    )
-    room = (
-        f"{MAX_HOST_MEMORY_FRACTION:.0%} of the {_size(available)} of host memory "
-        "available"
-    )
-    if fit == 0:
-        raise OffloadConfigError(
-            f"{asked}, but one CPU block ({pool.row_bytes} bytes) alone is more "
-            f"than {room}: no pool fits; make CPU blocks smaller "
-            f"({_smaller_blocks(pool)}), or free host memory"
-        )
-    fix = (
-        f"lower num_cpu_blocks to {fit}"
-        if pool.key == "num_cpu_blocks"
-        else f"lower cpu_bytes_to_use to {fit * pool.all_workers_block_bytes}"
-    )
-    raise OffloadConfigError(
-        f"{asked}, more than {room}; {fix}"
-        f"{_kv_cache_fix(need, available, host_kv_bytes)}, or free host memory"
-    )
-
-
-def _smaller_blocks(pool: PoolRequest) -> str:
-    device = pool.device_block_tokens
-    if pool.blocks_per_chunk > 1 and pool.chunk_key == "blocks_per_chunk":
-        return f"lower blocks_per_chunk from {pool.blocks_per_chunk} to 1"
-    if pool.blocks_per_chunk > 1:
-        tokens = pool.blocks_per_chunk * device
-        return f"lower block_size from {tokens} to {device} tokens"
-    return (
-        f"a CPU block is one device block ({device} tokens) already: a smaller "
-        "device KV block size (vLLM's block_size) or KV cache dtype makes it smaller"
-    )
-
-
-def _kv_cache_fix(need: int, available: int, host_kv_bytes: int) -> str:
-    """The other fix where the device KV cache is host memory as well: how
-    small it must be for the pool to fit, in the unit of its setting."""
-    if host_kv_bytes == 0:
-        return ""
-    # Whatever the KV cache gives back becomes available to the pool.
-    shrink = math.ceil(
-        (need - available * MAX_HOST_MEMORY_FRACTION) / MAX_HOST_MEMORY_FRACTION
-    )
-    while int((available + shrink) * MAX_HOST_MEMORY_FRACTION) < need:
-        shrink += 1  # float rounding in the limit
-    keep = host_kv_bytes - shrink
-    setting = os.environ.get(CPU_KV_CACHE_ENV)
-    if setting:
-        keep_gib = keep // 2**30  # the variable counts whole GiB
-        if keep_gib < 1:
-            return ""
-        fix = f"lower {CPU_KV_CACHE_ENV} from {setting} to {keep_gib}"
-    else:
-        if keep <= 0:
-            return ""
-        fix = (
-            f"set kv_cache_memory_bytes to at most {keep} (it is sized by "
-            "kv_cache_memory_bytes or gpu_memory_utilization now)"
-        )
-    return (
-        f", or shrink the KV cache of vLLM's CPU backend, which takes "
-        f"{_size(host_kv_bytes)} of host memory: {fix}"
-    )
 
 
 @dataclass(frozen=True)
@@ -240,6 +97,7 @@ class CpuBlockPool:
             layout.num_blocks, layout.row_bytes
         )
         self.base = self.tensor.data_ptr()
+        self._after_release: list[Callable[[], None]] = []
 
     # The layout's fields, as the copy engine and tests read them.
     @property
@@ -282,6 +140,13 @@ class CpuBlockPool:
         self.tensor = None
         self.base = 0
         self.memory.release()
+        for callback in self._after_release:
+            callback()
+
+    def on_release(self, callback: Callable[[], None]) -> None:
+        """Calls ``callback`` once the memory is given back (the host-memory
+        ledger's record of the pool goes with it)."""
+        self._after_release.append(callback)
 
 
 def private_pool(
@@ -306,7 +171,7 @@ def private_pool(
         "in %.2f s for %d KV cache tensors on %s",
         num_cpu_blocks,
         layout.row_bytes,
-        _size(layout.span_bytes),
+        show(layout.span_bytes),
         memory.kind,
         time.perf_counter() - t0,
         len(page_bytes),

@@ -21,7 +21,8 @@ connector (``connector.py``) sees ``kv_role`` and the device block size
 before vLLM derives the chunk size (``validate_connector_config``); this spec
 sees the sizes of a KV block (``resolve_extra_config``); the worker side of
 this spec, right before it allocates the pool, sees the host memory left
-after vLLM's own allocations (``check_host_memory``). Every key and the type
+after vLLM's own allocations and the other workers' pools on the host
+(``host_guard``, ``host_ledger``). Every key and the type
 of its value are checked by ``config.check_keys``, from the first two.
 """
 
@@ -39,21 +40,18 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
-from vllm_ascend.kv_offload import pool_metrics, vllm_compat
+from vllm_ascend.kv_offload import host_guard, host_ledger, pool_metrics, vllm_compat
 from vllm_ascend.kv_offload.config import (
+    PREFIX,
     OffloadConfigError,
     check_keys,
     cpu_block_bytes,
     resolve_extra_config,
+    shown,
     validate_connector_config,
 )
-from vllm_ascend.kv_offload.cpu_pool import (
-    CpuBlockPool,
-    PoolRequest,
-    check_host_memory,
-    host_kv_cache_bytes,
-    private_pool,
-)
+from vllm_ascend.kv_offload.cpu_pool import CpuBlockPool, private_pool
+from vllm_ascend.kv_offload.host_guard import PoolRequest
 from vllm_ascend.kv_offload.logger import init_logger
 from vllm_ascend.kv_offload.manager import FailureAwareManager
 from vllm_ascend.kv_offload.pool_metrics import PoolCapacity
@@ -124,7 +122,7 @@ class NPUOffloadingSpec(vllm_compat.PrivatePoolSpec, CPUOffloadingSpec):
             num_blocks=self.num_chunks,
             row_bytes=page_bytes * self.blocks_per_chunk,
             key=key,
-            value=given.get(key),
+            setting=f"{PREFIX}['{key}']={shown(given.get(key))}",
             all_workers_block_bytes=cpu_block_bytes(self.config),
             blocks_per_chunk=self.blocks_per_chunk,
             chunk_key="blocks_per_chunk"
@@ -142,16 +140,56 @@ class NPUOffloadingSpec(vllm_compat.PrivatePoolSpec, CPUOffloadingSpec):
             kv_caches.tensors[0].tensor.device.type,
         )
 
+    def reserve_host_memory(
+        self, kv_caches: CanonicalKVCaches
+    ) -> host_ledger.Reservation:
+        """Checks this worker's pool against the host's budget, next to the
+        pools of the host's other workers, and records it in the host's
+        ledger: one step under the ledger's lock, so that workers starting
+        together do not each count memory the others are about to take."""
+        pool = self._pool_request(kv_caches)
+        host_kv_bytes = host_guard.host_kv_cache_bytes(kv_caches)
+        try:
+            cap = host_guard.budget_cap()
+            ledger = host_ledger.ledger_dir()
+        except ValueError as e:
+            raise OffloadConfigError(f"KV offload: {e}") from None
+
+        def check(others: list[host_guard.Reserved]) -> None:
+            budget = host_guard.HostBudget(
+                host_guard.host_available_bytes(), others, cap
+            )
+            refusal = host_guard.check_pool(
+                pool,
+                budget,
+                engine_id=self.config.engine_id,
+                # The engine's workers, assumed on this host (across hosts
+                # the fix is lower than needed: on the safe side).
+                workers=self.config.parallel.world_size,
+                host_kv_bytes=host_kv_bytes,
+            )
+            if refusal is not None:
+                raise OffloadConfigError(refusal)
+            logger.info(host_guard.passed(pool, budget))
+
+        return host_ledger.reserve(pool.nbytes, self.config.engine_id, check, ledger)
+
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._npu_worker is None:
             # The worker side, right before the pool is allocated: the one
             # place that knows what vLLM has allocated and what is to come.
-            # Assembly: check host memory, allocate the pool, build the worker
-            # on it (which self-checks its copy path before serving).
-            check_host_memory(
-                self._pool_request(kv_caches), host_kv_cache_bytes(kv_caches)
-            )
-            pool = self.allocate_pool(kv_caches)
+            # Assembly: check host memory and record the pool in the host's
+            # ledger, allocate it, build the worker on it (which self-checks
+            # its copy path before serving).
+            reservation = self.reserve_host_memory(kv_caches)
+            try:
+                pool = self.allocate_pool(kv_caches)
+            except BaseException:
+                reservation.release()
+                raise
+            # Faulted in now: out of MemAvailable, counted once (host_guard).
+            reservation.allocated()
+            pool.on_release(reservation.release)
             try:
                 self._npu_worker = self.worker_cls(
                     kv_caches,
