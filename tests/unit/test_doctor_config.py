@@ -194,3 +194,12 @@ def test_a_model_vllm_cannot_load_is_a_warning_with_vllms_reason(tmp_path, capsy
     assert sizing.startswith("[warn] sizing      cannot size this model: ")
     assert "vLLM's ModelConfig cannot load" in sizing
     assert lines[-1].startswith("OK")
+
+
+def test_a_bad_host_budget_setting_fails_naming_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("VLLM_ASCEND_KV_OFFLOAD_HOST_BUDGET", "lots")
+    rc, lines = run_doctor(tmp_path, capsys, QWEN3_0_6B, *NO_COPY_CHECKS)
+    assert rc == 1
+    (sizing,) = sizing_lines(lines)
+    assert sizing.startswith("[FAIL] sizing      VLLM_ASCEND_KV_OFFLOAD_HOST_BUDGET")
+    assert "crashed" not in sizing

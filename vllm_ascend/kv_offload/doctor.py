@@ -285,7 +285,11 @@ def check_sizing(report: Report, args: argparse.Namespace) -> list[int]:
     from vllm_ascend.kv_offload import host_fit
 
     reserve, reserve_note = _reserve(args, vllm_device)
-    fit = host_fit.fit_host_memory(s, reserved_bytes=reserve)
+    try:
+        fit = host_fit.fit_host_memory(s, reserved_bytes=reserve)
+    except sizing.SizingError as e:  # a host-budget setting that is not one
+        report.add("sizing", FAIL, str(e), lines)
+        return list(s.fragment_bytes)
     report.fields["host"] = fit.to_dict()
     lines.append(
         f"host: {fit.available_bytes / 2**30:.2f} GiB available"
