@@ -73,40 +73,40 @@ class ModelKV:
 
     kv_bytes_per_token: int  # all layers, K and V (or MLA's latent + rope)
     weights_bytes: int
-    max_position_embeddings: int
+    max_position_embeddings: int  # vLLM's default max_model_len
 
     def cpu_block_bytes(self, block_size: int) -> int:
         return self.kv_bytes_per_token * block_size
 
 
 def read_model(path: str) -> ModelKV | None:
-    """The KV shape of a local model directory; None for a hub name (its
-    config is not read before the engine fetches it)."""
-    config_file = Path(path, "config.json")
-    if not config_file.is_file():
+    """The KV shape of a local model directory, by the package's sizing
+    (vLLM's ModelConfig of its config.json); None for a hub name (its config
+    is not read before the engine fetches it) or a model it cannot size."""
+    if not Path(path, "config.json").is_file():
         return None
-    cfg = json.loads(config_file.read_text())
-    cfg = cfg.get("text_config", cfg)  # multimodal configs nest the LM's
-    # vLLM serves float32 and bfloat16 checkpoints in 16 bits by default.
-    dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
-    elem = 1 if "8" in dtype else 2
-    layers = int(cfg["num_hidden_layers"])
-    if cfg.get("kv_lora_rank"):  # MLA: one latent vector and the rope part
-        per_layer = int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim", 0))
-    else:
-        heads = int(cfg["num_attention_heads"])
-        kv_heads = int(cfg.get("num_key_value_heads") or heads)
-        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
-        per_layer = 2 * kv_heads * head_dim
+    from vllm_ascend.kv_offload.sizing import (
+        SizingError,
+        UnsupportedModelError,
+        size_model_dir,
+    )
+
+    try:
+        kv = size_model_dir(path)
+    except UnsupportedModelError as e:
+        print(f"[sizing] cannot size this model: {e}", file=sys.stderr)
+        return None
+    except SizingError as e:
+        raise SystemExit(f"{path}: {e}") from None
     weights = sum(
         f.stat().st_size
         for pattern in ("*.safetensors", "*.bin", "*.pt")
         for f in Path(path).glob(pattern)
     )
     return ModelKV(
-        kv_bytes_per_token=layers * per_layer * elem,
+        kv_bytes_per_token=kv.kv_bytes_per_token,
         weights_bytes=weights,
-        max_position_embeddings=int(cfg.get("max_position_embeddings") or 8192),
+        max_position_embeddings=kv.max_model_len,
     )
 
 

@@ -301,3 +301,20 @@ def vllm_model_config():
         return ModelConfig(model=str(model_dir), skip_tokenizer_init=True, **kwargs)
 
     return build
+
+
+@pytest.fixture
+def size_kv(tmp_path):
+    """``sizing.size_model_dir`` of a fresh directory holding ``config`` (a
+    dict) as its config.json: sizing reads a model through vLLM's
+    ModelConfig, which loads a directory."""
+    from tests.unit.model_configs import write_model
+    from vllm_ascend.kv_offload.sizing import size_model_dir
+
+    made = iter(range(1 << 30))
+
+    def size(config: dict, **kwargs):
+        model = write_model(tmp_path, config, name=f"model{next(made)}")
+        return size_model_dir(model, **kwargs)
+
+    return size

@@ -10,7 +10,12 @@ import json
 
 import pytest
 
-from tests.unit.model_configs import DEEPSEEK_V2_LITE, QWEN3_0_6B
+from tests.unit.model_configs import (
+    DEEPSEEK_V2_LITE,
+    LLAMA3_8B,
+    QWEN3_0_6B,
+    QWEN3_NEXT_80B,
+)
 from vllm_ascend.kv_offload import doctor, self_check
 
 NO_COPY_CHECKS = ["--alloc-mib", "0", "--bandwidth-mib", "0"]
@@ -103,7 +108,8 @@ def test_an_invalid_size_exits_1_with_one_line_naming_key_and_value(
         ({**QWEN3_0_6B, "index_topk": 2048}, "config.json has index_topk"),
         ({**QWEN3_0_6B, "is_encoder_decoder": True}, "encoder-decoder"),
         (
-            {**QWEN3_0_6B, "layer_types": ["linear_attention"] * 28},
+            # A hybrid model whose every layer is linear attention.
+            {**QWEN3_NEXT_80B, "layer_types": ["linear_attention"] * 48},
             "no attention layers",
         ),
     ],
@@ -119,8 +125,10 @@ def test_a_model_it_cannot_size_is_a_warning_not_broken(tmp_path, capsys, config
 
 
 def test_a_json_null_size_is_an_absent_one(tmp_path, capsys):
-    # Configs write "head_dim": null; the head size is then hidden_size's.
-    config = {**QWEN3_0_6B, "head_dim": None}
+    # Configs write "head_dim": null; the head size is then hidden_size's
+    # (Llama's rule; transformers refuses a null head_dim for Qwen3).
+    config = {**LLAMA3_8B, "hidden_size": 1024, "num_attention_heads": 16}
+    config["head_dim"] = None
     rc, lines = run_doctor(tmp_path, capsys, config, *NO_COPY_CHECKS)
     assert rc == 0
     assert "head size 64" in "\n".join(lines)  # 1024 // 16
@@ -155,3 +163,43 @@ def test_copy_checks_allocate_a_bounded_amount_whatever_the_model(
     assert checked and max(max(c) for c in checked) <= 8 << 20
     rows = report["bandwidth"]
     assert rows and max(r["fragment_bytes"] for r in rows) <= 8 << 20
+
+
+# GPT-2's config.json names its sizes n_layer / n_head / n_embd; transformers
+# maps them (attribute_map), as vLLM reads them.
+GPT2 = {
+    "architectures": ["GPT2LMHeadModel"],
+    "model_type": "gpt2",
+    "n_layer": 12,
+    "n_head": 12,
+    "n_embd": 768,
+    "torch_dtype": "float16",
+}
+
+
+def test_a_model_with_its_own_key_names_is_sized_as_vllm_reads_it(tmp_path, capsys):
+    rc, lines = run_doctor(tmp_path, capsys, GPT2, *NO_COPY_CHECKS, "--json")
+    report = json.loads("\n".join(lines))
+    assert rc == 0, report["checks"]
+    # 2 (K, V) * 12 layers * 12 heads * 64 (768 / 12) * 2 bytes * 128 tokens.
+    assert report["bytes_per_cpu_block"] == 2 * 12 * 12 * 64 * 2 * 128 == 4_718_592
+
+
+def test_a_model_vllm_cannot_load_is_a_warning_with_vllms_reason(tmp_path, capsys):
+    config = {**QWEN3_0_6B, "model_type": "no_such_model"}
+    config["architectures"] = ["NoSuchForCausalLM"]
+    rc, lines = run_doctor(tmp_path, capsys, config, *NO_COPY_CHECKS)
+    assert rc == 0
+    (sizing,) = sizing_lines(lines)
+    assert sizing.startswith("[warn] sizing      cannot size this model: ")
+    assert "vLLM's ModelConfig cannot load" in sizing
+    assert lines[-1].startswith("OK")
+
+
+def test_a_bad_host_budget_setting_fails_naming_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("VLLM_ASCEND_KV_OFFLOAD_HOST_BUDGET", "lots")
+    rc, lines = run_doctor(tmp_path, capsys, QWEN3_0_6B, *NO_COPY_CHECKS)
+    assert rc == 1
+    (sizing,) = sizing_lines(lines)
+    assert sizing.startswith("[FAIL] sizing      VLLM_ASCEND_KV_OFFLOAD_HOST_BUDGET")
+    assert "crashed" not in sizing

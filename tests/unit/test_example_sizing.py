@@ -26,6 +26,7 @@ MiB = 2**20
 # Qwen3-0.6B's KV shape: 28 layers x 8 KV heads x head_dim 128, bf16.
 QWEN3_06B = {
     "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",  # as the checkpoint's; vLLM's ModelConfig needs it
     "hidden_size": 1024,
     "num_attention_heads": 16,
     "num_hidden_layers": 28,
@@ -132,9 +133,9 @@ def test_sizes_accept_binary_units(text, nbytes):
 
 
 def test_auto_is_the_packages_computation(model, host):
-    """The examples' auto and vllm_ascend.kv_offload.sizing (the doctor's)
-    agree: one computation, not two."""
-    from vllm_ascend.kv_offload import sizing as package
+    """The examples' auto and the package's (host_guard, as the doctor's
+    host_fit) agree: one computation, not two."""
+    package = host_guard
 
     host(18 * GiB)
     p = sizing.plan(model, num_cpu_blocks="auto")

@@ -10,7 +10,6 @@ from tests.unit.model_configs import QWEN3_0_6B, tiny_qwen3_config, write_model
 from vllm_ascend.kv_offload.sizing import (
     SizingError,
     UnsupportedModelError,
-    size_kv,
     size_model_dir,
 )
 
@@ -26,7 +25,7 @@ def _cpu_backend_quantised_dtypes() -> list[str]:
 @pytest.mark.parametrize("kv_cache_dtype", _cpu_backend_quantised_dtypes())
 @pytest.mark.parametrize("config", [QWEN3_0_6B, tiny_qwen3_config()])
 def test_quantised_kv_matches_the_page_vllms_cpu_backend_allocates(
-    tmp_path, vllm_model_config, config, kv_cache_dtype
+    tmp_path, vllm_model_config, size_kv, config, kv_cache_dtype
 ):
     # The spec as vLLM's attention layer builds it for this dtype, then as
     # the CPU backend customises it (it adds no scale bytes: fp8 scales are

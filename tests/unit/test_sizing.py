@@ -1,8 +1,9 @@
 """KV sizing from config.json alone: a CPU block's bytes and how many fit.
 
 Expected numbers are worked out by hand from the formula, written out next
-to each; one test checks the formula against vLLM's own ModelConfig and
-KV-cache spec for the same configs.
+to each; one test checks the result against vLLM's own ModelConfig and
+KV-cache spec for the same configs. ``size_kv`` (conftest) sizes a dict by
+writing it as a model directory's config.json.
 """
 
 import pytest
@@ -17,18 +18,20 @@ from tests.unit.model_configs import (
     write_model,
 )
 from vllm_ascend.kv_offload import host_guard
-from vllm_ascend.kv_offload.sizing import (
+from vllm_ascend.kv_offload.host_fit import fit_host_memory
+from vllm_ascend.kv_offload.host_guard import (
     AUTO_POOL_SHARE,
+    auto_num_cpu_blocks,
+)
+from vllm_ascend.kv_offload.sizing import (
     CPU_BLOCK_ALIGNMENT,
     SizingError,
-    auto_num_cpu_blocks,
-    fit_host_memory,
-    size_kv,
+    UnsupportedModelError,
     size_model_dir,
 )
 
 
-def test_qwen3_gqa_cpu_block_of_the_guide():
+def test_qwen3_gqa_cpu_block_of_the_guide(size_kv):
     # 2 (K, V) * 28 layers * 8 KV heads * 128 head dim * 2 bytes (bf16)
     # * 128 tokens = 14,680,064 bytes, a multiple of the 4 KiB page.
     s = size_kv(QWEN3_0_6B, block_size=128)
@@ -43,7 +46,7 @@ def test_qwen3_gqa_cpu_block_of_the_guide():
     assert s.fragment_bytes == (262_144, 262_144)
 
 
-def test_tiny_test_model_matches_the_pool_its_engine_allocates():
+def test_tiny_test_model_matches_the_pool_its_engine_allocates(size_kv):
     # 2 (K, V) * 2 layers * 2 KV heads * 32 * 2 bytes (float32 served as
     # bf16) * 128 tokens = 65,536 bytes: the row size the e2e engines log,
     # "CPU block pool of 1000 blocks x 65536 bytes" (docs/user_guide.md).
@@ -57,7 +60,7 @@ def test_model_dir_needs_only_config_json(tmp_path):
     assert size_model_dir(d / "config.json").bytes_per_cpu_block == 14_680_064
 
 
-def test_llama_head_size_from_hidden_size():
+def test_llama_head_size_from_hidden_size(size_kv):
     # head size 4096 / 32 = 128; 2 * 32 layers * 8 KV heads * 128 * 2 bytes
     # * 128 tokens = 16,777,216 bytes.
     s = size_kv(LLAMA3_8B)
@@ -65,7 +68,7 @@ def test_llama_head_size_from_hidden_size():
     assert s.bytes_per_cpu_block == 2 * 32 * 8 * 128 * 2 * 128 == 16_777_216
 
 
-def test_mha_without_kv_head_key_has_one_kv_head_per_head():
+def test_mha_without_kv_head_key_has_one_kv_head_per_head(size_kv):
     # 2 * 32 layers * 32 KV heads * 128 * 2 bytes (fp16) * 128 tokens.
     s = size_kv(LLAMA2_7B_MHA)
     assert s.attention == "mha"
@@ -73,7 +76,7 @@ def test_mha_without_kv_head_key_has_one_kv_head_per_head():
     assert s.bytes_per_cpu_block == 2 * 32 * 32 * 128 * 2 * 128 == 67_108_864
 
 
-def test_deepseek_mla_one_latent_per_layer():
+def test_deepseek_mla_one_latent_per_layer(size_kv):
     # (kv_lora_rank 512 + qk_rope_head_dim 64) * 2 bytes * 27 layers
     # * 128 tokens = 3,981,312 bytes (972 pages of 4 KiB).
     s = size_kv(DEEPSEEK_V2_LITE)
@@ -84,7 +87,7 @@ def test_deepseek_mla_one_latent_per_layer():
     assert s.fragment_bytes == (512 * 2 * 128, 64 * 2 * 128)
 
 
-def test_tensor_parallel_splits_kv_heads_and_counts_every_worker():
+def test_tensor_parallel_splits_kv_heads_and_counts_every_worker(size_kv):
     # 8 KV heads on 2 workers: 4 each, 2 * 28 * 4 * 128 * 2 * 128 = 7,340,032
     # bytes per worker; a CPU block over both is twice that.
     s = size_kv(QWEN3_0_6B, tensor_parallel_size=2)
@@ -93,7 +96,7 @@ def test_tensor_parallel_splits_kv_heads_and_counts_every_worker():
     assert s.bytes_per_cpu_block == 14_680_064
 
 
-def test_more_workers_than_kv_heads_replicate_one_head():
+def test_more_workers_than_kv_heads_replicate_one_head(size_kv):
     # 8 KV heads on 16 workers (16 attention heads): 1 head each, replicated;
     # 2 * 28 * 1 * 128 * 2 * 128 = 1,835,008 per worker, 16 workers.
     s = size_kv(QWEN3_0_6B, tensor_parallel_size=16)
@@ -102,13 +105,13 @@ def test_more_workers_than_kv_heads_replicate_one_head():
     assert s.bytes_per_cpu_block == 16 * 1_835_008
 
 
-def test_mla_latent_is_stored_by_every_tensor_parallel_worker():
+def test_mla_latent_is_stored_by_every_tensor_parallel_worker(size_kv):
     s = size_kv(DEEPSEEK_V2_LITE, tensor_parallel_size=2)
     assert s.worker_bytes_per_cpu_block == 3_981_312
     assert s.bytes_per_cpu_block == 2 * 3_981_312
 
 
-def test_kv_cache_dtype_overrides_the_checkpoint_dtype():
+def test_kv_cache_dtype_overrides_the_checkpoint_dtype(size_kv):
     # fp8: 1 byte per element, half of bf16's 14,680,064.
     assert size_kv(QWEN3_0_6B, kv_cache_dtype="fp8").bytes_per_cpu_block == 7_340_032
     # DeepSeek's sparse fp8 MLA cache: 656 bytes per token and layer.
@@ -116,7 +119,7 @@ def test_kv_cache_dtype_overrides_the_checkpoint_dtype():
     assert s.worker_bytes_per_cpu_block == 27 * 656 * 128
 
 
-def test_float32_checkpoint_is_served_as_bfloat16_like_vllm_auto():
+def test_float32_checkpoint_is_served_as_bfloat16_like_vllm_auto(size_kv):
     fp32 = dict(QWEN3_0_6B, torch_dtype="float32")
     assert size_kv(fp32).kv_cache_dtype == "bfloat16"
     assert size_kv(fp32, dtype="float32").kv_cache_dtype == "float32"
@@ -125,14 +128,14 @@ def test_float32_checkpoint_is_served_as_bfloat16_like_vllm_auto():
     assert size_kv(dict(new_key, dtype="float16")).kv_cache_dtype == "float16"
 
 
-def test_block_size_is_tokens_per_cpu_block():
+def test_block_size_is_tokens_per_cpu_block(size_kv):
     # 256 tokens per CPU block = 2 device blocks of 128: twice the bytes.
     s = size_kv(QWEN3_0_6B, block_size=256)
     assert s.bytes_per_cpu_block == 2 * 14_680_064
     assert s.blocks_per_chunk == 2
 
 
-def test_cpu_block_over_workers_is_padded_to_a_page():
+def test_cpu_block_over_workers_is_padded_to_a_page(size_kv):
     # One MLA layer of (100 + 12) * 2 bytes * 16 tokens = 3,584 bytes,
     # padded to one 4 KiB page as vLLM's spec does.
     tiny = {
@@ -148,7 +151,10 @@ def test_cpu_block_over_workers_is_padded_to_a_page():
     assert s.bytes_per_cpu_block == CPU_BLOCK_ALIGNMENT == 4096
 
 
-def test_multimodal_config_sizes_its_text_model():
+def test_multimodal_config_sizes_its_text_model(size_kv):
+    # vLLM's ModelConfig inspects the multimodal model class, whose module
+    # imports torchvision (not installed on the CPU test machine).
+    pytest.importorskip("torchvision")
     vl = {
         "model_type": "qwen3_vl",
         "torch_dtype": "bfloat16",
@@ -158,7 +164,7 @@ def test_multimodal_config_sizes_its_text_model():
     assert size_kv(vl).bytes_per_cpu_block == 14_680_064
 
 
-def test_hybrid_model_counts_attention_layers_as_a_lower_bound():
+def test_hybrid_model_counts_attention_layers_as_a_lower_bound(size_kv):
     # 48 layers, full attention every 4th: 12 attention layers;
     # 2 * 12 * 2 KV heads * 256 * 2 bytes * 128 tokens = 3,145,728 bytes.
     s = size_kv(QWEN3_NEXT_80B)
@@ -168,13 +174,15 @@ def test_hybrid_model_counts_attention_layers_as_a_lower_bound():
     assert any("lower" in n or "at least" in n for n in s.notes)
 
 
-def test_layer_types_list_marks_attention_layers():
+def test_layer_types_list_marks_attention_layers(size_kv):
+    # A hybrid model (Qwen3-Next: linear attention next to full attention).
     layers = ["linear_attention", "linear_attention", "full_attention"] * 2
-    cfg = dict(QWEN3_0_6B, num_hidden_layers=6, layer_types=layers)
+    cfg = dict(QWEN3_NEXT_80B, num_hidden_layers=6, layer_types=layers)
     s = size_kv(cfg)
     assert (s.num_attention_layers, s.num_state_layers) == (2, 4)
     # Sliding-window layers hold pages of the same size per token.
-    sliding = dict(cfg, layer_types=["sliding_attention", "full_attention"] * 3)
+    layers = ["sliding_attention", "full_attention"] * 3
+    sliding = dict(QWEN3_0_6B, num_hidden_layers=6, layer_types=layers)
     assert size_kv(sliding).exact
 
 
@@ -189,17 +197,29 @@ def test_layer_types_list_marks_attention_layers():
         ({"block_configs": [{}]}, "block_configs"),
         ({"torch_dtype": "complex64"}, "--dtype"),
         ({"is_encoder_decoder": True}, "encoder-decoder"),
-        ({"layer_types": ["linear_attention"] * 28}, "no attention layers"),
         ({"layer_types": ["full_attention"]}, "layer_types"),
     ],
 )
-def test_configs_it_cannot_size_are_refused_by_name(change, named):
+def test_configs_it_cannot_size_are_refused_by_name(change, named, size_kv):
     cfg = {**QWEN3_0_6B, **change}
     with pytest.raises(SizingError, match=named):
         size_kv(cfg)
 
 
-def test_mla_without_rope_dim_is_refused():
+def test_hybrid_model_without_attention_layers_is_refused(size_kv):
+    cfg = dict(QWEN3_NEXT_80B, layer_types=["linear_attention"] * 48)
+    with pytest.raises(SizingError, match="no attention layers"):
+        size_kv(cfg)
+
+
+def test_a_config_vllm_cannot_load_is_refused_with_vllms_reason(size_kv):
+    # A model_type that neither transformers nor vLLM knows.
+    cfg = dict(QWEN3_0_6B, model_type="no_such_model", architectures=["NoSuch"])
+    with pytest.raises(UnsupportedModelError, match="vLLM's ModelConfig cannot load"):
+        size_kv(cfg)
+
+
+def test_mla_without_rope_dim_is_refused(size_kv):
     cfg = {k: v for k, v in DEEPSEEK_V2_LITE.items() if k != "qk_rope_head_dim"}
     with pytest.raises(SizingError, match="qk_rope_head_dim"):
         size_kv(cfg)
@@ -215,7 +235,7 @@ def test_mla_without_rope_dim_is_refused():
         ({"kv_cache_dtype": "fp8_ds_mla"}, "MLA"),
     ],
 )
-def test_bad_settings_are_refused_naming_the_flag(kwargs, named):
+def test_bad_settings_are_refused_naming_the_flag(kwargs, named, size_kv):
     with pytest.raises(SizingError, match=named):
         size_kv(QWEN3_0_6B, **kwargs)
 
@@ -245,7 +265,7 @@ def _guard_accepts(available, sizing, num_blocks) -> bool:
 
 
 @pytest.mark.parametrize("config", [QWEN3_0_6B, DEEPSEEK_V2_LITE, LLAMA3_8B])
-def test_max_num_cpu_blocks_is_the_largest_the_guard_accepts(config):
+def test_max_num_cpu_blocks_is_the_largest_the_guard_accepts(config, size_kv):
     available = 24 * 2**30 + 12345
     s = size_kv(config)
     fit = fit_host_memory(s, available_bytes=available)
@@ -257,7 +277,7 @@ def test_max_num_cpu_blocks_is_the_largest_the_guard_accepts(config):
     assert fit.cpu_bytes_to_use // s.bytes_per_cpu_block == fit.max_num_cpu_blocks
 
 
-def test_guide_config_on_a_24_gib_host():
+def test_guide_config_on_a_24_gib_host(size_kv):
     # 90% of 24 GiB = 23,192,823,398 bytes; / 14,680,064 = 1579 blocks.
     fit = fit_host_memory(size_kv(QWEN3_0_6B), available_bytes=24 * 2**30)
     assert fit.usable_bytes == int(24 * 2**30 * 0.9) == 23_192_823_398
@@ -265,7 +285,7 @@ def test_guide_config_on_a_24_gib_host():
     assert fit.cpu_bytes_to_use == 1579 * 14_680_064
 
 
-def test_reserved_memory_and_workers_on_host_shrink_the_fit():
+def test_reserved_memory_and_workers_on_host_shrink_the_fit(size_kv):
     s = size_kv(QWEN3_0_6B, tensor_parallel_size=2)
     gib = 2**30
     # Two workers' pools on this host, 4 GiB kept for the device KV cache:
@@ -278,14 +298,14 @@ def test_reserved_memory_and_workers_on_host_shrink_the_fit():
     assert none.max_num_cpu_blocks == 0
 
 
-def test_fit_reads_host_memory_now_by_default(monkeypatch, host_ledger_dir):
+def test_fit_reads_host_memory_now_by_default(monkeypatch, host_ledger_dir, size_kv):
     monkeypatch.setattr(host_guard, "host_available_bytes", lambda: 10 * 14_680_064)
     fit = fit_host_memory(size_kv(QWEN3_0_6B))
     assert fit.available_bytes == 10 * 14_680_064
     assert fit.max_num_cpu_blocks == 9  # 90% of 10 blocks
 
 
-def test_the_fit_next_to_reserved_memory_is_what_the_guard_accepts():
+def test_the_fit_next_to_reserved_memory_is_what_the_guard_accepts(size_kv):
     s = size_kv(QWEN3_0_6B)
     available, reserved = 16 * 2**30 + 999, 3 * 2**30
     blocks = fit_host_memory(
@@ -322,7 +342,7 @@ def test_auto_takes_a_share_of_what_the_guard_accepts_next_to_the_engine():
     ],
 )
 def test_formula_matches_vllms_model_config_and_kv_spec(
-    tmp_path, vllm_model_config, config, tp
+    tmp_path, vllm_model_config, config, tp, size_kv
 ):
     from vllm.config import ParallelConfig
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec

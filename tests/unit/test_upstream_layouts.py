@@ -29,7 +29,6 @@ from tests.unit.upstream_layouts import build, parts_of
 from tests.unit.upstream_runner import REPLACEMENTS, RUNNER, RUNNER_METHODS
 from tests.unit.upstream_scenarios import scenarios
 from vllm_ascend.kv_offload.kv_layout import canonicalize
-from vllm_ascend.kv_offload.sizing import size_kv
 
 NUM_CPU_BLOCKS = 8
 POISON = 0x5A
@@ -171,6 +170,12 @@ def test_bytes_per_cpu_block_are_what_the_spec_says(layout):
 # HF configs of the layouts sizing.py can size (dense and MLA attention; it
 # knows no scale tensors, Ascend indexers or mixed-dtype MLA), with the
 # --kv-cache-dtype each was built with.
+GQA_MODEL = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
+MLA_MODEL = {
+    "model_type": "deepseek_v2",
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "num_attention_heads": 4,
+}
 SIZABLE = {
     "bf16 (k, v)": ({"num_attention_heads": 4, "num_key_value_heads": 2}, "auto"),
     "bf16 (k, v) interleaved in one allocation": (
@@ -186,13 +191,14 @@ SIZABLE = {
 
 
 @pytest.mark.parametrize("name", SIZABLE)
-def test_sizing_gives_the_bytes_per_cpu_block_the_pool_holds(upstream, name):
+def test_sizing_gives_the_bytes_per_cpu_block_the_pool_holds(upstream, name, size_kv):
     built = build(upstream, scenarios(upstream)[name])
     config, kv_cache_dtype = SIZABLE[name]
     sizing = size_kv(
         {
             **config,
-            "model_type": "test",
+            # A model vLLM's ModelConfig knows for each attention kind.
+            **(MLA_MODEL if "kv_lora_rank" in config else GQA_MODEL),
             "num_hidden_layers": 2,
             "head_dim": 64,
             "torch_dtype": "bfloat16",

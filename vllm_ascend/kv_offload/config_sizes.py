@@ -91,6 +91,15 @@ def check_sizes(cfg: Mapping[str, Any]) -> None:
                 f"config.json: {key}={value} is above {bound}, the largest this "
                 "sizing accepts (far above any released model's)"
             )
+    hidden, heads = cfg.get("hidden_size"), cfg.get("num_attention_heads")
+    if cfg.get("head_dim") is None and hidden and heads:
+        # The head size many models derive (a bound on it, as on head_dim).
+        if not 0 < hidden // heads <= MAX_HEAD_SIZE:
+            raise SizingError(
+                f"config.json: hidden_size={hidden} // num_attention_heads={heads} "
+                f"gives a head size of {hidden // heads}, not in 1..{MAX_HEAD_SIZE}; "
+                "set head_dim to the model's head size"
+            )
 
 
 def check_layout(config: Mapping[str, Any], cfg: Mapping[str, Any], model: str) -> None:
