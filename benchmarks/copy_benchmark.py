@@ -26,8 +26,10 @@ reported, in GB/s = 1e9 bytes/s:
     The naive baseline: one ``copy_(non_blocking=True)`` per fragment on
     pre-sliced tensor views (on a device one async memcpy each).
 ``op``
-    ``swap_blocks_batch`` through ``vllm_ascend.kv_offload.ops``: one call
-    for the whole batch.
+    One call for the whole batch through the copy path the worker's
+    self-check tries first, short of the torch path (``copy_paths.py``): our
+    op's ``swap_blocks_batch`` on cpu and npu, vLLM's ``swap_blocks_batch``
+    on cuda (``vllm-batch``). The rows name it (``op_path``).
 
 The host pool is pinned on devices; on cpu the "device" pool is host memory
 too and ``d2h`` / ``h2d`` only name which pool is the source. Device timings
@@ -40,7 +42,8 @@ the random source; the op is checked again after timing.
 
 The descriptor section times the real ``CopyEngine.build`` on synthetic
 ``CanonicalKVCaches`` (tiny pages, e.g. 64 B, so that copying is small),
-alone and together with ``CopyEngine.submit``, and reports host microseconds
+alone and together with ``CopyEngine.submit`` (on the worker's first
+candidate path, ``op`` where there is one), and reports host microseconds
 per fragment. On a device the submit time is the enqueue cost only; on cpu
 it includes copying the tiny fragments (an upper bound on the submit cost).
 This section imports vLLM; ``--descriptor-fragments 0`` skips it.
@@ -75,6 +78,7 @@ import numpy as np
 import torch
 
 from vllm_ascend.kv_offload import ops
+from vllm_ascend.kv_offload.copy_paths import candidate_paths
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -157,6 +161,10 @@ class Device:
         self.pinned = name != "cpu"
         self.settle_s = 0.0
         self._streams: list = []
+        # What CopyEngine copies with here (the worker's first candidate),
+        # and what "op" times: the first that is not the torch path.
+        self.paths = candidate_paths(name)
+        self.op_path = next((p for p in self.paths if p.native), None)
 
     def empty(self, nbytes: int, on_device: bool) -> torch.Tensor:
         if on_device and self.mod is not None:
@@ -254,6 +262,8 @@ class Case:
         slots = zip(self.src_slots.tolist(), self.dst_slots.tolist(), strict=True)
         self.pairs = [(src2d[s], dst2d[d]) for s, d in slots]
         self.op_copies: int | None = None
+        path = self.device.op_path
+        self.swap = path.bind([self.src, self.dst]) if path is not None else None
 
     # Methods: each copies the whole case once (asynchronously on a device).
     def contiguous(self) -> None:
@@ -273,11 +283,10 @@ class Case:
         for s, d in self.pairs:
             d.copy_(s, non_blocking=True)
 
-    def op(self) -> torch.Tensor:
+    def op(self) -> object:
         """Returns the op's workspace: keep it until the copies are done."""
-        self.op_copies, workspace = ops.swap_blocks_batch(
-            self.src_addrs, self.dst_addrs, self.sizes, self.device.name
-        )
+        assert self.swap is not None
+        self.op_copies, workspace = self.swap(self.src_addrs, self.dst_addrs, self.sizes)
         return workspace
 
     # Verification.
@@ -322,12 +331,14 @@ def methods_for(device: Device) -> tuple[list[str], str | None]:
     if device.name == "cpu":
         names += (["memcpy"] if ops.HAS_NATIVE_OP else []) + ["torch_copy"]
     names.append("loop")
-    have_op = device.name == "cpu" or device.name in ops.native_backends()
-    if not have_op:
-        return names, (
-            f"swap_blocks_batch has no '{device.name}' backend in this build "
+    if device.op_path is None:
+        where = (
+            "vLLM's swap_blocks_batch is not registered in this vLLM"
+            if device.name == "cuda"
+            else f"swap_blocks_batch has no '{device.name}' backend in this build "
             f"(compiled: {', '.join(ops.native_backends()) or 'none, Python fallback'})"
         )
+        return names, f"no copy op on {device.name}: {where}"
     return names + ["op"], None
 
 
@@ -383,6 +394,7 @@ def bench_cases(
             "median_s": statistics.median(times[name]),
             "repeats": repeats,
             "copies_per_direction": copies[name],
+            "op_path": device.op_path.name if name == "op" else None,
             "host_pinned": device.pinned,
             "verified": True,
         }
@@ -471,6 +483,7 @@ def descriptor_cost(
     )
     pool = private_pool([fragment_bytes] * num_tensors, 1, blocks, device.name)
     engine = CopyEngine(kv, pool)
+    engine.use(device.paths[0].bind(engine.buffers()))
     rng = np.random.default_rng(seed)
     dev_ids, cpu_ids = scatter_slots(blocks, rng)
     spec = GPULoadStoreSpec(dev_ids.tolist(), group_sizes=[blocks], block_indices=[0])
@@ -513,6 +526,7 @@ def descriptor_cost(
     return {
         "kind": "descriptor_cost",
         "device": device.name,
+        "copy_path": device.paths[0].name,
         "num_fragments": n,
         "fragment_bytes": fragment_bytes,
         "num_tensors": num_tensors,
@@ -563,6 +577,8 @@ def layout_jobs(device: Device, blocks: int, repeats: int, seed: int) -> list[di
         pages = [t.page_size_bytes for t in kv.tensors]
         pool = private_pool(pages, 1, blocks, device.name)
         engine = CopyEngine(kv, pool)
+        assert device.op_path is not None  # run only where there is one
+        engine.use(device.op_path.bind(engine.buffers()))
         dev_ids, cpu_ids = scatter_slots(blocks, rng)
         spec = GPULoadStoreSpec(dev_ids.tolist(), [blocks], [0])
         desc = engine.build(spec, cpu_ids, to_cpu=True)
@@ -660,6 +676,8 @@ def print_table(
         )
     else:
         print("contiguous = one copy_(non_blocking=True) of all bytes")
+    if device.op_path is not None:
+        print(f"op = copy path {device.op_path.name}")
     if op_missing:
         print(f"op: n/a, {op_missing}")
     methods = list(dict.fromkeys(r["method"] for r in rows))

@@ -185,10 +185,10 @@ def vllm_swap_blocks_batch() -> Callable[..., None] | None:
     import torch
 
     try:
-        from vllm import _custom_ops
+        import vllm._custom_ops  # its torch ops load with it
     except ImportError:
         return None
-    fn = getattr(_custom_ops, "swap_blocks_batch", None)
+    fn = getattr(vllm._custom_ops, "swap_blocks_batch", None)
     if fn is None or not hasattr(torch.ops._C_cache_ops, "swap_blocks_batch"):
         return None
     return fn
