@@ -478,6 +478,13 @@ class _Copies:
         dst = self.dst.data_ptr() + self.perm * frag
         sizes = torch.full((n,), frag, dtype=torch.int64)
         device = self.device
+        if device == "cuda":
+            # No op of ours on cuda: the path the worker tries first (vLLM's).
+            from vllm_ascend.kv_offload.copy_paths import candidate_paths
+
+            swap = candidate_paths(device)[0].bind([self.src, self.dst])
+            _, self._workspace = swap(src, dst, sizes)
+            return
         # Module attribute, not a from-import: what runs is what ops holds.
         _, self._workspace = ops.swap_blocks_batch(src, dst, sizes, device)
 

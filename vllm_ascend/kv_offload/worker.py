@@ -188,10 +188,10 @@ class NPUOffloadingWorker(OffloadingWorker):
         return True
 
     def _copy_job(self, kind: str, job_id: int, desc: Descriptors) -> CopyFn:
-        """What the job's queue runs: the copy engine's submission of ``desc``.
-        ``kind``: "store", "load" or "expedited_load". A seam for tests
-        (tests/fault_injection.py), which make chosen jobs fail. The bound
-        copy function itself: no frame of ours between the queue and the op."""
+        """What the job's queue runs: the self-check's bound copy function on
+        ``desc`` (no frame of ours between the queue and the op). ``kind``:
+        "store", "load" or "expedited_load". A seam for tests
+        (tests/fault_injection.py), which make chosen jobs fail."""
         return functools.partial(self.engine.swap, desc.src, desc.dst, desc.sizes)
 
     def _refuse(self, job_id: int) -> bool:
