@@ -286,7 +286,9 @@ class Case:
     def op(self) -> object:
         """Returns the op's workspace: keep it until the copies are done."""
         assert self.swap is not None
-        self.op_copies, workspace = self.swap(self.src_addrs, self.dst_addrs, self.sizes)
+        self.op_copies, workspace = self.swap(
+            self.src_addrs, self.dst_addrs, self.sizes
+        )
         return workspace
 
     # Verification.

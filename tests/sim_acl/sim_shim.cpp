@@ -55,9 +55,9 @@ int simacl_core_copy(const uint64_t* src, const uint64_t* dst,
   };
   int rc = 0;
   try {
-    const auto r = copier()->copy(
-        regions, stream, bytes == 0 ? nullptr : workspace.get(), bytes,
-        per_copy != 0);
+    const auto r =
+        copier()->copy(regions, stream, bytes == 0 ? nullptr : workspace.get(),
+                       bytes, per_copy != 0);
     report->direction =
         r.direction ==
                 vllm_ascend::kv_offload::npu::CopyDirection::kHostToDevice

@@ -111,7 +111,8 @@ def vllm_op_stand_in(calls: list | None = None):
     def swap_blocks_batch(src_ptrs, dst_ptrs, sizes, is_src_access_order_any=False):
         if calls is not None:
             calls.append((src_ptrs, dst_ptrs, sizes))
-        for s, d, n in zip(src_ptrs.tolist(), dst_ptrs.tolist(), sizes.tolist()):
+        cols = (src_ptrs.tolist(), dst_ptrs.tolist(), sizes.tolist())
+        for s, d, n in zip(*cols, strict=True):
             ctypes.memmove(d, s, n)
 
     return swap_blocks_batch

@@ -30,9 +30,7 @@ OP_ENTRIES = {
     torch._ops.OpOverload.__call__.__code__,
     ops.fallback_swap_blocks_batch.__code__,
 }
-QUEUE_SUBMITS = {
-    cls.submit.__code__ for cls in TransferQueue.__subclasses__()
-}
+QUEUE_SUBMITS = {cls.submit.__code__ for cls in TransferQueue.__subclasses__()}
 
 
 def ours(frame) -> list[str]:

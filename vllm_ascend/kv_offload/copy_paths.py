@@ -54,7 +54,9 @@ class Available:
     @classmethod
     def here(cls, device_type: str) -> Available:
         # vLLM's op is looked up only where it can serve.
-        vllm_swap = vllm_compat.vllm_swap_blocks_batch() if device_type == "cuda" else None
+        vllm_swap = (
+            vllm_compat.vllm_swap_blocks_batch() if device_type == "cuda" else None
+        )
         return cls(ops.native_backends(), vllm_swap)
 
 
