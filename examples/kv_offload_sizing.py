@@ -21,10 +21,13 @@ import argparse
 import json
 import math
 import os
-import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+# The worker's host-memory guard: its arithmetic, applied here ahead of time.
+from vllm_ascend.kv_offload import host_guard
+from vllm_ascend.kv_offload.host_guard import AUTO_POOL_SHARE, show
 
 # The user guide's offloading configuration, key for key.
 GUIDE_EXTRA_CONFIG = {
@@ -37,12 +40,6 @@ GUIDE_EXTRA_CONFIG = {
 # tokenizer, activations) take besides the weights, the KV cache and the pool;
 # measured about 1.3 GiB on vLLM 0.32's CPU backend with the generated model.
 ENGINE_OVERHEAD_BYTES = 2 * 2**30
-# The pool check of the worker (vllm_ascend/kv_offload/cpu_pool.py) lets the
-# pool take at most 90 % of the memory available when it is allocated.
-MAX_HOST_MEMORY_FRACTION = 0.9
-# "auto" gives the pool this share of the largest pool that fits next to the
-# engine, so that the machine stays usable.
-AUTO_POOL_SHARE = 0.5
 # Device KV cache on vLLM's CPU backend when none is given: room for this many
 # sequences of max_model_len tokens (vLLM needs one), at least the minimum.
 KV_CACHE_SEQUENCES = 2
@@ -50,30 +47,14 @@ KV_CACHE_MIN_BYTES = 256 * 2**20
 # ... and for a model named by its hub id, whose config is not read here.
 KV_CACHE_UNKNOWN_MODEL_BYTES = 4 * 2**30
 
-_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-
 
 def parse_bytes(text: str) -> int:
-    """``1073741824``, ``512MiB``, ``4G``, ``1.5GiB`` -> bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgtKMGT]?)(i?[bB])?\s*", text)
-    if m is None:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a size: give bytes, or a number with K/M/G/T "
-            "(binary units), e.g. 512MiB or 4G"
-        )
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def show(nbytes: float) -> str:
-    if nbytes >= 2**30:
-        return f"{nbytes / 2**30:.2f} GiB"
-    return f"{nbytes / 2**20:.1f} MiB"
-
-
-def host_available_bytes() -> int:
-    import psutil
-
-    return int(psutil.virtual_memory().available)
+    """``1073741824``, ``512MiB``, ``4G``, ``1.5GiB`` -> bytes (a flag's type:
+    argparse prints an ArgumentTypeError's message)."""
+    try:
+        return host_guard.parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def looks_like_cpu_backend() -> bool:
@@ -129,34 +110,6 @@ def read_model(path: str) -> ModelKV | None:
     )
 
 
-def _package_sizing():
-    """vllm_ascend.kv_offload.sizing where installed, else None; looked up
-    without importing the package (which loads torch) when it is absent."""
-    import importlib
-    import importlib.util
-
-    package = importlib.util.find_spec("vllm_ascend")
-    if package is None or not any(
-        Path(d, "kv_offload", "sizing.py").is_file()
-        for d in package.submodule_search_locations or ()
-    ):
-        return None
-    return importlib.import_module("vllm_ascend.kv_offload.sizing")
-
-
-def auto_num_cpu_blocks(block_bytes: int, engine_bytes: int, available: int) -> int:
-    """The pool that ``--num-cpu-blocks auto`` asks for: AUTO_POOL_SHARE of
-    the largest pool that the worker's host-memory guard would accept once
-    the engine (weights, host KV cache, processes) is in. The one place this
-    is decided: vllm_ascend.kv_offload.sizing.auto_num_cpu_blocks (the
-    doctor's computation) where it is installed, else the same arithmetic."""
-    package = _package_sizing()
-    if package is not None and hasattr(package, "auto_num_cpu_blocks"):
-        return int(package.auto_num_cpu_blocks(block_bytes, engine_bytes, available))
-    left = max(0, available - engine_bytes) * MAX_HOST_MEMORY_FRACTION
-    return int(left * AUTO_POOL_SHARE) // block_bytes
-
-
 @dataclass
 class Plan:
     """The overrides of the guide's configuration, and what they cost."""
@@ -190,7 +143,11 @@ def plan(
     extra = dict(GUIDE_EXTRA_CONFIG)
     overrides: list[str] = []
     kv = read_model(model)
-    available = host_available_bytes()
+    available = host_guard.host_available_bytes()
+    try:
+        cap = host_guard.budget_cap()
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     block_bytes = kv.cpu_block_bytes(extra["block_size"]) if kv else None
 
     if kv is not None and max_model_len is None and not generated:
@@ -236,7 +193,9 @@ def plan(
                 f"--num-cpu-blocks auto needs a local model directory with a "
                 f"config.json ({model!r} has none): pass --num-cpu-blocks N"
             )
-        blocks = auto_num_cpu_blocks(block_bytes, engine_bytes, available)
+        blocks = host_guard.auto_num_cpu_blocks(
+            block_bytes, engine_bytes, available, cap=cap
+        )
         if blocks < 1:
             raise SystemExit(
                 f"--num-cpu-blocks auto: no CPU block ({show(block_bytes)}) fits "
@@ -263,9 +222,11 @@ def plan(
         )
     if pool_bytes is not None and engine_bytes is not None:
         # The worker's guard: the pool within 90 % of what the engine leaves.
-        limit = max(0, available - engine_bytes) * MAX_HOST_MEMORY_FRACTION
+        limit = host_guard.usable_bytes(available, engine_bytes, cap)
         if pool_bytes > limit:
-            fit = auto_num_cpu_blocks(block_bytes, engine_bytes, available)
+            fit = host_guard.auto_num_cpu_blocks(
+                block_bytes, engine_bytes, available, cap=cap
+            )
             what = (
                 f"cpu_bytes_to_use={extra['cpu_bytes_to_use']}"
                 if "cpu_bytes_to_use" in extra
@@ -281,8 +242,14 @@ def plan(
                 f"engine ({show(engine_bytes)}: weights, "
                 + ("KV cache, " if kv_cache_in_host else "")
                 + f"processes) need {show(pool_bytes + engine_bytes)}: the pool "
-                f"may take {MAX_HOST_MEMORY_FRACTION:.0%} of what the engine "
-                f"leaves of the {show(available)} of host memory available; {hint}"
+                f"may take {host_guard.MAX_HOST_MEMORY_FRACTION:.0%} of what the "
+                f"engine leaves of the {show(available)} of host memory available"
+                + (
+                    f", at most {host_guard.HOST_BUDGET_ENV}={show(cap)}"
+                    if cap is not None and limit == cap
+                    else ""
+                )
+                + f"; {hint}"
             )
     return Plan(
         extra_config=extra,

@@ -89,19 +89,6 @@ def shutdown(llm) -> None:
     llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
 
 
-def pin_compute_threads() -> None:
-    """On a machine with 2 cores, leave the last one to the engine core
-    process and the offload copy thread (as scripts/cpu_layout.sh does, which
-    says why: vLLM's CPU backend otherwise reserves no core once a connector
-    is configured, warns, and computes on both). Either of
-    VLLM_CPU_OMP_THREADS_BIND and VLLM_CPU_NUM_OF_RESERVED_CPU set wins."""
-    if {"VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU"} & set(os.environ):
-        return
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) == 2:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cpus[0])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -155,7 +142,7 @@ def main() -> None:
                 args.prompt_words // 4
             )
 
-    pin_compute_threads()
+    # The CPU backend's core reservation is our plugin's (cpu_threads.apply).
     os.environ.setdefault(
         "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", WORKER_SHUTDOWN_TIMEOUT_S
     )

@@ -82,8 +82,6 @@ fi
 if [[ -z $model ]]; then
   model=$(python -m vllm_ascend.kv_offload.testing.tiny_model --preset demo)
 fi
-# shellcheck disable=SC1091
-source "$here/../scripts/cpu_layout.sh"
 
 # The KV cache is accelerator memory with torch_npu or a CUDA device, host
 # memory on vLLM's CPU backend.

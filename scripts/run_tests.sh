@@ -16,8 +16,6 @@ fi
 bash scripts/setup_env.sh
 # shellcheck disable=SC1091
 source "${VLLM_ASCEND_VENV:-.venv}/bin/activate"
-# shellcheck disable=SC1091
-source scripts/cpu_layout.sh
 set +e
 python -m pytest -ra "$@"
 rc=$?

@@ -167,7 +167,8 @@ uint64_t total_bytes_of_disjoint_copies(const std::vector<CopyRegion>& regions,
   return total;
 }
 
-void host_register(int64_t addr, int64_t size, std::string_view device) {
+void host_register(int64_t addr, int64_t size, std::string_view device,
+                   int64_t flags) {
   TORCH_CHECK(device == "npu" || device == "cuda" || device == "cpu",
               "kv_offload_host_register: unknown device '", device,
               "'; expected 'npu'");
@@ -178,10 +179,15 @@ void host_register(int64_t addr, int64_t size, std::string_view device) {
 #ifdef VLLM_ASCEND_WITH_NPU
   TORCH_CHECK(addr >= 0 && size > 0, "kv_offload_host_register: addr=", addr,
               ", size=", size, " is not a host range");
-  host_register_npu(static_cast<uint64_t>(addr), static_cast<uint64_t>(size));
+  TORCH_CHECK(flags > 0 && flags <= UINT32_MAX,
+              "kv_offload_host_register: flags=", flags,
+              " is not a 32-bit ACL_HOST_REG_* mask");
+  host_register_npu(static_cast<uint64_t>(addr), static_cast<uint64_t>(size),
+                    static_cast<uint32_t>(flags));
 #else
   (void)addr;
   (void)size;
+  (void)flags;
   TORCH_CHECK(false,
               "kv_offload_host_register: backend 'npu' was not compiled into "
               "this build (compiled backends: ",
@@ -251,7 +257,9 @@ void register_kv_offload_ops(torch::Library& m) {
       "(int copies, Tensor workspace)");
   m.impl("kv_offload_swap_blocks", c10::DispatchKey::CompositeExplicitAutograd,
          TORCH_FN(swap_blocks_batch));
-  m.def("kv_offload_host_register(int addr, int size, str device) -> ()");
+  m.def(
+      "kv_offload_host_register(int addr, int size, str device, "
+      "int flags=268435458) -> ()");
   m.impl("kv_offload_host_register",
          c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(host_register));
   m.def("kv_offload_host_unregister(int addr, str device) -> ()");

@@ -114,15 +114,17 @@
 // ========================
 //
 //   torch.ops._C_ascend.kv_offload_host_register(int addr, int size, str
-//   device) torch.ops._C_ascend.kv_offload_host_unregister(int addr, str
-//   device)
+//   device, int flags=0x10000002)
+//   torch.ops._C_ascend.kv_offload_host_unregister(int addr, str device)
 //
 // Makes the existing host range [addr, addr + size) page-locked memory that
 // the `device` backend of kv_offload_swap_blocks accepts, and undoes it.
 // For host memory that is not allocated pinned: vLLM's shared /dev/shm
 // offload region (NPUTieringOffloadingSpec), which every worker maps.
-//   "npu": aclrtHostRegisterV2(addr, size, ACL_HOST_REG_PINNED) ("register
-//       pageable host memory as page-locked memory", CANN docs), then
+//   "npu": aclrtHostRegisterV2(addr, size, flags) ("register pageable host
+//       memory as page-locked memory", CANN docs); flags is
+//       ACL_HOST_REG_MAPPED (0x2), optionally | ACL_HOST_REG_PINNED
+//       (0x10000000; the default is both, A5 rejects PINNED), then
 //       aclrtPointerGetAttributes on its first and last byte must report
 //       page-locked host memory (else it is unregistered again and the call
 //       raises). addr must be 4 KiB-aligned and non-zero, size > 0 (checked
@@ -193,7 +195,7 @@ at::Tensor swap_blocks_cpu(const std::vector<CopyRegion>& regions,
 at::Tensor swap_blocks_npu(const std::vector<CopyRegion>& regions,
                            bool per_copy);
 // kv_offload_host_register / _unregister on "npu" (npu/host_register_npu.cpp).
-void host_register_npu(uint64_t addr, uint64_t size);
+void host_register_npu(uint64_t addr, uint64_t size, uint32_t flags);
 void host_unregister_npu(uint64_t addr);
 // kv_offload_host_alloc / _free on "npu" (npu/host_register_npu.cpp).
 uint64_t host_alloc_npu(uint64_t size);
@@ -216,7 +218,8 @@ std::tuple<int64_t, at::Tensor> swap_blocks_batch(const at::Tensor& src_addrs,
 
 // The ops registered as torch.ops._C_ascend.kv_offload_host_register /
 // kv_offload_host_unregister (see "kv_offload_host_register" above).
-void host_register(int64_t addr, int64_t size, std::string_view device);
+void host_register(int64_t addr, int64_t size, std::string_view device,
+                   int64_t flags);
 void host_unregister(int64_t addr, std::string_view device);
 int64_t host_alloc(int64_t size, std::string_view device);
 void host_free(int64_t addr, std::string_view device);

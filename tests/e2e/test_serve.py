@@ -245,9 +245,8 @@ def test_metrics_tell_an_operator_the_pool_kind_copy_path_and_failures(served):
 
 def test_the_cpu_backend_keeps_a_core_for_the_scheduler(served):
     # vLLM's CPU backend reserves one more core with a KV connector; on two
-    # cores that left none and ran OpenMP on both. Either our plugin
-    # (cpu_threads.py: VLLM_CPU_NUM_OF_RESERVED_CPU=1) or the serve script
-    # (scripts/cpu_layout.sh: VLLM_CPU_OMP_THREADS_BIND) must leave one core
+    # cores that left none and ran OpenMP on both. Our plugin
+    # (cpu_threads.py: VLLM_CPU_NUM_OF_RESERVED_CPU=1) must leave one core
     # to the scheduler: what counts is the binding vLLM logs.
     log = served["log_text"]
     assert "should be greater than reserved CPU core" not in log

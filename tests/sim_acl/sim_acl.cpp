@@ -41,7 +41,8 @@
 // from or to it are queued like any pinned copy. Unregistering makes it
 // pageable again; copies still queued then fault when they run. SIM CHOICES:
 // the codes ACL_ERROR_RT_ADDR_UNALIGNED (unaligned), ACL_ERROR_INVALID_PARAM
-// (null, size 0, a flag without ACL_HOST_REG_PINNED or with unknown bits),
+// (null, size 0, flag 0 or with bits other than MAPPED / PINNED; MAPPED
+// alone is accepted, as A5 requires),
 // ACL_ERROR_HOST_MEMORY_ALREADY_REGISTERED (overlaps any registered range)
 // and ACL_ERROR_HOST_MEMORY_NOT_REGISTERED (unregister of an address that
 // is not the start of a host registration); the two last are the header's
@@ -114,6 +115,11 @@ struct State {
   // What aclrtPointerGetAttributes reports for host-registered ranges.
   aclrtMemLocationType host_register_location = ACL_MEM_LOCATION_TYPE_HOST;
   int64_t last_register_flag = -1;
+  // simacl_set_host_limits: per-call size limit (0: none), address
+  // alignment of registrations, A5's flag rule.
+  uint64_t max_host_bytes = 0;
+  uint64_t host_alignment = 4096;
+  bool a5 = false;
 };
 
 State& state() {
@@ -156,6 +162,17 @@ bool locate(const State& s, const void* ptr, size_t n, aclrtMemLocation* out) {
   }
   *out = aclrtMemLocation{0, ACL_MEM_LOCATION_TYPE_UNREGISTERED};
   return it == s.ranges.end() || it->first - p >= n;
+}
+
+// simacl_set_host_limits' size limit: true (with *code set) when one call
+// of `api` asks for more than it.
+bool over_host_limit(State& s, uint64_t size, const char* api, aclError* code) {
+  if (s.max_host_bytes == 0 || size <= s.max_host_bytes) return false;
+  *code = error(s, ACL_ERROR_RT_MEMORY_ALLOCATION,
+                std::to_string(size) + " bytes in one " + api +
+                    ", more than the simulated limit of " +
+                    std::to_string(s.max_host_bytes));
+  return true;
 }
 
 bool is_device(const aclrtMemLocation& loc) {
@@ -251,16 +268,23 @@ aclError aclrtHostRegisterV2(void* ptr, uint64_t size, uint32_t flag) {
   }
   constexpr uint32_t kKnown =
       static_cast<uint32_t>(ACL_HOST_REG_MAPPED | ACL_HOST_REG_PINNED);
-  if ((flag & ACL_HOST_REG_PINNED) == 0 || (flag & ~kKnown) != 0) {
+  if (flag == 0 || (flag & ~kKnown) != 0) {
     return error(s, ACL_ERROR_INVALID_PARAM,
                  "flag " + std::to_string(flag) +
-                     ": the simulation page-locks with ACL_HOST_REG_PINNED "
-                     "(optionally | ACL_HOST_REG_MAPPED) only");
+                     ": the simulation registers with ACL_HOST_REG_MAPPED "
+                     "and/or ACL_HOST_REG_PINNED only");
   }
-  if (p % 4096 != 0) {
+  if (s.a5 && (flag & ACL_HOST_REG_PINNED) != 0) {
+    return error(s, ACL_ERROR_RT_PARAM_INVALID,
+                 "A5 rejects ACL_HOST_REG_PINNED; register with "
+                 "ACL_HOST_REG_MAPPED only");
+  }
+  if (p % s.host_alignment != 0) {
     return error(s, ACL_ERROR_RT_ADDR_UNALIGNED,
-                 "host address is not 4 KiB-aligned");
+                 "host address is not " + std::to_string(s.host_alignment) +
+                     "-byte aligned");
   }
+  if (over_host_limit(s, size, "aclrtHostRegisterV2", &code)) return code;
   // Any overlap with a registered range (host registration or test hook).
   auto it = s.ranges.lower_bound(p);
   const bool overlaps_next = it != s.ranges.end() && it->first < p + size;
@@ -287,8 +311,10 @@ aclError aclrtMallocHost(void** hostPtr, size_t size) {
   if (hostPtr == nullptr || size == 0) {
     return error(s, ACL_ERROR_INVALID_PARAM, "null hostPtr or size 0");
   }
-  const size_t rounded = (size + 4095) / 4096 * 4096;
-  void* p = std::aligned_alloc(4096, rounded);
+  if (over_host_limit(s, size, "aclrtMallocHost", &code)) return code;
+  const size_t align = s.host_alignment;
+  const size_t rounded = (size + align - 1) / align * align;
+  void* p = std::aligned_alloc(align, rounded);
   if (p == nullptr)
     return error(s, ACL_ERROR_RT_MEMORY_ALLOCATION, "no memory");
   const auto a = reinterpret_cast<uintptr_t>(p);
@@ -529,6 +555,18 @@ void simacl_reset(void) {
   s.last_error.clear();
   s.host_register_location = ACL_MEM_LOCATION_TYPE_HOST;
   s.last_register_flag = -1;
+  s.max_host_bytes = 0;
+  s.host_alignment = 4096;
+  s.a5 = false;
+}
+
+void simacl_set_host_limits(uint64_t max_bytes_per_call, uint64_t alignment,
+                            int a5) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.max_host_bytes = max_bytes_per_call;
+  s.host_alignment = alignment == 0 ? 4096 : alignment;
+  s.a5 = a5 != 0;
 }
 
 void simacl_set_host_register_location(int location_type) {

@@ -47,6 +47,18 @@ SIMACL_API size_t simacl_faulted_entries(void);
 // What aclrtPointerGetAttributes reports for ranges registered with
 // aclrtHostRegisterV2 from now on (default ACL_MEM_LOCATION_TYPE_HOST).
 SIMACL_API void simacl_set_host_register_location(int location_type);
+// Host-memory limits of real runtimes, off until set (simacl_reset clears
+// them): aclrtMallocHost and aclrtHostRegisterV2 of more than
+// `max_bytes_per_call` bytes (0: no limit) fail with
+// ACL_ERROR_RT_MEMORY_ALLOCATION (207001, what a 910B host returned for one
+// aclrtMallocHost above ~200-250 GB); aclrtHostRegisterV2 of an address that
+// is not a multiple of `alignment` (4096 by default; 65536 models Ascend
+// SVM's rule) fails with ACL_ERROR_RT_ADDR_UNALIGNED, and aclrtMallocHost
+// returns `alignment`-aligned memory; with `a5` set, a flag with
+// ACL_HOST_REG_PINNED fails with ACL_ERROR_RT_PARAM_INVALID (107000), as on
+// A5, where only ACL_HOST_REG_MAPPED is accepted.
+SIMACL_API void simacl_set_host_limits(uint64_t max_bytes_per_call,
+                                       uint64_t alignment, int a5);
 // The flag of the most recent aclrtHostRegisterV2 call (-1: none).
 SIMACL_API int64_t simacl_last_register_flag(void);
 // The aclrtMemLocationType the simulation holds for the byte at `ptr`.
@@ -85,7 +97,8 @@ SIMACL_API int simacl_core_sync(void* stream);
 // csrc/kv_offload/npu/acl_host_register.cpp. Return 0, or 1 with the
 // exception message in `err`.
 SIMACL_API int simacl_core_host_register(uint64_t addr, uint64_t size,
-                                         char* err, size_t err_len);
+                                         uint32_t flags, char* err,
+                                         size_t err_len);
 SIMACL_API int simacl_core_host_unregister(uint64_t addr, char* err,
                                            size_t err_len);
 // The real allocate_host / free_host (aclrtMallocHost / aclrtFreeHost) of

@@ -112,10 +112,12 @@ int run_core(F&& f, char* err, size_t err_len) {
 
 }  // namespace
 
-int simacl_core_host_register(uint64_t addr, uint64_t size, char* err,
-                              size_t err_len) {
+int simacl_core_host_register(uint64_t addr, uint64_t size, uint32_t flags,
+                              char* err, size_t err_len) {
   return run_core(
-      [&] { vllm_ascend::kv_offload::npu::register_host_range(addr, size); },
+      [&] {
+        vllm_ascend::kv_offload::npu::register_host_range(addr, size, flags);
+      },
       err, err_len);
 }
 

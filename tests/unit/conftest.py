@@ -49,6 +49,18 @@ def shared_region() -> Iterator[Callable[..., tuple[SharedOffloadRegion, RegionM
         close_region(region, None, mark)
 
 
+@pytest.fixture
+def host_ledger_dir(tmp_path, monkeypatch) -> str:
+    """A host-memory ledger of the test's own (``host_ledger``), empty:
+    the pools of workers outside the test are not on this host."""
+    from vllm_ascend.kv_offload.host_ledger import LEDGER_DIR_ENV
+
+    directory = tmp_path / "ledger"
+    directory.mkdir()
+    monkeypatch.setenv(LEDGER_DIR_ENV, str(directory))
+    return str(directory)
+
+
 # Lists of paths being recorded by ``opened_paths`` fixtures (audit hooks
 # cannot be removed, so one hook feeds whichever test is recording).
 _RECORDING: list[list[str]] = []

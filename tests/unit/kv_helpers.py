@@ -81,3 +81,40 @@ def make_kv_caches(
         for g in groups
     ]
     return CanonicalKVCaches(tensors=tensors, group_data_refs=refs)
+
+
+def make_worker(
+    kv_caches: CanonicalKVCaches,
+    blocks_per_chunk: int,
+    num_cpu_blocks: int,
+    worker_cls: type | None = None,
+    **kwargs,
+):
+    """A worker (``NPUOffloadingWorker`` or ``worker_cls``) on a private pool
+    of ``num_cpu_blocks`` blocks of ``blocks_per_chunk`` device blocks, as
+    ``NPUOffloadingSpec.get_worker`` assembles one."""
+    from vllm_ascend.kv_offload.cpu_pool import private_pool
+    from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
+
+    pages = [t.page_size_bytes for t in kv_caches.tensors]
+    device = kv_caches.tensors[0].tensor.device.type if pages else "cpu"
+    pool = private_pool(pages, blocks_per_chunk, num_cpu_blocks, device)
+    return (worker_cls or NPUOffloadingWorker)(kv_caches, pool, **kwargs)
+
+
+def store_then_load(worker, kv: CanonicalKVCaches, spec, cpu_blocks: list[int]):
+    """Stores ``spec``'s device blocks into ``cpu_blocks`` (job 1), poisons
+    them on the device, loads them back (job 2) and checks every KV cache
+    tensor is as before; returns the jobs' TransferResults by job id."""
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    original = [t.tensor.clone() for t in kv.tensors]
+    assert worker.submit_store(1, spec, CPULoadStoreSpec(cpu_blocks))
+    worker.wait({1})
+    for t in kv.tensors:
+        t.tensor[list(spec.block_ids)] = 0x5A
+    assert worker.submit_load(2, CPULoadStoreSpec(cpu_blocks), spec)
+    worker.wait({2})
+    for t, before in zip(kv.tensors, original, strict=True):
+        assert torch.equal(t.tensor, before)
+    return {r.job_id: r for r in worker.get_finished()}

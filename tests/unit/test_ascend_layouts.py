@@ -12,8 +12,8 @@ import torch
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
+from tests.unit.kv_helpers import make_worker
 from vllm_ascend.kv_offload.kv_layout import KVLayoutError, block_view, canonicalize
-from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
 
 NUM_BLOCKS = 6
 BLOCK = 128
@@ -84,7 +84,7 @@ def round_trip(kv_caches, groups, bpc, group_sizes, block_indices):
         cpu_blocks += list(range(next_cpu, next_cpu - n_cpu, -1))
         next_cpu -= n_cpu
     spec = GPULoadStoreSpec(dev_blocks, group_sizes, block_indices)
-    worker = NPUOffloadingWorker(canonical, blocks_per_chunk=bpc, num_cpu_blocks=8)
+    worker = make_worker(canonical, bpc, 8)
     try:
         worker.submit_store(1, spec, CPULoadStoreSpec(cpu_blocks))
         worker.wait({1})

@@ -53,7 +53,7 @@ import json, sys
 from types import SimpleNamespace
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm_ascend.kv_offload import plugin
-from vllm_ascend.kv_offload.connector import AscendOffloadingConnector
+from vllm_ascend.kv_offload.connector import AscendOffloadingConnector, our_spec_class
 
 order = sys.argv[1].split(",")
 upstream = None
@@ -76,7 +76,7 @@ print(json.dumps({
     "served_by": cls.__name__,
     "fallback": fallback.__name__ if fallback else None,
     "other_spec_gets": built.__name__ if built else None,
-    "guide_is_ours": plugin.names_our_spec(json.loads(sys.argv[2])),
+    "guide_is_ours": our_spec_class(json.loads(sys.argv[2])) is not None,
 }))
 """
 

@@ -6,11 +6,10 @@ import torch
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
-from tests.unit.kv_helpers import make_kv_caches
+from tests.unit.kv_helpers import make_kv_caches, make_worker, store_then_load
 from vllm_ascend.kv_offload.copy_engine import CopyEngine
 from vllm_ascend.kv_offload.copy_paths import candidate_paths
 from vllm_ascend.kv_offload.cpu_pool import private_pool
-from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
 
 PAGES = [256, 256, 512]  # e.g. K, V and a larger third part
 
@@ -150,24 +149,13 @@ def test_submit_returns_the_copy_count_and_the_workspace():
 @pytest.mark.parametrize("bpc, first", [(1, 0), (2, 0), (4, 1), (4, 3)])
 def test_worker_round_trip_is_byte_exact(bpc, first):
     kv = make_kv_caches(32, PAGES, seed=bpc + first)
-    original = [t.tensor.clone() for t in kv.tensors]
-    worker = NPUOffloadingWorker(kv, blocks_per_chunk=bpc, num_cpu_blocks=8)
+    worker = make_worker(kv, bpc, 8)
     try:
         dev_blocks = [11, 3, 4, 20, 7, 8]
         n_cpu = -(-(first % bpc + len(dev_blocks)) // bpc)
         cpu_blocks = list(range(7, 7 - n_cpu, -1))
         spec = GPULoadStoreSpec(dev_blocks, group_sizes=[6], block_indices=[first])
-        assert worker.submit_store(1, spec, CPULoadStoreSpec(cpu_blocks))
-        worker.wait({1})
-        # Poison the device blocks, then bring them back from the CPU.
-        for t in kv.tensors:
-            t.tensor[dev_blocks] = 0x5A
-        assert worker.submit_load(2, CPULoadStoreSpec(cpu_blocks), spec)
-        worker.wait({2})
-        for t, before in zip(kv.tensors, original, strict=True):
-            assert torch.equal(t.tensor, before)
-
-        results = {r.job_id: r for r in worker.get_finished()}
+        results = store_then_load(worker, kv, spec, cpu_blocks)
         assert set(results) == {1, 2}
         for r in results.values():
             assert r.success
@@ -179,7 +167,7 @@ def test_worker_round_trip_is_byte_exact(bpc, first):
 
 def test_worker_shutdown_with_jobs_in_flight_returns():
     kv = make_kv_caches(64, [1 << 16])
-    worker = NPUOffloadingWorker(kv, blocks_per_chunk=1, num_cpu_blocks=64)
+    worker = make_worker(kv, 1, 64)
     spec = GPULoadStoreSpec(list(range(64)), group_sizes=[64], block_indices=[0])
     for job in range(8):
         worker.submit_store(job, spec, CPULoadStoreSpec(list(range(64))))

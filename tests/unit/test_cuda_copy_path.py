@@ -13,10 +13,9 @@ import torch
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
-from tests.unit.kv_helpers import make_kv_caches
+from tests.unit.kv_helpers import make_kv_caches, make_worker
 from vllm_ascend.kv_offload.copy_paths import VLLM_BATCH, Available, candidate_paths
 from vllm_ascend.kv_offload.self_check import run_self_check
-from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
 
 HAS_VLLM_OP = Available.here("cuda").vllm_swap is not None
 pytestmark = pytest.mark.skipif(
@@ -39,7 +38,7 @@ def test_the_self_check_passes_on_vllms_op():
 def test_a_worker_round_trip_through_vllms_op_is_byte_exact():
     kv = make_kv_caches(32, PAGES, seed=3, device="cuda")
     original = [t.tensor.clone() for t in kv.tensors]
-    worker = NPUOffloadingWorker(kv, blocks_per_chunk=1, num_cpu_blocks=8)
+    worker = make_worker(kv, blocks_per_chunk=1, num_cpu_blocks=8)
     try:
         assert worker.copy_path == VLLM_BATCH
         dev_blocks = [11, 3, 4, 20]  # 3 and 4 adjacent: merged into one copy

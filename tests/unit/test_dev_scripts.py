@@ -28,7 +28,6 @@ SCRIPTS = (
     ".ci/run",
     "scripts/run_tests.sh",
     "scripts/setup_env.sh",
-    "scripts/cpu_layout.sh",
 )
 # What setup_env.sh hashes to decide whether to install and build.
 BUILD_INPUTS = (
@@ -86,7 +85,6 @@ class Clone:
         env.update(
             PYTHONPATH=str(package_on),
             VLLM_ASCEND_BUILD_NATIVE="0",  # no native op is built here
-            VLLM_CPU_OMP_THREADS_BIND="0",  # cpu_layout.sh: nothing to decide
             CI="true",
         )
         env.pop("VLLM_ASCEND_VENV", None)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from vllm_ascend.kv_offload import host_guard
+
 REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location(
     "kv_offload_sizing", REPO / "examples" / "kv_offload_sizing.py"
@@ -48,8 +50,7 @@ def host(monkeypatch):
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
 
     def set_available(nbytes: int) -> None:
-        monkeypatch.setattr(sizing, "host_available_bytes", lambda: nbytes)
-        monkeypatch.setattr(sizing, "_package_sizing", lambda: None)
+        monkeypatch.setattr(host_guard, "host_available_bytes", lambda: nbytes)
 
     return set_available
 
@@ -65,7 +66,7 @@ def test_guide_configuration_is_refused_where_it_cannot_fit(model, host):
     message = str(info.value)
     assert "num_cpu_blocks=1000" in message
     assert "13.67 GiB" in message
-    fit = sizing.auto_num_cpu_blocks(
+    fit = host_guard.auto_num_cpu_blocks(
         QWEN3_06B_BLOCK_BYTES,
         MiB + sizing.ENGINE_OVERHEAD_BYTES + 2 * 8192 * QWEN3_06B_BLOCK_BYTES // 128,
         18 * GiB,
@@ -130,14 +131,12 @@ def test_sizes_accept_binary_units(text, nbytes):
     assert sizing.parse_bytes(text) == nbytes
 
 
-def test_auto_is_the_packages_computation_where_installed(model, monkeypatch):
-    """The examples' auto and vllm_ascend.kv_offload.sizing agree: one
-    computation, not two."""
+def test_auto_is_the_packages_computation(model, host):
+    """The examples' auto and vllm_ascend.kv_offload.sizing (the doctor's)
+    agree: one computation, not two."""
     from vllm_ascend.kv_offload import sizing as package
 
-    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
-    monkeypatch.setattr(sizing, "host_available_bytes", lambda: 18 * GiB)
-    assert sizing._package_sizing() is package
+    host(18 * GiB)
     p = sizing.plan(model, num_cpu_blocks="auto")
     assert p.extra_config["num_cpu_blocks"] == package.auto_num_cpu_blocks(
         QWEN3_06B_BLOCK_BYTES, p.engine_bytes, 18 * GiB

@@ -78,6 +78,8 @@ def test_an_unknown_key_unlike_any_other_lists_the_known_keys():
         ("max_tracker_size", 0, ["=0", "> 0", "max_tracker_size=64000"]),
         ("store_threshold", 1.5, ["=1.5", "non-negative integer"]),
         ("sync_load_budget_bytes", -1, ["=-1", ">= 0"]),
+        ("host_piece_bytes", 4096, ["=4096", ">= 65536", "=68719476736"]),
+        ("host_piece_bytes", "64GiB", ["='64GiB'", "positive integer"]),
         ("eviction_policy", "fifo", ["='fifo'", "use one of lru, arc"]),
         ("cache_policy_module_path", 3, ["=3", "must be a string"]),
         ("spec_module_path", ["x"], ["=['x']", "must be a string"]),
@@ -114,6 +116,14 @@ def test_the_guides_keys_and_vllms_keys_keep_working():
     assert spec.kv_events_config.self_describing_kv_events is True
     manager = spec.get_manager().inner
     assert (manager.store_threshold, manager.max_tracker_size) == (2, 100)
+
+
+def test_canonical_layout_is_refused_by_the_guides_spec_as_by_tiering():
+    """vLLM's canonical layout is a tiering worker's; ours store each rank's
+    KV in its device layout, so the key would be accepted and ignored."""
+    for message in refusals({**GUIDE, "canonical_layout": True}):
+        assert "['canonical_layout']=True is not supported" in message
+        assert "remove canonical_layout" in message
 
 
 def test_a_custom_policy_module_may_name_its_own_policy():

@@ -26,21 +26,26 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingConnectorMetadata,
     TransferJob,
 )
-from vllm.v1.kv_offload.base import GPULoadStoreSpec, LookupResult, ReqContext
+from vllm.v1.kv_offload.base import (
+    GPULoadStoreSpec,
+    LookupResult,
+    PrepareStoreOutput,
+    ReqContext,
+)
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
 from tests.fault_injection import FaultInjectingWorker, FaultInjector
 from tests.unit.conftest import CONNECTOR_BLOCK_SIZE, make_connector
-from tests.unit.kv_helpers import make_kv_caches
+from tests.unit.kv_helpers import make_kv_caches, make_worker
 from vllm_ascend.kv_offload.connector import AscendOffloadingConnectorMetadata
 from vllm_ascend.kv_offload.failures import (
     AscendOffloadingWorkerMetadata,
     FailureRouter,
     SyncLoadQuarantine,
+    WorkerFailureLog,
 )
 from vllm_ascend.kv_offload.manager import FailureAwareManager
-from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
 
 PAGES = [256, 128]
 NUM_DEVICE_BLOCKS = 16
@@ -162,9 +167,32 @@ def test_a_failed_store_is_flagged_for_the_scheduler_and_invalidates_nothing(
     assert meta.completed_jobs == {5: 1} and meta.failed_jobs == {5}
 
 
+class Unread:
+    """Device block ids that must not be read: iterating or converting
+    them is work per block."""
+
+    def __iter__(self, *args, **kwargs):
+        raise AssertionError("the block ids of a good load were read")
+
+    __array__ = __len__ = __iter__
+
+
+def test_loads_that_do_not_fail_cost_no_work_per_block():
+    log = WorkerFailureLog(report_block_ids=True)
+    good = gpu(4, 5)
+    good.block_ids = Unread()
+    log.record_loads({1: TransferJob("a", CPULoadStoreSpec([4, 5]), good)})
+    log.record_loads({2: load("b", 6, 7)})
+    log.record_failures([2])
+    assert log.take_load_error_block_ids() == {6, 7}
+
+
 def test_without_diversion_the_worker_reports_failures_to_vllm_truthfully():
-    worker = FaultInjectingWorker(
-        make_kv_caches(NUM_DEVICE_BLOCKS, PAGES), 1, NUM_CPU_BLOCKS
+    worker = make_worker(
+        make_kv_caches(NUM_DEVICE_BLOCKS, PAGES),
+        1,
+        NUM_CPU_BLOCKS,
+        FaultInjectingWorker,
     )
     worker.faults = FaultInjector.parse("load:1,store_submit:1")
     try:
@@ -196,9 +224,7 @@ def test_worker_metadata_merges_failures_across_workers():
 
 
 def test_an_expedited_load_does_not_wait_behind_regular_loads():
-    worker = NPUOffloadingWorker(
-        make_kv_caches(NUM_DEVICE_BLOCKS, PAGES), 1, NUM_CPU_BLOCKS
-    )
+    worker = make_worker(make_kv_caches(NUM_DEVICE_BLOCKS, PAGES), 1, NUM_CPU_BLOCKS)
     release = threading.Event()
     try:
         # A regular load that cannot finish until released occupies its queue.
@@ -214,7 +240,7 @@ def test_an_expedited_load_does_not_wait_behind_regular_loads():
 
 def test_an_expedited_load_copies_the_same_bytes():
     kv = make_kv_caches(NUM_DEVICE_BLOCKS, PAGES, seed=3)
-    worker = NPUOffloadingWorker(kv, 1, NUM_CPU_BLOCKS)
+    worker = make_worker(kv, 1, NUM_CPU_BLOCKS)
     try:
         want = [t.tensor[7].clone() for t in kv.tensors]
         assert worker.submit_store(1, gpu(7), CPULoadStoreSpec([5]))
@@ -246,7 +272,7 @@ def keys(*names: str) -> list[bytes]:
 def test_a_failed_store_frees_its_cpu_blocks_instead_of_recording_them():
     m = manager()
     out = m.prepare_store(keys("k1", "k2"), ctx("a"))
-    assert m.keys_of_store(out.store_spec) == frozenset(keys("k1", "k2"))
+    assert set(m.keys_of_store(out.store_spec)) == set(keys("k1", "k2"))
     m.store_failed(m.keys_of_store(out.store_spec))
     m.complete_store(list(out.keys_to_store), ctx("a"))  # what vLLM calls
     assert m.lookup(b"k1", ctx("b")) == LookupResult.MISS
@@ -259,6 +285,42 @@ def test_a_good_store_is_recorded_as_vllm_would():
     out = m.prepare_store(keys("k1"), ctx("a"))
     m.complete_store(list(out.keys_to_store), ctx("a"))
     assert m.lookup(b"k1", ctx("b")) == LookupResult.HIT
+
+
+class CountedKey:
+    """A key that counts how often it is hashed."""
+
+    hashed = 0
+
+    def __hash__(self) -> int:
+        CountedKey.hashed += 1
+        return id(self)
+
+
+class KeepingEverything:
+    """vLLM's manager, reduced to what a store calls."""
+
+    def prepare_store(self, keys, req_context):
+        return PrepareStoreOutput(list(keys), CPULoadStoreSpec([0]), [])
+
+    def complete_store(self, keys, req_context, success=True):
+        self.completed = success
+
+
+def test_stores_that_do_not_fail_cost_no_work_per_key():
+    """The scheduler stores every request's new blocks every step; while no
+    store failed, our manager adds nothing per key to vLLM's bookkeeping."""
+    m = FailureAwareManager(KeepingEverything())
+    stored = [CountedKey() for _ in range(64)]
+    CountedKey.hashed = 0
+    out = m.prepare_store(stored, ctx("a"))
+    m.complete_store(out.keys_to_store, ctx("a"))
+    assert CountedKey.hashed == 0 and m.inner.completed is True
+    # A failure is still matched by its keys.
+    failed = m.prepare_store(stored, ctx("b"))
+    m.store_failed(m.keys_of_store(failed.store_spec))
+    m.complete_store(list(failed.keys_to_store), ctx("b"))
+    assert m.inner.completed is False
 
 
 def test_a_request_whose_load_failed_gets_no_more_hits_until_it_finishes():

@@ -22,7 +22,7 @@ from vllm.v1.kv_offload.base import make_offload_key
 
 from tests.unit.conftest import finished_job, fs_job
 from vllm_ascend.kv_offload.config import OffloadConfigError, check_keys
-from vllm_ascend.kv_offload.plugin import names_our_spec
+from vllm_ascend.kv_offload.connector import our_spec_class
 from vllm_ascend.kv_offload.tiering.auth_key import read_auth_key
 from vllm_ascend.kv_offload.tiering.block_file import (
     _HEADER,
@@ -413,12 +413,12 @@ def test_a_subclass_of_the_tiering_spec_may_have_secondary_tiers():
         "spec_module_path": __name__,
         "secondary_tiers": [{"type": "fs", "root_dir": "/x"}],
     }
-    check_keys(extra)
-    assert names_our_spec(extra) and names_our_spec(extra, tiering=True)
+    assert our_spec_class(extra) is CustomTieringSpec
+    check_keys(extra, CustomTieringSpec.extra_config_keys)
     not_tiering = {
         **extra,
         "spec_name": "NPUOffloadingSpec",
         "spec_module_path": "vllm_ascend.kv_offload.npu",
     }
     with pytest.raises(OffloadConfigError, match="or a subclass"):
-        check_keys(not_tiering)
+        check_keys(not_tiering, our_spec_class(not_tiering).extra_config_keys)

@@ -3,8 +3,9 @@ that allocates it, right before it does, against the host memory available
 then (after vLLM's own allocations: on its CPU backend the KV cache is host
 memory too). The scheduler side allocates nothing and checks nothing.
 
-Host memory is faked (``cpu_pool.host_available_bytes``); the worker is a
-recorder, so no test allocates a pool.
+Host memory is faked (``host_guard.host_available_bytes``); the worker is a
+recorder, so no test allocates a pool; each test has a host ledger of its
+own (``host_ledger_dir``), empty: no other worker on the host.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from tests.unit.kv_helpers import make_config, make_kv_caches
-from vllm_ascend.kv_offload import cpu_pool
+from vllm_ascend.kv_offload import host_guard
 from vllm_ascend.kv_offload.npu import NPUOffloadingSpec, OffloadConfigError
 
 GiB, MiB = 2**30, 2**20
@@ -42,11 +43,15 @@ class RecordingSpec(NPUOffloadingSpec):
     worker_cls = PoolRecorder
 
     def allocate_pool(self, kv_caches):
-        return SimpleNamespace(num_blocks=self.num_chunks, release=lambda: None)
+        return SimpleNamespace(
+            num_blocks=self.num_chunks,
+            release=lambda: None,
+            on_release=lambda callback: None,
+        )
 
 
 @pytest.fixture(autouse=True)
-def no_pools_yet():
+def no_pools_yet(host_ledger_dir):
     PoolRecorder.built = []
 
 
@@ -57,7 +62,7 @@ def available(monkeypatch):
     class Available:
         bytes = 0
 
-    monkeypatch.setattr(cpu_pool, "host_available_bytes", lambda: Available.bytes)
+    monkeypatch.setattr(host_guard, "host_available_bytes", lambda: Available.bytes)
     return Available
 
 

@@ -20,11 +20,10 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
 from tests.unit.conftest import make_connector
-from tests.unit.kv_helpers import make_kv_caches
+from tests.unit.kv_helpers import make_kv_caches, make_worker
 from vllm_ascend.kv_offload import connector
 from vllm_ascend.kv_offload.connector import AscendOffloadingConnectorMetadata
 from vllm_ascend.kv_offload.transfer_queue import ThreadTransferQueue
-from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
 
 
 def gated_job(gate: threading.Event):
@@ -81,7 +80,7 @@ def test_wait_any_returns_at_once_when_a_finished_job_awaits_polling():
 
 def test_worker_waits_for_a_load_in_flight_then_reports_it():
     kv = make_kv_caches(8, [1 << 12])
-    worker = NPUOffloadingWorker(kv, blocks_per_chunk=1, num_cpu_blocks=8)
+    worker = make_worker(kv, 1, 8)
     gate = threading.Event()
     worker._loads.submit(99, gated_job(gate))  # a load that takes 0.05 s
     threading.Timer(0.05, gate.set).start()
@@ -94,7 +93,7 @@ def test_worker_waits_for_a_load_in_flight_then_reports_it():
 
 def test_worker_with_nothing_in_flight_does_not_wait():
     kv = make_kv_caches(8, [1 << 12])
-    worker = NPUOffloadingWorker(kv, blocks_per_chunk=1, num_cpu_blocks=8)
+    worker = make_worker(kv, 1, 8)
     spec = GPULoadStoreSpec([0], group_sizes=[1], block_indices=[0])
     assert worker.submit_store(1, spec, CPULoadStoreSpec([0]))
     worker.wait({1})

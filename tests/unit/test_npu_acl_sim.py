@@ -17,6 +17,7 @@ once by tools/check_npu_compile.py).
 from __future__ import annotations
 
 import ctypes
+import gc
 import importlib.util
 import mmap
 import os
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SIM_SRC = ROOT / "tests" / "sim_acl"
@@ -52,6 +54,9 @@ ACL_ERROR_RT_COPY_DATA = 507052  # the simulation's error for a faulted copy
 POISON = 0xA5
 ACL_HOST_REG_MAPPED = 0x2
 ACL_HOST_REG_PINNED = 0x10000000
+MAPPED_PINNED = ACL_HOST_REG_MAPPED | ACL_HOST_REG_PINNED
+SVM = 64 * 2**10  # Ascend SVM's alignment of host buffers
+ACL_ERROR_RT_MEMORY_ALLOCATION = 207001
 ACL_ERROR_RT_ADDR_UNALIGNED = 107008
 ACL_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 507910
 ACL_ERROR_HOST_MEMORY_NOT_REGISTERED = 507911
@@ -115,6 +120,7 @@ class SimAcl:
         lib.simacl_core_host_register.argtypes = [
             ctypes.c_uint64,
             ctypes.c_uint64,
+            ctypes.c_uint32,
             ctypes.c_char_p,
             ctypes.c_size_t,
         ]
@@ -137,6 +143,11 @@ class SimAcl:
         lib.simacl_last_register_flag.restype = ctypes.c_int64
         lib.simacl_location_of.argtypes = [ctypes.c_void_p]
         lib.simacl_set_host_register_location.argtypes = [ctypes.c_int]
+        lib.simacl_set_host_limits.argtypes = [
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.c_int,
+        ]
         lib.simacl_pending.argtypes = [ctypes.c_void_p]
         lib.simacl_core_sync.argtypes = [ctypes.c_void_p]
         # ctypes arrays handed to the simulated runtime directly (_raw_batch):
@@ -160,10 +171,10 @@ class SimAcl:
     def register(self, buf: np.ndarray, location: int, device_id: int = 0) -> None:
         self.lib.simacl_register(buf.ctypes.data, buf.nbytes, location, device_id)
 
-    def host_register(self, addr: int, size: int) -> None:
+    def host_register(self, addr: int, size: int, flags: int = MAPPED_PINNED) -> None:
         """The core's register_host_range (acl_host_register.cpp)."""
         err = ctypes.create_string_buffer(4096)
-        if self.lib.simacl_core_host_register(addr, size, err, len(err)):
+        if self.lib.simacl_core_host_register(addr, size, flags, err, len(err)):
             raise RuntimeError(err.value.decode())
 
     def host_unregister(self, addr: int) -> None:
@@ -182,6 +193,13 @@ class SimAcl:
         err = ctypes.create_string_buffer(4096)
         if self.lib.simacl_core_host_free(addr, err, len(err)):
             raise RuntimeError(err.value.decode())
+
+    def limit_host_memory(
+        self, max_bytes: int = 0, alignment: int = 4096, a5: bool = False
+    ) -> None:
+        """What real runtimes refuse: one call of more than ``max_bytes``
+        (0: any size), an address off ``alignment``, PINNED on A5."""
+        self.lib.simacl_set_host_limits(max_bytes, alignment, int(a5))
 
     def location_of(self, addr: int) -> int:
         return self.lib.simacl_location_of(addr)
@@ -780,7 +798,7 @@ def test_sim_a_registered_region_is_copied_on_the_batch_path(
     with pytest.raises(RuntimeError, match="host side is not page-locked"):
         copy()
     sim.host_register(region.addr, region.nbytes)
-    assert sim.lib.simacl_last_register_flag() == ACL_HOST_REG_PINNED
+    assert sim.lib.simacl_last_register_flag() == MAPPED_PINNED
     assert sim.calls(HOST_REGISTER) == 1
     for byte in (0, region.nbytes - 1):
         assert sim.location_of(region.addr + byte) == LOC_HOST
@@ -817,7 +835,8 @@ def test_sim_host_register_errors_name_the_range_and_the_code(sim: SimAcl) -> No
     sim.inject(HOST_REGISTER, 3, ACL_ERROR_RT_INTERNAL_ERROR)
     with pytest.raises(
         RuntimeError,
-        match=rf"aclrtHostRegisterV2\(range {rng}, ACL_HOST_REG_PINNED\) failed "
+        match=rf"aclrtHostRegisterV2\(range {rng}, ACL_HOST_REG_MAPPED\|"
+        r"ACL_HOST_REG_PINNED\) failed "
         r"with ACL error 507000; ACL reports: SIMULATED ACL: injected failure",
     ):
         sim.host_register(region.addr, region.nbytes)
@@ -854,7 +873,10 @@ def test_sim_a_registration_acl_does_not_report_as_host_memory_is_undone(
     with pytest.raises(RuntimeError) as info:
         sim.host_register(region.addr, region.nbytes)
     msg = str(info.value)
-    assert "was registered (aclrtHostRegisterV2, ACL_HOST_REG_PINNED)" in msg
+    assert (
+        "was registered (aclrtHostRegisterV2, ACL_HOST_REG_MAPPED|"
+        "ACL_HOST_REG_PINNED)" in msg
+    )
     assert (
         f"reports location type {LOC_UNREGISTERED} for byte {hex(region.addr)}" in msg
     )
@@ -902,7 +924,8 @@ def test_sim_host_register_follows_the_documented_rules(sim: SimAcl) -> None:
     unregister.argtypes = [ctypes.c_void_p]
     a = region.addr
     assert register(a + 64, 4096, ACL_HOST_REG_PINNED) == ACL_ERROR_RT_ADDR_UNALIGNED
-    assert register(a, 4096, ACL_HOST_REG_MAPPED) == ACL_ERROR_INVALID_PARAM
+    assert register(a, 4096, 0) == ACL_ERROR_INVALID_PARAM
+    assert register(a, 4096, ACL_HOST_REG_MAPPED | 0x4) == ACL_ERROR_INVALID_PARAM
     assert register(a, 0, ACL_HOST_REG_PINNED) == ACL_ERROR_INVALID_PARAM
     assert register(a, 4096, ACL_HOST_REG_PINNED | ACL_HOST_REG_MAPPED) == 0
     assert register(a, 8192, ACL_HOST_REG_PINNED) == (
@@ -916,6 +939,41 @@ def test_sim_host_register_follows_the_documented_rules(sim: SimAcl) -> None:
     sim.register(device, LOC_DEVICE)
     assert register(a + 8192, 4096, ACL_HOST_REG_PINNED) == 0
     assert unregister(device.ctypes.data) == ACL_ERROR_HOST_MEMORY_NOT_REGISTERED
+
+
+def test_sim_enforces_the_host_memory_limits_of_real_runtimes(sim: SimAcl) -> None:
+    """Configurable from the tests: a per-call size limit (a 910B host
+    refused one aclrtMallocHost above ~200-250 GB with 207001), Ascend SVM's
+    64 KiB alignment, and A5, which rejects PINNED (107000) and takes MAPPED
+    alone. Off by default, and after a reset."""
+    region = Region(8 * SVM)
+    register = sim.lib.aclrtHostRegisterV2
+    register.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32]
+    malloc = sim.lib.aclrtMallocHost
+    malloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+    aligned = region.addr + (-region.addr % SVM)  # a 64 KiB boundary
+    off = aligned + 4096  # page-aligned, not 64 KiB-aligned
+
+    sim.limit_host_memory(max_bytes=2 * SVM, alignment=SVM)
+    assert register(off, 4096, MAPPED_PINNED) == ACL_ERROR_RT_ADDR_UNALIGNED
+    assert register(aligned, 3 * SVM, MAPPED_PINNED) == ACL_ERROR_RT_MEMORY_ALLOCATION
+    assert register(aligned, 2 * SVM, MAPPED_PINNED) == 0
+    ptr = ctypes.c_void_p()
+    assert malloc(ctypes.byref(ptr), 3 * SVM) == ACL_ERROR_RT_MEMORY_ALLOCATION
+    assert malloc(ctypes.byref(ptr), 2 * SVM) == 0 and ptr.value % SVM == 0
+    sim.host_free(ptr.value)
+
+    sim.limit_host_memory(a5=True)
+    second = aligned + 4 * SVM
+    for flags in (MAPPED_PINNED, ACL_HOST_REG_PINNED):
+        assert register(second, SVM, flags) == ACL_ERROR_RT_PARAM_INVALID
+    with pytest.raises(RuntimeError, match="A5 rejects ACL_HOST_REG_PINNED"):
+        sim.host_register(second, SVM)
+    sim.host_register(second, SVM, ACL_HOST_REG_MAPPED)
+    assert sim.location_of(second) == LOC_HOST
+
+    sim.reset()  # no limits
+    assert register(off, 64 * SVM, MAPPED_PINNED) == 0
 
 
 def test_sim_constants_match_the_acl_headers(sim_libs) -> None:
@@ -964,30 +1022,46 @@ MALLOC_HOST, FREE_HOST = "aclrtMallocHost", "aclrtFreeHost"
 NEW_KERNEL, OLD_KERNEL = "6.8.0-generic", "5.10.0-60.18.0.50.oe2203.aarch64"
 
 
-def sim_host_api(sim: SimAcl):
-    """host_memory.AclHostApi over the core's calls, linked against the
-    SIMULATED runtime (instead of the native op's)."""
-    from vllm_ascend.kv_offload.host_memory import AclHostApi
+def sim_host_api(sim: SimAcl, malloc: bool = True):
+    """acl_host.AclHostApi over the core's calls, linked against the
+    SIMULATED runtime (instead of the native op's); without ``malloc``,
+    every aclrtMallocHost is refused (the registered mmap is what is left)."""
+    from vllm_ascend.kv_offload.acl_host import AclHostApi
+
+    def refused(size: int) -> int:
+        raise RuntimeError(f"aclrtMallocHost({size} bytes) refused by the test")
 
     return AclHostApi(
-        alloc=sim.host_alloc,
+        alloc=sim.host_alloc if malloc else refused,
         free=sim.host_free,
         register=sim.host_register,
         unregister=sim.host_unregister,
     )
 
 
-def test_sim_npu_pool_memory_is_acl_malloc_host_of_the_exact_size(sim) -> None:
+def npu_memory(sim: SimAcl, rows: int, row_bytes: int, malloc=True, **kwargs):
     from vllm_ascend.kv_offload import host_memory
 
-    nbytes = 3 * 4096 + 100
-    memory = host_memory.allocate_host_memory(
-        nbytes, "npu", acl=sim_host_api(sim), kernel=NEW_KERNEL
+    return host_memory.allocate_host_memory(
+        rows,
+        row_bytes,
+        "npu",
+        acl=sim_host_api(sim, malloc),
+        kernel=kwargs.pop("kernel", NEW_KERNEL),
+        **kwargs,
     )
-    assert (memory.kind, memory.pinned, memory.nbytes) == (
-        host_memory.ACL_MALLOC_HOST,
+
+
+def test_sim_npu_pool_memory_is_acl_malloc_host_of_the_exact_size(sim) -> None:
+    from vllm_ascend.kv_offload import acl_host
+
+    nbytes = 3 * 4096 + 100
+    memory = npu_memory(sim, 1, nbytes)
+    assert (memory.kind, memory.pinned, memory.nbytes, memory.pieces) == (
+        acl_host.ACL_MALLOC_HOST,
         True,
         nbytes,
+        1,
     )
     assert memory.tensor.numel() == nbytes
     base = memory.base
@@ -1000,14 +1074,14 @@ def test_sim_npu_pool_memory_is_acl_malloc_host_of_the_exact_size(sim) -> None:
 
 
 def test_sim_npu_pool_memory_falls_back_to_a_registered_mmap(sim) -> None:
-    from vllm_ascend.kv_offload import host_memory
+    from vllm_ascend.kv_offload import acl_host
 
     sim.inject(MALLOC_HOST, 1, ACL_ERROR_RT_INTERNAL_ERROR)
-    memory = host_memory.allocate_host_memory(
-        8192, "npu", acl=sim_host_api(sim), kernel=NEW_KERNEL
-    )
-    assert (memory.kind, memory.pinned) == (host_memory.ACL_REGISTERED, True)
+    memory = npu_memory(sim, 2, 4096)
+    assert (memory.kind, memory.pinned) == (acl_host.ACL_REGISTERED, True)
+    assert sim.lib.simacl_last_register_flag() == MAPPED_PINNED
     base = memory.base
+    assert base % SVM == 0  # Ascend SVM's alignment
     assert sim.location_of(base) == LOC_HOST
     memory.release()
     assert sim.calls(HOST_UNREGISTER) == 1
@@ -1019,16 +1093,14 @@ def test_sim_npu_pool_memory_is_pageable_when_acl_refuses_both(sim, monkeypatch)
 
     warnings = []
     monkeypatch.setattr(host_memory.logger, "warning", lambda *a: warnings.append(a))
-    sim.inject(MALLOC_HOST, 1, ACL_ERROR_RT_INTERNAL_ERROR)
-    sim.inject(HOST_REGISTER, 1, ACL_ERROR_INVALID_PARAM)
-    memory = host_memory.allocate_host_memory(
-        8192, "npu", acl=sim_host_api(sim), kernel=NEW_KERNEL
-    )
+    sim.limit_host_memory(max_bytes=4096)  # less than the pool's one unit
+    memory = npu_memory(sim, 2, 4096)
     assert (memory.kind, memory.pinned) == (host_memory.PAGEABLE, False)
     message = warnings[-1][0] % warnings[-1][1:]
-    assert "aclrtMallocHost: kv_offload_host_alloc(device='npu'): " in message
-    assert f"ACL error {ACL_ERROR_RT_INTERNAL_ERROR}" in message
-    assert "aclrtHostRegisterV2" in message and str(ACL_ERROR_INVALID_PARAM) in message
+    assert "aclrtMallocHost: a piece of 8192 bytes: kv_offload_host_alloc(" in message
+    assert f"ACL error {ACL_ERROR_RT_MEMORY_ALLOCATION}" in message
+    assert "aclrtHostRegisterV2: a piece of 8192 bytes: " in message
+    assert "MAPPED alone: " in message  # both flags were tried
     assert "self-check" in message
     memory.release()
     assert sim.calls(HOST_UNREGISTER) == 0 and sim.calls(FREE_HOST) == 0
@@ -1037,20 +1109,88 @@ def test_sim_npu_pool_memory_is_pageable_when_acl_refuses_both(sim, monkeypatch)
 def test_sim_npu_pool_memory_is_not_registered_on_old_kernels(sim) -> None:
     from vllm_ascend.kv_offload import host_memory
 
-    sim.inject(MALLOC_HOST, 1, ACL_ERROR_RT_INTERNAL_ERROR)
-    memory = host_memory.allocate_host_memory(
-        8192, "npu", acl=sim_host_api(sim), kernel=OLD_KERNEL
-    )
+    memory = npu_memory(sim, 2, 4096, malloc=False, kernel=OLD_KERNEL)
     assert memory.kind == host_memory.PAGEABLE
     assert sim.calls(HOST_REGISTER) == 0  # CANN: "causes exceptions" there
 
 
-def test_sim_acl_malloc_host_is_freed_only_after_its_last_view(sim) -> None:
-    from vllm_ascend.kv_offload import host_memory
+def round_trip(sim: SimAcl, memory, rows: int, row_bytes: int) -> None:
+    """Stores device blocks into every row of ``memory`` (a pool of ``rows``
+    rows, in any order) through the copy engine's addressing and the
+    SIMULATED runtime, loads them back into poisoned blocks: byte-exact, and
+    no copy straddles two pieces (the runtime would refuse it). Releases
+    ``memory``."""
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
-    memory = host_memory.allocate_host_memory(
-        4096, "npu", acl=sim_host_api(sim), kernel=NEW_KERNEL
-    )
+    from tests.unit.kv_helpers import make_kv_caches
+    from vllm_ascend.kv_offload import ops
+    from vllm_ascend.kv_offload.copy_engine import CopyEngine
+    from vllm_ascend.kv_offload.cpu_pool import CpuBlockPool, PoolLayout
+
+    kv = make_kv_caches(rows, [row_bytes], seed=rows)
+    device = kv.tensors[0].tensor
+    sim.register(device.view(torch.uint8).numpy(), LOC_DEVICE, device_id=0)
+    original = device.clone()
+    pool = CpuBlockPool(PoolLayout.of([row_bytes], 1, rows), memory)
+    engine = CopyEngine(kv, pool)
+    spec = GPULoadStoreSpec(list(range(rows)), group_sizes=[rows], block_indices=[0])
+    cpu = np.random.default_rng(rows).permutation(rows)
+    for to_cpu in (True, False):
+        desc = engine.build(spec, cpu, to_cpu=to_cpu)
+        src, dst, size, first = ops.coalesce(desc.src, desc.dst, desc.sizes)
+        sim.copy(src, dst, size, first)
+        if to_cpu:
+            for dev, row in enumerate(cpu.tolist()):
+                assert torch.equal(pool.row(row), original[dev])
+            device.fill_(0x5A)
+    assert torch.equal(device, original)
+    pool.release()  # as the worker does: gives ``memory`` back
+
+
+def test_sim_a_refused_malloc_host_piece_is_retried_smaller_and_stays_pinned(
+    sim,
+) -> None:
+    """A piece aclrtMallocHost refuses (more than the runtime's per-call
+    limit, error 207001) is allocated as two of half the size; the pool is
+    page-locked, every row of it, and byte-exact through the runtime."""
+    from vllm_ascend.kv_offload import acl_host
+
+    sim.limit_host_memory(max_bytes=600 * 1024, alignment=SVM)
+    # 1 MiB pieces: 16 units of one 4 KiB row, 64 KiB apart (SVM alignment).
+    memory = npu_memory(sim, 64, 4096, piece_bytes=2**20)
+    assert (memory.kind, memory.pinned) == (acl_host.ACL_MALLOC_HOST, True)
+    assert memory.pieces == 8 and set(memory.piece_bytes) == {512 * 1024}
+    assert sim.calls(MALLOC_HOST) == 1 + 8  # the refused one, then 8 halves
+    units = [(u.data_ptr(), u.numel()) for u in memory.units]
+    assert all(addr % SVM == 0 for addr, _ in units)
+    assert all(sim.location_of(addr + n - 1) == LOC_HOST for addr, n in units)
+    round_trip(sim, memory, 64, 4096)
+    gc.collect()
+    assert sim.calls(FREE_HOST) == 8
+
+
+def test_sim_on_a5_the_pool_is_registered_mapped_in_smaller_aligned_pieces(
+    sim,
+) -> None:
+    """A5: PINNED refused (107000), MAPPED alone accepted; pieces larger than
+    the runtime takes are registered at half the size, each 64 KiB-aligned
+    (the simulation refuses any other address)."""
+    from vllm_ascend.kv_offload import acl_host
+
+    sim.limit_host_memory(max_bytes=600 * 1024, alignment=SVM, a5=True)
+    memory = npu_memory(sim, 64, 4096, malloc=False, piece_bytes=2**20)
+    assert (memory.kind, memory.pinned) == (acl_host.ACL_REGISTERED_MAPPED, True)
+    assert memory.pieces == 8
+    assert sim.lib.simacl_last_register_flag() == ACL_HOST_REG_MAPPED
+    assert all(sim.location_of(u.data_ptr()) == LOC_HOST for u in memory.units)
+    units = [u.data_ptr() for u in memory.units]
+    round_trip(sim, memory, 64, 4096)
+    assert sim.calls(HOST_UNREGISTER) == 8
+    assert all(sim.location_of(a) == LOC_UNREGISTERED for a in units)
+
+
+def test_sim_acl_malloc_host_is_freed_only_after_its_last_view(sim) -> None:
+    memory = npu_memory(sim, 1, 4096)
     view = memory.tensor[:10]
     memory.release()
     assert sim.calls(FREE_HOST) == 0  # a view still reads it

@@ -12,7 +12,8 @@ import torch
 
 from tests.unit.kv_helpers import make_config, make_kv_caches
 from vllm_ascend.kv_offload import cpu_pool, host_memory
-from vllm_ascend.kv_offload.cpu_pool import PoolLayout, private_pool, region_pool
+from vllm_ascend.kv_offload.cpu_pool import CpuBlockPool, PoolLayout, private_pool
+from vllm_ascend.kv_offload.host_memory import BORROWED, borrowed
 from vllm_ascend.kv_offload.npu import NPUOffloadingSpec
 
 PAGE = mmap.PAGESIZE
@@ -97,7 +98,7 @@ def test_the_guard_counts_exactly_what_is_allocated():
 
 
 def test_an_allocation_the_host_refuses_names_num_cpu_blocks(monkeypatch):
-    def refuse(nbytes, device_type):
+    def refuse(*args, **kwargs):
         raise MemoryError("mmap: Cannot allocate memory")
 
     monkeypatch.setattr(cpu_pool, "allocate_host_memory", refuse)
@@ -116,14 +117,12 @@ def test_private_and_region_pools_share_one_layout():
     assert (region.row_bytes, region.slot_bytes) == (4096, 600)
 
 
-def test_a_region_pool_hands_its_memory_back_to_the_owner():
+def test_a_pool_over_borrowed_memory_leaves_it_to_its_owner():
     base = torch.zeros(8 * 4096, dtype=torch.int8)
-    given_back = []
     layout = PoolLayout.of([100, 200], 1, 8, slot_offset=1000, row_bytes=4096)
-    pool = region_pool(base, layout, pinned=True, release=lambda: given_back.append(1))
+    pool = CpuBlockPool(layout, borrowed(base, pinned=True))
     assert pool.base == base.data_ptr() and pool.pinned
-    assert not pool.memory.owned and pool.nbytes == 8 * 300
+    assert pool.memory.kind == BORROWED and pool.nbytes == 8 * 300
     pool.release()
     pool.release()
-    assert given_back == [1]
     assert base.untyped_storage().nbytes() == 8 * 4096  # not ours to free

@@ -17,7 +17,7 @@ import torch
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
-from tests.unit.kv_helpers import make_kv_caches
+from tests.unit.kv_helpers import make_kv_caches, make_worker
 from vllm_ascend.kv_offload import ops, self_check, worker
 from vllm_ascend.kv_offload.config import OffloadConfigError, check_keys
 from vllm_ascend.kv_offload.copy_paths import (
@@ -27,7 +27,6 @@ from vllm_ascend.kv_offload.copy_paths import (
     candidate_paths,
 )
 from vllm_ascend.kv_offload.self_check import SelfCheckFailed, run_self_check
-from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
 
 PAGES = [256, 768]
 
@@ -222,7 +221,7 @@ def test_no_byte_exact_path_refuses_offloading_naming_each_failure(warnings):
 def test_the_check_never_touches_the_live_kv_cache():
     kv = make_kv_caches(8, PAGES)
     before = [t.tensor.clone() for t in kv.tensors]
-    w = NPUOffloadingWorker(kv, blocks_per_chunk=1, num_cpu_blocks=4)
+    w = make_worker(kv, 1, 4)
     try:
         assert all(
             torch.equal(t.tensor, b) for t, b in zip(kv.tensors, before, strict=True)
@@ -237,7 +236,7 @@ def test_the_worker_serves_on_the_path_the_check_chose(monkeypatch):
     logged: list[str] = []
     monkeypatch.setattr(worker.logger, "info", lambda msg, *a: logged.append(msg % a))
     kv = make_kv_caches(8, PAGES)
-    w = NPUOffloadingWorker(kv, blocks_per_chunk=1, num_cpu_blocks=4)
+    w = make_worker(kv, 1, 4)
     try:
         assert w.copy_path == paths[1].name == w.self_check.path
         # It copies with the very function the check verified, not a rebind.
@@ -258,4 +257,4 @@ def test_a_worker_with_no_byte_exact_path_is_refused_at_start_up(monkeypatch):
     paths = faulty({p.name: "raise" for p in candidate_paths("cpu")})
     monkeypatch.setattr(worker, "candidate_paths", lambda device, setting: paths)
     with pytest.raises(SelfCheckFailed, match="start-up self-check failed on cpu"):
-        NPUOffloadingWorker(make_kv_caches(8, PAGES), 1, 4)
+        make_worker(make_kv_caches(8, PAGES), 1, 4)

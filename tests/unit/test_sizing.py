@@ -16,15 +16,13 @@ from tests.unit.model_configs import (
     tiny_qwen3_config,
     write_model,
 )
-from vllm_ascend.kv_offload import cpu_pool
-from vllm_ascend.kv_offload.config import OffloadConfigError
+from vllm_ascend.kv_offload import host_guard
 from vllm_ascend.kv_offload.sizing import (
     AUTO_POOL_SHARE,
     CPU_BLOCK_ALIGNMENT,
     SizingError,
     auto_num_cpu_blocks,
     fit_host_memory,
-    guard_max_blocks,
     size_kv,
     size_model_dir,
 )
@@ -230,34 +228,30 @@ def test_missing_or_broken_config_json(tmp_path):
         size_model_dir(tmp_path)
 
 
-def _guard_accepts(monkeypatch, available, sizing, num_blocks) -> bool:
-    """What the worker's guard says, with ``available`` bytes of host memory."""
-    monkeypatch.setattr(cpu_pool, "host_available_bytes", lambda: available)
-    request = cpu_pool.PoolRequest(
+def _guard_accepts(available, sizing, num_blocks) -> bool:
+    """What the worker's guard says, with ``available`` bytes of host memory
+    and no other pool on the host."""
+    request = host_guard.PoolRequest(
         num_blocks=num_blocks,
         row_bytes=sizing.worker_bytes_per_cpu_block,
         key="num_cpu_blocks",
-        value=num_blocks,
+        setting=f"num_cpu_blocks={num_blocks}",
         all_workers_block_bytes=sizing.bytes_per_cpu_block,
         blocks_per_chunk=sizing.blocks_per_chunk,
         chunk_key="block_size",
         device_block_tokens=sizing.device_block_size,
     )
-    try:
-        cpu_pool.check_host_memory(request, host_kv_bytes=0)
-    except OffloadConfigError:
-        return False
-    return True
+    return host_guard.check_pool(request, host_guard.HostBudget(available)) is None
 
 
 @pytest.mark.parametrize("config", [QWEN3_0_6B, DEEPSEEK_V2_LITE, LLAMA3_8B])
-def test_max_num_cpu_blocks_is_the_largest_the_guard_accepts(monkeypatch, config):
+def test_max_num_cpu_blocks_is_the_largest_the_guard_accepts(config):
     available = 24 * 2**30 + 12345
     s = size_kv(config)
     fit = fit_host_memory(s, available_bytes=available)
     assert fit.max_num_cpu_blocks > 0
-    assert _guard_accepts(monkeypatch, available, s, fit.max_num_cpu_blocks)
-    assert not _guard_accepts(monkeypatch, available, s, fit.max_num_cpu_blocks + 1)
+    assert _guard_accepts(available, s, fit.max_num_cpu_blocks)
+    assert not _guard_accepts(available, s, fit.max_num_cpu_blocks + 1)
     # cpu_bytes_to_use holds exactly that many blocks (vLLM divides by the
     # padded CPU block).
     assert fit.cpu_bytes_to_use // s.bytes_per_cpu_block == fit.max_num_cpu_blocks
@@ -284,21 +278,23 @@ def test_reserved_memory_and_workers_on_host_shrink_the_fit():
     assert none.max_num_cpu_blocks == 0
 
 
-def test_fit_reads_host_memory_now_by_default(monkeypatch):
-    monkeypatch.setattr(cpu_pool, "host_available_bytes", lambda: 10 * 14_680_064)
+def test_fit_reads_host_memory_now_by_default(monkeypatch, host_ledger_dir):
+    monkeypatch.setattr(host_guard, "host_available_bytes", lambda: 10 * 14_680_064)
     fit = fit_host_memory(size_kv(QWEN3_0_6B))
     assert fit.available_bytes == 10 * 14_680_064
     assert fit.max_num_cpu_blocks == 9  # 90% of 10 blocks
 
 
-def test_guard_max_blocks_is_what_the_guard_accepts(monkeypatch):
+def test_the_fit_next_to_reserved_memory_is_what_the_guard_accepts():
     s = size_kv(QWEN3_0_6B)
     available, reserved = 16 * 2**30 + 999, 3 * 2**30
-    blocks = guard_max_blocks(s.worker_bytes_per_cpu_block, available, reserved)
+    blocks = fit_host_memory(
+        s, available_bytes=available, reserved_bytes=reserved, workers_on_host=1
+    ).max_num_cpu_blocks
     # The guard runs after the reserved memory is allocated.
     after = available - reserved
-    assert _guard_accepts(monkeypatch, after, s, blocks)
-    assert not _guard_accepts(monkeypatch, after, s, blocks + 1)
+    assert _guard_accepts(after, s, blocks)
+    assert not _guard_accepts(after, s, blocks + 1)
 
 
 def test_auto_takes_a_share_of_what_the_guard_accepts_next_to_the_engine():
@@ -308,7 +304,7 @@ def test_auto_takes_a_share_of_what_the_guard_accepts_next_to_the_engine():
     assert AUTO_POOL_SHARE == 0.5
     assert auto_num_cpu_blocks(14_680_064, 6 * gib, 24 * gib) == 592
     assert auto_num_cpu_blocks(14_680_064, 6 * gib, 24 * gib, share=1.0) == (
-        guard_max_blocks(14_680_064, 24 * gib, 6 * gib)
+        host_guard.usable_bytes(24 * gib, 6 * gib) // 14_680_064
     )
     assert auto_num_cpu_blocks(14_680_064, 30 * gib, 24 * gib) == 0
     with pytest.raises(SizingError, match="share"):

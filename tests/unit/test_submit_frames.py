@@ -19,10 +19,9 @@ import torch
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
-from tests.unit.kv_helpers import make_kv_caches
+from tests.unit.kv_helpers import make_kv_caches, make_worker
 from vllm_ascend.kv_offload import ops
 from vllm_ascend.kv_offload.transfer_queue import TransferQueue
-from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
 
 PACKAGE = Path(ops.__file__).resolve().parent
 # Where a copy reaches the op: torch's op call, or the Python fallback.
@@ -59,9 +58,7 @@ def test_a_store_reaches_the_op_through_at_most_four_frames_of_ours():
     # setprofile_all_threads).
     threading.setprofile(hook)
     try:
-        worker = NPUOffloadingWorker(
-            make_kv_caches(8, [256, 256]), blocks_per_chunk=1, num_cpu_blocks=4
-        )
+        worker = make_worker(make_kv_caches(8, [256, 256]), 1, 4)
     finally:
         threading.setprofile(None)
     spec = GPULoadStoreSpec([2, 5], group_sizes=[2], block_indices=[0])

@@ -20,6 +20,7 @@ from tests.unit.conftest import TIERING, payload
 from tests.unit.kv_helpers import make_config
 from tests.vllm_version import VLLM_VERSION
 from vllm_ascend.kv_offload.config import OffloadConfigError, check_keys
+from vllm_ascend.kv_offload.npu import NPUOffloadingSpec
 from vllm_ascend.kv_offload.tiering import block_file, host_register
 from vllm_ascend.kv_offload.tiering.block_file import (
     HEADER_BYTES,
@@ -171,37 +172,48 @@ def test_an_uncreatable_tier_directory_is_dropped_with_a_log_line(
     ],
 )
 def test_what_the_spec_cannot_do_is_refused(extra, message):
+    """Both start-up checks of the spec: its keys, then what it cannot do."""
     with pytest.raises(OffloadConfigError, match=message):
-        check_tiering_config({**TIERING, **extra})
+        config = {**TIERING, **extra}
+        check_keys(config, NPUTieringOffloadingSpec.extra_config_keys)
+        check_tiering_config(config)
 
 
 def test_tiering_keys_need_the_tiering_spec():
     tiers = [{"type": "fs", "root_dir": "/x"}]
-    check_keys({**TIERING, "secondary_tiers": tiers})
+    tiering_keys = NPUTieringOffloadingSpec.extra_config_keys
+    check_keys({**TIERING, "secondary_tiers": tiers}, tiering_keys)
     with pytest.raises(OffloadConfigError, match="NPUTieringOffloadingSpec only"):
-        check_keys({"spec_name": "NPUOffloadingSpec", "secondary_tiers": tiers})
+        check_keys(
+            {"spec_name": "NPUOffloadingSpec", "secondary_tiers": tiers},
+            NPUOffloadingSpec.extra_config_keys,
+        )
     with pytest.raises(OffloadConfigError, match="must be a list"):
-        check_keys({**TIERING, "secondary_tiers": "fs"})
+        check_keys({**TIERING, "secondary_tiers": "fs"}, tiering_keys)
 
 
 def test_our_connector_serves_the_tiering_spec():
-    from vllm_ascend.kv_offload.plugin import names_our_spec
+    from vllm_ascend.kv_offload.connector import our_spec_class
 
-    assert names_our_spec(TIERING)
+    assert our_spec_class(TIERING) is NPUTieringOffloadingSpec
 
 
 # -- registering the region: npu (ACL, through our op) and cuda (vLLM's) ----
 
 
-def _spec_for_worker(engine_id: str, page: int):
+def _spec_for_worker(
+    engine_id: str, page: int, num_chunks: int = 4, extra: dict | None = None
+):
     """The attributes get_worker reads, without an engine."""
     from types import SimpleNamespace
 
     spec = object.__new__(NPUTieringOffloadingSpec)
     spec._tiering_worker = None
     spec.replicated_layout = False
-    spec.config = SimpleNamespace(parallel=SimpleNamespace(rank=0), engine_id=engine_id)
-    spec.num_chunks = 4
+    spec.config = SimpleNamespace(
+        parallel=SimpleNamespace(rank=0), engine_id=engine_id, extra_config=extra or {}
+    )
+    spec.num_chunks = num_chunks
     spec.kv_bytes_per_chunk = 2 * page
     spec.cpu_page_size_per_worker = 2 * page
     spec.blocks_per_chunk = 1
@@ -226,7 +238,7 @@ def acl_calls(monkeypatch):
 
     calls = []
 
-    def register(addr, size, device):
+    def register(addr, size, device, flags):
         calls.append(("register", addr, size, device))
 
     def unregister(addr, device):
@@ -261,12 +273,57 @@ def test_npu_worker_registers_the_region_and_unregisters_it_before_unmapping(
     assert region.mmap_obj is None and not os.path.exists(region.mmap_path)
 
 
+def test_npu_region_is_registered_in_pieces_smaller_where_refused_mapped_on_a5(
+    acl_calls, monkeypatch
+):
+    """The pool's rule for the region: pieces of whole rows of at most
+    host_piece_bytes; a piece the runtime refuses is retried at half its
+    size; where PINNED is refused (A5), MAPPED alone. Every piece is
+    unregistered before the region is unmapped."""
+    from vllm_ascend.kv_offload import ops
+
+    mapped, pinned, limit = 0x2, 0x10000000, 64 * 2**10
+    flags_seen = []
+
+    def register(addr, size, device, flags):
+        flags_seen.append(flags)
+        if flags & pinned:
+            raise RuntimeError("ACL error 107000 (PINNED, as on A5)")
+        if size > limit:
+            raise RuntimeError("ACL error 207001 (more than the runtime takes)")
+        acl_calls.append(("register", addr, size, device))
+
+    monkeypatch.setattr(ops, "host_register", register)
+    page = 8192
+    spec = _spec_for_worker(
+        f"unit-npu-{uuid.uuid4().hex[:8]}",
+        page // 2,
+        num_chunks=64,
+        extra={"host_piece_bytes": 2 * limit},
+    )
+    worker = spec.get_worker(_kv_caches("npu", page // 2))
+    region = worker.region
+    base = region.base_tensor.data_ptr()
+    assert region.total_size_bytes == 64 * page == 8 * limit
+    # 128 KiB pieces refused, 64 KiB pieces taken: whole rows, back to back.
+    assert acl_calls == [("register", base + i * limit, limit, "npu") for i in range(8)]
+    # 128 KiB: PINNED refused, MAPPED too (size); 64 KiB: PINNED refused,
+    # MAPPED taken, and from then on PINNED is not asked for again.
+    both = mapped | pinned
+    assert flags_seen == [both, mapped, both, mapped] + [mapped] * 7
+    assert worker.pool.pinned
+    worker.shutdown()
+    unregistered = [c[1] for c in acl_calls[8:]]
+    assert unregistered == [base + i * limit for i in reversed(range(8))]
+    assert region.mmap_obj is None
+
+
 def test_npu_registration_failure_is_a_clear_error_and_leaves_nothing(
     acl_calls, monkeypatch
 ):
     from vllm_ascend.kv_offload import ops
 
-    def refuse(addr, size, device):
+    def refuse(addr, size, device, flags):
         raise RuntimeError("kv_offload_host_register(device='npu'): ACL error 507899")
 
     monkeypatch.setattr(ops, "host_register", refuse)
@@ -309,7 +366,7 @@ def test_a_failing_unregister_is_logged_and_the_region_still_unmapped(
 
     registration = AclRegionRegistration(
         region,
-        register=lambda addr, size, device: None,
+        register=lambda addr, size, device, flags: None,
         unregister=unregister,
         kernel_release="6.1",
     )

@@ -24,12 +24,12 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
 from tests.unit.conftest import make_connector
+from tests.unit.kv_helpers import make_worker
 from tests.unit.upstream_layouts import build, parts_of
 from tests.unit.upstream_runner import REPLACEMENTS, RUNNER, RUNNER_METHODS
 from tests.unit.upstream_scenarios import scenarios
 from vllm_ascend.kv_offload.kv_layout import canonicalize
 from vllm_ascend.kv_offload.sizing import size_kv
-from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
 
 NUM_CPU_BLOCKS = 8
 POISON = 0x5A
@@ -243,11 +243,7 @@ def test_the_round_trip_check_catches_a_part_left_out(layout):
         layout.kv_caches, layout.group_layer_names, layout.kv_cache_config.num_blocks
     )
     for drop in range(len(canonical.tensors)):
-        worker = NPUOffloadingWorker(
-            without_tensor(canonical, drop),
-            blocks_per_chunk=1,
-            num_cpu_blocks=NUM_CPU_BLOCKS,
-        )
+        worker = make_worker(without_tensor(canonical, drop), 1, NUM_CPU_BLOCKS)
         try:
             assert round_trip(worker, layout) != [], f"tensor {drop} left out"
         finally:

@@ -1,7 +1,8 @@
-"""Importing vllm_ascend.kv_offload next to an upstream vllm-ascend that owns
-``vllm_ascend/kv_offload`` itself fails at once, naming both versions and the
-fix. Upstream's installed metadata is faked with a dist-info directory put
-first on ``sys.path`` of a fresh interpreter."""
+"""Next to an upstream vllm-ascend that owns ``vllm_ascend/kv_offload``
+itself, our general plugin (which vLLM runs in every process before the
+engine starts) fails at once, naming both versions and the fix. Upstream's
+installed metadata is faked with a dist-info directory put first on
+``sys.path`` of a fresh interpreter."""
 
 from __future__ import annotations
 
@@ -23,10 +24,11 @@ def _fake_upstream(site: Path, version: str, files: list[str]) -> None:
     (info / "RECORD").write_text("".join(f"{f},,\n" for f in files))
 
 
-def _import(site: Path) -> subprocess.CompletedProcess:
+def _register(site: Path) -> subprocess.CompletedProcess:
     code = (
         f"import sys; sys.path.insert(0, {str(site)!r}); "
-        "import vllm_ascend.kv_offload; print('imported')"
+        "from vllm_ascend.kv_offload import plugin; plugin.register(); "
+        "print('registered')"
     )
     return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT
@@ -38,7 +40,7 @@ def test_upstream_before_0_30_is_refused_with_both_versions_and_the_fix(
     tmp_path, version
 ):
     _fake_upstream(tmp_path, version, ["vllm_ascend/kv_offload/npu.py"])
-    proc = _import(tmp_path)
+    proc = _register(tmp_path)
     assert proc.returncode != 0
     assert f"vllm-ascend {version}" in proc.stderr
     assert "vllm-ascend-kv-offload 0." in proc.stderr
@@ -47,9 +49,9 @@ def test_upstream_before_0_30_is_refused_with_both_versions_and_the_fix(
 
 def test_upstream_0_30_without_kv_offload_lives_next_to_us(tmp_path):
     _fake_upstream(tmp_path, "0.30.0rc2", ["vllm_ascend/__init__.py"])
-    proc = _import(tmp_path)
+    proc = _register(tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "imported" in proc.stdout
+    assert "registered" in proc.stdout
 
 
 def test_upstream_with_this_subtree_built_in_is_refused_while_we_are_installed(
@@ -58,7 +60,7 @@ def test_upstream_with_this_subtree_built_in_is_refused_while_we_are_installed(
     # A future upstream that merged the graft, plus this distribution (the
     # editable install of this checkout) over the same files.
     _fake_upstream(tmp_path, "0.40.0", ["vllm_ascend/kv_offload/npu.py"])
-    proc = _import(tmp_path)
+    proc = _register(tmp_path)
     assert proc.returncode != 0
     assert "ships vllm_ascend/kv_offload itself" in proc.stderr
     assert "Uninstall vllm-ascend-kv-offload" in proc.stderr

@@ -58,7 +58,7 @@ check(isinstance(registry, dict) and "OffloadingConnector" in registry
 
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 check(callable(getattr(OffloadingSpecFactory, "get_spec_cls", None)),
-      "OffloadingSpecFactory.get_spec_cls (public) is gone (plugin.names_our_spec)")
+      "OffloadingSpecFactory.get_spec_cls (public) is gone (connector.our_spec_class)")
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
     OffloadingConnectorWorker,

@@ -36,7 +36,7 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec, TransferResult
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
 from tests.fault_injection import FaultInjectingWorker, FaultInjector
-from tests.unit.kv_helpers import make_kv_caches
+from tests.unit.kv_helpers import make_kv_caches, make_worker
 from vllm_ascend.kv_offload.transfer_queue import ThreadTransferQueue
 
 PAGES = [256, 128, 384]  # unequal parts, e.g. K, V and a third
@@ -72,9 +72,7 @@ class WorkerMachine(RuleBasedStateMachine):
         self.threads_before = set(kv_offload_threads())
         self.kv = make_kv_caches(NUM_DEVICE_BLOCKS, PAGES, seed=seed)
         self.faults = FaultInjector.parse(f"{FAULTS},seed:{seed}") if faults else None
-        self.worker = FaultInjectingWorker(
-            self.kv, blocks_per_chunk=bpc, num_cpu_blocks=NUM_CPU_BLOCKS
-        )
+        self.worker = make_worker(self.kv, bpc, NUM_CPU_BLOCKS, FaultInjectingWorker)
         self.worker.faults = self.faults
         self.bpc = bpc
         self.rng = np.random.default_rng(seed)
@@ -291,7 +289,7 @@ def test_queue_shutdown_drops_queued_jobs_and_returns_promptly():
 def test_worker_shutdown_with_large_jobs_in_flight_frees_everything():
     before = set(kv_offload_threads())
     kv = make_kv_caches(64, [1 << 18, 1 << 18])  # 512 KiB per block
-    worker = FaultInjectingWorker(kv, blocks_per_chunk=1, num_cpu_blocks=64)
+    worker = make_worker(kv, 1, 64, FaultInjectingWorker)
     pool = weakref.ref(worker.pool.tensor)
     spec = GPULoadStoreSpec(list(range(64)), group_sizes=[64], block_indices=[0])
     for job in range(32):  # 32 jobs of 32 MiB

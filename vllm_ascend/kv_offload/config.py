@@ -4,22 +4,24 @@ A config naming our spec may hold the Ascend guide's keys, vLLM's own
 offloading keys (which vLLM reads with a bare ``int()`` or ``bool()``, so
 ``"abc"`` fails late and ``"false"`` reads as true) and nothing else: a key
 that nothing reads is a typo (``eviction_polcy`` would silently run LRU).
-``check_keys`` refuses both at start-up, naming the key, the value and the
-fix. vLLM's keys are those vLLM 0.30-0.33 read for ``OffloadingConnector``
-with a ``CPUOffloadingSpec``-derived spec (``vllm/v1/kv_offload/`` and
+Each spec declares the keys it accepts (``extra_config_keys``); ``check_keys``
+refuses any other key and a value of the wrong type at start-up, naming the
+key, the value and the fix. This module imports nothing of this package.
+vLLM's keys are those vLLM 0.30-0.33 read for ``OffloadingConnector`` with
+a ``CPUOffloadingSpec``-derived spec (``vllm/v1/kv_offload/`` and
 ``vllm/distributed/kv_transfer/kv_connector/v1/offloading*``).
 
 What the values mean together is checked here too: the connector's view
 (``validate_connector_config``: ``kv_role`` and the device block size, before
 vLLM derives the chunk size) and the spec's (``resolve_extra_config``: the
 pool size in blocks and bytes). Host memory is checked where the pool is
-allocated (``cpu_pool.check_host_memory``).
+allocated (``host_guard``, ``host_ledger``).
 """
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +42,7 @@ class Key:
     example: Any  # a valid value, for the fix in the message
     minimum: int = 1  # ints only
     choices: tuple[str, ...] = ()  # strs only; () = any
+    read_by: str = ""  # the one spec (and its subclasses) that reads it
 
 
 KEYS: dict[str, Key] = {
@@ -64,13 +67,29 @@ KEYS: dict[str, Key] = {
     # Ours: how the worker copies (self_check.py): "auto" tries the native op
     # first, then the torch path; "native" / "torch" allow that one only.
     "copy_path": Key(str, "auto", choices=("auto", "native", "torch")),
+    # Ours: the most bytes of the CPU pool one host allocation or
+    # registration takes (host_pieces.py); runtimes refuse larger ones.
+    "host_piece_bytes": Key(int, 64 * 2**30, minimum=64 * 2**10),
     # vLLM's tiering, read by NPUTieringOffloadingSpec only (tiering/spec.py
     # checks what is inside them).
-    "secondary_tiers": Key(list, [{"type": "fs", "root_dir": "/mnt/shared/kv"}]),
-    "backpressure": Key(dict, {"backpressure_cls": "EMABackpressureDetector"}),
+    "secondary_tiers": Key(
+        list,
+        [{"type": "fs", "root_dir": "/mnt/shared/kv"}],
+        read_by="NPUTieringOffloadingSpec",
+    ),
+    "backpressure": Key(
+        dict,
+        {"backpressure_cls": "EMABackpressureDetector"},
+        read_by="NPUTieringOffloadingSpec",
+    ),
 }
 TIERING_SPEC = "NPUTieringOffloadingSpec"
 TIERING_MODULE = "vllm_ascend.kv_offload.tiering"
+# Where a spec that reads a key lives, for the fix in the message.
+_SPEC_MODULES = {TIERING_SPEC: TIERING_MODULE}
+# The keys every spec of ours reads (NPUOffloadingSpec's), and tiering's own.
+SPEC_KEYS = frozenset(k for k, key in KEYS.items() if not key.read_by)
+TIERING_KEYS = frozenset(k for k, key in KEYS.items() if key.read_by == TIERING_SPEC)
 
 _BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False}
 # Beyond this many digits a number is shown in scientific notation: a
@@ -112,7 +131,7 @@ def int_setting(extra: Mapping[str, Any], key: str) -> int | None:
     if isinstance(value, bool) or not (
         isinstance(value, int) or (isinstance(value, float) and value.is_integer())
     ):
-        kind = "a positive" if spec.minimum == 1 else "a non-negative"
+        kind = "a non-negative" if spec.minimum == 0 else "a positive"
         raise OffloadConfigError(
             f"{PREFIX}['{key}']={shown(value)} must be {kind} integer (a JSON "
             f"number, not a string); set it to e.g. {example}"
@@ -156,14 +175,22 @@ def _check_str(key: str, value: Any, extra: Mapping[str, Any]) -> None:
     )
 
 
-def check_keys(extra: Mapping[str, Any]) -> None:
-    """Refuses a key nothing reads and a value of the wrong type.
+def check_keys(extra: Mapping[str, Any], accepted: Collection[str] = SPEC_KEYS) -> None:
+    """Refuses a key outside ``accepted`` (the spec's ``extra_config_keys``)
+    and a value of the wrong type.
 
     ``None`` counts as absent for every key (vLLM reads them with ``get``).
     """
     for key in extra:
         if key not in KEYS:
             raise _unknown_key_error(str(key))
+        if key not in accepted:
+            spec = KEYS[key].read_by
+            raise OffloadConfigError(
+                f"{PREFIX}['{key}'] is read by {spec} only (or a subclass of it); "
+                f"set spec_name='{spec}' and spec_module_path="
+                f"'{_SPEC_MODULES[spec]}', or remove the key"
+            )
     for key, value in extra.items():
         if value is None:
             continue
@@ -173,26 +200,19 @@ def check_keys(extra: Mapping[str, Any]) -> None:
         elif kind is bool:
             _check_bool(key, value)
         elif kind in (list, dict):
-            _check_tiering(key, value, extra)
+            if not isinstance(value, kind):
+                raise OffloadConfigError(
+                    f"{PREFIX}['{key}']={shown(value)} must be a {kind.__name__}, "
+                    f"e.g. {key}={KEYS[key].example!r}"
+                )
         else:
             _check_str(key, value, extra)
-
-
-def _check_tiering(key: str, value: Any, extra: Mapping[str, Any]) -> None:
-    kind = KEYS[key].kind
-    from vllm_ascend.kv_offload.plugin import names_our_spec
-
-    if not names_our_spec(extra, tiering=True):
+    if extra.get("canonical_layout"):
         raise OffloadConfigError(
-            f"{PREFIX}['{key}'] is read by {TIERING_SPEC} only (or a subclass "
-            "of it); set "
-            f"spec_name='{TIERING_SPEC}' and spec_module_path="
-            f"'{TIERING_MODULE}', or remove the key"
-        )
-    if not isinstance(value, kind):
-        raise OffloadConfigError(
-            f"{PREFIX}['{key}']={shown(value)} must be a {kind.__name__}, e.g. "
-            f"{key}={KEYS[key].example!r}"
+            f"{PREFIX}['canonical_layout']={extra['canonical_layout']!r} is not "
+            "supported: this package's workers store each rank's KV in its own "
+            "device layout (a CPU block or file is reusable only by an identical "
+            "deployment); remove canonical_layout"
         )
 
 
@@ -206,14 +226,16 @@ def validate_connector_config(
     kv_role: str | None,
     extra: dict[str, Any],
     device_block_sizes: Iterable[int],
+    accepted: Collection[str] = SPEC_KEYS,
 ) -> None:
     """Checks the connector can run before vLLM derives its chunk size.
 
     ``device_block_sizes``: tokens per device block of the offloaded KV cache
-    groups. vLLM itself would fail on some of these later, with an assertion
-    or a bare ``int()`` error; here each fails with its key and its fix.
+    groups; ``accepted``: the spec's ``extra_config_keys``. vLLM itself would
+    fail on some of these later, with an assertion or a bare ``int()`` error;
+    here each fails with its key and its fix.
     """
-    check_keys(extra)
+    check_keys(extra, accepted)
     if kv_role != KV_ROLE:
         raise OffloadConfigError(
             f"kv_transfer_config.kv_role={kv_role!r} cannot be used with "
@@ -262,15 +284,18 @@ def cpu_block_bytes(config: OffloadingConfig) -> int:
     return round_up(kv_bytes, CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT)
 
 
-def resolve_extra_config(config: OffloadingConfig) -> tuple[dict[str, Any], int | None]:
-    """Validate the offloading keys and express the pool size in bytes.
+def resolve_extra_config(
+    config: OffloadingConfig, accepted: Collection[str] = SPEC_KEYS
+) -> tuple[dict[str, Any], int | None]:
+    """Validate the offloading keys (``accepted``: the spec's
+    ``extra_config_keys``) and express the pool size in bytes.
 
     Returns vLLM-native extra config (``cpu_bytes_to_use`` always set) and the
     guide's ``num_cpu_blocks`` if it was given. Host memory is not looked at
-    here (``check_host_memory`` does, when the pool is allocated).
+    here (``host_guard`` is, when the pool is allocated).
     """
     given = config.extra_config
-    check_keys(given)
+    check_keys(given, accepted)
     extra = dict(given)
     num_cpu_blocks = int_setting(extra, "num_cpu_blocks")
     cpu_bytes = int_setting(extra, "cpu_bytes_to_use")

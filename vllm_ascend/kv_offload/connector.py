@@ -35,8 +35,9 @@ config whose spec is not ours gets the class that had the name before
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
 from vllm.config import VllmConfig, set_current_vllm_config
@@ -58,6 +59,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 from vllm.v1.core.kv_cache_utils import resolve_dcp_kv_block_size
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig, MambaSpec
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
@@ -70,8 +72,12 @@ from vllm_ascend.kv_offload.failures import (
 from vllm_ascend.kv_offload.kv_layout import KVCacheParts, canonicalize
 from vllm_ascend.kv_offload.logger import init_logger
 from vllm_ascend.kv_offload.manager import FailureAwareManager
-from vllm_ascend.kv_offload.npu import OffloadConfigError, validate_connector_config
-from vllm_ascend.kv_offload.plugin import fallback_connector_class, names_our_spec
+from vllm_ascend.kv_offload.npu import (
+    NPUOffloadingSpec,
+    OffloadConfigError,
+    validate_connector_config,
+)
+from vllm_ascend.kv_offload.plugin import fallback_connector_class
 from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
 
 logger = init_logger(__name__)
@@ -88,6 +94,20 @@ class AscendOffloadingConnectorMetadata(OffloadingConnectorMetadata):
     nothing (the worker may then wait for transfers instead of returning)."""
 
     idle_step: bool = False
+
+
+def our_spec_class(extra_config: Mapping[str, Any]) -> type[NPUOffloadingSpec] | None:
+    """The spec class an offloading config names if it is ours or derives
+    from it (subclasses count), else None: the one check of which connector
+    serves a config."""
+    try:
+        # Public in vLLM 0.30-0.33.
+        spec_cls = OffloadingSpecFactory.get_spec_cls(extra_config)
+    except (ImportError, AttributeError, ValueError, AssertionError):
+        return None  # vLLM reports an unusable spec itself, with its message
+    if isinstance(spec_cls, type) and issubclass(spec_cls, NPUOffloadingSpec):
+        return spec_cls
+    return None
 
 
 def _device_block_sizes(
@@ -138,7 +158,7 @@ class AscendOffloadingConnector(OffloadingConnector):
         transfer_config = vllm_config.kv_transfer_config
         if cls is AscendOffloadingConnector and transfer_config is not None:
             extra = transfer_config.kv_connector_extra_config
-            if not names_our_spec(extra):
+            if our_spec_class(extra) is None:
                 other = fallback_connector_class() or OffloadingConnector
                 return other(vllm_config, role, kv_cache_config)
         return super().__new__(cls)
@@ -152,10 +172,13 @@ class AscendOffloadingConnector(OffloadingConnector):
         transfer_config = vllm_config.kv_transfer_config
         assert transfer_config is not None
         extra = transfer_config.kv_connector_extra_config
+        # __new__ sent other specs elsewhere (a subclass of ours gets ours).
+        spec_cls = our_spec_class(extra) or NPUOffloadingSpec
         validate_connector_config(
             transfer_config.kv_role,
             extra,
             _device_block_sizes(vllm_config, kv_cache_config),
+            spec_cls.extra_config_keys,
         )
         groups = get_offloading_group_ids(kv_cache_config)
         report_block_ids = len(groups) <= 1

@@ -64,10 +64,10 @@ class CopyEngine:
         self.swap: Swap | None = None
 
     def buffers(self) -> list[torch.Tensor]:
-        """Every tensor a job's copies may touch: the KV caches and the pool
-        (what a copy path is bound over, ``CopyPath.bind``)."""
-        assert self.pool.memory.tensor is not None
-        return [*self._buffers, self.pool.memory.tensor]
+        """Every tensor a job's copies may touch: the KV caches and the
+        pool's pieces (what a copy path is bound over, ``CopyPath.bind``)."""
+        assert not self.pool.released
+        return [*self._buffers, *self.pool.tensors]
 
     def use(self, swap: Swap) -> None:
         """Copies with ``swap`` from now on (a path bound over ``buffers()``)."""
@@ -111,7 +111,7 @@ class CopyEngine:
         ``blocks_per_chunk`` logical blocks, so a group may start part-way
         into its first CPU block: that many pages are skipped there.
         """
-        if self.pool.tensor is None:
+        if self.pool.released:
             # Its base address is 0 now: the descriptors would name small,
             # non-null addresses that are not ours.
             raise RuntimeError(
@@ -157,7 +157,8 @@ class CopyEngine:
             # slot (skip + k) % bpc. Rows are tensors, columns are pages, so a
             # run of consecutive blocks stays contiguous for coalescing.
             logical = np.arange(skip, skip + n, dtype=np.int64)
-            cpu_row = self.pool.base + cpu[logical // bpc] * self.pool.row_bytes
+            # Rows may sit in different pieces: one vectorised unit lookup.
+            cpu_row = self.pool.row_addresses(cpu[logical // bpc])
             cpu_addr = (
                 cpu_row[None, :]
                 + group.cpu_offset

@@ -176,14 +176,20 @@ def process_cpus() -> set[int]:
         return os.sched_getaffinity(0)
 
 
+def free_cpus(environ: MutableMapping[str, str] | None = None) -> set[int] | None:
+    """The CPUs for a thread of ours (a copy thread, a thread faulting the
+    pool in): ``copy_thread_cpus`` of this process and vLLM's binding."""
+    environ = os.environ if environ is None else environ
+    return copy_thread_cpus(process_cpus(), omp_cores_from_env(environ))
+
+
 def pin_copy_thread(environ: MutableMapping[str, str] | None = None) -> set[int] | None:
     """Moves the calling thread (a copy thread) off vLLM's OpenMP cores (see
     above); returns the CPUs set, or None if it left the thread as it was."""
-    environ = os.environ if environ is None else environ
     if not hasattr(os, "sched_setaffinity"):
         return None
     try:
-        cpus = copy_thread_cpus(process_cpus(), omp_cores_from_env(environ))
+        cpus = free_cpus(environ)
         if cpus is None or cpus == os.sched_getaffinity(0):
             return None
         os.sched_setaffinity(0, cpus)  # 0: the calling thread on Linux

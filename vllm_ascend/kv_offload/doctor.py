@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 import vllm_ascend.kv_offload as kv_offload
-from vllm_ascend.kv_offload import ops, sizing
+from vllm_ascend.kv_offload import ops, plugin, sizing
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "FAIL", "skip"
 NOT_FOUND = "not found"
@@ -210,7 +210,7 @@ def check_coexistence(report: Report) -> None:
         )
         return
     try:
-        kv_offload._refuse_conflicting_upstream()
+        plugin.refuse_conflicting_upstream()
     except ImportError as e:
         report.add(Check("vllm", FAIL, str(e)))
         return

@@ -83,7 +83,7 @@ class LoadJob:
     """What the worker side must know to report a failed load."""
 
     req_id: ReqId
-    block_ids: tuple[int, ...]
+    block_ids: Any  # the spec's own array: read only if the load fails
     sync: bool
 
 
@@ -105,9 +105,7 @@ class WorkerFailureLog:
             assert isinstance(entry.dst_spec, GPULoadStoreSpec)
             self._load_jobs[job_id] = LoadJob(
                 req_id=entry.req_id,
-                block_ids=tuple(
-                    np.asarray(entry.dst_spec.block_ids, dtype=np.int64).tolist()
-                ),
+                block_ids=entry.dst_spec.block_ids,
                 sync=bool(getattr(entry, "sync", False)),
             )
 
@@ -126,7 +124,9 @@ class WorkerFailureLog:
             # The job may have written some of its blocks, or garbage: all of
             # them must be recomputed before anything uses them.
             if self.report_block_ids:
-                self._load_error_block_ids.update(load.block_ids)
+                self._load_error_block_ids.update(
+                    np.asarray(load.block_ids, dtype=np.int64).tolist()
+                )
             else:
                 self._failed_recving.add(load.req_id)
             logger.warning(
@@ -250,9 +250,6 @@ class SyncLoadQuarantine:
         # Removed from the prefix cache only: the failed request (vLLM
         # recomputes or fails it) keeps them.
         self._kv_cache_manager.evict_blocks(set(quarantined.block_ids))
-
-    def has_job(self, job_id: int) -> bool:
-        return job_id in self._by_job
 
 
 class FailureRouter:

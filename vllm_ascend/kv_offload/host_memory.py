@@ -1,84 +1,108 @@
-"""Where the CPU block pool's memory comes from: exactly the bytes asked for,
-in the kind of memory the device's copies accept, released by its owner.
+"""Where the CPU block pool's memory comes from: exactly the rows asked
+for, in pieces (``host_pieces.py``), in the kind of memory the device's
+copies accept, released by its owner.
 
 Not ``torch.empty(..., pin_memory=True)``: torch's caching host allocator
 rounds each allocation up to a power of two (PyTorch issue #150517; vLLM
 moved its own pool to mmap + ``cudaHostRegister`` for it), so a 10 GiB pool
 could take 16 GiB behind the host-memory guard's back.
 
-* ``cpu``: an anonymous private mmap (pageable), faulted in at start-up so
-  that the first store into a block does not pay for its page faults.
-* ``cuda``: the same mmap, page-locked with ``cudaHostRegister`` through
-  vLLM's ``host_register`` (where vLLM has it, else torch's cudart binding),
-  in chunks of at most vLLM's limit; left pageable if that fails (the cuda
-  backend copies pageable memory too, slower).
-* ``npu``: ``aclrtMallocHost`` first: the memory torch_npu's own pinned
-  allocator hands out, documented for every kernel. If the runtime refuses
-  it, and only on Linux newer than 5.10 (CANN: pageable memory registered on
-  older kernels "causes exceptions"), the mmap registered with
-  ``aclrtHostRegisterV2``. If both fail: pageable memory, said loudly; the
-  native npu backend refuses it, so the start-up self-check picks the torch
-  path (or refuses to offload).
+* ``cpu``: an anonymous private mmap (pageable), its units faulted in at
+  start-up so that the first store into a block does not pay for its page
+  faults (``populate``: on the cores the engine leaves free).
+* ``cuda``: the same mmap, page-locked piece by piece with
+  ``cudaHostRegister`` through vLLM's ``host_register`` (where vLLM has it,
+  else torch's cudart binding); left pageable if that fails (the cuda backend
+  copies pageable memory too, slower).
+* ``npu``: ``aclrtMallocHost`` piece by piece first: the memory torch_npu's
+  own pinned allocator hands out, documented for every kernel. If the
+  runtime refuses it, and only on Linux newer than 5.10 (CANN: pageable
+  memory registered on older kernels "causes exceptions"), the mmap (64
+  KiB-aligned) registered piece by piece with ``aclrtHostRegisterV2``,
+  MAPPED | PINNED, or MAPPED alone where PINNED is refused (A5). If both
+  fail: pageable memory, said loudly; the native npu backend refuses it, so
+  the start-up self-check picks the torch path (or refuses to offload).
 
-Every ``HostMemory`` knows what it is (``kind``, ``pinned``) and how to give
-itself back (``release``); ``owned`` is False for memory someone else
-allocated (a shared region), whose release is its owner's business.
+A refused piece is retried smaller before any of this falls back
+(``host_pieces.take_pieces``). Every ``HostMemory`` knows what it is
+(``kind``, ``pinned``, ``pieces``) and how to give itself back
+(``release``); memory someone else allocated (``borrowed``: a shared
+region) is its owner's to free.
 """
 
 from __future__ import annotations
 
-import ctypes
-import itertools
 import mmap
-import os
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
+from vllm_ascend.kv_offload.acl_host import (
+    ACL_MALLOC_HOST,
+    AclHostApi,
+    AclRegistrar,
+    acl_malloc_units,
+    kernel_registers_pageable_memory,
+    kernel_release,
+)
+from vllm_ascend.kv_offload.host_pieces import (
+    DEFAULT_PIECE_BYTES,
+    PAGE_BYTES,
+    SVM_ALIGNMENT,
+    PiecePlan,
+    PiecesRefused,
+    describe,
+    take_pieces,
+)
 from vllm_ascend.kv_offload.logger import init_logger
+from vllm_ascend.kv_offload.populate import populate
 
 logger = init_logger(__name__)
 
-PAGE_BYTES = mmap.PAGESIZE
-# madvise(2) advice that pre-faults writable pages (Linux >= 5.14); Python's
-# mmap module has no name for it before 3.13.
-MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
-# vLLM's bound on one cudaHostRegister call (driver limits on large ranges).
-MAX_REGISTER_CHUNK_BYTES = 64 * 2**30
 
 PAGEABLE = "pageable mmap"
 CUDA_REGISTERED = "mmap + cudaHostRegister"
-ACL_MALLOC_HOST = "aclrtMallocHost"
-ACL_REGISTERED = "mmap + aclrtHostRegisterV2"
 BORROWED = "borrowed"
 
 
 @dataclass
 class HostMemory:
-    """One host allocation: ``tensor`` (int8, ``nbytes`` long) until
-    ``release``. ``kind`` says where it came from (the constants above)."""
+    """Host memory of ``nbytes`` bytes of rows, as ``units``: int8 tensors,
+    each a whole number of rows (``host_pieces``), until ``release``.
+    ``kind`` says where it came from (the constants above, ``acl_host``'s
+    on npu); ``pieces`` how many allocations (or registrations) it is made
+    of, ``piece_bytes`` their sizes."""
 
-    tensor: torch.Tensor | None
+    units: list[torch.Tensor]
     nbytes: int
     kind: str
     pinned: bool
-    owned: bool = True
     _release: Callable[[], None] | None = field(default=None, repr=False)
-    # Separate allocations the memory is made of (one today), on /metrics.
     pieces: int = 1
+    piece_bytes: tuple[int, ...] = ()
+
+    @property
+    def tensor(self) -> torch.Tensor | None:
+        """The memory as one tensor (one unit only); None once released."""
+        if not self.units:
+            return None
+        if len(self.units) > 1:
+            raise ValueError(
+                f"KV offload: host memory in {len(self.units)} units is not "
+                "one tensor; address it by unit (CpuBlockPool.row_addresses)"
+            )
+        return self.units[0]
 
     @property
     def base(self) -> int:
-        return 0 if self.tensor is None else self.tensor.data_ptr()
+        return self.units[0].data_ptr() if self.units else 0
 
     def release(self) -> None:
         """Gives the memory back (once); no copy may use it afterwards.
         Logs instead of raising: it runs at shutdown."""
         release, self._release = self._release, None
-        self.tensor = None
+        self.units = []
         if release is None:
             return
         try:
@@ -91,99 +115,94 @@ class HostMemory:
             )
 
 
-def borrowed(tensor: torch.Tensor, pinned: bool, release=None) -> HostMemory:
-    """Memory another component owns (e.g. a shared region): ``release``
-    is what that owner wants done when the pool lets go (None: nothing)."""
+def borrowed(tensor: torch.Tensor, pinned: bool) -> HostMemory:
+    """Memory another component owns (e.g. a shared region): releasing it
+    frees nothing."""
     return HostMemory(
-        tensor, tensor.numel() * tensor.element_size(), BORROWED, pinned, False, release
+        [tensor], tensor.numel() * tensor.element_size(), BORROWED, pinned
     )
-
-
-# -- kernels and runtimes ----------------------------------------------------
-
-
-def kernel_release() -> str:
-    return os.uname().release
-
-
-def kernel_registers_pageable_memory(release: str) -> bool:
-    """Whether ``aclrtHostRegisterV2`` may page-lock pageable memory on a
-    Linux kernel of this release: the CANN documentation says that on 5.10
-    and older, pageable memory "causes exceptions" and must come from
-    ``aclrtMallocHost`` instead."""
-    numbers = []
-    for part in release.split(".")[:2]:
-        digits = "".join(itertools.takewhile(str.isdigit, part))
-        numbers.append(int(digits) if digits else 0)
-    return tuple(numbers) > (5, 10)
-
-
-@dataclass(frozen=True)
-class AclHostApi:
-    """The four ACL host-memory calls, as functions of addresses; the native
-    op's by default (``ops.host_*``). Each raises RuntimeError naming the
-    ACL call and its code."""
-
-    alloc: Callable[[int], int]  # aclrtMallocHost(size) -> addr
-    free: Callable[[int], None]  # aclrtFreeHost(addr)
-    register: Callable[[int, int], None]  # aclrtHostRegisterV2(addr, size)
-    unregister: Callable[[int], None]  # aclrtHostUnregister(addr)
-
-    @classmethod
-    def native(cls) -> AclHostApi:
-        from vllm_ascend.kv_offload import ops
-
-        return cls(
-            alloc=lambda size: ops.host_alloc(size, "npu"),
-            free=lambda addr: ops.host_free(addr, "npu"),
-            register=lambda addr, size: ops.host_register(addr, size, "npu"),
-            unregister=lambda addr: ops.host_unregister(addr, "npu"),
-        )
 
 
 # -- the factory -------------------------------------------------------------
 
 
 def allocate_host_memory(
-    nbytes: int,
+    num_rows: int,
+    row_bytes: int,
     device_type: str,
     *,
+    piece_bytes: int = DEFAULT_PIECE_BYTES,
     acl: AclHostApi | None = None,
     kernel: str | None = None,
 ) -> HostMemory:
-    """``nbytes`` of host memory for a pool that ``device_type`` copies to
-    and from (see the module docstring). ``acl`` and ``kernel`` replace the
-    ACL calls and the kernel release (tests drive a simulated ACL runtime).
-    Raises MemoryError naming the size when not even pageable memory fits."""
-    if nbytes <= 0:
-        raise ValueError(f"KV offload: a host allocation of {nbytes} bytes")
+    """``num_rows`` rows of ``row_bytes`` of host memory, in pieces of at most
+    ``piece_bytes``, for a pool that ``device_type`` copies to and from (see
+    the module docstring). ``acl`` and ``kernel`` replace the ACL calls and
+    the kernel release (tests drive a simulated ACL runtime). Raises
+    MemoryError naming the size when not even pageable memory fits."""
+    if num_rows <= 0 or row_bytes <= 0:
+        raise ValueError(
+            f"KV offload: a host allocation of {num_rows} rows of {row_bytes} bytes"
+        )
+    align = SVM_ALIGNMENT if device_type == "npu" else PAGE_BYTES
+    plan = PiecePlan.of(num_rows, row_bytes, piece_bytes, align)
     if device_type == "npu":
-        return _npu_memory(nbytes, acl or AclHostApi.native(), kernel)
-    memory = _mmap_memory(nbytes)
-    if device_type == "cuda":
-        _cuda_register(memory)
+        memory = _npu_memory(plan, acl or AclHostApi.native(), kernel)
+    else:
+        memory = _mmap_memory(plan)
+        if device_type == "cuda":
+            register, unregister = _cuda_register_fns()
+            refused = register_pieces(
+                memory, plan, _raising(register), unregister, "cudaHostRegister"
+            )
+            if refused:
+                logger.warning(
+                    "KV offload: cudaHostRegister of the CPU block pool (%d "
+                    "bytes) failed (%s); it stays pageable (slower copies)",
+                    plan.row_span,
+                    "; ".join(refused),
+                )
+            else:
+                memory.kind = CUDA_REGISTERED
+    logger.info(
+        "KV offload: host memory of the CPU block pool: %s of %s%s",
+        describe(list(memory.piece_bytes)),
+        memory.kind,
+        "" if memory.pinned else " (not page-locked)",
+    )
     return memory
 
 
-def _mmap_memory(nbytes: int) -> HostMemory:
-    """An anonymous private mapping of ``nbytes``, faulted in now."""
+def _mmap_memory(plan: PiecePlan) -> HostMemory:
+    """An anonymous private mapping holding the plan's units (gaps between
+    them untouched), each unit faulted in now. One piece until registered."""
+    pad = plan.align - PAGE_BYTES if plan.align > PAGE_BYTES else 0
     try:
         region = mmap.mmap(
             -1,
-            nbytes,
+            plan.span + pad,
             flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
             prot=mmap.PROT_READ | mmap.PROT_WRITE,
         )
     except (OSError, OverflowError) as e:
         raise MemoryError(
-            f"KV offload: mapping {nbytes} bytes of host memory failed ({e})"
+            f"KV offload: mapping {plan.span} bytes of host memory failed ({e})"
         ) from e
+    whole = torch.frombuffer(region, dtype=torch.int8)
+    first = -whole.data_ptr() % plan.align
+    units = []
     try:
-        region.madvise(MADV_POPULATE_WRITE)
-    except OSError:
-        # Older kernels: one write per page faults each in.
-        np.frombuffer(region, dtype=np.uint8)[::PAGE_BYTES] = 0
-    tensor = torch.frombuffer(region, dtype=torch.int8)
+        for unit, offset in enumerate(plan.unit_offsets().tolist()):
+            start, length = first + offset, plan.rows_of_unit(unit) * plan.row_bytes
+            # One unit at a time, never the gaps between them.
+            populate(whole.data_ptr() + start, length)
+            units.append(whole[start : start + length])
+    except MemoryError:
+        units.clear()
+        del whole
+        region.close()
+        raise
+    del whole
 
     def unmap() -> None:
         try:
@@ -192,35 +211,64 @@ def _mmap_memory(nbytes: int) -> HostMemory:
             # A view outlives the pool: the mapping goes with the last one.
             logger.debug("KV offload: host mapping still viewed; unmapped at GC")
 
-    return HostMemory(tensor, nbytes, PAGEABLE, pinned=False, _release=unmap)
+    return HostMemory(
+        units,
+        plan.row_span,
+        PAGEABLE,
+        False,
+        _release=unmap,
+        piece_bytes=(plan.span,),
+    )
 
 
-def _cuda_register(memory: HostMemory) -> None:
-    """Page-locks ``memory`` (an mmap) for CUDA in place, where it can."""
-    register, unregister = _cuda_register_fns()
-    base, done = memory.base, []
-    for offset in range(0, memory.nbytes, MAX_REGISTER_CHUNK_BYTES):
-        size = min(MAX_REGISTER_CHUNK_BYTES, memory.nbytes - offset)
-        if register(base + offset, size):
-            done.append(base + offset)
-            continue
-        for addr in reversed(done):
-            unregister(addr)
-        logger.warning(
-            "KV offload: cudaHostRegister of the CPU block pool (%d bytes) "
-            "failed; it stays pageable (slower copies)",
-            memory.nbytes,
+def register_pieces(
+    memory: HostMemory,
+    plan: PiecePlan,
+    register: Callable[[int, int], int],
+    unregister: Callable[[int], None],
+    name: str,
+) -> list[str]:
+    """Page-locks ``memory`` (an mmap of ``plan``) in place, piece by piece:
+    ``register(addr, size)`` returns what ``unregister`` takes, or raises
+    RuntimeError when refused. Where not even one unit is taken, ``memory``
+    stays pageable and what ``name`` (the call) said is returned."""
+    bases = [u.data_ptr() for u in memory.units]
+    try:
+        pieces, failures = take_pieces(
+            plan, lambda u, k: register(bases[u], plan.piece_span(u, k)), unregister
         )
-        return
+    except PiecesRefused as e:
+        return e.failures
+    if failures:
+        logger.warning(
+            "KV offload: %s refused a piece of the CPU block pool, which was "
+            "registered in smaller pieces: %s",
+            name,
+            "; ".join(failures),
+        )
     unmap = memory._release
 
     def release() -> None:
-        for addr in reversed(done):
-            unregister(addr)  # before the mapping goes
+        for piece in reversed(pieces):
+            unregister(piece.handle)  # before the mapping goes
         if unmap is not None:
             unmap()
 
-    memory.kind, memory.pinned, memory._release = CUDA_REGISTERED, True, release
+    memory.pinned, memory._release = True, release
+    memory.pieces, memory.piece_bytes = len(pieces), tuple(p.nbytes for p in pieces)
+    return []
+
+
+def _raising(register: Callable[[int, int], bool]) -> Callable[[int, int], int]:
+    """vLLM's ``host_register`` (False when refused) as ``register_pieces``
+    takes it."""
+
+    def piece(addr: int, size: int) -> int:
+        if not register(addr, size):
+            raise RuntimeError(f"cudaHostRegister of {size} bytes failed")
+        return addr
+
+    return piece
 
 
 def _cuda_register_fns() -> tuple[Callable[[int, int], bool], Callable[[int], None]]:
@@ -244,39 +292,40 @@ def _cuda_register_fns() -> tuple[Callable[[int, int], bool], Callable[[int], No
         return register, unregister
 
 
-def _npu_memory(nbytes: int, acl: AclHostApi, kernel: str | None) -> HostMemory:
-    failures = []
+def _npu_memory(plan: PiecePlan, acl: AclHostApi, kernel: str | None) -> HostMemory:
     try:
-        return _acl_malloc_host(nbytes, acl)
-    except RuntimeError as e:
-        failures.append(f"aclrtMallocHost: {e}")
+        units, sizes = acl_malloc_units(plan, acl)
+    except PiecesRefused as e:
+        failures = [f"aclrtMallocHost: {'; '.join(e.failures)}"]
+    else:
+        # The pieces' memory is freed once the last view of it is gone.
+        return HostMemory(
+            units,
+            plan.row_span,
+            ACL_MALLOC_HOST,
+            True,
+            _release=lambda: None,
+            pieces=len(sizes),
+            piece_bytes=tuple(sizes),
+        )
     release = kernel or kernel_release()
+    memory = None
     if kernel_registers_pageable_memory(release):
-        memory = _mmap_memory(nbytes)
-        try:
-            acl.register(memory.base, nbytes)
-        except RuntimeError as e:
-            failures.append(f"aclrtHostRegisterV2: {e}")
-            memory.release()
-        else:
-            unmap, addr = memory._release, memory.base
-
-            def unregister_then_unmap() -> None:
-                try:
-                    acl.unregister(addr)
-                finally:
-                    if unmap is not None:
-                        unmap()
-
-            memory.kind, memory.pinned = ACL_REGISTERED, True
-            memory._release = unregister_then_unmap
+        memory = _mmap_memory(plan)
+        registrar = AclRegistrar(acl.register)
+        refused = register_pieces(
+            memory, plan, registrar, acl.unregister, "aclrtHostRegisterV2"
+        )
+        if not refused:
+            memory.kind = registrar.kind
             logger.warning(
-                "KV offload: aclrtMallocHost refused %d bytes (%s); the CPU "
-                "block pool is an mmap registered with aclrtHostRegisterV2",
-                nbytes,
+                "KV offload: aclrtMallocHost refused the CPU block pool (%s); "
+                "it is an mmap registered with aclrtHostRegisterV2",
                 failures[0],
             )
             return memory
+        # Pageable, faulted in already: kept, not mapped again.
+        failures.append(f"aclrtHostRegisterV2: {'; '.join(refused)}")
     else:
         failures.append(
             f"aclrtHostRegisterV2 not tried: Linux {release} is 5.10 or older, "
@@ -287,26 +336,7 @@ def _npu_memory(nbytes: int, acl: AclHostApi, kernel: str | None) -> HostMemory:
         "(%d bytes): %s. It is pageable memory, which the native npu copy "
         "backend refuses; the start-up self-check decides whether another "
         "copy path can use it",
-        nbytes,
+        plan.row_span,
         "; ".join(failures),
     )
-    return _mmap_memory(nbytes)
-
-
-def _acl_malloc_host(nbytes: int, acl: AclHostApi) -> HostMemory:
-    addr = acl.alloc(nbytes)
-    # A ctypes array over the allocation gives torch a buffer to wrap; the
-    # tensor's storage holds it, and ACL frees the memory once the last view
-    # is gone (at release, normally), never under a view still in use.
-    buffer = (ctypes.c_int8 * nbytes).from_address(addr)
-    weakref.finalize(buffer, _free_logged, acl.free, addr)
-    tensor = torch.frombuffer(buffer, dtype=torch.int8)
-    del buffer
-    return HostMemory(tensor, nbytes, ACL_MALLOC_HOST, True, _release=lambda: None)
-
-
-def _free_logged(free: Callable[[int], None], addr: int) -> None:
-    try:
-        free(addr)
-    except RuntimeError:
-        logger.exception("KV offload: aclrtFreeHost(%#x) failed", addr)
+    return memory or _mmap_memory(plan)

@@ -47,7 +47,8 @@ from vllm_ascend.kv_offload.pool_metrics import (
     add_pool_stats,
 )
 
-# OffloadKey is hashable; the exact type moved between vLLM releases.
+# OffloadKey is hashable; the exact type moved between vLLM releases. A
+# failed store's keys, as a set to compare with those complete_store gets.
 Keys = frozenset
 
 
@@ -61,9 +62,10 @@ class FailureAwareManager:
         self._evictions = 0
         self._failed_stores = 0
         self._failed_loads = 0
-        # store spec handed out by prepare_store -> the keys it stores; weak,
-        # so specs of jobs that were never created do not accumulate.
-        self._store_keys: weakref.WeakKeyDictionary[LoadStoreSpec, Keys] = (
+        # store spec handed out by prepare_store -> the keys it stores (the
+        # manager's own list, not a copy: hashed only if the store fails);
+        # weak, so specs of jobs that were never created do not accumulate.
+        self._store_keys: weakref.WeakKeyDictionary[LoadStoreSpec, Collection[Any]] = (
             weakref.WeakKeyDictionary()
         )
         self._failed_store_keys: set[Keys] = set()
@@ -82,13 +84,13 @@ class FailureAwareManager:
 
     # -- what the connector tells it ---------------------------------------
 
-    def keys_of_store(self, store_spec: LoadStoreSpec) -> Keys | None:
+    def keys_of_store(self, store_spec: LoadStoreSpec) -> Collection[Any] | None:
         """Keys that ``store_spec`` (from ``prepare_store``) stores."""
         return self._store_keys.get(store_spec)
 
-    def store_failed(self, keys: Keys) -> None:
+    def store_failed(self, keys: Collection[Any]) -> None:
         """The store job of ``keys`` failed on some worker."""
-        self._failed_store_keys.add(keys)
+        self._failed_store_keys.add(Keys(keys))
 
     def load_failed(self, req_id: str) -> None:
         """A load job of request ``req_id`` failed (called once per job):
@@ -103,7 +105,7 @@ class FailureAwareManager:
         if output is not None:
             self._evictions += len(output.evicted_keys)
         if output is not None and output.keys_to_store:
-            self._store_keys[output.store_spec] = Keys(output.keys_to_store)
+            self._store_keys[output.store_spec] = output.keys_to_store
         return output
 
     def complete_store(
@@ -112,10 +114,12 @@ class FailureAwareManager:
         req_context: ReqContext,
         success: bool = True,
     ) -> None:
-        key_set = Keys(keys)
-        if key_set in self._failed_store_keys:
-            self._failed_store_keys.discard(key_set)
-            success = False
+        # Hashed only while some store failed: none per store otherwise.
+        if self._failed_store_keys:
+            key_set = Keys(keys)
+            if key_set in self._failed_store_keys:
+                self._failed_store_keys.discard(key_set)
+                success = False
         if not success:
             self._failed_stores += 1
         self.inner.complete_store(keys, req_context, success=success)

@@ -21,7 +21,8 @@ connector (``connector.py``) sees ``kv_role`` and the device block size
 before vLLM derives the chunk size (``validate_connector_config``); this spec
 sees the sizes of a KV block (``resolve_extra_config``); the worker side of
 this spec, right before it allocates the pool, sees the host memory left
-after vLLM's own allocations (``check_host_memory``). Every key and the type
+after vLLM's own allocations and the other workers' pools on the host
+(``host_guard``, ``host_ledger``). Every key and the type
 of its value are checked by ``config.check_keys``, from the first two.
 """
 
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
@@ -39,21 +40,20 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
-from vllm_ascend.kv_offload import pool_metrics, vllm_compat
+from vllm_ascend.kv_offload import host_guard, host_ledger, pool_metrics, vllm_compat
 from vllm_ascend.kv_offload.config import (
+    PREFIX,
+    SPEC_KEYS,
     OffloadConfigError,
     check_keys,
     cpu_block_bytes,
+    int_setting,
     resolve_extra_config,
+    shown,
     validate_connector_config,
 )
-from vllm_ascend.kv_offload.cpu_pool import (
-    CpuBlockPool,
-    PoolRequest,
-    check_host_memory,
-    host_kv_cache_bytes,
-    private_pool,
-)
+from vllm_ascend.kv_offload.cpu_pool import CpuBlockPool, private_pool
+from vllm_ascend.kv_offload.host_guard import PoolRequest
 from vllm_ascend.kv_offload.logger import init_logger
 from vllm_ascend.kv_offload.manager import FailureAwareManager
 from vllm_ascend.kv_offload.pool_metrics import PoolCapacity
@@ -72,8 +72,12 @@ __all__ = [
 class NPUOffloadingSpec(vllm_compat.PrivatePoolSpec, CPUOffloadingSpec):
     """Offloads KV blocks to a CPU block pool; runs on npu, cuda and cpu."""
 
+    # The kv_connector_extra_config keys this spec reads (config.KEYS has
+    # their types); the connector and the spec refuse any other.
+    extra_config_keys: ClassVar[frozenset[str]] = SPEC_KEYS
+
     def __init__(self, config: OffloadingConfig):
-        extra, num_cpu_blocks = resolve_extra_config(config)
+        extra, num_cpu_blocks = resolve_extra_config(config, self.extra_config_keys)
         super().__init__(dataclasses.replace(config, extra_config=extra))
         if num_cpu_blocks is not None and config.worker_kv_bytes_per_block > 0:
             # The guide's meaning, exactly: this many CPU blocks.
@@ -110,7 +114,7 @@ class NPUOffloadingSpec(vllm_compat.PrivatePoolSpec, CPUOffloadingSpec):
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]):
         # vLLM's reads store_threshold with a bare int(), in the front end.
-        check_keys(extra_config)
+        check_keys(extra_config, cls.extra_config_keys)
         return {
             **super().build_metric_definitions(extra_config),
             **pool_metrics.metric_definitions(),
@@ -124,7 +128,7 @@ class NPUOffloadingSpec(vllm_compat.PrivatePoolSpec, CPUOffloadingSpec):
             num_blocks=self.num_chunks,
             row_bytes=page_bytes * self.blocks_per_chunk,
             key=key,
-            value=given.get(key),
+            setting=f"{PREFIX}['{key}']={shown(given.get(key))}",
             all_workers_block_bytes=cpu_block_bytes(self.config),
             blocks_per_chunk=self.blocks_per_chunk,
             chunk_key="blocks_per_chunk"
@@ -140,18 +144,59 @@ class NPUOffloadingSpec(vllm_compat.PrivatePoolSpec, CPUOffloadingSpec):
             self.blocks_per_chunk,
             self.num_chunks,
             kv_caches.tensors[0].tensor.device.type,
+            int_setting(self.config.extra_config, "host_piece_bytes"),
         )
+
+    def reserve_host_memory(
+        self, kv_caches: CanonicalKVCaches
+    ) -> host_ledger.Reservation:
+        """Checks this worker's pool against the host's budget, next to the
+        pools of the host's other workers, and records it in the host's
+        ledger: one step under the ledger's lock, so that workers starting
+        together do not each count memory the others are about to take."""
+        pool = self._pool_request(kv_caches)
+        host_kv_bytes = host_guard.host_kv_cache_bytes(kv_caches)
+        try:
+            cap = host_guard.budget_cap()
+            ledger = host_ledger.ledger_dir()
+        except ValueError as e:
+            raise OffloadConfigError(f"KV offload: {e}") from None
+
+        def check(others: list[host_guard.Reserved]) -> None:
+            budget = host_guard.HostBudget(
+                host_guard.host_available_bytes(), others, cap
+            )
+            refusal = host_guard.check_pool(
+                pool,
+                budget,
+                engine_id=self.config.engine_id,
+                # The engine's workers, assumed on this host (across hosts
+                # the fix is lower than needed: on the safe side).
+                workers=self.config.parallel.world_size,
+                host_kv_bytes=host_kv_bytes,
+            )
+            if refusal is not None:
+                raise OffloadConfigError(refusal)
+            logger.info(host_guard.passed(pool, budget))
+
+        return host_ledger.reserve(pool.nbytes, self.config.engine_id, check, ledger)
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._npu_worker is None:
             # The worker side, right before the pool is allocated: the one
             # place that knows what vLLM has allocated and what is to come.
-            # Assembly: check host memory, allocate the pool, build the worker
-            # on it (which self-checks its copy path before serving).
-            check_host_memory(
-                self._pool_request(kv_caches), host_kv_cache_bytes(kv_caches)
-            )
-            pool = self.allocate_pool(kv_caches)
+            # Assembly: check host memory and record the pool in the host's
+            # ledger, allocate it, build the worker on it (which self-checks
+            # its copy path before serving).
+            reservation = self.reserve_host_memory(kv_caches)
+            try:
+                pool = self.allocate_pool(kv_caches)
+            except BaseException:
+                reservation.release()
+                raise
+            # Faulted in now: out of MemAvailable, counted once (host_guard).
+            reservation.allocated()
+            pool.on_release(reservation.release)
             try:
                 self._npu_worker = self.worker_cls(
                     kv_caches,

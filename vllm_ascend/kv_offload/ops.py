@@ -34,8 +34,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+# HAS_NATIVE_OP: a module attribute too (``__getattr__``, loads the op).
 __all__ = [
-    "HAS_NATIVE_OP",
     "check_disjoint",
     "coalesce",
     "fallback_reason",
@@ -84,18 +84,31 @@ def _load_native() -> tuple[_SwapFn | None, tuple[str, ...], str | None]:
     )
 
 
-_native_op, _native_backends, _fallback_reason = _load_native()
-HAS_NATIVE_OP: bool = _native_op is not None
+@functools.cache
+def _native() -> tuple[_SwapFn | None, tuple[str, ...], str | None]:
+    """The library, loaded on first use: a process that never copies (the
+    scheduler's, the API server's) does not load it."""
+    loaded = _load_native()
+    if loaded[2] is not None:
+        _warn_fallback(loaded[2])
+    return loaded
+
+
+def __getattr__(name: str) -> bool:
+    # HAS_NATIVE_OP: whether the native op is in use (loads it on first read).
+    if name == "HAS_NATIVE_OP":
+        return _native()[0] is not None
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def fallback_reason() -> str | None:
     """Why the native op is not in use (None when it is)."""
-    return _fallback_reason
+    return _native()[2]
 
 
 def native_backends() -> tuple[str, ...]:
     """Backends compiled into the native op in use; () when falling back."""
-    return _native_backends
+    return _native()[1]
 
 
 def swap_blocks_batch(
@@ -114,29 +127,32 @@ def swap_blocks_batch(
 def native_swap(device: str, per_copy: bool = False) -> _SwapFn:
     """``swap_blocks_batch`` with ``device`` and ``per_copy`` bound: the op
     itself (no Python frame of ours per call), or the Python fallback."""
-    if _native_op is not None:
-        return functools.partial(_native_op, device=device, per_copy=per_copy)
+    native_op = _native()[0]
+    if native_op is not None:
+        return functools.partial(native_op, device=device, per_copy=per_copy)
     return functools.partial(fallback_swap_blocks_batch, device=device)
 
 
 def _host_register_op(name: str):
+    native_op, _, reason = _native()
     op = getattr(torch.ops._C_ascend, f"kv_offload_host_{name}", None)
-    if _native_op is None or op is None:
+    if native_op is None or op is None:
         raise RuntimeError(
             f"kv_offload_host_{name} needs the native extension "
             f"vllm_ascend.kv_offload._C_kv_offload with the npu backend; "
             f"{_BUILD_HINT} on a machine with torch_npu "
-            f"({_fallback_reason or 'this build predates the op'})"
+            f"({reason or 'this build predates the op'})"
         )
     return op.default
 
 
-def host_register(addr: int, size: int, device: str) -> None:
+def host_register(addr: int, size: int, device: str, flags: int = 0x10000002) -> None:
     """Makes the existing host range ``[addr, addr + size)`` page-locked memory
     that ``device``'s copy backend accepts ("npu": aclrtHostRegisterV2 with
-    ACL_HOST_REG_PINNED); raises RuntimeError naming the range and the ACL
+    ``flags``, by default ACL_HOST_REG_MAPPED | ACL_HOST_REG_PINNED; A5 takes
+    MAPPED, 0x2, alone); raises RuntimeError naming the range and the ACL
     error. Contract: ``kv_offload_host_register`` in ``csrc/kv_offload/ops.h``."""
-    _host_register_op("register")(addr, size, device)
+    _host_register_op("register")(addr, size, device, flags)
 
 
 def host_unregister(addr: int, device: str) -> None:
@@ -200,7 +216,7 @@ def fallback_swap_blocks_batch(
             "vllm_ascend.kv_offload._C_kv_offload (the Python fallback only copies "
             "host memory); "
             f"{_BUILD_HINT} on a machine with the {device} toolchain "
-            f"(fallback in use because {_fallback_reason or 'it was called directly'})"
+            f"(fallback in use because {_native()[2] or 'it was called directly'})"
         )
     m_src, m_dst, m_size, first = coalesce(src_addrs, dst_addrs, sizes)
     check_disjoint(m_src, m_dst, m_size, first, device)
@@ -313,7 +329,3 @@ def _warn_fallback(reason: str) -> None:
         "because %s",
         reason,
     )
-
-
-if _fallback_reason is not None:
-    _warn_fallback(_fallback_reason)

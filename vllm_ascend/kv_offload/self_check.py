@@ -105,10 +105,8 @@ def _scratch(device: torch.device, pool: CpuBlockPool, fragment_sizes, blocks):
     # Block b of tensor t: pool row b, the tensor's first page (the engine's
     # addressing); on the device every other slot, so that nothing merges,
     # as with scattered KV blocks.
-    rows = np.arange(blocks, dtype=np.int64)[:, None]
-    host_addr = (
-        pool.base + rows * layout.row_bytes + layout.tensor_offsets[None, :]
-    ).ravel()
+    rows = pool.row_addresses(np.arange(blocks, dtype=np.int64))
+    host_addr = (rows[:, None] + layout.tensor_offsets[None, :]).ravel()
     frag_sizes = np.broadcast_to(sizes[None, :], (blocks, len(sizes))).ravel()
     # A gap of poison after each fragment on the device, so that nothing
     # merges (as with scattered KV blocks) and a copy that runs over shows.
@@ -157,42 +155,54 @@ def _run_job(queue: TransferQueue, job_id: int, copy) -> str | None:
     return None
 
 
-def _compare(want_buf, got_buf, want_frags, got_frags, where: str) -> str | None:
-    """None if each fragment of ``got_buf`` holds its ``want_buf`` bytes;
-    else how many bytes are wrong, and the first. (numpy: torch's CPU ops on
-    many small slices pay thread-pool overhead, seconds on a busy host.)"""
+def _compare(wants, gots, offsets, where: str) -> str | None:
+    """None if each fragment ``gots[i]`` holds ``wants[i]``; else how many
+    bytes are wrong, and the first (in the fragment at ``offsets[i]``: an
+    address in the pool, an offset on the device). (numpy: torch's CPU ops
+    on many small slices pay thread-pool overhead, seconds on a busy host.)"""
     wrong, first = 0, None
-    for (wo, n), (go, _) in zip(want_frags, got_frags, strict=True):
-        want, got = want_buf[wo : wo + n], got_buf[go : go + n]
+    for want, got, offset in zip(wants, gots, offsets, strict=True):
         if np.array_equal(want, got):
             continue
         bad = np.flatnonzero(want != got)
         wrong += len(bad)
         if first is None:
             i = int(bad[0])
-            first = f"at offset {go + i} (got {int(got[i])}, expected {int(want[i])})"
+            first = (
+                f"byte {i} of the fragment at {offset:#x} (got {int(got[i])}, "
+                f"expected {int(want[i])})"
+            )
     if not wrong:
         return None
     return f"{wrong} wrong bytes in the {where}, the first {first}"
+
+
+def _host_fragments(pool: CpuBlockPool, s: _Scratch) -> list[np.ndarray]:
+    """numpy views of the scratch fragments, in the pool's rows (which may
+    sit in different pieces), in the order of ``s.host_addr``."""
+    offsets = pool.tensor_offsets.tolist()
+    t = len(offsets)
+    views = []
+    for b in range(len(s.sizes) // t):
+        row = pool.row(b).view(torch.uint8).numpy()
+        sizes = s.sizes[b * t : (b + 1) * t].tolist()
+        views += [row[o : o + n] for o, n in zip(offsets, sizes, strict=True)]
+    return views
 
 
 def _attempt(
     path: CopyPath, scratch: _Scratch, pool: CpuBlockPool, queues, buffers
 ) -> tuple[PathAttempt, Swap | None]:
     s = scratch
-    assert pool.tensor is not None
-    assert pool.memory.tensor is not None
-    host_flat = pool.memory.tensor.view(torch.uint8)
+    assert not pool.released
+    host_views = _host_fragments(pool, s)
     sizes = s.sizes.tolist()
-    host_off = (s.host_addr - host_flat.data_ptr()).tolist()
-    host_frags = list(zip(host_off, sizes, strict=True))
     dev_frags = list(zip(s.dev_off.tolist(), sizes, strict=True))
-    host_np = host_flat.numpy()
-    for o, n in host_frags:
-        host_np[o : o + n] = POISON
+    for view in host_views:
+        view[:] = POISON
     s.dst.fill_(POISON)
     try:
-        swap = path.bind([*buffers, s.src, s.dst, host_flat])
+        swap = path.bind([*buffers, s.src, s.dst, *pool.tensors])
     except Exception as e:
         return PathAttempt(path.name, False, f"{type(e).__name__}: {e}"), None
     src_dev = s.src.data_ptr() + s.dev_off
@@ -209,13 +219,15 @@ def _attempt(
         return PathAttempt(path.name, False, failure, seconds), None
     src_cpu = s.src.cpu().numpy()
     dst_cpu = s.dst.cpu().numpy()
+    wants = [src_cpu[o : o + n] for o, n in dev_frags]
     failure = _compare(
-        src_cpu, host_np, dev_frags, host_frags, "CPU pool after the store"
+        wants, host_views, s.host_addr.tolist(), "CPU pool after the store"
     )
     if failure is None:
         # Device side: every fragment back, the poison after it untouched.
+        gots = [dst_cpu[o : o + n] for o, n in dev_frags]
         failure = _compare(
-            src_cpu, dst_cpu, dev_frags, dev_frags, "device buffer after the load"
+            wants, gots, [o for o, _ in dev_frags], "device buffer after the load"
         )
     if failure is None:
         for o, n in dev_frags:

@@ -49,13 +49,8 @@ from vllm_ascend.kv_offload.config_sizes import (
     check_sizes,
     modelslim_kv_dtype,
 )
-from vllm_ascend.kv_offload.host_fit import (
-    AUTO_POOL_SHARE,
-    HostFit,
-    auto_num_cpu_blocks,
-    fit_host_memory,
-    guard_max_blocks,
-)
+from vllm_ascend.kv_offload.host_fit import HostFit, fit_host_memory
+from vllm_ascend.kv_offload.host_guard import AUTO_POOL_SHARE, auto_num_cpu_blocks
 
 __all__ = [
     "AUTO_POOL_SHARE",
@@ -65,7 +60,6 @@ __all__ = [
     "UnsupportedModelError",
     "auto_num_cpu_blocks",
     "fit_host_memory",
-    "guard_max_blocks",
     "load_config",
     "size_kv",
     "size_model_dir",

@@ -35,7 +35,7 @@ from vllm.v1.kv_offload.base import (
 from vllm_ascend.kv_offload import ops
 from vllm_ascend.kv_offload.copy_engine import CopyEngine, Descriptors
 from vllm_ascend.kv_offload.copy_paths import candidate_paths
-from vllm_ascend.kv_offload.cpu_pool import CpuBlockPool, private_pool
+from vllm_ascend.kv_offload.cpu_pool import CpuBlockPool
 from vllm_ascend.kv_offload.logger import init_logger
 from vllm_ascend.kv_offload.pool_metrics import PoolInfo
 from vllm_ascend.kv_offload.self_check import SelfCheckResult, refusal, run_self_check
@@ -55,29 +55,18 @@ class NPUOffloadingWorker(OffloadingWorker):
     def __init__(
         self,
         kv_caches: CanonicalKVCaches,
-        blocks_per_chunk: int | None = None,
-        num_cpu_blocks: int | None = None,
-        pool: CpuBlockPool | None = None,
+        pool: CpuBlockPool,
         copy_path: str = "auto",
     ):
         """``pool``: the CPU block pool the spec assembled for this worker
-        (``cpu_pool.private_pool`` or a shared region's ``region_pool``);
-        without one, a private pool of ``num_cpu_blocks`` blocks of
-        ``blocks_per_chunk`` device blocks is allocated here. The worker
-        releases it at shutdown, as its memory's owner said. ``copy_path``:
-        the setting of that name (``copy_paths.py``). Raises
-        ``self_check.SelfCheckFailed`` if no copy path is byte-exact."""
+        (``cpu_pool.private_pool``, or a shared region's
+        ``tiering.region.RegionBlockPool``); the worker releases it at
+        shutdown, as its memory's owner said. ``copy_path``: the setting of
+        that name (``copy_paths.py``). Raises ``self_check.SelfCheckFailed``
+        if no copy path is byte-exact."""
         if not kv_caches.tensors:
             raise ValueError("NPUOffloadingWorker needs at least one KV cache tensor")
         self.device = kv_caches.tensors[0].tensor.device
-        if pool is None:
-            assert blocks_per_chunk is not None and num_cpu_blocks is not None
-            pool = private_pool(
-                [t.page_size_bytes for t in kv_caches.tensors],
-                blocks_per_chunk,
-                num_cpu_blocks,
-                self.device.type,
-            )
         self.pool = pool
         self._copy_path_setting = copy_path
         self._start(kv_caches)
@@ -264,5 +253,5 @@ class NPUOffloadingWorker(OffloadingWorker):
         self._job_bytes.clear()
         if all(stopped):
             # Release the (possibly pinned) host memory now, not at GC; a
-            # shared region's owner decided what that means (region_pool).
+            # shared region's owner decided what that means.
             self.pool.release()

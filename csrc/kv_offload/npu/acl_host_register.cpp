@@ -53,6 +53,15 @@ bool location_of(uint64_t addr, aclrtMemLocationType* type, std::string* why) {
   return true;
 }
 
+std::string flag_names(uint32_t flags) {
+  std::string out;
+  if (flags & ACL_HOST_REG_MAPPED) out = "ACL_HOST_REG_MAPPED";
+  if (flags & ACL_HOST_REG_PINNED) {
+    out += out.empty() ? "ACL_HOST_REG_PINNED" : "|ACL_HOST_REG_PINNED";
+  }
+  return out;
+}
+
 bool is_page_locked_host(aclrtMemLocationType t) {
   return t == ACL_MEM_LOCATION_TYPE_HOST ||
          t == ACL_MEM_LOCATION_TYPE_HOST_NUMA;
@@ -60,10 +69,16 @@ bool is_page_locked_host(aclrtMemLocationType t) {
 
 }  // namespace
 
-void register_host_range(uint64_t addr, uint64_t size) {
+void register_host_range(uint64_t addr, uint64_t size, uint32_t flags) {
   if (addr == 0 || size == 0) {
     fail(kRegister, "nothing to register: range " + range(addr, size) +
                         " is empty or at address 0");
+  }
+  if ((flags & ACL_HOST_REG_MAPPED) == 0 ||
+      (flags & ~kHostRegisterKnownFlags) != 0) {
+    fail(kRegister, "flags " + hex(flags) + " for range " + range(addr, size) +
+                        ": pass ACL_HOST_REG_MAPPED (0x2), optionally | "
+                        "ACL_HOST_REG_PINNED (0x10000000)");
   }
   if (addr % kHostRegisterAlignment != 0) {
     fail(kRegister, "range " + range(addr, size) +
@@ -80,11 +95,11 @@ void register_host_range(uint64_t addr, uint64_t size) {
              "; upgrade CANN to a release that has them (the CANN 8.5 "
              "documentation does)");
   }
-  const aclError e = aclrtHostRegisterV2(reinterpret_cast<void*>(addr), size,
-                                         kHostRegisterFlags);
+  const aclError e =
+      aclrtHostRegisterV2(reinterpret_cast<void*>(addr), size, flags);
   if (e != ACL_SUCCESS) {
-    fail(kRegister, "aclrtHostRegisterV2(range " + range(addr, size) +
-                        ", ACL_HOST_REG_PINNED) failed with ACL error " +
+    fail(kRegister, "aclrtHostRegisterV2(range " + range(addr, size) + ", " +
+                        flag_names(flags) + ") failed with ACL error " +
                         std::to_string(e) + acl_detail());
   }
   // The copy backend accepts only memory ACL reports as page-locked host
@@ -104,9 +119,8 @@ void register_host_range(uint64_t addr, uint64_t size) {
     const aclError u = aclrtHostUnregister(reinterpret_cast<void*>(addr));
     fail(kRegister,
          "range " + range(addr, size) +
-             " was registered (aclrtHostRegisterV2, ACL_HOST_REG_PINNED), "
-             "but " +
-             why + "; it was unregistered again" +
+             " was registered (aclrtHostRegisterV2, " + flag_names(flags) +
+             "), but " + why + "; it was unregistered again" +
              (u == ACL_SUCCESS
                   ? std::string()
                   : " (aclrtHostUnregister failed as well, with ACL error " +

@@ -15,21 +15,23 @@ namespace vllm_ascend::kv_offload::npu {
 
 // aclrtHostRegisterV2 requires a 4 KiB-aligned address (CANN docs).
 inline constexpr uint64_t kHostRegisterAlignment = 4096;
-// "Register pageable host memory (malloc, new, a default mmap) as
-// page-locked memory" (CANN docs of aclrtHostRegisterV2).
-inline constexpr uint32_t kHostRegisterFlags =
-    static_cast<uint32_t>(ACL_HOST_REG_PINNED);
+// The flags register_host_range accepts. A2/A3 take MAPPED | PINNED (what
+// upstream vllm-ascend registers shared memory with); A5 rejects PINNED
+// (error 107000) and takes MAPPED alone, so the caller chooses.
+inline constexpr uint32_t kHostRegisterKnownFlags =
+    static_cast<uint32_t>(ACL_HOST_REG_MAPPED | ACL_HOST_REG_PINNED);
 
-// Registers [addr, addr + size) with aclrtHostRegisterV2(...,
-// ACL_HOST_REG_PINNED) and checks that aclrtPointerGetAttributes then reports
-// its first and last byte as page-locked host memory
+// Registers [addr, addr + size) with aclrtHostRegisterV2(..., flags) (flags:
+// ACL_HOST_REG_MAPPED, optionally | ACL_HOST_REG_PINNED; anything else is
+// refused before any ACL call) and checks that aclrtPointerGetAttributes then
+// reports its first and last byte as page-locked host memory
 // (ACL_MEM_LOCATION_TYPE_HOST or _HOST_NUMA), which is what the batch copy path
 // requires; if it does not, the range is unregistered again and the call fails.
 // Throws std::runtime_error naming the range, the ACL call and its error code
 // (and the runtime's message). Refused before any ACL call: a null address,
 // size 0, an address that is not 4 KiB-aligned, a runtime without
 // aclrtHostRegisterV2.
-void register_host_range(uint64_t addr, uint64_t size);
+void register_host_range(uint64_t addr, uint64_t size, uint32_t flags);
 
 // aclrtHostUnregister(addr): `addr` is the address given to
 // register_host_range. Call it only once no copy from or to the range is

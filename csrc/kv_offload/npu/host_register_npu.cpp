@@ -12,9 +12,9 @@
 
 namespace vllm_ascend::kv_offload {
 
-void host_register_npu(uint64_t addr, uint64_t size) {
+void host_register_npu(uint64_t addr, uint64_t size, uint32_t flags) {
   try {
-    npu::register_host_range(addr, size);
+    npu::register_host_range(addr, size, flags);
   } catch (const std::exception& e) {
     TORCH_CHECK(false, e.what());
   }

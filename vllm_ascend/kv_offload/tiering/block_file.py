@@ -144,17 +144,19 @@ def _split(root: str, path: str) -> tuple[list[str], str]:
     return parts[:-1], parts[-1]
 
 
-def _open_dirs(
+def open_dirs(
     root: str,
-    dirs: list[str],
-    create: bool,
-    path: str,
-    on_bad_entry: BadEntryHook | None,
+    dirs: list[str] | tuple[str, ...],
+    create: bool = False,
+    path: str = "",
+    on_bad_entry: BadEntryHook | None = None,
 ) -> int:
     """An fd of ``root/dirs...``, reached without following a symlink below
-    ``root`` (``root`` itself is configured, so trusted). A non-directory on
-    the way is a bad entry: removed, and replaced by a directory if
-    ``create``."""
+    ``root`` (``root`` itself is configured, so trusted): the one walk of the
+    tier's directories (block files here, the size bound's scan in
+    ``fs_budget``). A non-directory on the way is a bad entry: removed, and
+    replaced by a directory if ``create``. ``path``: the file the walk is
+    for, in errors."""
     try:
         fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -227,7 +229,7 @@ def write_block(
         _MAC.pack_into(
             header, _HEADER.size, MAC_HMAC_SHA256, _mac(auth_key, header, payload)
         )
-    dir_fd = _open_dirs(root, dirs, True, path, on_bad_entry)
+    dir_fd = open_dirs(root, dirs, True, path, on_bad_entry)
     try:
         try:
             mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
@@ -318,7 +320,7 @@ def read_block(
     root = root or os.path.dirname(path)
     dirs, name = _split(root, path)
     header = _header_buffer()
-    dir_fd = _open_dirs(root, dirs, False, path, on_bad_entry)
+    dir_fd = open_dirs(root, dirs, False, path, on_bad_entry)
     try:
         fd = _open_regular(dir_fd, name, path, o_direct, on_bad_entry)
     finally:
@@ -390,7 +392,7 @@ def remove_block(path: str, root: str) -> None:
     verification), following no symlink; anything else is left alone."""
     dirs, name = _split(root, path)
     with contextlib.suppress(OSError):
-        dir_fd = _open_dirs(root, dirs, False, path, None)
+        dir_fd = open_dirs(root, dirs, False, path, None)
         try:
             mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
             if stat.S_ISREG(mode):
@@ -407,7 +409,7 @@ def make_dirs(path: str, root: str) -> None:
         os.close(os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
         return
     dirs, last = _split(root, path)
-    os.close(_open_dirs(root, [*dirs, last], True, path, None))
+    os.close(open_dirs(root, [*dirs, last], True, path, None))
 
 
 def write_small_file(path: str, data: bytes, root: str) -> None:
@@ -415,7 +417,7 @@ def write_small_file(path: str, data: bytes, root: str) -> None:
     replacing a non-regular entry (``identity.json``, vLLM's
     ``config.json``)."""
     dirs, name = _split(root, path)
-    dir_fd = _open_dirs(root, dirs, True, path, None)
+    dir_fd = open_dirs(root, dirs, True, path, None)
     try:
         with contextlib.suppress(FileNotFoundError):
             mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
@@ -444,7 +446,7 @@ def is_regular_file(path: str, root: str) -> bool:
     followed on the way or at the end)."""
     dirs, name = _split(root, path)
     try:
-        dir_fd = _open_dirs(root, dirs, False, path, None)
+        dir_fd = open_dirs(root, dirs, False, path, None)
     except OSError:
         return False
     try:

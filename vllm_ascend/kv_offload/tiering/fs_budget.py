@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_ascend.kv_offload.config import OffloadConfigError
 from vllm_ascend.kv_offload.logger import init_logger
+from vllm_ascend.kv_offload.tiering.block_file import open_dirs
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -106,23 +107,6 @@ class _Entry:
     name: str
     ino: int
     dev: int
-
-
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-def _open_dir(root: str, dirs: tuple[str, ...]) -> int:
-    """An fd of ``root/dirs...``, no component followed if a symlink."""
-    fd = os.open(root, _DIR_FLAGS)
-    try:
-        for part in dirs:
-            nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
-            os.close(fd)
-            fd = nfd
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 class FsTierBudget:
@@ -279,7 +263,7 @@ class FsTierBudget:
         while stack:
             dirs = stack.pop()
             try:
-                fd = _open_dir(self.root, dirs)
+                fd = open_dirs(self.root, dirs)
             except OSError:
                 continue  # removed, replaced or unreadable meanwhile
             try:
@@ -314,7 +298,7 @@ class FsTierBudget:
         """True if removed, False if already gone (another evictor), None if
         kept because it changed since the listing (read, or rewritten)."""
         try:
-            fd = _open_dir(self.root, entry.dirs)
+            fd = open_dirs(self.root, entry.dirs)
         except FileNotFoundError:
             return False
         except OSError:

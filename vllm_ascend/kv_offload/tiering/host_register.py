@@ -11,8 +11,19 @@ from collections.abc import Callable
 
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
+from vllm_ascend.kv_offload.acl_host import (
+    AclRegistrar,
+    kernel_registers_pageable_memory,
+)
 from vllm_ascend.kv_offload.config import TIERING_SPEC, OffloadConfigError
-from vllm_ascend.kv_offload.host_memory import kernel_registers_pageable_memory
+from vllm_ascend.kv_offload.host_pieces import (
+    DEFAULT_PIECE_BYTES,
+    SVM_ALIGNMENT,
+    PiecePlan,
+    PiecesRefused,
+    describe,
+    take_pieces,
+)
 from vllm_ascend.kv_offload.logger import init_logger
 from vllm_ascend.kv_offload.tiering.region import RegionBlockPool
 
@@ -28,30 +39,35 @@ class AclRegionRegistration:
     that the npu copy backend accepts it (it refuses pageable memory).
 
     Registers the whole mapping of this process (every rank's slots, as
-    vLLM's CUDA worker does) through the native op
-    ``kv_offload_host_register`` (``aclrtHostRegisterV2(..., ACL_HOST_REG_PINNED)``,
-    then a check that ACL reports it as page-locked host memory);
-    ``release`` unregisters it, which must happen after the copies have
-    stopped and before the region is unmapped. Compiled against the
-    torch-npu headers and tested against a simulated ACL runtime only.
+    vLLM's CUDA worker does) in pieces of whole rows of at most
+    ``piece_bytes`` (``host_pieces``: the pool's rule, a refused piece
+    retried at half its size; vLLM lays the rows out back to back, so no
+    gaps) through the native op ``kv_offload_host_register``
+    (``aclrtHostRegisterV2`` with MAPPED | PINNED, or MAPPED alone where
+    PINNED is refused, then a check that ACL reports it as page-locked host
+    memory); ``release`` unregisters every piece, which must happen after
+    the copies have stopped and before the region is unmapped. Compiled
+    against the torch-npu headers and tested against a simulated ACL
+    runtime only.
     """
 
     def __init__(
         self,
         region: SharedOffloadRegion,
-        register: Callable[[int, int, str], None] | None = None,
+        register: Callable[[int, int, str, int], None] | None = None,
         unregister: Callable[[int, str], None] | None = None,
         kernel_release: str | None = None,
+        piece_bytes: int | None = None,
     ):
         from vllm_ascend.kv_offload import ops
 
         self._unregister = unregister or ops.host_unregister
         register = register or ops.host_register
-        self.addr = region.base_tensor.data_ptr()
+        base = region.base_tensor.data_ptr()
         self.nbytes = region.total_size_bytes
+        self.addresses: list[int] = []
         where = (
-            f"the shared region {region.mmap_path} ({self.nbytes} bytes at "
-            f"{self.addr:#x})"
+            f"the shared region {region.mmap_path} ({self.nbytes} bytes at {base:#x})"
         )
         release = kernel_release or _kernel_release()
         if not kernel_registers_pageable_memory(release):
@@ -62,41 +78,60 @@ class AclRegionRegistration:
                 f"{release}); use spec_name='NPUOffloadingSpec' (a pinned "
                 "private pool) on this host, or a newer kernel"
             )
+        plan = PiecePlan.of(
+            region.num_chunks,
+            self.nbytes // region.num_chunks,
+            piece_bytes or DEFAULT_PIECE_BYTES,
+            SVM_ALIGNMENT,
+            gaps=False,
+        )
+        registrar = AclRegistrar(lambda a, n, f: register(a, n, "npu", f))
         t0 = time.perf_counter()
         try:
-            register(self.addr, self.nbytes, "npu")
-        except RuntimeError as e:
-            self.addr = 0
+            pieces, failures = take_pieces(
+                plan,
+                lambda u, k: registrar(base + u * plan.stride, plan.piece_span(u, k)),
+                self._unregister_one,
+            )
+        except PiecesRefused as e:
             raise OffloadConfigError(
                 f"{TIERING_SPEC} on npu: registering {where} with ACL failed, and "
                 "the NPU copy backend copies page-locked host memory only: "
                 f"{e}. Fix: a CANN release with aclrtHostRegisterV2 (its 8.5 "
-                "documentation has it) on an Atlas A2/A3, a smaller region "
-                "(num_cpu_blocks or cpu_bytes_to_use) if the host cannot lock "
-                "that much memory, or spec_name='NPUOffloadingSpec' (a pinned "
-                "private pool, no tiering)"
+                "documentation has it) on an Atlas A2/A3/A5, a smaller "
+                "host_piece_bytes if the runtime refuses pieces that large, a "
+                "smaller region (num_cpu_blocks or cpu_bytes_to_use) if the "
+                "host cannot lock that much memory, or "
+                "spec_name='NPUOffloadingSpec' (a pinned private pool, no "
+                "tiering)"
             ) from e
+        self.addresses = [p.handle for p in pieces]
         logger.info(
-            "KV offload: registered %s with ACL as page-locked memory in %.2f s",
+            "KV offload: registered %s with ACL as %s in %s in %.2f s%s",
             where,
+            registrar.kind,
+            describe([p.nbytes for p in pieces]),
             time.perf_counter() - t0,
+            f" (refused first: {'; '.join(failures)})" if failures else "",
         )
 
+    def _unregister_one(self, addr: int) -> None:
+        self._unregister(addr, "npu")
+
     def release(self) -> None:
-        """Unregisters (once); logs instead of raising, as it runs at
-        shutdown."""
-        addr, self.addr = self.addr, 0
-        if not addr:
-            return
-        try:
-            self._unregister(addr, "npu")
-        except RuntimeError as e:
-            logger.warning(
-                "KV offload: unregistering the shared region at %#x from ACL "
-                "failed: %s",
-                addr,
-                e,
-            )
+        """Unregisters every piece (once); logs instead of raising, as it
+        runs at shutdown."""
+        addresses, self.addresses = self.addresses, []
+        for addr in reversed(addresses):
+            try:
+                self._unregister_one(addr)
+            except RuntimeError as e:
+                logger.warning(
+                    "KV offload: unregistering the shared region at %#x from "
+                    "ACL failed: %s",
+                    addr,
+                    e,
+                )
 
 
 def register_with_cuda(region: SharedOffloadRegion, pool: RegionBlockPool) -> None:

@@ -34,10 +34,7 @@ directory, so a sweep never sees a mark between its creation and its lock.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
-import stat
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
@@ -47,13 +44,19 @@ from vllm_ascend.kv_offload.config import OffloadConfigError
 from vllm_ascend.kv_offload.cpu_pool import CpuBlockPool, PoolLayout
 from vllm_ascend.kv_offload.host_memory import borrowed
 from vllm_ascend.kv_offload.logger import init_logger
+from vllm_ascend.kv_offload.shm_marks import (
+    SHM_DIR,
+    dir_lock,
+    is_users_file,
+    open_held,
+    sweep_marks,
+)
 
 if TYPE_CHECKING:
     from vllm_ascend.kv_offload.tiering.host_register import AclRegionRegistration
 
 logger = init_logger(__name__)
 
-SHM_DIR = "/dev/shm"
 REGION_PREFIX, REGION_SUFFIX = "vllm_offload_", ".mmap"  # vLLM's names
 MARK_PREFIX, MARK_SUFFIX = "vllm_ascend_offload_", ".lock"  # ours
 
@@ -68,60 +71,24 @@ def mark_path(engine_id: str, shm_dir: str = SHM_DIR) -> str:
     return os.path.join(shm_dir, f"{MARK_PREFIX}{engine_id}{MARK_SUFFIX}")
 
 
-@contextlib.contextmanager
-def _shm_lock(shm_dir: str = SHM_DIR) -> Iterator[None]:
-    """Serialises opening regions and sweeping between this package's
-    processes."""
-    fd = os.open(shm_dir, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
-def _is_users_file(path: str) -> bool:
-    try:
-        st = os.stat(path, follow_symlinks=False)
-    except FileNotFoundError:
-        return False
-    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
-
-
 def sweep_dead_regions(shm_dir: str = SHM_DIR) -> list[str]:
     """Removes every region of ours whose processes are all gone (its mark
     unlocked) and the mark; returns the regions removed. Call it under
-    ``_shm_lock``."""
+    ``dir_lock``."""
     removed = []
-    for name in sorted(os.listdir(shm_dir)):
-        if not (name.startswith(MARK_PREFIX) and name.endswith(MARK_SUFFIX)):
-            continue
-        engine_id = name[len(MARK_PREFIX) : -len(MARK_SUFFIX)]
-        mark = os.path.join(shm_dir, name)
-        try:
-            fd = os.open(mark, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            continue  # gone meanwhile, or a link: not a mark of ours
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # a live engine holds it
-            region = region_path(engine_id, shm_dir)
-            if _is_users_file(region):
-                os.unlink(region)
-                removed.append(region)
-                logger.warning(
-                    "KV offload: removed %s, a shared region left by a run that "
-                    "ended without cleanup (killed while starting)",
-                    region,
-                )
-            os.unlink(mark)
-        finally:
-            os.close(fd)
+
+    def remove_region(engine_id: str) -> None:
+        region = region_path(engine_id, shm_dir)
+        if is_users_file(region):
+            os.unlink(region)
+            removed.append(region)
+            logger.warning(
+                "KV offload: removed %s, a shared region left by a run that "
+                "ended without cleanup (killed while starting)",
+                region,
+            )
+
+    sweep_marks(shm_dir, MARK_PREFIX, MARK_SUFFIX, remove_region)
     return removed
 
 
@@ -142,9 +109,7 @@ class RegionMark:
                 "kv_transfer_config engine_id (or leave it unset), or remove "
                 "the file if no process uses it"
             )
-        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-        self.fd: int | None = os.open(self.path, flags, 0o600)
-        fcntl.flock(self.fd, fcntl.LOCK_SH)
+        self.fd: int | None = open_held(self.path)
 
     def release_name(self) -> None:
         """Unlinks the region and the mark, unless the mark there is no
@@ -177,7 +142,7 @@ class RegionMark:
 def hold_mark(engine_id: str) -> RegionMark:
     """``RegionMark`` after a sweep, for a process about to map the region
     through vLLM (the scheduler's tiering manager)."""
-    with _shm_lock():
+    with dir_lock():
         sweep_dead_regions()
         return RegionMark(engine_id)
 
@@ -186,7 +151,7 @@ def open_region(**kwargs: Any) -> tuple[SharedOffloadRegion, RegionMark]:
     """``SharedOffloadRegion(**kwargs)`` after a sweep, held by its mark
     before anyone else can look at it. vLLM's own unlink at ``cleanup`` is
     turned off: ``close_region`` releases the name (if no one did)."""
-    with _shm_lock():
+    with dir_lock():
         sweep_dead_regions()
         mark = RegionMark(kwargs["engine_id"])
         try:

@@ -24,7 +24,13 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from vllm_ascend.kv_offload.config import PREFIX, TIERING_SPEC, OffloadConfigError
+from vllm_ascend.kv_offload.config import (
+    PREFIX,
+    TIERING_KEYS,
+    TIERING_SPEC,
+    OffloadConfigError,
+    int_setting,
+)
 from vllm_ascend.kv_offload.logger import init_logger
 from vllm_ascend.kv_offload.manager import FailureAwareManager
 from vllm_ascend.kv_offload.npu import NPUOffloadingSpec
@@ -68,12 +74,7 @@ class NPUTieringWorker(NPUOffloadingWorker):
         self.region = region
         self.mark = mark
         self.registration = registration
-        super().__init__(
-            kv_caches,
-            blocks_per_chunk=pool.blocks_per_chunk,
-            num_cpu_blocks=pool.num_blocks,
-            pool=pool,
-        )
+        super().__init__(kv_caches, pool)
 
     @override
     def shutdown(self) -> None:
@@ -112,13 +113,6 @@ class _TieringManager(FailureAwareManager):
 
 def check_tiering_config(extra: Mapping[str, Any]) -> None:
     """What this spec cannot do, refused before anything is allocated."""
-    if extra.get("canonical_layout"):
-        raise OffloadConfigError(
-            f"{PREFIX}['canonical_layout']={extra['canonical_layout']!r} is not "
-            f"supported by {TIERING_SPEC}: its worker stores each rank's KV in its "
-            "own layout (files are shared only between identical deployments); "
-            "remove canonical_layout"
-        )
     threshold = extra.get("store_threshold")
     if threshold is not None and not isinstance(threshold, bool):
         if isinstance(threshold, int | float) and threshold >= 2:
@@ -189,6 +183,7 @@ class NPUTieringOffloadingSpec(TieringOffloadingSpec, NPUOffloadingSpec):
     region: ``num_cpu_blocks`` rows of all ranks' KV of one CPU block.
     """
 
+    extra_config_keys = NPUOffloadingSpec.extra_config_keys | TIERING_KEYS
     _tiering_worker: NPUTieringWorker | None = None
 
     @classmethod
@@ -283,7 +278,12 @@ class NPUTieringOffloadingSpec(TieringOffloadingSpec, NPUOffloadingSpec):
                 register_with_cuda(region, pool)
             elif device.type == "npu":
                 # The NPU copy backend refuses pageable host memory.
-                registration = AclRegionRegistration(region)
+                registration = AclRegionRegistration(
+                    region,
+                    piece_bytes=int_setting(
+                        self.config.extra_config, "host_piece_bytes"
+                    ),
+                )
                 pool.mark_pinned(True)
             self._tiering_worker = NPUTieringWorker(
                 kv_caches, region, mark, pool, registration

@@ -1,0 +1,143 @@
+"""The package's modules import each other without a cycle.
+
+Every import statement counts, also those inside functions: a lazy import
+only hides a cycle from the interpreter (the module that does it depends on
+the other all the same). Imports under ``if TYPE_CHECKING:`` do not run and
+do not count. ``from package import name`` depends on the submodule ``name``
+when there is one, else on the package's ``__init__``.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import vllm_ascend.kv_offload as package
+
+PACKAGE = package.__name__
+ROOT = Path(package.__file__).parent
+
+
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules[".".join((PACKAGE, *parts))] = path
+    return modules
+
+
+def _runtime_imports(tree: ast.AST):
+    """Import nodes that run (those under ``if TYPE_CHECKING:`` do not)."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            yield from (n for s in node.orelse for n in _runtime_imports_of(s))
+            continue
+        yield from _runtime_imports_of(node)
+
+
+def _runtime_imports_of(node: ast.AST):
+    if isinstance(node, ast.Import | ast.ImportFrom):
+        yield node
+    else:
+        yield from _runtime_imports(node)
+
+
+def _imported(node: ast.Import | ast.ImportFrom, package_of: str) -> list[str]:
+    """Dotted names an import statement loads: for ``from base import x``,
+    ``base.x`` (a submodule, if there is one) or ``base``."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    base = node.module or ""
+    if node.level:
+        anchor = package_of.split(".")[: len(package_of.split(".")) - node.level + 1]
+        base = ".".join([*anchor, base] if base else anchor)
+    return [f"{base}.{alias.name}" for alias in node.names]
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports."""
+    modules = _modules()
+
+    def owner(name: str) -> str | None:
+        # The longest module prefix: "pkg.attr" is pkg, "pkg.sub" is sub.
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for name, path in modules.items():
+        package_of = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        deps = set()
+        for node in _runtime_imports(ast.parse(path.read_text())):
+            deps |= {owner(n) for n in _imported(node, package_of)}
+        graph[name] = deps - {None, name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle as [a, b, ..., a], or None."""
+    state: dict[str, str] = {}  # "open" while on the path, then "done"
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = "open"
+        path.append(node)
+        for dep in sorted(graph[node]):
+            if state.get(dep) == "open":
+                return [*path[path.index(dep) :], dep]
+            if dep not in state and (cycle := visit(dep)):
+                return cycle
+        path.pop()
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_the_graph_sees_imports_inside_functions_and_relative_ones():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert find_cycle(graph) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+    real = import_graph()
+    # connector.py imports these at module level; the test would be blind
+    # if it missed them.
+    assert f"{PACKAGE}.worker" in real[f"{PACKAGE}.connector"]
+    assert f"{PACKAGE}.tiering.spec" in real[f"{PACKAGE}.tiering"]
+
+
+def test_the_package_has_no_import_cycle():
+    cycle = find_cycle(import_graph())
+    if cycle:
+        pytest.fail("import cycle: " + " -> ".join(cycle))
+
+
+def test_the_package_itself_imports_none_of_its_modules():
+    """``import vllm_ascend.kv_offload`` (every submodule import runs it
+    first) loads nothing of ours: no native library, no vLLM."""
+    assert import_graph()[PACKAGE] == set()
+
+
+def test_ops_loads_the_native_library_on_first_use_only():
+    """A process that never copies (scheduler, API server) does not load it."""
+    code = (
+        "import sys; from vllm_ascend.kv_offload import ops; "
+        "native = 'vllm_ascend.kv_offload._C_kv_offload'; "
+        "print(native in sys.modules); ops.native_backends(); "
+        "print(native in sys.modules)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    before, after = proc.stdout.split()
+    assert before == "False"
+    if list(ROOT.glob("_C_kv_offload*.so")):  # built here: loaded on use
+        assert after == "True"

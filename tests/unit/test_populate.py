@@ -1,0 +1,281 @@
+"""Faulting host memory in at start-up (``populate``): every page of the
+range resident and zero afterwards, each chunk faulted in exactly once on
+the threads asked for, off vLLM's OpenMP cores; an unsupported madvise falls
+back to one write per page, no memory left is a MemoryError; the settings
+refuse bad values, naming the variable."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_ascend.kv_offload import host_memory, populate
+from vllm_ascend.kv_offload.populate import (
+    CHUNK_BYTES,
+    MADV_HUGEPAGE,
+    MADV_POPULATE_WRITE,
+    PAGE_BYTES,
+    split,
+)
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+
+
+def resident_pages(addr: int, nbytes: int) -> int:
+    """How many pages of a mapped range are in memory (mincore(2)); raises
+    OSError(ENOMEM) where the range is not mapped."""
+    pages = (nbytes + PAGE_BYTES - 1) // PAGE_BYTES
+    vec = (ctypes.c_ubyte * pages)()
+    if _libc.mincore(addr, nbytes, vec) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+    return int(np.count_nonzero(np.frombuffer(vec, np.uint8) & 1))
+
+
+@pytest.fixture
+def fresh_mapping():
+    """(addr, nbytes) of anonymous mappings never touched, unmapped after."""
+    opened = []
+
+    def make(nbytes: int) -> tuple[int, int]:
+        region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        view = torch.frombuffer(region, dtype=torch.int8)
+        opened.append((region, view))
+        return view.data_ptr(), nbytes
+
+    yield make
+    for region, view in opened:
+        del view
+        region.close()
+
+
+def reads_zero(addr: int, nbytes: int) -> bool:
+    data = np.frombuffer((ctypes.c_uint8 * nbytes).from_address(addr), np.uint8)
+    return not data.any()
+
+
+# Two and a half chunks: whole chunks and a partial one, for two threads.
+SIZE = 2 * CHUNK_BYTES + CHUNK_BYTES // 2
+
+
+# -- splitting the range -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("addr", "nbytes", "chunk"),
+    [
+        (0, 10 * 4096, 4096),  # whole chunks
+        (4096, 10 * 4096, 8192),  # starts and ends between edges
+        (3 * 8192, 8192, 8192),  # one whole chunk
+        (4096, 4096, 8192),  # inside one chunk
+        (2**40 + 4096, 5 * 2**21 + 12288, 2**21),  # huge-page chunks
+    ],
+)
+def test_chunks_cover_the_range_once_with_aligned_inner_edges(addr, nbytes, chunk):
+    chunks = split(addr, nbytes, chunk)
+    starts = [s for s, _ in chunks]
+    ends = [s + n for s, n in chunks]
+    assert starts[0] == addr and ends[-1] == addr + nbytes
+    assert starts[1:] == ends[:-1]  # no gap, no overlap, in order
+    assert all(0 < n <= chunk for _, n in chunks)
+    assert all(edge % chunk == 0 for edge in starts[1:])
+    assert len(chunks) == len({s // chunk for s in starts})  # one per chunk
+
+
+def test_an_empty_range_has_no_chunks():
+    assert split(4096, 0, 8192) == []
+
+
+# -- populating ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_page_is_resident_and_zero_afterwards(fresh_mapping, threads):
+    addr, nbytes = fresh_mapping(SIZE)
+    assert resident_pages(addr, nbytes) == 0
+    done = populate.populate(addr, nbytes, threads)
+    assert resident_pages(addr, nbytes) == nbytes // PAGE_BYTES
+    assert reads_zero(addr, nbytes)
+    assert done.threads == threads and done.nbytes == nbytes
+    assert not done.page_writes
+
+
+def recording(calls: list, fail: dict[int, int] | None = None):
+    """An ``advise`` that records (start, nbytes, advice, thread, CPUs) and
+    then raises OSError(fail[advice]) or calls madvise."""
+
+    def advise(start: int, nbytes: int, advice: int) -> None:
+        calls.append(
+            (start, nbytes, advice, threading.get_ident(), os.sched_getaffinity(0))
+        )
+        if fail and advice in fail:
+            raise OSError(fail[advice], os.strerror(fail[advice]))
+        populate.libc_madvise(start, nbytes, advice)
+
+    return advise
+
+
+def test_each_chunk_is_faulted_in_once_on_the_threads_asked_for(fresh_mapping):
+    addr, nbytes = fresh_mapping(SIZE)
+    calls: list = []
+    done = populate.populate(addr, nbytes, 2, huge_pages=False, advise=recording(calls))
+    assert sorted(c[:3] for c in calls) == [
+        (s, n, MADV_POPULATE_WRITE) for s, n in split(addr, nbytes)
+    ]
+    assert done.threads == 2
+    # The caller's thread only waits: two threads of their own did the work.
+    assert threading.get_ident() not in {c[3] for c in calls}
+
+
+def test_no_more_threads_than_chunks(fresh_mapping):
+    addr, nbytes = fresh_mapping(CHUNK_BYTES // 2)
+    calls: list = []
+    done = populate.populate(addr, nbytes, 8, huge_pages=False, advise=recording(calls))
+    chunks = split(addr, nbytes)  # one, or two where it spans an edge
+    assert len(chunks) <= 2
+    assert done.threads == len(chunks) == len(calls)
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs two CPUs this process may use",
+)
+def test_threads_run_outside_the_openmp_binding(fresh_mapping, monkeypatch):
+    first = min(os.sched_getaffinity(0))
+    monkeypatch.setenv("GOMP_CPU_AFFINITY", str(first))  # OpenMP on `first`
+    monkeypatch.delenv(populate.THREADS_ENV, raising=False)
+    addr, nbytes = fresh_mapping(SIZE)
+    calls: list = []
+    populate.populate(addr, nbytes, 2, huge_pages=False, advise=recording(calls))
+    assert calls and all(first not in c[4] for c in calls)
+
+
+def test_unsupported_madvise_falls_back_to_one_write_per_page(fresh_mapping):
+    addr, nbytes = fresh_mapping(SIZE)
+    calls: list = []
+    advise = recording(calls, fail={MADV_POPULATE_WRITE: errno.EINVAL})
+    done = populate.populate(addr, nbytes, 2, huge_pages=False, advise=advise)
+    assert done.page_writes
+    assert resident_pages(addr, nbytes) == nbytes // PAGE_BYTES
+    assert reads_zero(addr, nbytes)
+
+
+def test_no_memory_left_is_a_memory_error_naming_the_size(fresh_mapping):
+    addr, nbytes = fresh_mapping(SIZE)
+    advise = recording([], fail={MADV_POPULATE_WRITE: errno.ENOMEM})
+    with pytest.raises(MemoryError, match=f"faulting {nbytes} bytes"):
+        populate.populate(addr, nbytes, 2, huge_pages=False, advise=advise)
+    # Not faulted in by page writes instead (the OOM killer's way).
+    assert resident_pages(addr, nbytes) == 0
+
+
+def test_a_failed_population_unmaps_the_pool_memory(monkeypatch):
+    seen = []
+
+    def no_memory(addr: int, nbytes: int) -> None:
+        seen.append((addr, nbytes))
+        raise MemoryError("no memory")
+
+    monkeypatch.setattr(host_memory, "populate", no_memory)
+    with pytest.raises(MemoryError) as failed:
+        host_memory.allocate_host_memory(1, CHUNK_BYTES, "cpu")
+    # Unmapped by the time the error is raised, not when it is collected
+    # (its traceback holds the allocating frame).
+    assert failed.tb is not None
+    ((addr, nbytes),) = seen
+    with pytest.raises(OSError) as unmapped:
+        resident_pages(addr, nbytes)
+    assert unmapped.value.errno == errno.ENOMEM
+
+
+def thp_mode() -> str | None:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return None
+
+
+def thp_eligible(addr: int) -> bool:
+    """smaps' THPeligible of the mapping holding ``addr``."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "THPeligible:":
+                return line.split()[1] == "1"
+    raise LookupError(f"no mapping at {addr:#x}")
+
+
+@pytest.mark.skipif(thp_mode() != "madvise", reason="THP must be madvise-only")
+@pytest.mark.parametrize("huge", [False, True])
+def test_huge_pages_are_asked_for_only_when_wanted(fresh_mapping, huge):
+    addr, nbytes = fresh_mapping(SIZE)
+    calls: list = []
+    done = populate.populate(addr, nbytes, 1, huge_pages=huge, advise=recording(calls))
+    assert done.huge_pages == huge
+    assert thp_eligible(addr) == huge
+    assert ((addr, nbytes, MADV_HUGEPAGE) in [c[:3] for c in calls]) == huge
+    assert resident_pages(addr, nbytes) == nbytes // PAGE_BYTES
+
+
+def test_a_kernel_without_huge_pages_gets_4_kib_pages(fresh_mapping):
+    addr, nbytes = fresh_mapping(CHUNK_BYTES)
+    advise = recording([], fail={MADV_HUGEPAGE: errno.EINVAL})
+    done = populate.populate(addr, nbytes, 1, huge_pages=True, advise=advise)
+    assert not done.huge_pages
+    assert resident_pages(addr, nbytes) == nbytes // PAGE_BYTES
+
+
+# -- settings -----------------------------------------------------------------
+
+
+def test_threads_default_to_the_cpus_the_engine_leaves_free():
+    allowed = os.sched_getaffinity(0)
+    assert populate.default_threads({}) == len(allowed)  # no OpenMP binding
+    if len(os.sched_getaffinity(os.getppid())) >= 2:
+        parent = os.sched_getaffinity(os.getppid())
+        binding = {"GOMP_CPU_AFFINITY": str(min(parent))}
+        assert populate.default_threads(binding) == len(parent) - 1
+    assert populate.default_threads({populate.THREADS_ENV: "3"}) == 3
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "many", "1.5"])
+def test_a_bad_thread_count_names_the_setting(value):
+    with pytest.raises(ValueError, match=f"{populate.THREADS_ENV}='{value}'.*e.g."):
+        populate.default_threads({populate.THREADS_ENV: value})
+
+
+def test_huge_pages_setting():
+    assert populate.huge_pages_setting({}) is False
+    assert populate.huge_pages_setting({populate.HUGE_PAGES_ENV: "1"}) is True
+    assert populate.huge_pages_setting({populate.HUGE_PAGES_ENV: "0"}) is False
+    with pytest.raises(ValueError, match=f"{populate.HUGE_PAGES_ENV}='yes'"):
+        populate.huge_pages_setting({populate.HUGE_PAGES_ENV: "yes"})
+
+
+def test_an_unaligned_range_is_refused(fresh_mapping):
+    addr, _ = fresh_mapping(PAGE_BYTES * 2)
+    with pytest.raises(ValueError, match="not page-aligned"):
+        populate.populate(addr + 8, PAGE_BYTES, 1)
+
+
+def test_the_benchmark_prints_one_row_per_variant(capsys):
+    from benchmarks import populate_benchmark
+
+    assert populate_benchmark.main(["--gib", "0.01", "--rounds", "1"]) == 0
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| ")]
+    names = list(populate_benchmark.variants(populate_benchmark.parse_args([]).threads))
+    assert [r.split(" | ")[0][2:] for r in rows[1:]] == names
+    assert sum("(default)" in n for n in names) == 1
