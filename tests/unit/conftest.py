@@ -5,6 +5,7 @@ from __future__ import annotations
 import mmap
 import os
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -47,6 +48,18 @@ def shared_region() -> Iterator[Callable[..., tuple[SharedOffloadRegion, RegionM
     yield open_one
     for region, mark in opened:
         close_region(region, None, mark)
+
+
+def kv_offload_threads() -> list[threading.Thread]:
+    """The copy threads alive now (``ThreadTransferQueue`` names them)."""
+    return [t for t in threading.enumerate() if t.name.startswith("kv-offload")]
+
+
+def copy_threads_end(before: set[threading.Thread], timeout_s: float = 10.0) -> bool:
+    """Whether every copy thread not in ``before`` ends within ``timeout_s``."""
+    for thread in set(kv_offload_threads()) - before:
+        thread.join(timeout_s)
+    return set(kv_offload_threads()) <= before
 
 
 @pytest.fixture

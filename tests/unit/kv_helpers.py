@@ -83,6 +83,14 @@ def make_kv_caches(
     return CanonicalKVCaches(tensors=tensors, group_data_refs=refs)
 
 
+def cpu_queues() -> tuple:
+    """A worker's three queues (stores, loads, expedited loads) on the CPU
+    backend, for a test that submits to one of them itself."""
+    from vllm_ascend.kv_offload.transfer_queue import ThreadTransferQueue
+
+    return tuple(ThreadTransferQueue(n) for n in ("store", "load", "load-expedited"))
+
+
 def make_worker(
     kv_caches: CanonicalKVCaches,
     blocks_per_chunk: int,

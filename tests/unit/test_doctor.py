@@ -164,6 +164,8 @@ ops.swap_blocks_batch = faulty
 
 
 def test_console_script_points_at_main():
+    """Guards the command the docs start with (docs/first_run.md:
+    ``vllm-ascend-kv-offload-doctor``): pip installs it from this table."""
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     module, _, attr = scripts["vllm-ascend-kv-offload-doctor"].partition(":")
     assert (module, attr) == ("vllm_ascend.kv_offload.doctor", "main")

@@ -37,7 +37,7 @@ from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
 from tests.fault_injection import FaultInjectingWorker, FaultInjector
 from tests.unit.conftest import CONNECTOR_BLOCK_SIZE, make_connector
-from tests.unit.kv_helpers import make_kv_caches, make_worker
+from tests.unit.kv_helpers import cpu_queues, make_kv_caches, make_worker
 from vllm_ascend.kv_offload.connector import AscendOffloadingConnectorMetadata
 from vllm_ascend.kv_offload.failures import (
     AscendOffloadingWorkerMetadata,
@@ -224,11 +224,13 @@ def test_worker_metadata_merges_failures_across_workers():
 
 
 def test_an_expedited_load_does_not_wait_behind_regular_loads():
-    worker = make_worker(make_kv_caches(NUM_DEVICE_BLOCKS, PAGES), 1, NUM_CPU_BLOCKS)
+    stores, loads, expedited = cpu_queues()
+    kv = make_kv_caches(NUM_DEVICE_BLOCKS, PAGES)
+    worker = make_worker(kv, 1, NUM_CPU_BLOCKS, queues=(stores, loads, expedited))
     release = threading.Event()
     try:
         # A regular load that cannot finish until released occupies its queue.
-        worker._loads.submit(100, lambda: release.wait(30))
+        loads.submit(100, lambda: release.wait(30))
         assert worker.submit_load(1, CPULoadStoreSpec([2]), gpu(6), expedited=True)
         worker.wait({1})  # returns although the regular queue is blocked
         assert [r.job_id for r in worker.get_finished()] == [1]

@@ -25,8 +25,8 @@ from vllm_ascend.kv_offload.config import OffloadConfigError, check_keys
 from vllm_ascend.kv_offload.connector import our_spec_class
 from vllm_ascend.kv_offload.tiering.auth_key import read_auth_key
 from vllm_ascend.kv_offload.tiering.block_file import (
-    _HEADER,
     HEADER_BYTES,
+    HEADER_STRUCT,
     BadEntryError,
     StoredBlockError,
     key_digest,
@@ -226,9 +226,9 @@ def _forge(path: str, other: memoryview) -> None:
     CRC32: what anyone who can write the directory can do."""
     with open(path, "r+b") as f:
         header = bytearray(f.read(HEADER_BYTES))
-        fields = list(_HEADER.unpack_from(header, 0))
+        fields = list(HEADER_STRUCT.unpack_from(header, 0))
         fields[3] = zlib.crc32(other)
-        _HEADER.pack_into(header, 0, *fields)
+        HEADER_STRUCT.pack_into(header, 0, *fields)
         f.seek(0)
         f.write(bytes(header) + bytes(other))
 

@@ -20,7 +20,7 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
 from tests.unit.conftest import make_connector
-from tests.unit.kv_helpers import make_kv_caches, make_worker
+from tests.unit.kv_helpers import cpu_queues, make_kv_caches, make_worker
 from vllm_ascend.kv_offload import connector
 from vllm_ascend.kv_offload.connector import AscendOffloadingConnectorMetadata
 from vllm_ascend.kv_offload.transfer_queue import ThreadTransferQueue
@@ -80,9 +80,10 @@ def test_wait_any_returns_at_once_when_a_finished_job_awaits_polling():
 
 def test_worker_waits_for_a_load_in_flight_then_reports_it():
     kv = make_kv_caches(8, [1 << 12])
-    worker = make_worker(kv, 1, 8)
+    stores, loads, expedited = cpu_queues()
+    worker = make_worker(kv, 1, 8, queues=(stores, loads, expedited))
     gate = threading.Event()
-    worker._loads.submit(99, gated_job(gate))  # a load that takes 0.05 s
+    loads.submit(99, gated_job(gate))  # a load that takes 0.05 s
     threading.Timer(0.05, gate.set).start()
     start = time.perf_counter()
     worker.wait_for_progress(5.0)

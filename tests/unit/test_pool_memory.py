@@ -13,6 +13,7 @@ import torch
 from tests.unit.kv_helpers import make_config, make_kv_caches
 from vllm_ascend.kv_offload import cpu_pool, host_memory
 from vllm_ascend.kv_offload.cpu_pool import CpuBlockPool, PoolLayout, private_pool
+from vllm_ascend.kv_offload.host_ledger import live_pools
 from vllm_ascend.kv_offload.host_memory import BORROWED, borrowed
 from vllm_ascend.kv_offload.npu import NPUOffloadingSpec
 
@@ -84,17 +85,21 @@ def test_released_pool_is_unmapped():
     pool.release()  # idempotent
 
 
-def test_the_guard_counts_exactly_what_is_allocated():
+def test_the_guard_counts_exactly_what_is_allocated(host_ledger_dir):
+    """What the host-memory guard checked and recorded in the host's ledger
+    is the pool's size, byte for byte."""
     kv = make_kv_caches(4, [4096, 12288])
     spec = NPUOffloadingSpec(
         make_config({"num_cpu_blocks": 10}, worker_kv_bytes_per_block=16384)
     )
-    request = spec._pool_request(kv)
+    reservation = spec.reserve_host_memory(kv)
     pool = spec.allocate_pool(kv)
     try:
-        assert request.num_blocks * request.row_bytes == pool.memory.nbytes
+        recorded = [p.nbytes for p in live_pools(host_ledger_dir)]
+        assert recorded == [pool.memory.nbytes] == [10 * (4096 + 12288)]
     finally:
         pool.release()
+        reservation.release()
 
 
 def test_an_allocation_the_host_refuses_names_num_cpu_blocks(monkeypatch):

@@ -79,15 +79,22 @@ def submit(q: transfer_queue.StreamTransferQueue, job_id: int) -> weakref.ref:
     return refs[0]
 
 
+def copies_complete(queue: transfer_queue.StreamTransferQueue, nth: int) -> None:
+    """The ``nth`` job submitted (from 0) has completed on the stream: its end
+    event (each job records a start and an end event on the queue's stream)."""
+    start, end = queue.stream.events[2 * nth : 2 * nth + 2]
+    end.done = True
+
+
 def test_workspace_lives_until_poll_sees_the_end_event(queue) -> None:
     first, second = submit(queue, 1), submit(queue, 2)
     assert queue.poll() == []  # no end event has completed
     assert first() is not None and second() is not None
-    queue._jobs[0].end.done = True  # job 1's copies have completed
+    copies_complete(queue, 0)  # job 1's copies have completed
     assert [job.job_id for job in queue.poll()] == [1]
     assert first() is None  # released with the job
     assert second() is not None  # still in flight
-    queue._jobs[0].end.done = True
+    copies_complete(queue, 1)
     assert [job.job_id for job in queue.poll()] == [2]
     assert second() is None
 

@@ -4,6 +4,7 @@ files, configuration errors, the region's registration."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import mmap
 import os
 import uuid
@@ -14,14 +15,14 @@ from vllm.v1.kv_offload.config import (
     OffloadingCacheConfig,
     OffloadingModelConfig,
 )
-from vllm.v1.kv_offload.file_mapper import FileMapper
 
 from tests.unit.conftest import TIERING, payload
 from tests.unit.kv_helpers import make_config
 from tests.vllm_version import VLLM_VERSION
 from vllm_ascend.kv_offload.config import OffloadConfigError, check_keys
 from vllm_ascend.kv_offload.npu import NPUOffloadingSpec
-from vllm_ascend.kv_offload.tiering import block_file, host_register
+from vllm_ascend.kv_offload.self_check import SelfCheckResult
+from vllm_ascend.kv_offload.tiering import block_file
 from vllm_ascend.kv_offload.tiering.block_file import (
     HEADER_BYTES,
     StoredBlockError,
@@ -45,6 +46,7 @@ from vllm_ascend.kv_offload.tiering.spec import (
     NPUTieringOffloadingSpec,
     check_tiering_config,
 )
+from vllm_ascend.kv_offload.transfer_queue import TransferQueue
 
 
 def offloading_config(tp: int = 1, dtype: str = "float32", **changes):
@@ -58,6 +60,8 @@ def digest(config, device="cpu") -> str:
 
 
 def test_identity_separates_what_makes_bytes_incompatible():
+    """TP sizes among them: a per-rank row of this package's worker differs
+    between TP 1 and TP 2, wherever vLLM's fs tier would put the files."""
     base = digest(offloading_config())
     assert digest(offloading_config()) == base  # deterministic
     assert digest(offloading_config(tp=2)) != base
@@ -72,21 +76,6 @@ def test_identity_separates_what_makes_bytes_incompatible():
         offloading_config(), cache=OffloadingCacheConfig(128, 2)
     )
     assert digest(other_blocks) != base
-
-
-def test_vllm_file_naming_alone_would_mix_tp_sizes(tmp_path):
-    """Why the identity directory exists: vLLM's fs tier names files the same
-    for TP 1 and TP 2 when it deems the layout parallelism-agnostic, which a
-    per-rank row of this package's worker is not."""
-
-    def base_path(tp: int) -> str:
-        spec = type("S", (), {"config": offloading_config(tp=tp)})()
-        return FileMapper.from_offloading_spec(
-            str(tmp_path), spec, parallel_agnostic=True
-        ).base_path
-
-    assert base_path(1) == base_path(2)
-    assert digest(offloading_config(tp=1)) != digest(offloading_config(tp=2))
 
 
 # -- verified files -----------------------------------------------------------
@@ -203,20 +192,19 @@ def test_our_connector_serves_the_tiering_spec():
 
 def _spec_for_worker(
     engine_id: str, page: int, num_chunks: int = 4, extra: dict | None = None
-):
-    """The attributes get_worker reads, without an engine."""
-    from types import SimpleNamespace
-
-    spec = object.__new__(NPUTieringOffloadingSpec)
-    spec._tiering_worker = None
-    spec.replicated_layout = False
-    spec.config = SimpleNamespace(
-        parallel=SimpleNamespace(rank=0), engine_id=engine_id, extra_config=extra or {}
-    )
-    spec.num_chunks = num_chunks
-    spec.kv_bytes_per_chunk = 2 * page
-    spec.cpu_page_size_per_worker = 2 * page
-    spec.blocks_per_chunk = 1
+) -> NPUTieringOffloadingSpec:
+    """A tiering spec built as vLLM builds it: a region of ``num_chunks``
+    rows of one block of ``2 * page`` bytes (one rank); ``extra``: more
+    extra-config keys."""
+    extra = {
+        **TIERING,
+        "num_cpu_blocks": num_chunks,
+        "secondary_tiers": [],
+        **(extra or {}),
+    }
+    config = make_config(extra, worker_kv_bytes_per_block=2 * page)
+    spec = NPUTieringOffloadingSpec(dataclasses.replace(config, engine_id=engine_id))
+    assert (spec.num_chunks, spec.kv_bytes_per_chunk) == (num_chunks, 2 * page)
     return spec
 
 
@@ -229,12 +217,59 @@ def _kv_caches(device_type: str, page: int):
     )
 
 
+class _NoCopies(TransferQueue):
+    """A worker's queue on a device this machine lacks: nothing is copied."""
+
+    def submit(self, job_id, copy):
+        raise RuntimeError("no copies in this test")
+
+    def poll(self):
+        return []
+
+    def wait(self, job_ids):
+        pass
+
+    def wait_any(self, timeout_s):
+        return False
+
+    def shutdown(self):
+        return True
+
+
+def _passed_self_check(device, page_sizes, pool, paths, **kwargs) -> SelfCheckResult:
+    return SelfCheckResult(
+        device=str(device),
+        memory_kind=pool.memory.kind,
+        path=paths[0].name,
+        passed=True,
+        failure=None,
+        bandwidth_gbps=0.0,
+        bytes_per_direction=0,
+        seconds=0.0,
+    )
+
+
 @pytest.fixture
-def acl_calls(monkeypatch):
+def kernel_release(monkeypatch):
+    """Sets the kernel release this process reports (``os.uname``)."""
+
+    def pretend(release: str) -> None:
+        real = os.uname()
+        fake = os.uname_result((real.sysname, real.nodename, release, *real[3:]))
+        monkeypatch.setattr(os, "uname", lambda: fake)
+
+    return pretend
+
+
+@pytest.fixture
+def acl_calls(monkeypatch, kernel_release):
     """ops.host_register / host_unregister replaced by recorders (no NPU
-    here); the worker's queues by nothing (no npu streams here)."""
+    here); the tiering worker built with no copy engine, queues or
+    self-check (no npu streams here), through its constructor's arguments."""
+    from types import SimpleNamespace
+
     from vllm_ascend.kv_offload import ops
-    from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
+    from vllm_ascend.kv_offload.tiering import spec as tiering_spec
 
     calls = []
 
@@ -245,13 +280,16 @@ def acl_calls(monkeypatch):
         path = calls[0][4] if len(calls[0]) > 4 else None
         calls.append(("unregister", addr, device, os.path.exists(path or "")))
 
-    def start(self, kv_caches):
-        self._queues, self._job_bytes, self._closed = (), {}, False
-
+    worker = functools.partial(
+        tiering_spec.NPUTieringWorker,
+        engine=SimpleNamespace(use=lambda path: None),
+        queues=(_NoCopies(), _NoCopies(), _NoCopies()),
+        self_check=_passed_self_check,
+    )
     monkeypatch.setattr(ops, "host_register", register)
     monkeypatch.setattr(ops, "host_unregister", unregister)
-    monkeypatch.setattr(NPUOffloadingWorker, "_start", start)
-    monkeypatch.setattr(host_register, "_kernel_release", lambda: "6.8.0-generic")
+    monkeypatch.setattr(tiering_spec, "NPUTieringWorker", worker)
+    kernel_release("6.8.0-generic")
     return calls
 
 
@@ -340,11 +378,9 @@ def test_npu_registration_failure_is_a_clear_error_and_leaves_nothing(
 
 
 def test_npu_registration_is_refused_on_kernels_that_cannot_lock_pageable_memory(
-    acl_calls, monkeypatch
+    acl_calls, kernel_release
 ):
-    monkeypatch.setattr(
-        host_register, "_kernel_release", lambda: "5.10.0-60.18.0.50.oe2203"
-    )
+    kernel_release("5.10.0-60.18.0.50.oe2203")
     page = mmap.PAGESIZE
     engine_id = f"unit-npu-{uuid.uuid4().hex[:8]}"
     with pytest.raises(OffloadConfigError, match="newer than 5.10 only"):

@@ -14,6 +14,8 @@ from collections.abc import Callable
 
 import pytest
 
+from tests.unit.conftest import copy_threads_end, kv_offload_threads
+from vllm_ascend.kv_offload import transfer_queue
 from vllm_ascend.kv_offload.transfer_queue import FinishedJob, ThreadTransferQueue
 
 HANG_S = 10.0  # far beyond any of these operations on a healthy queue
@@ -103,24 +105,26 @@ def test_a_job_accepted_while_shutting_down_is_still_reported():
 
 # The thread's death is the point here; pytest would flag it as a warning.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-def test_wait_returns_and_jobs_fail_if_the_copy_thread_dies_anyway():
+def test_wait_returns_and_jobs_fail_if_the_copy_thread_dies_anyway(monkeypatch):
     """Should the thread die outside a copy (a bug in its own bookkeeping),
     waiters are released, its jobs are reported failed, and submit refuses."""
+    before = set(kv_offload_threads())
     q = ThreadTransferQueue("test")
     release = threading.Event()
     q.submit(1, release.wait)  # keeps the thread busy while we sabotage it
+    recorded = []
 
-    class DiesOnAppend(list):
-        def append(self, item) -> None:
-            self.append = super().append  # the thread's cleanup may append
+    def dies_once(*args) -> FinishedJob:
+        recorded.append(args)
+        if len(recorded) == 1:  # recording job 1; the thread's cleanup may record
             raise SystemExit("bookkeeping died")
+        return FinishedJob(*args)
 
-    q._finished = DiesOnAppend()
+    monkeypatch.setattr(transfer_queue, "FinishedJob", dies_once)
     q.submit(2, lambda: None)  # queued behind job 1, never run
     release.set()
     assert finishes(lambda: q.wait({1, 2}))
-    q._thread.join(HANG_S)
-    assert not q._thread.is_alive()
+    assert copy_threads_end(before, HANG_S)
     assert reports(q) == {1: [False], 2: [False]}
     with pytest.raises(RuntimeError, match="shut down"):
         q.submit(3, lambda: None)

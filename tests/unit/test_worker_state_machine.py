@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import gc
 import random
-import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec, TransferResult
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
 from tests.fault_injection import FaultInjectingWorker, FaultInjector
+from tests.unit.conftest import kv_offload_threads
 from tests.unit.kv_helpers import make_kv_caches, make_worker
 from vllm_ascend.kv_offload.transfer_queue import ThreadTransferQueue
 
@@ -56,10 +56,6 @@ class Job:
     slots: list[Slot]  # slot of each device block, in order
     # Store: the device bytes at submission; load: the CPU bytes expected.
     pages: list[list[bytes]]
-
-
-def kv_offload_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("kv-offload")]
 
 
 class WorkerMachine(RuleBasedStateMachine):
@@ -268,6 +264,7 @@ TestWorkerStateMachine.settings = settings(
 
 
 def test_queue_shutdown_drops_queued_jobs_and_returns_promptly():
+    before = set(kv_offload_threads())
     q = ThreadTransferQueue("test")
     for job in range(20):  # 20 x 0.2 s of copying queued
         q.submit(job, lambda: time.sleep(0.2))
@@ -280,7 +277,7 @@ def test_queue_shutdown_drops_queued_jobs_and_returns_promptly():
     done = q.poll()
     assert sorted(j.job_id for j in done) == list(range(20))
     assert sum(j.success for j in done) <= 2  # the rest were dropped, failed
-    assert not q._thread.is_alive()
+    assert set(kv_offload_threads()) <= before  # its thread has ended
     with pytest.raises(RuntimeError, match="shut down"):
         q.submit(99, lambda: None)
     q.wait({5})  # waiting on a dropped job returns

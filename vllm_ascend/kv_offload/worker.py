@@ -21,6 +21,7 @@ stays loud.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import numpy as np
 from vllm.v1.kv_offload.base import (
@@ -48,6 +49,10 @@ from vllm_ascend.kv_offload.transfer_queue import (
 
 logger = init_logger(__name__)
 
+# The worker's queues: stores, loads, expedited loads.
+WorkerQueues = tuple[TransferQueue, TransferQueue, TransferQueue]
+SelfCheck = Callable[..., SelfCheckResult]
+
 
 class NPUOffloadingWorker(OffloadingWorker):
     """Moves KV blocks between the device cache and a CPU block pool."""
@@ -57,25 +62,32 @@ class NPUOffloadingWorker(OffloadingWorker):
         kv_caches: CanonicalKVCaches,
         pool: CpuBlockPool,
         copy_path: str = "auto",
+        *,
+        engine: CopyEngine | None = None,
+        queues: WorkerQueues | None = None,
+        self_check: SelfCheck = run_self_check,
     ):
         """``pool``: the CPU block pool the spec assembled for this worker
         (``cpu_pool.private_pool``, or a shared region's
         ``tiering.region.RegionBlockPool``); the worker releases it at
         shutdown, as its memory's owner said. ``copy_path``: the setting of
         that name (``copy_paths.py``). Raises ``self_check.SelfCheckFailed``
-        if no copy path is byte-exact."""
+        if no copy path is byte-exact.
+
+        The collaborators default to the real ones for the KV caches'
+        device; a test passes its own (e.g. on a device this machine lacks):
+        ``engine`` builds and submits the copies, ``queues`` (stores, loads,
+        expedited loads) run them, ``self_check`` is ``run_self_check``."""
         if not kv_caches.tensors:
             raise ValueError("NPUOffloadingWorker needs at least one KV cache tensor")
         self.device = kv_caches.tensors[0].tensor.device
         self.pool = pool
-        self._copy_path_setting = copy_path
-        self._start(kv_caches)
-
-    def _start(self, kv_caches: CanonicalKVCaches) -> None:
-        self.engine = CopyEngine(kv_caches, self.pool)
-        self._stores = make_transfer_queue(self.device, "store")
-        self._loads = make_transfer_queue(self.device, "load")
-        self._expedited_loads = make_transfer_queue(self.device, "load-expedited")
+        self.engine = engine or CopyEngine(kv_caches, pool)
+        self._stores, self._loads, self._expedited_loads = queues or (
+            make_transfer_queue(self.device, "store"),
+            make_transfer_queue(self.device, "load"),
+            make_transfer_queue(self.device, "load-expedited"),
+        )
         self._queues = (self._stores, self._loads, self._expedited_loads)
         # job_id -> bytes, for the TransferResult.
         self._job_bytes: dict[int, int] = {}
@@ -84,7 +96,8 @@ class NPUOffloadingWorker(OffloadingWorker):
         self._divert_failures = False
         self._failed_jobs: list[int] = []
         self._closed = False
-        self._check_copy_path(kv_caches, self._copy_path_setting)
+        self._run_self_check = self_check
+        self._check_copy_path(kv_caches, copy_path)
 
     def _check_copy_path(self, kv_caches: CanonicalKVCaches, setting: str) -> None:
         """Before serving: the start-up self-check picks the copy path and
@@ -101,7 +114,7 @@ class NPUOffloadingWorker(OffloadingWorker):
                 else ops.fallback_reason()
                 or f"compiled backends: {', '.join(ops.native_backends())}",
             )
-        result = run_self_check(
+        result = self._run_self_check(
             self.device,
             [t.page_size_bytes for t in kv_caches.tensors],
             pool=self.pool,

@@ -39,8 +39,11 @@ from vllm.v1.kv_offload.base import (
 HEADER_BYTES = mmap.PAGESIZE
 MAGIC = b"VAKVOFF1"
 HEADER_VERSION = 1
-# magic, version, payload bytes, crc32 of payload, identity digest, key digest
-_HEADER = struct.Struct("<8sIQI32s32s")
+# The on-disk header every reader parses: magic, version, payload bytes,
+# crc32 of payload, identity digest, key digest.
+HEADER_STRUCT = struct.Struct("<8sIQI32s32s")
+# Its former name, still read by benchmarks/ (not this change's files).
+_HEADER = HEADER_STRUCT
 # Then the MAC kind (0: none, as the zero padding of files without one
 # reads) and an HMAC-SHA256 over the header up to the MAC and the payload.
 _MAC = struct.Struct("<I32s")
@@ -105,7 +108,7 @@ def is_temp_name(name: str) -> bool:
 
 
 def _mac(auth_key: bytes, header: mmap.mmap, payload: memoryview) -> bytes:
-    mac = hmac.new(auth_key, header[: _HEADER.size + 4], hashlib.sha256)
+    mac = hmac.new(auth_key, header[: HEADER_STRUCT.size + 4], hashlib.sha256)
     mac.update(payload)
     return mac.digest()
 
@@ -214,7 +217,7 @@ def write_block(
     dirs, name = _split(root, path)
     header = _header_buffer()
     header[:] = bytes(HEADER_BYTES)
-    _HEADER.pack_into(
+    HEADER_STRUCT.pack_into(
         header,
         0,
         MAGIC,
@@ -225,9 +228,9 @@ def write_block(
         key,
     )
     if auth_key is not None:
-        struct.pack_into("<I", header, _HEADER.size, MAC_HMAC_SHA256)
+        struct.pack_into("<I", header, HEADER_STRUCT.size, MAC_HMAC_SHA256)
         _MAC.pack_into(
-            header, _HEADER.size, MAC_HMAC_SHA256, _mac(auth_key, header, payload)
+            header, HEADER_STRUCT.size, MAC_HMAC_SHA256, _mac(auth_key, header, payload)
         )
     dir_fd = open_dirs(root, dirs, True, path, on_bad_entry)
     try:
@@ -337,7 +340,7 @@ def read_block(
             raise StoredBlockError(errno.EIO, f"short read: {got} of {want}", path)
     finally:
         os.close(fd)
-    magic, version, length, crc, file_identity, file_key = _HEADER.unpack_from(
+    magic, version, length, crc, file_identity, file_key = HEADER_STRUCT.unpack_from(
         header, 0
     )
     if magic != MAGIC or version != HEADER_VERSION:
@@ -349,7 +352,7 @@ def read_block(
     if length != len(payload) or zlib.crc32(payload) != crc:
         raise StoredBlockError(errno.EIO, "checksum mismatch", path)
     if auth_key is not None:
-        kind, mac = _MAC.unpack_from(header, _HEADER.size)
+        kind, mac = _MAC.unpack_from(header, HEADER_STRUCT.size)
         if kind != MAC_HMAC_SHA256 or not hmac.compare_digest(
             mac, _mac(auth_key, header, payload)
         ):

@@ -165,7 +165,7 @@ class FsTierBudget:
                 self._since_scan = 0
             return
         try:
-            entries = self._list_block_files()
+            entries = self.list_block_files()
             total = sum(e.size for e in entries)
             removed = removed_bytes = 0
             if total >= self.max_bytes:
@@ -254,7 +254,7 @@ class FsTierBudget:
             return None
         return fd
 
-    def _list_block_files(self) -> list[_Entry]:
+    def list_block_files(self) -> list[_Entry]:
         """Regular ``*.bin`` files under the root, walked by directory fds:
         symlinks are neither followed nor listed, temp files (in-flight
         writes) are left out."""

@@ -70,11 +70,13 @@ class NPUTieringWorker(NPUOffloadingWorker):
         mark: RegionMark,
         pool: RegionBlockPool,
         registration: AclRegionRegistration | None = None,
+        **worker_args: Any,
     ):
+        """``worker_args``: ``NPUOffloadingWorker``'s other arguments."""
         self.region = region
         self.mark = mark
         self.registration = registration
-        super().__init__(kv_caches, pool)
+        super().__init__(kv_caches, pool, **worker_args)
 
     @override
     def shutdown(self) -> None:
