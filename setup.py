@@ -18,11 +18,10 @@ Environment switches:
   fallback in ``vllm_ascend.kv_offload.ops`` is used (CPU copies only). A
   stale in-tree ``vllm_ascend/kv_offload/_C_kv_offload*.so`` from an earlier
   editable build is removed so that the switch takes effect.
-* ``VLLM_ASCEND_WITH_CUDA=0|1`` / ``VLLM_ASCEND_WITH_NPU=0|1`` -- override the
-  auto-detection of the optional backends (CUDA: ``csrc/kv_offload/cuda/*.cu`` exists,
-  torch is a CUDA build and a CUDA toolkit is found: ``$CUDA_HOME``,
-  ``$CUDA_PATH``, ``/usr/local/cuda`` or the one holding ``nvcc`` on ``PATH``;
-  NPU: ``csrc/kv_offload/npu/*.cpp`` exists and ``torch_npu`` is importable).
+* ``VLLM_ASCEND_WITH_NPU=0|1`` -- override the auto-detection of the npu
+  backend (``csrc/kv_offload/npu/*.cpp`` exists and ``torch_npu`` is
+  importable). CUDA has no backend of ours: copies there are vLLM's
+  ``swap_blocks_batch`` (``vllm_ascend/kv_offload/copy_paths.py``).
 * ``MAX_JOBS`` -- parallel compile jobs (default 2).
 """
 
@@ -66,20 +65,9 @@ def _cuda_home() -> Path | None:
     return None
 
 
-def _want_cuda(torch_module) -> bool:
-    forced = _flag("VLLM_ASCEND_WITH_CUDA")
-    if forced is not None:
-        return forced
-    if (
-        not any(ROOT.glob("csrc/kv_offload/cuda/*.cu"))
-        or torch_module.version.cuda is None
-    ):
-        return False
-    return _cuda_home() is not None
-
-
 def _cuda_cmake_args() -> list[str]:
-    """Points CMake (and torch's CUDA config) at the toolkit of _cuda_home();
+    """Points torch's CUDA config (a CUDA torch looks for the toolkit even
+    though this extension has no CUDA code) at the toolkit of _cuda_home();
     left to CMake's own search when none is found."""
     home = _cuda_home()
     if home is None:
@@ -133,7 +121,6 @@ class CMakeBuild(build_ext):
         build_temp = Path(self.build_temp, "cmake").resolve()
         build_temp.mkdir(parents=True, exist_ok=True)
         prefix_path = torch.utils.cmake_prefix_path
-        with_cuda = _want_cuda(torch)
         configure = [
             "cmake",
             "-S",
@@ -144,12 +131,9 @@ class CMakeBuild(build_ext):
             f"-DPython_EXECUTABLE={sys.executable}",
             f"-DCMAKE_BUILD_TYPE={'Debug' if self.debug else 'Release'}",
             f"-DVLLM_ASCEND_OUTPUT_DIR={target.parent}",
-            f"-DVLLM_ASCEND_WITH_CUDA={'ON' if with_cuda else 'OFF'}",
             f"-DVLLM_ASCEND_WITH_NPU={'ON' if _want_npu() else 'OFF'}",
         ]
-        if with_cuda or torch.version.cuda is not None:
-            # A CUDA torch's CMake config looks for the toolkit even when our
-            # cuda backend is off.
+        if torch.version.cuda is not None:
             configure += _cuda_cmake_args()
         jobs = os.environ.get("MAX_JOBS", "2")
         subprocess.run(configure, check=True)

@@ -26,8 +26,10 @@ reported, in GB/s = 1e9 bytes/s:
     The naive baseline: one ``copy_(non_blocking=True)`` per fragment on
     pre-sliced tensor views (on a device one async memcpy each).
 ``op``
-    ``swap_blocks_batch`` through ``vllm_ascend.kv_offload.ops``: one call
-    for the whole batch.
+    One call for the whole batch through the copy path the worker's
+    self-check tries first, short of the torch path (``copy_paths.py``): our
+    op's ``swap_blocks_batch`` on cpu and npu, vLLM's ``swap_blocks_batch``
+    on cuda (``vllm-batch``). The rows name it (``op_path``).
 
 The host pool is pinned on devices; on cpu the "device" pool is host memory
 too and ``d2h`` / ``h2d`` only name which pool is the source. Device timings
@@ -40,7 +42,8 @@ the random source; the op is checked again after timing.
 
 The descriptor section times the real ``CopyEngine.build`` on synthetic
 ``CanonicalKVCaches`` (tiny pages, e.g. 64 B, so that copying is small),
-alone and together with ``CopyEngine.submit``, and reports host microseconds
+alone and together with ``CopyEngine.submit`` (on the worker's first
+candidate path, ``op`` where there is one), and reports host microseconds
 per fragment. On a device the submit time is the enqueue cost only; on cpu
 it includes copying the tiny fragments (an upper bound on the submit cost).
 This section imports vLLM; ``--descriptor-fragments 0`` skips it.
@@ -187,6 +190,7 @@ def descriptor_cost(
     )
     pool = private_pool([fragment_bytes] * num_tensors, 1, blocks, device.name)
     engine = CopyEngine(kv, pool)
+    engine.use(device.paths[0].bind(engine.buffers()))
     rng = np.random.default_rng(seed)
     dev_ids, cpu_ids = scatter_slots(blocks, rng)
     spec = GPULoadStoreSpec(dev_ids.tolist(), group_sizes=[blocks], block_indices=[0])
@@ -229,6 +233,7 @@ def descriptor_cost(
     return {
         "kind": "descriptor_cost",
         "device": device.name,
+        "copy_path": device.paths[0].name,
         "num_fragments": n,
         "fragment_bytes": fragment_bytes,
         "num_tensors": num_tensors,
@@ -279,6 +284,8 @@ def layout_jobs(device: Device, blocks: int, repeats: int, seed: int) -> list[di
         pages = [t.page_size_bytes for t in kv.tensors]
         pool = private_pool(pages, 1, blocks, device.name)
         engine = CopyEngine(kv, pool)
+        assert device.op_path is not None  # run only where there is one
+        engine.use(device.op_path.bind(engine.buffers()))
         dev_ids, cpu_ids = scatter_slots(blocks, rng)
         spec = GPULoadStoreSpec(dev_ids.tolist(), [blocks], [0])
         desc = engine.build(spec, cpu_ids, to_cpu=True)
@@ -376,6 +383,8 @@ def print_table(
         )
     else:
         print("contiguous = one copy_(non_blocking=True) of all bytes")
+    if device.op_path is not None:
+        print(f"op = copy path {device.op_path.name}")
     if op_missing:
         print(f"op: n/a, {op_missing}")
     methods = list(dict.fromkeys(r["method"] for r in rows))

@@ -8,8 +8,8 @@ e.g. the unpacked sdist of 0.30.0rc2 or a git checkout). The script
 
 1. copies ``vllm_ascend/kv_offload/**`` (Python and data files; no built
    modules, caches or hidden files) and ``csrc/kv_offload/**`` (without
-   ``module.cpp``, the standalone pybind module, and ``cuda/``, a backend
-   upstream does not build) to the same paths in UPSTREAM_DIR;
+   ``module.cpp``, the standalone pybind module) to the same paths in
+   UPSTREAM_DIR;
 2. patches exactly three upstream files (MODIFIED_FILES):
    ``csrc/torch_binding.cpp`` -- a declaration of
    ``vllm_ascend::register_kv_offload_ops`` and a call to it at the top of
@@ -44,8 +44,8 @@ MODIFIED_FILES = ("CMakeLists.txt", "csrc/torch_binding.cpp", "setup.py")
 # Directories the graft adds; upstream >= 0.30 has neither.
 OWNED_DIRS = ("vllm_ascend/kv_offload", "csrc/kv_offload")
 # Left out of csrc/kv_offload: the standalone build's pybind module (upstream's
-# library is the module) and the cuda backend (upstream builds for Ascend only).
-CSRC_EXCLUDED = ("module.cpp", "cuda/")
+# library is the module).
+CSRC_EXCLUDED = ("module.cpp",)
 _SKIP_SUFFIXES = (".so", ".pyd", ".dylib", ".pyc", ".pyo", ".o")
 
 REGISTER_FN = "register_kv_offload_ops"

@@ -26,9 +26,6 @@ struct BackendEntry {
 // Backends compiled into this build. Adding one = one line here (see ops.h).
 constexpr BackendEntry kBackends[] = {
     {"cpu", &swap_blocks_cpu},
-#ifdef VLLM_ASCEND_WITH_CUDA
-    {"cuda", &swap_blocks_cuda},
-#endif
 #ifdef VLLM_ASCEND_WITH_NPU
     {"npu", &swap_blocks_npu},
 #endif
@@ -36,7 +33,7 @@ constexpr BackendEntry kBackends[] = {
 
 // Every device string the op understands, compiled in or not, so that a
 // build without a backend can tell "not compiled" apart from a typo.
-constexpr std::string_view kKnownDevices[] = {"cpu", "cuda", "npu"};
+constexpr std::string_view kKnownDevices[] = {"cpu", "npu"};
 
 std::string compiled_list() {
   std::string out;
@@ -61,7 +58,8 @@ SwapBlocksBackend resolve_backend(std::string_view device) {
                 upper, "=ON, see setup.py)");
   }
   TORCH_CHECK(false, "swap_blocks_batch: unknown device '", device,
-              "'; expected one of 'cpu', 'cuda', 'npu'");
+              "'; expected one of 'cpu', 'npu' (cuda copies with vLLM's ",
+              "own swap_blocks_batch)");
 }
 
 void check_descriptor(const at::Tensor& t, const char* name) {
@@ -133,7 +131,8 @@ at::Tensor no_workspace() { return at::empty({0}, at::kByte); }
 std::tuple<int64_t, at::Tensor> swap_blocks_batch(const at::Tensor& src_addrs,
                                                   const at::Tensor& dst_addrs,
                                                   const at::Tensor& sizes,
-                                                  std::string_view device) {
+                                                  std::string_view device,
+                                                  bool per_copy) {
   // Resolve first: a misconfigured device is an error even for empty batches.
   const SwapBlocksBackend backend = resolve_backend(device);
   check_descriptor(src_addrs, "src_addrs");
@@ -149,7 +148,7 @@ std::tuple<int64_t, at::Tensor> swap_blocks_batch(const at::Tensor& src_addrs,
   const std::vector<CopyRegion> regions =
       coalesce(src_addrs.data_ptr<int64_t>(), dst_addrs.data_ptr<int64_t>(),
                sizes.data_ptr<int64_t>(), n);
-  at::Tensor workspace = backend(regions);
+  at::Tensor workspace = backend(regions, per_copy);
   if (!workspace.defined()) workspace = no_workspace();
   return {static_cast<int64_t>(regions.size()), std::move(workspace)};
 }
@@ -241,20 +240,6 @@ void host_free(int64_t addr, std::string_view device) {
 #endif
 }
 
-void set_per_copy(std::string_view device, bool on) {
-  if (device == "cpu") return;  // one code path
-#ifdef VLLM_ASCEND_WITH_NPU
-  if (device == "npu") return set_per_copy_npu(on);
-#endif
-#ifdef VLLM_ASCEND_WITH_CUDA
-  if (device == "cuda") return set_per_copy_cuda(on);
-#endif
-  (void)on;
-  TORCH_CHECK(false, "kv_offload_set_per_copy: backend '", device,
-              "' was not compiled into this build (compiled backends: ",
-              compiled_list(), ")");
-}
-
 std::vector<std::string> compiled_backends() {
   std::vector<std::string> names;
   for (const BackendEntry& b : kBackends) names.emplace_back(b.name);
@@ -268,7 +253,8 @@ void register_kv_offload_ops(torch::Library& m) {
   // upstream vllm-ascend's library (which has its own swap_blocks_batch).
   m.def(
       "kv_offload_swap_blocks(Tensor src_addrs, Tensor dst_addrs, "
-      "Tensor sizes, str device) -> (int copies, Tensor workspace)");
+      "Tensor sizes, str device, bool per_copy=False) -> "
+      "(int copies, Tensor workspace)");
   m.impl("kv_offload_swap_blocks", c10::DispatchKey::CompositeExplicitAutograd,
          TORCH_FN(swap_blocks_batch));
   m.def(
@@ -286,9 +272,6 @@ void register_kv_offload_ops(torch::Library& m) {
   m.def("kv_offload_host_free(int addr, str device) -> ()");
   m.impl("kv_offload_host_free", c10::DispatchKey::CompositeExplicitAutograd,
          TORCH_FN(host_free));
-  m.def("kv_offload_set_per_copy(str device, bool on) -> ()");
-  m.impl("kv_offload_set_per_copy", c10::DispatchKey::CompositeExplicitAutograd,
-         TORCH_FN(set_per_copy));
   m.def("kv_offload_backends() -> str[]");
   m.impl("kv_offload_backends", c10::DispatchKey::CompositeExplicitAutograd,
          TORCH_FN(compiled_backends));

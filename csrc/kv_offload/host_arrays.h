@@ -1,9 +1,9 @@
 // Arrays packed into one block of caller-owned host memory, a "workspace".
 //
 // Asynchronous batch-copy APIs take their descriptors as host arrays
-// (aclrtMemcpyBatchAsync: dsts, destMaxs, srcs, sizes, attrs, attrsIndexes;
-// cudaMemcpyBatchAsync likewise), and neither the ACL nor the CUDA
-// documentation says that the runtime has copied them when the call returns.
+// (aclrtMemcpyBatchAsync: dsts, destMaxs, srcs, sizes, attrs, attrsIndexes),
+// and the ACL documentation does not say that the runtime has copied them
+// when the call returns.
 // So a backend builds them in a workspace that its caller owns and keeps until
 // the job's copies have completed (ops.h, "Workspace"), never in locals freed
 // when the op returns. Kept free of torch headers for the backend cores that

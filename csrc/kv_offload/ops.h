@@ -4,8 +4,8 @@
 // ======================
 //
 //   torch.ops._C_ascend.kv_offload_swap_blocks(
-//       Tensor src_addrs, Tensor dst_addrs, Tensor sizes, str device)
-//       -> (int copies, Tensor workspace)
+//       Tensor src_addrs, Tensor dst_addrs, Tensor sizes, str device,
+//       bool per_copy=False) -> (int copies, Tensor workspace)
 //   torch.ops._C_ascend.kv_offload_backends() -> str[]
 //
 // Namespace _C_ascend is shared with upstream vllm-ascend's library, which
@@ -21,26 +21,33 @@
 //       1-D, contiguous, CPU, int64 tensors of equal length N. They are
 //       descriptors only: the memory they point at may live on any device.
 //   device
-//       Backend that performs the copy: "cpu", "cuda" or "npu". A backend
-//       whose source was not compiled into the extension raises
-//       "backend '<device>' was not compiled into this build"; any other
-//       string raises "unknown device".
+//       Backend that performs the copy: "cpu" or "npu". A backend whose
+//       source was not compiled into the extension raises "backend
+//       '<device>' was not compiled into this build"; any other string
+//       raises "unknown device". (CUDA copies are vLLM's own
+//       swap_blocks_batch: vllm_ascend/kv_offload/copy_paths.py.)
+//   per_copy
+//       True: one async memcpy per (merged) copy instead of the batch API
+//       ("npu": aclrtMemcpyAsync, no aclrtMemcpyBatchAsync), for a runtime
+//       whose batch call misbehaves: the start-up self-check's next path
+//       down (vllm_ascend/kv_offload/self_check.py). Per call, no state;
+//       "cpu" ignores it (one code path).
 //
 // Returns (copies, workspace)
 //   copies: the number of copies actually submitted after coalescing (0 when
 //       N == 0).
 //   workspace: a 1-D uint8 CPU tensor holding the host memory that the
 //       backend's asynchronous copies may still read after the op has
-//       returned: the descriptor arrays handed to aclrtMemcpyBatchAsync /
-//       cudaMemcpyBatchAsync, whose documentation does not say that the
+//       returned: the descriptor arrays handed to aclrtMemcpyBatchAsync,
+//       whose documentation does not say that the
 //       runtime has read them when the call returns. The caller keeps a
 //       reference to it until the copies have COMPLETED (e.g. until an event
 //       recorded on that stream after the op has completed), not merely until
 //       the op returns; vllm_ascend's StreamTransferQueue keeps it with the
 //       job until the job's end event. Empty (numel 0) when nothing outlives
 //       the call: "cpu" (synchronous), N == 0, and the paths that pass no
-//       host arrays ("npu" per-copy fallback, "cuda" kernel and per-copy
-//       paths). Its contents are the backend's own business.
+//       host arrays ("npu" per copy). Its contents are the backend's own
+//       business.
 //
 // Coalescing
 //   Consecutive fragments i, i + 1 with src[i] + size[i] == src[i + 1] AND
@@ -103,17 +110,6 @@
 //       in the workspace it frees. Copies within one call run in no
 //       particular order. What ran where: docs/npu_backend.md.
 //
-//   "cuda": asynchronous, on c10::cuda::getCurrentCUDAStream() of the device
-//       holding fragment 0's device side; any direction. Fragment 0 is
-//       inspected once with cudaPointerGetAttributes. The "auto" method uses
-//       a 16-CTA copy kernel over UVA (16-byte accesses where aligned) when
-//       the mean copy is < 256 KiB and one side is pinned host memory, else
-//       one cudaMemcpyBatchAsync (its arrays in the returned workspace); a
-//       cudaMemcpyAsync per copy on the legacy stream, for pageable memory,
-//       or when the batch API is unsupported.
-//       VLLM_ASCEND_CUDA_COPY_METHOD=kernel|dma|auto overrides. Overlap and
-//       graph capture are rejected. What ran where: docs/cuda_backend.md.
-//
 // kv_offload_host_register
 // ========================
 //
@@ -138,7 +134,8 @@
 //       ACL call, its error code and the runtime's message. What ran where:
 //       docs/npu_backend.md.
 //   "cuda" and "cpu" raise: cuda registers through vLLM's host_register
-//       (cudaHostRegister); the cpu backend copies pageable memory.
+//       (cudaHostRegister) and copies with vLLM's op; the cpu backend copies
+//       pageable memory.
 //   A backend not compiled in raises "backend '<device>' was not compiled
 //   into this build".
 //
@@ -158,21 +155,9 @@
 //       the ACL call and its code. Status: SIMULATED ACL only.
 //   "cuda" and "cpu" raise (cuda: mmap + vLLM's host_register).
 //
-// kv_offload_set_per_copy
-// =======================
-//
-//   torch.ops._C_ascend.kv_offload_set_per_copy(str device, bool on) -> ()
-//
-// While on, the device's backend copies with one async memcpy per (merged)
-// copy: "npu" no aclrtMemcpyBatchAsync, "cuda" neither the copy kernel nor
-// cudaMemcpyBatchAsync. Process-wide; set between jobs. The start-up
-// self-check (vllm_ascend/kv_offload/self_check.py) turns it on when the
-// batched path did not copy byte-exact. "cpu" accepts and ignores it (one
-// code path); a backend not compiled in raises.
-//
 // Adding a backend
-//   1. Declare
-//      `at::Tensor swap_blocks_<name>(const std::vector<CopyRegion>&)`
+//   1. Declare `at::Tensor swap_blocks_<name>(const std::vector<CopyRegion>&,
+//      bool per_copy)`
 //      below, guarded by VLLM_ASCEND_WITH_<NAME>; it returns the workspace
 //      (see Returns; an undefined tensor when it needs none).
 //   2. Implement it in csrc/kv_offload/<name>/ (one translation unit per
@@ -200,23 +185,21 @@ namespace vllm_ascend::kv_offload {
 // the first byte moves. It returns the job's workspace: a CPU tensor holding
 // every host array its enqueued copies may still read (see Returns), or an
 // undefined tensor when there is none (the dispatcher returns an empty one).
-using SwapBlocksBackend =
-    at::Tensor (*)(const std::vector<CopyRegion>& regions);
+// per_copy: the caller's choice of one async memcpy per copy (see per_copy).
+using SwapBlocksBackend = at::Tensor (*)(const std::vector<CopyRegion>& regions,
+                                         bool per_copy);
 
-at::Tensor swap_blocks_cpu(const std::vector<CopyRegion>& regions);
-#ifdef VLLM_ASCEND_WITH_CUDA
-at::Tensor swap_blocks_cuda(const std::vector<CopyRegion>& regions);
-void set_per_copy_cuda(bool on);
-#endif
+at::Tensor swap_blocks_cpu(const std::vector<CopyRegion>& regions,
+                           bool per_copy);
 #ifdef VLLM_ASCEND_WITH_NPU
-at::Tensor swap_blocks_npu(const std::vector<CopyRegion>& regions);
+at::Tensor swap_blocks_npu(const std::vector<CopyRegion>& regions,
+                           bool per_copy);
 // kv_offload_host_register / _unregister on "npu" (npu/host_register_npu.cpp).
 void host_register_npu(uint64_t addr, uint64_t size, uint32_t flags);
 void host_unregister_npu(uint64_t addr);
 // kv_offload_host_alloc / _free on "npu" (npu/host_register_npu.cpp).
 uint64_t host_alloc_npu(uint64_t size);
 void host_free_npu(uint64_t addr);
-void set_per_copy_npu(bool on);
 #endif
 
 // For backends whose copies must not overlap (memcpy-like): raises, naming
@@ -230,7 +213,8 @@ uint64_t total_bytes_of_disjoint_copies(const std::vector<CopyRegion>& regions,
 std::tuple<int64_t, at::Tensor> swap_blocks_batch(const at::Tensor& src_addrs,
                                                   const at::Tensor& dst_addrs,
                                                   const at::Tensor& sizes,
-                                                  std::string_view device);
+                                                  std::string_view device,
+                                                  bool per_copy);
 
 // The ops registered as torch.ops._C_ascend.kv_offload_host_register /
 // kv_offload_host_unregister (see "kv_offload_host_register" above).
@@ -239,8 +223,6 @@ void host_register(int64_t addr, int64_t size, std::string_view device,
 void host_unregister(int64_t addr, std::string_view device);
 int64_t host_alloc(int64_t size, std::string_view device);
 void host_free(int64_t addr, std::string_view device);
-// kv_offload_set_per_copy (see "kv_offload_set_per_copy" above).
-void set_per_copy(std::string_view device, bool on);
 
 // Names of the backends compiled into this build, e.g. {"cpu"}
 // (torch.ops._C_ascend.kv_offload_backends).

@@ -80,12 +80,13 @@ struct SimCopyReport {
 // stream, or, with `free_workspace_at_return` (what the op did before
 // workspaces existed: its arrays were locals), frees it (= fills it with
 // 0xA5) as soon as copy() returns. It is always freed when copy() throws.
+// `per_copy`: copy()'s argument of that name (one aclrtMemcpyAsync per copy).
 // Returns 0, or 1 with the exception message in `err`.
 SIMACL_API int simacl_core_copy(const uint64_t* src, const uint64_t* dst,
                                 const uint64_t* sizes,
                                 const int64_t* first_fragment, size_t n,
                                 void* stream, int64_t workspace_bytes,
-                                int free_workspace_at_return,
+                                int free_workspace_at_return, int per_copy,
                                 SimCopyReport* report, char* err,
                                 size_t err_len);
 // aclrtSynchronizeStream(stream), i.e. runs the copies queued on it, then
@@ -106,8 +107,6 @@ SIMACL_API int simacl_core_host_unregister(uint64_t addr, char* err,
 SIMACL_API int simacl_core_host_alloc(uint64_t size, uint64_t* addr, char* err,
                                       size_t err_len);
 SIMACL_API int simacl_core_host_free(uint64_t addr, char* err, size_t err_len);
-// AclBatchCopier::set_per_copy on the core's copier (kv_offload_set_per_copy).
-SIMACL_API void simacl_core_set_per_copy(int on);
 // Replaces the core's copier with a fresh one (forgets a fallback) and frees
 // the workspaces held.
 SIMACL_API void simacl_core_reset(void);

@@ -35,14 +35,14 @@ constexpr unsigned char kPoison = 0xA5;  // what a freed workspace holds
 int simacl_core_copy(const uint64_t* src, const uint64_t* dst,
                      const uint64_t* sizes, const int64_t* first_fragment,
                      size_t n, void* stream, int64_t workspace_bytes,
-                     int free_workspace_at_return, SimCopyReport* report,
-                     char* err, size_t err_len) {
+                     int free_workspace_at_return, int per_copy,
+                     SimCopyReport* report, char* err, size_t err_len) {
   std::vector<vllm_ascend::kv_offload::CopyRegion> regions(n);
   for (size_t i = 0; i < n; ++i) {
     regions[i] = {src[i], dst[i], sizes[i], first_fragment[i]};
   }
   const size_t bytes = workspace_bytes < 0
-                           ? copier()->workspace_bytes(n)
+                           ? copier()->workspace_bytes(n, per_copy != 0)
                            : static_cast<size_t>(workspace_bytes);
   // operator new[] is aligned to max_align_t, as the core requires.
   std::unique_ptr<unsigned char[]> workspace(new unsigned char[bytes + 1]);
@@ -55,8 +55,9 @@ int simacl_core_copy(const uint64_t* src, const uint64_t* dst,
   };
   int rc = 0;
   try {
-    const auto r = copier()->copy(
-        regions, stream, bytes == 0 ? nullptr : workspace.get(), bytes);
+    const auto r =
+        copier()->copy(regions, stream, bytes == 0 ? nullptr : workspace.get(),
+                       bytes, per_copy != 0);
     report->direction =
         r.direction ==
                 vllm_ascend::kv_offload::npu::CopyDirection::kHostToDevice
@@ -137,5 +138,3 @@ int simacl_core_host_free(uint64_t addr, char* err, size_t err_len) {
   return run_core([&] { vllm_ascend::kv_offload::npu::free_host(addr); }, err,
                   err_len);
 }
-
-void simacl_core_set_per_copy(int on) { copier()->set_per_copy(on != 0); }

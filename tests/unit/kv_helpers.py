@@ -60,16 +60,17 @@ def make_kv_caches(
     page_bytes: list[int],
     groups: list[list[int]] | None = None,
     seed: int = 0,
+    device: str = "cpu",
 ) -> CanonicalKVCaches:
-    """One int8 ``[num_blocks, page]`` tensor per entry of ``page_bytes``,
-    filled with random bytes; ``groups`` lists the tensor indices per group
-    (default: one group holding every tensor)."""
+    """One int8 ``[num_blocks, page]`` tensor per entry of ``page_bytes`` on
+    ``device``, filled with random bytes; ``groups`` lists the tensor indices
+    per group (default: one group holding every tensor)."""
     gen = torch.Generator().manual_seed(seed)
     tensors = [
         CanonicalKVCacheTensor(
             tensor=torch.randint(
                 -128, 128, (num_blocks, page), dtype=torch.int8, generator=gen
-            ),
+            ).to(device),
             page_size_bytes=page,
         )
         for page in page_bytes

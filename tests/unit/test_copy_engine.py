@@ -9,6 +9,7 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from tests.unit.conftest import kv_offload_threads
 from tests.unit.kv_helpers import make_kv_caches, make_worker, store_then_load
 from vllm_ascend.kv_offload.copy_engine import CopyEngine
+from vllm_ascend.kv_offload.copy_paths import candidate_paths
 from vllm_ascend.kv_offload.cpu_pool import private_pool
 
 PAGES = [256, 256, 512]  # e.g. K, V and a larger third part
@@ -135,6 +136,9 @@ def test_submit_returns_the_copy_count_and_the_workspace():
     # Two adjacent device blocks into two adjacent CPU rows: one merged copy.
     spec = GPULoadStoreSpec([2, 3], group_sizes=[2], block_indices=[0])
     desc = engine.build(spec, np.array([4, 5]), to_cpu=True)
+    with pytest.raises(RuntimeError, match="no copy function yet"):
+        engine.submit(desc)
+    engine.use(candidate_paths("cpu")[0].bind(engine.buffers()))
     copies, workspace = engine.submit(desc)
     assert (desc.num_fragments, copies) == (2, 1)
     # "cpu" copies synchronously: nothing to keep alive.

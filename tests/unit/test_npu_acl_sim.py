@@ -89,6 +89,7 @@ class SimAcl:
             ctypes.c_void_p,
             ctypes.c_int64,
             ctypes.c_int,
+            ctypes.c_int,
             ctypes.POINTER(_Report),
             ctypes.c_char_p,
             ctypes.c_size_t,
@@ -139,7 +140,6 @@ class SimAcl:
             ctypes.c_char_p,
             ctypes.c_size_t,
         ]
-        lib.simacl_core_set_per_copy.argtypes = [ctypes.c_int]
         lib.simacl_last_register_flag.restype = ctypes.c_int64
         lib.simacl_location_of.argtypes = [ctypes.c_void_p]
         lib.simacl_set_host_register_location.argtypes = [ctypes.c_int]
@@ -201,9 +201,6 @@ class SimAcl:
         (0: any size), an address off ``alignment``, PINNED on A5."""
         self.lib.simacl_set_host_limits(max_bytes, alignment, int(a5))
 
-    def set_per_copy(self, on: bool) -> None:
-        self.lib.simacl_core_set_per_copy(int(on))
-
     def location_of(self, addr: int) -> int:
         return self.lib.simacl_location_of(addr)
 
@@ -226,6 +223,7 @@ class SimAcl:
         sync: bool = True,
         workspace_bytes: int = -1,
         free_workspace_at_return: bool = False,
+        per_copy: bool = False,
     ) -> dict:
         """Runs AclBatchCopier::copy on the regions; raises RuntimeError.
 
@@ -233,6 +231,7 @@ class SimAcl:
         what the core asks for) and keeps it until the stream has run, unless
         ``free_workspace_at_return`` (the op's behaviour before workspaces:
         its arrays were locals) frees, i.e. poisons, it when copy() returns.
+        ``per_copy``: the core's argument of that name (the op's).
         With ``sync`` the stream is then synchronized (as the transfer queue
         waits for the job's end event) and a failed synchronize raises.
         """
@@ -249,6 +248,7 @@ class SimAcl:
             STREAM,
             workspace_bytes,
             int(free_workspace_at_return),
+            int(per_copy),
             ctypes.byref(report),
             err,
             len(err),
@@ -1198,22 +1198,24 @@ def test_sim_acl_malloc_host_is_freed_only_after_its_last_view(sim) -> None:
     assert sim.calls(FREE_HOST) == 1
 
 
-# --- the per-copy switch (kv_offload_set_per_copy) --------------------------
+# --- the per-copy choice (kv_offload_swap_blocks' per_copy argument) --------
 
 
-def test_sim_per_copy_switch_copies_without_the_batch_api(sim) -> None:
+def test_sim_per_copy_argument_copies_without_the_batch_api(sim) -> None:
     n, size = 64, 512
     pools = Pools(sim, 2 * n * size)
     src_off, dst_off = scattered(n, size)
     want = expected_after(pools.pinned, pools.device, src_off, dst_off, size)
-    sim.set_per_copy(True)
     report = sim.copy(
-        Pools.addr(pools.pinned, src_off), Pools.addr(pools.device, dst_off), [size] * n
+        Pools.addr(pools.pinned, src_off),
+        Pools.addr(pools.device, dst_off),
+        [size] * n,
+        per_copy=True,
     )
     assert sim.calls(BATCH) == 0 and report["single_calls"] == n
     assert report["workspace_bytes"] == 0
     assert np.array_equal(pools.device, want)
-    sim.set_per_copy(False)
+    # A choice of that call only: the next call batches again.
     report = sim.copy(
         Pools.addr(pools.pinned, src_off), Pools.addr(pools.device, dst_off), [size] * n
     )

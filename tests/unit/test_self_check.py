@@ -18,9 +18,14 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
 from tests.unit.kv_helpers import make_kv_caches, make_worker
-from vllm_ascend.kv_offload import copy_paths, ops, self_check, worker
+from vllm_ascend.kv_offload import ops, self_check, worker
 from vllm_ascend.kv_offload.config import OffloadConfigError, check_keys
-from vllm_ascend.kv_offload.copy_paths import CopyPath, candidate_paths
+from vllm_ascend.kv_offload.copy_paths import (
+    VLLM_BATCH,
+    Available,
+    CopyPath,
+    candidate_paths,
+)
 from vllm_ascend.kv_offload.self_check import SelfCheckFailed, run_self_check
 
 PAGES = [256, 768]
@@ -54,7 +59,7 @@ class FaultyPath(CopyPath):
 def faulty(faults: dict[str, str]) -> list[CopyPath]:
     """The CPU's candidate paths, each with the fault named for it."""
     return [
-        FaultyPath(p.name, p.device_type, faults.get(p.name, ""))
+        FaultyPath(p.name, p.device_type, fault=faults.get(p.name, ""))
         for p in candidate_paths("cpu")
     ]
 
@@ -82,22 +87,88 @@ def test_cpu_paths_are_tried_best_first():
     assert names(candidate_paths("cpu", "native")) == expected[:-1]
 
 
-def test_an_accelerator_without_the_native_op_gets_the_torch_path(monkeypatch):
-    monkeypatch.setattr(copy_paths.ops, "native_backends", lambda: ("cpu",))
-    assert names(candidate_paths("npu")) == ["torch"]
+def test_an_npu_without_the_native_op_gets_the_torch_path():
+    have = Available(native_backends=("cpu",))
+    assert names(candidate_paths("npu", have=have)) == ["torch"]
     with pytest.raises(OffloadConfigError, match=r"copy_path'\]='native'.*no 'npu'"):
-        candidate_paths("npu", "native")
+        candidate_paths("npu", "native", have=have)
 
 
-def test_an_accelerator_with_the_native_op_steps_down_batch_per_copy_torch(
-    monkeypatch,
-):
-    monkeypatch.setattr(copy_paths.ops, "native_backends", lambda: ("cpu", "cuda"))
-    assert names(candidate_paths("cuda")) == [
+def test_an_npu_with_the_native_op_steps_down_batch_per_copy_torch():
+    have = Available(native_backends=("cpu", "npu"))
+    assert names(candidate_paths("npu", have=have)) == [
         "native-batch",
         "native-per-copy",
         "torch",
     ]
+
+
+def vllm_op_stand_in(calls: list | None = None):
+    """What vLLM's swap_blocks_batch does, on host memory: copies entry i,
+    sizes[i] bytes, from src_ptrs[i] to dst_ptrs[i]; records its arguments."""
+
+    def swap_blocks_batch(src_ptrs, dst_ptrs, sizes, is_src_access_order_any=False):
+        if calls is not None:
+            calls.append((src_ptrs, dst_ptrs, sizes))
+        cols = (src_ptrs.tolist(), dst_ptrs.tolist(), sizes.tolist())
+        for s, d, n in zip(*cols, strict=True):
+            ctypes.memmove(d, s, n)
+
+    return swap_blocks_batch
+
+
+def test_cuda_copies_with_vllms_op_where_this_vllm_registers_it():
+    with_op = Available(native_backends=("cpu",), vllm_swap=vllm_op_stand_in())
+    assert names(candidate_paths("cuda", have=with_op)) == [VLLM_BATCH, "torch"]
+    assert names(candidate_paths("cuda", "native", have=with_op)) == [VLLM_BATCH]
+    # Without it: the torch path, and copy_path='native' says what is missing.
+    without = Available(native_backends=("cpu",))
+    assert names(candidate_paths("cuda", have=without)) == ["torch"]
+    with pytest.raises(OffloadConfigError, match="no registered swap_blocks_batch"):
+        candidate_paths("cuda", "native", have=without)
+
+
+def test_vllms_cpu_build_offers_no_cuda_op_and_cpu_never_asks_for_it():
+    # This venv's vLLM is its CPU build: the op is not registered there.
+    assert Available.here("cuda").vllm_swap is None
+    assert Available.here("cpu").vllm_swap is None
+
+
+def test_the_vllm_path_hands_vllms_op_the_merged_copies_and_keeps_them():
+    calls: list = []
+    swap = CopyPath(VLLM_BATCH, "cuda", vllm_op_stand_in(calls)).bind([])
+    src = torch.arange(256, dtype=torch.uint8)
+    dst = torch.zeros(256, dtype=torch.uint8)
+    # Fragments 0 and 1 are adjacent on both sides, fragment 2 is not.
+    s0, d0 = src.data_ptr(), dst.data_ptr()
+    frags = [(s0, d0 + 128, 16), (s0 + 16, d0 + 144, 16), (s0 + 64, d0, 8)]
+    desc = [torch.tensor(c, dtype=torch.int64) for c in zip(*frags, strict=True)]
+    copies, keep = swap(*desc)
+    assert copies == 2
+    ((s, d, n),) = calls
+    assert n.tolist() == [32, 8] and s.dtype == d.dtype == n.dtype == torch.int64
+    # The op reads these host arrays asynchronously: the queue keeps them.
+    assert all(a is b for a, b in zip(keep, (s, d, n), strict=True))
+    assert torch.equal(dst[128:160], src[:32]) and torch.equal(dst[:8], src[64:72])
+    # A bad batch is refused with the op's own words before vLLM sees it.
+    bad = [torch.tensor([0]), torch.tensor([d0]), torch.tensor([8])]
+    with pytest.raises(RuntimeError, match=r"src_addrs\[0\] is a null address"):
+        swap(*bad)
+    assert len(calls) == 1
+
+
+def test_the_self_check_verifies_the_vllm_path_like_any_other(warnings):
+    good = CopyPath(VLLM_BATCH, "cpu", vllm_op_stand_in())
+    result = run_self_check("cpu", PAGES, paths=[good])
+    assert result.passed and result.path == VLLM_BATCH and result.swap is not None
+
+    def off_by_one(src_ptrs, dst_ptrs, sizes, is_src_access_order_any=False):
+        vllm_op_stand_in()(src_ptrs, dst_ptrs, sizes - 1)
+
+    bad = CopyPath(VLLM_BATCH, "cpu", off_by_one)
+    result = run_self_check("cpu", PAGES, paths=[bad])
+    assert not result.passed and result.swap is None
+    assert f"{VLLM_BATCH}: " in result.failure and "wrong bytes" in result.failure
 
 
 def test_copy_path_setting_is_checked_like_every_key():
@@ -117,7 +188,7 @@ def test_self_check_passes_on_the_best_path_and_reports_it():
     assert result.bytes_per_direction == self_check.SCRATCH_BLOCKS * sum(PAGES)
     assert result.bandwidth_gbps > 0
     assert [a.path for a in result.attempts] == [best]
-    assert self_check.last_self_check() is result
+    assert result.swap is not None
     assert result.memory_kind == "pageable mmap"
 
 
@@ -168,6 +239,8 @@ def test_the_worker_serves_on_the_path_the_check_chose(monkeypatch):
     w = make_worker(kv, 1, 4)
     try:
         assert w.copy_path == paths[1].name == w.self_check.path
+        # It copies with the very function the check verified, not a rebind.
+        assert w.engine.swap is w.self_check.swap
         assert any(f"copy path {paths[1].name} on cpu" in m for m in logged)
         # And it moves KV on that path, byte-exact.
         spec = GPULoadStoreSpec([2, 5], group_sizes=[2], block_indices=[0])

@@ -337,18 +337,34 @@ def test_unknown_device_raises(swap: Swap) -> None:
 
 
 @needs_native
-@pytest.mark.parametrize("device", ["cuda", "npu"])
-def test_native_rejects_a_backend_it_was_built_without(device: str) -> None:
-    if device in NATIVE_BACKENDS:
-        pytest.skip(f"this build includes the {device} backend")
-    with pytest.raises(RuntimeError, match=f"backend '{device}' was not compiled"):
-        NATIVE(*descriptors([]), device)
+def test_native_rejects_a_backend_it_was_built_without() -> None:
+    if "npu" in NATIVE_BACKENDS:
+        pytest.skip("this build includes the npu backend")
+    with pytest.raises(RuntimeError, match="backend 'npu' was not compiled"):
+        NATIVE(*descriptors([]), "npu")
 
 
-@pytest.mark.parametrize("device", ["cuda", "npu"])
-def test_fallback_refuses_device_copies(device: str) -> None:
-    with pytest.raises(RuntimeError, match=f"'{device}' requires the native extension"):
-        ops.fallback_swap_blocks_batch(*descriptors([]), device)
+def test_fallback_refuses_device_copies() -> None:
+    with pytest.raises(RuntimeError, match="'npu' requires the native extension"):
+        ops.fallback_swap_blocks_batch(*descriptors([]), "npu")
+
+
+@pytest.mark.parametrize(
+    "op", [pytest.param(NATIVE, marks=needs_native), ops.fallback_swap_blocks_batch]
+)
+def test_cuda_is_not_a_device_of_this_op_but_of_vllms(op: Swap) -> None:
+    with pytest.raises(RuntimeError, match="unknown device 'cuda'.*vLLM's own"):
+        op(*descriptors([]), "cuda")
+
+
+@needs_native
+def test_per_copy_is_an_argument_of_the_call_not_a_switch() -> None:
+    src = torch.arange(64, dtype=torch.uint8)
+    dst = torch.zeros(64, dtype=torch.uint8)
+    desc = descriptors([(src.data_ptr(), dst.data_ptr(), 64)])
+    assert NATIVE(*desc, "cpu", per_copy=True)[0] == 1  # cpu: one code path
+    assert torch.equal(src, dst)
+    assert not hasattr(torch.ops._C_ascend, "kv_offload_set_per_copy")
 
 
 # --- copy routines of the native cpu backend -------------------------------

@@ -34,6 +34,8 @@ PRIVATE_VLLM_NAMES = {
     "_creator",
     "_num_allocated_chunks",
     "_free_list",
+    "_custom_ops",
+    "_C_cache_ops",
 }
 # Private names the package reads that are not vLLM's.
 NOT_VLLM = {"_C_ascend": "torch.ops namespace of this package's native ops"}
@@ -167,6 +169,15 @@ check(fresh._num_allocated_chunks == 0 and fresh._free_list == []
       "CPUOffloadingManager no longer counts allocated chunks in "
       "_num_allocated_chunks and freed ones in _free_list "
       "(vllm_compat.cpu_blocks_in_use)")
+
+from vllm import _custom_ops
+swap = getattr(_custom_ops, "swap_blocks_batch", None)
+check(swap is not None
+      and list(inspect.signature(swap).parameters)
+      == ["src_ptrs", "dst_ptrs", "sizes", "is_src_access_order_any"]
+      and "torch.ops._C_cache_ops.swap_blocks_batch(" in inspect.getsource(swap),
+      "vllm._custom_ops.swap_blocks_batch(src_ptrs, dst_ptrs, sizes, "
+      "is_src_access_order_any) changed (vllm_compat.vllm_swap_blocks_batch)")
 
 import os
 print("offloading code:", os.environ.get("VLLM_KV_OFFLOAD_OVERLAY", "installed"))

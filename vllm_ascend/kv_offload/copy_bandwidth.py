@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from vllm_ascend.kv_offload import ops
+from vllm_ascend.kv_offload.copy_paths import candidate_paths
 
 POISON = -7  # every destination byte holds this until a copy writes it
 CONTIGUOUS = "contiguous"
@@ -59,6 +60,10 @@ class Device:
         self.pinned = name != "cpu"
         self.settle_s = 0.0
         self._streams: list = []
+        # What CopyEngine copies with here (the worker's first candidate),
+        # and what "op" times: the first that is not the torch path.
+        self.paths = candidate_paths(name)
+        self.op_path = next((p for p in self.paths if p.native), None)
 
     def empty(self, nbytes: int, on_device: bool) -> torch.Tensor:
         if on_device and self.mod is not None:
@@ -151,6 +156,8 @@ class Case:
         slots = zip(self.src_slots.tolist(), self.dst_slots.tolist(), strict=True)
         self.pairs = [(src2d[s], dst2d[d]) for s, d in slots]
         self.op_copies: int | None = None
+        path = self.device.op_path
+        self.swap = path.bind([self.src, self.dst]) if path is not None else None
 
     # Methods: each copies the whole case once (asynchronously on a device).
     def contiguous(self) -> None:
@@ -170,10 +177,11 @@ class Case:
         for s, d in self.pairs:
             d.copy_(s, non_blocking=True)
 
-    def op(self) -> torch.Tensor:
+    def op(self) -> object:
         """Returns the op's workspace: keep it until the copies are done."""
-        self.op_copies, workspace = ops.swap_blocks_batch(
-            self.src_addrs, self.dst_addrs, self.sizes, self.device.name
+        assert self.swap is not None
+        self.op_copies, workspace = self.swap(
+            self.src_addrs, self.dst_addrs, self.sizes
         )
         return workspace
 
@@ -220,12 +228,14 @@ def methods_for(device: Device) -> tuple[list[str], str | None]:
     if device.name == "cpu":
         names += (["memcpy"] if ops.HAS_NATIVE_OP else []) + ["torch_copy"]
     names.append("loop")
-    have_op = device.name == "cpu" or device.name in ops.native_backends()
-    if not have_op:
-        return names, (
-            f"swap_blocks_batch has no '{device.name}' backend in this build "
+    if device.op_path is None:
+        where = (
+            "vLLM's swap_blocks_batch is not registered in this vLLM"
+            if device.name == "cuda"
+            else f"swap_blocks_batch has no '{device.name}' backend in this build "
             f"(compiled: {', '.join(ops.native_backends()) or 'none, Python fallback'})"
         )
+        return names, f"no copy op on {device.name}: {where}"
     return names + ["op"], None
 
 
@@ -288,6 +298,7 @@ def bench_cases(
             "median_s": statistics.median(times[name]),
             "repeats": repeats,
             "copies_per_direction": copies[name],
+            "op_path": device.op_path.name if name == "op" else None,
             "host_pinned": device.pinned,
             "verified": name not in failures,
             "failure": failures.get(name),

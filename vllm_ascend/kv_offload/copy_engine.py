@@ -6,8 +6,8 @@ whole job is then handed to ``swap_blocks_batch`` in a single submission, which
 merges fragments that happen to be contiguous on both sides.
 
 The CPU pool's addressing is its layout (``cpu_pool.PoolLayout``); how the
-fragments are copied is the copy path the start-up self-check chose
-(``copy_paths.py``), the native op until then.
+fragments are copied is the copy function of the path the start-up
+self-check chose (``copy_paths.py``), bound over ``buffers()``.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ import numpy as np
 import torch
 from vllm.v1.kv_offload.base import CanonicalKVCaches, GPULoadStoreSpec
 
-from vllm_ascend.kv_offload import ops
-from vllm_ascend.kv_offload.copy_paths import CopyPath, Swap
+from vllm_ascend.kv_offload.copy_paths import Swap
 from vllm_ascend.kv_offload.cpu_pool import CpuBlockPool
 from vllm_ascend.kv_offload.logger import init_logger
 
@@ -61,13 +60,18 @@ class CopyEngine:
             self._group_tensors(kv_caches, refs) for refs in kv_caches.group_data_refs
         ]
         self._buffers = [t.tensor for t in kv_caches.tensors]
-        device = self.device_type
-        self._swap: Swap = lambda s, d, n: ops.swap_blocks_batch(s, d, n, device)
+        # The copy function (``use``); jobs call it with a job's descriptors.
+        self.swap: Swap | None = None
 
-    def use(self, path: CopyPath) -> None:
-        """Copies with ``path`` from now on (over the KV caches and the pool)."""
+    def buffers(self) -> list[torch.Tensor]:
+        """Every tensor a job's copies may touch: the KV caches and the
+        pool's pieces (what a copy path is bound over, ``CopyPath.bind``)."""
         assert not self.pool.released
-        self._swap = path.bind([*self._buffers, *self.pool.tensors])
+        return [*self._buffers, *self.pool.tensors]
+
+    def use(self, swap: Swap) -> None:
+        """Copies with ``swap`` from now on (a path bound over ``buffers()``)."""
+        self.swap = swap
 
     def _group_tensors(self, kv_caches: CanonicalKVCaches, refs) -> _GroupTensors:
         # Layers that alias one tensor reach it through several refs; copy it
@@ -190,7 +194,12 @@ class CopyEngine:
         copies have completed: ``StreamTransferQueue`` keeps what a job's copy
         function returns until the job's end event has completed.
         """
-        merged, workspace = self._swap(desc.src, desc.dst, desc.sizes)
+        if self.swap is None:
+            raise RuntimeError(
+                "KV offload: no copy function yet; call use() with a copy "
+                "path bound over buffers() (the worker's self-check does)"
+            )
+        merged, workspace = self.swap(desc.src, desc.dst, desc.sizes)
         if logger.isEnabledFor(10):  # DEBUG; skip the formatting otherwise
             logger.debug(
                 "KV offload job: %d fragments (%d after merging), %d bytes, "

@@ -1,26 +1,33 @@
 """The ways the worker can copy a job's fragments, best first.
 
-* ``native-batch``: our native op as built (npu: ``aclrtMemcpyBatchAsync``;
-  cuda: the copy kernel or ``cudaMemcpyBatchAsync``).
-* ``native-per-copy``: the same op, one async memcpy per merged copy
-  (``ops.set_per_copy``), for a runtime whose batch call misbehaves.
+* ``native-batch`` (npu): our native op's ``aclrtMemcpyBatchAsync``.
+* ``native-per-copy`` (npu): the same op, one async memcpy per merged copy
+  (its ``per_copy`` argument), for a runtime whose batch call misbehaves.
+* ``vllm-batch`` (cuda): vLLM's own ``swap_blocks_batch`` (batched
+  ``cuMemcpyBatchAsync``), after the op's validation and merging of
+  adjacent fragments (``ops.coalesce``); we build no CUDA code.
 * ``native`` (cpu): the op's multi-threaded memcpy; ``python``: the op's
   pure-Python fallback, when the op is not built.
 * ``torch``: public torch calls only (``torch_copy.py``), on any device.
 
 ``candidate_paths`` lists those a device can try, in the order the start-up
-self-check tries them (``self_check.py``); ``copy_path`` in
-``kv_connector_extra_config`` ("auto", "native", "torch") narrows the list.
+self-check tries them (``self_check.py``), from what this process has
+(``Available``); ``copy_path`` in ``kv_connector_extra_config`` ("auto",
+"native", "torch") narrows the list. ``CopyPath.bind`` returns the copy
+function itself: the op with its arguments bound, so that a job reaches it
+through no Python frame of ours beyond the queue's.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from vllm_ascend.kv_offload import ops
+from vllm_ascend.kv_offload import ops, vllm_compat
 from vllm_ascend.kv_offload.config import PREFIX, OffloadConfigError
 from vllm_ascend.kv_offload.torch_copy import TorchCopier
 
@@ -29,10 +36,28 @@ Swap = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[int, object]]
 
 NATIVE_BATCH = "native-batch"
 NATIVE_PER_COPY = "native-per-copy"
+VLLM_BATCH = "vllm-batch"
 NATIVE_CPU = "native"
 PYTHON = "python"
 TORCH = "torch"
 SETTINGS = ("auto", "native", "torch")
+
+
+@dataclass(frozen=True)
+class Available:
+    """What this process can copy with: our op's compiled backends (() when
+    it is not loaded) and vLLM's CUDA op (None when absent)."""
+
+    native_backends: tuple[str, ...]
+    vllm_swap: Callable[..., None] | None = None
+
+    @classmethod
+    def here(cls, device_type: str) -> Available:
+        # vLLM's op is looked up only where it can serve.
+        vllm_swap = (
+            vllm_compat.vllm_swap_blocks_batch() if device_type == "cuda" else None
+        )
+        return cls(ops.native_backends(), vllm_swap)
 
 
 @dataclass(frozen=True)
@@ -42,36 +67,58 @@ class CopyPath:
 
     name: str
     device_type: str
+    vllm_swap: Callable[..., None] | None = None  # vllm-batch: vLLM's op
 
     def bind(self, buffers: Iterable[torch.Tensor]) -> Swap:
-        device = self.device_type
         if self.name == TORCH:
             return TorchCopier(buffers).swap
+        if self.name == VLLM_BATCH:
+            assert self.vllm_swap is not None
+            return _coalesced(self.vllm_swap)
         if self.name == PYTHON:
-            return lambda s, d, n: ops.fallback_swap_blocks_batch(s, d, n, device)
-        if self.name in (NATIVE_BATCH, NATIVE_PER_COPY):
-            # Process-wide, like the op's own switch to the per-copy loop.
-            ops.set_per_copy(device, self.name == NATIVE_PER_COPY)
-        return lambda s, d, n: ops.swap_blocks_batch(s, d, n, device)
+            return functools.partial(
+                ops.fallback_swap_blocks_batch, device=self.device_type
+            )
+        return ops.native_swap(self.device_type, self.name == NATIVE_PER_COPY)
 
     @property
     def native(self) -> bool:
         return self.name != TORCH
 
 
-def native_paths(device_type: str) -> list[CopyPath]:
-    """What the native op (or its fallback) offers on ``device_type``."""
+def _coalesced(vllm_swap: Callable[..., None]) -> Swap:
+    """vLLM's op on the merged copies. It reads its three host arrays
+    asynchronously, so they are returned for the queue to keep until the
+    copies have completed, as vLLM's worker keeps them with its transfer."""
+
+    def swap(src_addrs, dst_addrs, sizes):
+        src, dst, size, _ = ops.coalesce(src_addrs, dst_addrs, sizes)
+        merged = tuple(torch.from_numpy(a.view(np.int64)) for a in (src, dst, size))
+        if len(size):
+            vllm_swap(*merged)
+        return len(size), merged
+
+    return swap
+
+
+def native_paths(device_type: str, have: Available) -> list[CopyPath]:
+    """What ``have`` offers on ``device_type``, best first."""
     if device_type == "cpu":
-        names = [NATIVE_CPU, PYTHON] if ops.HAS_NATIVE_OP else [PYTHON]
-    elif device_type in ops.native_backends():
-        names = [NATIVE_BATCH, NATIVE_PER_COPY]
-    else:
-        names = []
-    return [CopyPath(n, device_type) for n in names]
+        names = [NATIVE_CPU, PYTHON] if "cpu" in have.native_backends else [PYTHON]
+        return [CopyPath(n, "cpu") for n in names]
+    if device_type == "cuda":
+        vllm = [CopyPath(VLLM_BATCH, "cuda", have.vllm_swap)]
+        return vllm if have.vllm_swap is not None else []
+    if device_type in have.native_backends:
+        return [CopyPath(n, device_type) for n in (NATIVE_BATCH, NATIVE_PER_COPY)]
+    return []
 
 
-def candidate_paths(device_type: str, setting: str = "auto") -> Sequence[CopyPath]:
-    """The paths to try, best first, for the ``copy_path`` setting."""
+def candidate_paths(
+    device_type: str, setting: str = "auto", have: Available | None = None
+) -> Sequence[CopyPath]:
+    """The paths to try, best first, for the ``copy_path`` setting; ``have``:
+    what is available (default: this process, ``Available.here``)."""
     if setting not in SETTINGS:
         raise OffloadConfigError(
             f"{PREFIX}['copy_path']={setting!r} is not supported; use one of "
@@ -80,8 +127,15 @@ def candidate_paths(device_type: str, setting: str = "auto") -> Sequence[CopyPat
     torch_path = [CopyPath(TORCH, device_type)]
     if setting == "torch":
         return torch_path
-    native = native_paths(device_type)
+    native = native_paths(device_type, have or Available.here(device_type))
     if setting == "native" and not native:
+        if device_type == "cuda":
+            raise OffloadConfigError(
+                f"{PREFIX}['copy_path']='native', but this vLLM has no "
+                "registered swap_blocks_batch op (vllm._custom_ops, a CUDA "
+                "build of vLLM); install vLLM's CUDA build, or set "
+                "copy_path='auto' (falls back to the torch path)"
+            )
         raise OffloadConfigError(
             f"{PREFIX}['copy_path']='native', but the native op has no "
             f"'{device_type}' backend here (compiled: "

@@ -1,15 +1,18 @@
 """Batched raw-memory copies for KV offloading: native op, or a Python fallback.
 
-``swap_blocks_batch(src_addrs, dst_addrs, sizes, device) -> (copies, workspace)``
+``swap_blocks_batch(src_addrs, dst_addrs, sizes, device, per_copy=False)
+-> (copies, workspace)``
 copies fragment i, ``sizes[i]`` bytes, from address ``src_addrs[i]`` to
 ``dst_addrs[i]``; the three descriptors are 1-D contiguous CPU int64 tensors of
 equal length. Runs of adjacent fragments (source AND destination contiguous)
 are merged first; ``copies`` is the number of copies actually performed.
 ``workspace`` is a CPU uint8 tensor holding host memory that the backend's
-asynchronous copies may still read (the descriptor arrays of the "npu" and
-"cuda" batch APIs): keep a reference to it until the copies have completed
-(an event recorded after the call), not merely until the call returns. It is
-empty where nothing outlives the call, always on "cpu".
+asynchronous copies may still read (the descriptor arrays of the "npu" batch
+API): keep a reference to it until the copies have completed (an event
+recorded after the call), not merely until the call returns. It is
+empty where nothing outlives the call, always on "cpu". ``per_copy`` ("npu"):
+one async memcpy per copy instead of the batch call, for this call only.
+CUDA has no backend here: it copies with vLLM's own op (``copy_paths.py``).
 The full contract (validation, backends, threading) is in ``csrc/kv_offload/ops.h``.
 
 The native op ``torch.ops._C_ascend.kv_offload_swap_blocks`` comes from the
@@ -42,17 +45,15 @@ __all__ = [
     "host_register",
     "host_unregister",
     "native_backends",
-    "set_per_copy",
+    "native_swap",
     "swap_blocks_batch",
 ]
 
-_KNOWN_DEVICES = ("cpu", "cuda", "npu")
+_KNOWN_DEVICES = ("cpu", "npu")
 _UINT64_MAX = np.uint64(np.iinfo(np.uint64).max)
 _BUILD_HINT = "build it with `pip install --no-build-isolation -e .`"
 
-_SwapFn = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, str], tuple[int, torch.Tensor]
-]
+_SwapFn = Callable[..., tuple[int, torch.Tensor]]
 
 
 def _load_native() -> tuple[_SwapFn | None, tuple[str, ...], str | None]:
@@ -111,15 +112,25 @@ def native_backends() -> tuple[str, ...]:
 
 
 def swap_blocks_batch(
-    src_addrs: torch.Tensor, dst_addrs: torch.Tensor, sizes: torch.Tensor, device: str
+    src_addrs: torch.Tensor,
+    dst_addrs: torch.Tensor,
+    sizes: torch.Tensor,
+    device: str,
+    per_copy: bool = False,
 ) -> tuple[int, torch.Tensor]:
-    """Copies the batch on ``device`` ("cpu", "cuda", "npu"); returns the number
-    of copies after merging adjacent fragments and the workspace to keep until
+    """Copies the batch on ``device`` ("cpu", "npu"); returns the number of
+    copies after merging adjacent fragments and the workspace to keep until
     they have completed. See the module docstring."""
+    return native_swap(device, per_copy)(src_addrs, dst_addrs, sizes)
+
+
+def native_swap(device: str, per_copy: bool = False) -> _SwapFn:
+    """``swap_blocks_batch`` with ``device`` and ``per_copy`` bound: the op
+    itself (no Python frame of ours per call), or the Python fallback."""
     native_op = _native()[0]
     if native_op is not None:
-        return native_op(src_addrs, dst_addrs, sizes, device)
-    return fallback_swap_blocks_batch(src_addrs, dst_addrs, sizes, device)
+        return functools.partial(native_op, device=device, per_copy=per_copy)
+    return functools.partial(fallback_swap_blocks_batch, device=device)
 
 
 def _host_register_op(name: str):
@@ -161,19 +172,6 @@ def host_free(addr: int, device: str) -> None:
     _host_register_op("free")(addr, device)
 
 
-def set_per_copy(device: str, on: bool) -> None:
-    """While on, ``device``'s backend copies with one async memcpy per copy
-    (no batch call, no copy kernel): the self-check's next path down.
-    Contract: ``kv_offload_set_per_copy`` in ``ops.h``."""
-    op = getattr(torch.ops._C_ascend, "kv_offload_set_per_copy", None)
-    if _native()[0] is None or op is None:
-        raise RuntimeError(
-            "kv_offload_set_per_copy needs the native extension "
-            f"vllm_ascend.kv_offload._C_kv_offload; {_BUILD_HINT}"
-        )
-    op.default(device, on)
-
-
 def _check_descriptor(t: torch.Tensor, name: str) -> None:
     # Same checks and wording as check_descriptor() in csrc/kv_offload/dispatch.cpp.
     prefix = f"swap_blocks_batch: {name} must be"
@@ -202,10 +200,15 @@ def _no_workspace() -> torch.Tensor:
 
 
 def fallback_swap_blocks_batch(
-    src_addrs: torch.Tensor, dst_addrs: torch.Tensor, sizes: torch.Tensor, device: str
+    src_addrs: torch.Tensor,
+    dst_addrs: torch.Tensor,
+    sizes: torch.Tensor,
+    device: str,
+    per_copy: bool = False,
 ) -> tuple[int, torch.Tensor]:
     """Pure-Python swap_blocks_batch for device "cpu" (same contract; the copy
-    is synchronous, so the workspace is always empty)."""
+    is synchronous, so the workspace is always empty; ``per_copy`` changes
+    nothing there)."""
     _check_device(device)
     if device != "cpu":
         raise RuntimeError(
@@ -242,7 +245,7 @@ def _check_device(device: str) -> None:
     if device not in _KNOWN_DEVICES:
         raise RuntimeError(
             f"swap_blocks_batch: unknown device '{device}'; expected one of "
-            "'cpu', 'cuda', 'npu'"
+            "'cpu', 'npu' (cuda copies with vLLM's own swap_blocks_batch)"
         )
 
 

@@ -13,8 +13,9 @@ is byte-exact, ``SelfCheckFailed`` refuses offloading at start-up: never
 wrong KV (the live KV cache is never touched).
 
 ``run_self_check`` is public (the ``doctor`` command calls it without a
-worker); ``last_self_check`` returns the result the worker of this process
-started with.
+worker). Its result carries the chosen path's copy function, bound over the
+buffers the caller named: the worker copies with it as it is (on the torch
+path it also holds the scratch buffers, two blocks' worth).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 
 from vllm_ascend.kv_offload import ops
-from vllm_ascend.kv_offload.copy_paths import CopyPath, candidate_paths
+from vllm_ascend.kv_offload.copy_paths import CopyPath, Swap, candidate_paths
 from vllm_ascend.kv_offload.cpu_pool import CpuBlockPool, private_pool
 from vllm_ascend.kv_offload.logger import init_logger
 from vllm_ascend.kv_offload.transfer_queue import TransferQueue, make_transfer_queue
@@ -73,6 +74,9 @@ class SelfCheckResult:
     bytes_per_direction: int
     seconds: float  # the whole check
     attempts: tuple[PathAttempt, ...] = field(default=())
+    # The chosen path's copy function, bound over the caller's buffers (and
+    # the scratch ones); None if none passed.
+    swap: Swap | None = field(default=None, repr=False, compare=False)
 
     def summary(self) -> str:
         if self.passed:
@@ -82,14 +86,6 @@ class SelfCheckResult:
                 f"host memory, {self.seconds * 1e3:.0f} ms)"
             )
         return f"FAILED: {self.failure}"
-
-
-_last: SelfCheckResult | None = None
-
-
-def last_self_check() -> SelfCheckResult | None:
-    """The result of this process's latest self-check (None before one)."""
-    return _last
 
 
 @dataclass
@@ -195,8 +191,8 @@ def _host_fragments(pool: CpuBlockPool, s: _Scratch) -> list[np.ndarray]:
 
 
 def _attempt(
-    path: CopyPath, scratch: _Scratch, pool: CpuBlockPool, queues
-) -> PathAttempt:
+    path: CopyPath, scratch: _Scratch, pool: CpuBlockPool, queues, buffers
+) -> tuple[PathAttempt, Swap | None]:
     s = scratch
     assert not pool.released
     host_views = _host_fragments(pool, s)
@@ -206,9 +202,9 @@ def _attempt(
         view[:] = POISON
     s.dst.fill_(POISON)
     try:
-        swap = path.bind([s.src, s.dst, *pool.tensors])
+        swap = path.bind([*buffers, s.src, s.dst, *pool.tensors])
     except Exception as e:
-        return PathAttempt(path.name, False, f"{type(e).__name__}: {e}")
+        return PathAttempt(path.name, False, f"{type(e).__name__}: {e}"), None
     src_dev = s.src.data_ptr() + s.dev_off
     dst_dev = s.dst.data_ptr() + s.dev_off
     store = _descriptors(src_dev, s.host_addr, s.sizes)
@@ -220,7 +216,7 @@ def _attempt(
         failure = _run_job(load_q, -2, lambda: swap(*load))
     seconds = time.perf_counter() - t0
     if failure is not None:
-        return PathAttempt(path.name, False, failure, seconds)
+        return PathAttempt(path.name, False, failure, seconds), None
     src_cpu = s.src.cpu().numpy()
     dst_cpu = s.dst.cpu().numpy()
     wants = [src_cpu[o : o + n] for o, n in dev_frags]
@@ -240,9 +236,10 @@ def _attempt(
                 failure = f"the load wrote past the fragment at device offset {o}"
                 break
     if failure is not None:
-        return PathAttempt(path.name, False, failure, seconds)
+        return PathAttempt(path.name, False, failure, seconds), None
     moved = 2 * int(s.sizes.sum())
-    return PathAttempt(path.name, True, None, seconds, moved / max(seconds, 1e-9) / 1e9)
+    gbps = moved / max(seconds, 1e-9) / 1e9
+    return PathAttempt(path.name, True, None, seconds, gbps), swap
 
 
 def run_self_check(
@@ -254,6 +251,7 @@ def run_self_check(
     copy_path: str = "auto",
     queues: tuple[TransferQueue, TransferQueue] | None = None,
     blocks: int = SCRATCH_BLOCKS,
+    buffers: Sequence[torch.Tensor] = (),
 ) -> SelfCheckResult:
     """Round-trips ``blocks`` scratch CPU blocks of ``fragment_sizes`` (bytes
     of each tensor's page) through each path until one is byte-exact.
@@ -263,9 +261,11 @@ def run_self_check(
     pool from the same factory, released afterwards. ``paths``: the order to
     try (default: ``candidate_paths(device, copy_path)``). ``queues``: the
     (store, load) transfer queues to run on (default: fresh ones, shut down
-    afterwards). Never raises for a failed path: the result says.
+    afterwards). ``buffers``: what else the chosen path's copy function
+    (``result.swap``) must reach, e.g. the KV caches (the torch path copies
+    between views of known buffers). Never raises for a failed path: the
+    result says.
     """
-    global _last
     device = torch.device(device)
     t0 = time.perf_counter()
     own_pool = pool is None
@@ -278,11 +278,12 @@ def run_self_check(
             make_transfer_queue(device, "self-check-load"),
         )
     attempts: list[PathAttempt] = []
+    swap = None
     try:
         blocks = min(blocks, pool.num_blocks)
         scratch = _scratch(device, pool, fragment_sizes, blocks)
         for path in candidate_paths(device.type, copy_path) if paths is None else paths:
-            attempt = _attempt(path, scratch, pool, queues)
+            attempt, swap = _attempt(path, scratch, pool, queues, buffers)
             attempts.append(attempt)
             if attempt.passed:
                 break
@@ -315,8 +316,8 @@ def run_self_check(
         bytes_per_direction=int(scratch.sizes.sum()),
         seconds=time.perf_counter() - t0,
         attempts=tuple(attempts),
+        swap=swap if chosen else None,
     )
-    _last = result
     if result.passed:
         logger.info("KV offload self-check %s", result.summary())
     return result

@@ -169,3 +169,26 @@ def cpu_blocks_in_use(manager: Any) -> int | None:
         return manager._num_allocated_chunks - len(manager._free_list)
     except (AttributeError, TypeError):
         return None
+
+
+def vllm_swap_blocks_batch() -> Callable[..., None] | None:
+    """vLLM's batched raw-pointer copy for CUDA, or None where this vLLM
+    lacks it or its torch op is not registered (e.g. vLLM's CPU build).
+
+    ``vllm._custom_ops.swap_blocks_batch(src_ptrs, dst_ptrs, sizes,
+    is_src_access_order_any=False)``: int64 CPU tensors, one
+    ``cuMemcpyBatchAsync`` on CUDA 12.8+ (a ``cudaMemcpyAsync`` loop before),
+    on the current stream, returning None; vLLM's own worker keeps the three
+    tensors until the copies have completed. Present with this meaning in
+    vLLM 0.32 and 0.33 (``torch.ops._C_cache_ops.swap_blocks_batch``).
+    """
+    import torch
+
+    try:
+        import vllm._custom_ops  # its torch ops load with it
+    except ImportError:
+        return None
+    fn = getattr(vllm._custom_ops, "swap_blocks_batch", None)
+    if fn is None or not hasattr(torch.ops._C_cache_ops, "swap_blocks_batch"):
+        return None
+    return fn

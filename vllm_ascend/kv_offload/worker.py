@@ -100,15 +100,18 @@ class NPUOffloadingWorker(OffloadingWorker):
         self._check_copy_path(kv_caches, copy_path)
 
     def _check_copy_path(self, kv_caches: CanonicalKVCaches, setting: str) -> None:
-        """Before serving: the start-up self-check picks the copy path
-        (``self_check.py``), or offloading is refused."""
+        """Before serving: the start-up self-check picks the copy path and
+        returns its copy function, bound (``self_check.py``); or offloading
+        is refused."""
         paths = candidate_paths(self.device.type, setting)
         if self.device.type != "cpu" and not paths[0].native and setting != "torch":
             logger.warning(
-                "KV offload: the native copy op has no %s backend here (%s); "
-                "copies use the torch path",
+                "KV offload: no native copy op for %s here (%s); copies use "
+                "the torch path",
                 self.device.type,
-                ops.fallback_reason()
+                "vLLM's swap_blocks_batch is not registered"
+                if self.device.type == "cuda"
+                else ops.fallback_reason()
                 or f"compiled backends: {', '.join(ops.native_backends())}",
             )
         result = self._run_self_check(
@@ -117,13 +120,15 @@ class NPUOffloadingWorker(OffloadingWorker):
             pool=self.pool,
             paths=paths,
             queues=(self._stores, self._loads),
+            buffers=self.engine.buffers(),
         )
         self.self_check: SelfCheckResult = result
         if not result.passed:
             self.shutdown()
             raise refusal(result)
+        assert result.path is not None and result.swap is not None
         self.copy_path: str = result.path
-        self.engine.use(next(p for p in paths if p.name == result.path))
+        self.engine.use(result.swap)
         logger.info(
             "KV offload: copy path %s on %s (self-check: %.2f GB/s, %.0f ms)",
             self.copy_path,
@@ -185,10 +190,11 @@ class NPUOffloadingWorker(OffloadingWorker):
         return True
 
     def _copy_job(self, kind: str, job_id: int, desc: Descriptors) -> CopyFn:
-        """What the job's queue runs: the copy engine's submission of ``desc``.
-        ``kind``: "store", "load" or "expedited_load". A seam for tests
+        """What the job's queue runs: the self-check's bound copy function on
+        ``desc`` (no frame of ours between the queue and the op). ``kind``:
+        "store", "load" or "expedited_load". A seam for tests
         (tests/fault_injection.py), which make chosen jobs fail."""
-        return functools.partial(self.engine.submit, desc)
+        return functools.partial(self.engine.swap, desc.src, desc.dst, desc.sizes)
 
     def _refuse(self, job_id: int) -> bool:
         if not self._divert_failures:

@@ -170,7 +170,8 @@ void copy_byte_range(const std::vector<CopyRegion>& regions,
 }  // namespace
 
 // Synchronous: nothing outlives the call, so there is no workspace.
-at::Tensor swap_blocks_cpu(const std::vector<CopyRegion>& regions) {
+at::Tensor swap_blocks_cpu(const std::vector<CopyRegion>& regions,
+                           bool /*per_copy: one code path*/) {
   const Method method = method_from_env();  // a bad value raises first
   // memcpy on overlapping ranges is undefined: reject before copying anything.
   const uint64_t total = total_bytes_of_disjoint_copies(regions, kOp);

@@ -171,9 +171,10 @@ void check_workspace(const void* workspace, size_t bytes, size_t needed) {
 
 }  // namespace
 
-size_t AclBatchCopier::workspace_bytes(size_t num_regions) const {
-  if (num_regions == 0 || &aclrtMemcpyBatchAsync == nullptr ||
-      batch_unsupported_.load() || per_copy_only_.load()) {
+size_t AclBatchCopier::workspace_bytes(size_t num_regions,
+                                       bool per_copy) const {
+  if (num_regions == 0 || per_copy || &aclrtMemcpyBatchAsync == nullptr ||
+      batch_unsupported_.load()) {
     return 0;
   }
   return BatchArrays(num_regions).layout.bytes();
@@ -181,7 +182,7 @@ size_t AclBatchCopier::workspace_bytes(size_t num_regions) const {
 
 BatchCopyReport AclBatchCopier::copy(const std::vector<CopyRegion>& regions,
                                      aclrtStream stream, void* workspace,
-                                     size_t workspace_bytes) {
+                                     size_t workspace_bytes, bool per_copy) {
   BatchCopyReport report;
   if (regions.empty()) return report;
   Plan plan = classify(regions.front());
@@ -195,7 +196,7 @@ BatchCopyReport AclBatchCopier::copy(const std::vector<CopyRegion>& regions,
   if (&aclrtMemcpyBatchAsync == nullptr) disable_batch_api();
 
   size_t begin = 0;  // first region not submitted yet
-  if (!batch_unsupported_.load() && !per_copy_only_.load()) {
+  if (!per_copy && !batch_unsupported_.load()) {
     const BatchArrays arrays(n);
     check_workspace(workspace, workspace_bytes, arrays.layout.bytes());
     auto* attr = place_array<aclrtMemcpyBatchAttr>(workspace, arrays.attr, 1);

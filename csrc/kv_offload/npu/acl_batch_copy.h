@@ -32,17 +32,20 @@ struct BatchCopyReport {
   bool fallback_started = false;
 };
 
-// Thread-safe; the only state is whether the batch API was found unsupported
-// and whether the per-copy loop was asked for (set_per_copy).
+// Thread-safe; the only state is whether the batch API was found unsupported.
 class AclBatchCopier {
  public:
   // Bytes of host memory copy() needs as its workspace for `num_regions`
   // regions: the arrays it hands to aclrtMemcpyBatchAsync. 0 when there is
-  // nothing to copy or the batch API is known to be unsupported (the
-  // per-copy fallback passes no arrays). Once 0 for that reason, always 0.
-  size_t workspace_bytes(size_t num_regions) const;
+  // nothing to copy, when copying `per_copy`, or when the batch API is
+  // known to be unsupported (the per-copy loop passes no arrays). Once 0
+  // for that last reason, always 0.
+  size_t workspace_bytes(size_t num_regions, bool per_copy = false) const;
 
   // Enqueues every region on `stream` and returns once they are submitted
+  // (`per_copy`: one aclrtMemcpyAsync per region, batch API or not: the
+  // start-up self-check's next path down when a batch copy was wrong,
+  // vllm_ascend/kv_offload/self_check.py)
   // (completion is ordered on the stream like any other stream work).
   // The direction is read once, from the first region: all regions of a job
   // must share it (a later region that does not is rejected by the runtime,
@@ -64,20 +67,12 @@ class AclBatchCopier {
   // workspace as soon as copy() has thrown.
   BatchCopyReport copy(const std::vector<CopyRegion>& regions,
                        aclrtStream stream, void* workspace,
-                       size_t workspace_bytes);
+                       size_t workspace_bytes, bool per_copy = false);
 
   bool using_fallback() const { return batch_unsupported_.load(); }
 
-  // While on, every copy takes the per-copy loop (aclrtMemcpyAsync), batch
-  // API or not: the start-up self-check's next path down when a batch copy
-  // was wrong (vllm_ascend/kv_offload/self_check.py). Set it between jobs:
-  // a job sized with workspace_bytes() before the switch is refused.
-  void set_per_copy(bool on) { per_copy_only_.store(on); }
-  bool per_copy() const { return per_copy_only_.load(); }
-
  private:
   std::atomic<bool> batch_unsupported_{false};
-  std::atomic<bool> per_copy_only_{false};
 };
 
 }  // namespace vllm_ascend::kv_offload::npu

@@ -26,17 +26,16 @@ npu::AclBatchCopier& process_copier() {
 
 }  // namespace
 
-void set_per_copy_npu(bool on) { process_copier().set_per_copy(on); }
-
-at::Tensor swap_blocks_npu(const std::vector<CopyRegion>& regions) {
+at::Tensor swap_blocks_npu(const std::vector<CopyRegion>& regions,
+                           bool per_copy) {
   npu::AclBatchCopier& copier = process_copier();
   // The host arrays of aclrtMemcpyBatchAsync live here, in a tensor the op
   // returns: the caller keeps it until the copies have completed (ops.h).
   // Ordinary CPU memory: the ACL docs ask nothing more of these arrays.
-  // Empty when the per-copy fallback is in use (it passes no arrays).
-  at::Tensor workspace =
-      at::empty({static_cast<int64_t>(copier.workspace_bytes(regions.size()))},
-                at::kByte);
+  // Empty when copying per copy (that passes no arrays).
+  at::Tensor workspace = at::empty(
+      {static_cast<int64_t>(copier.workspace_bytes(regions.size(), per_copy))},
+      at::kByte);
   // stream() (unlike stream(false)) first flushes torch_npu's host-side task
   // queue, so these copies are ordered after torch ops already issued on the
   // current stream (e.g. the attention kernels that wrote the KV blocks).
@@ -44,7 +43,7 @@ at::Tensor swap_blocks_npu(const std::vector<CopyRegion>& regions) {
   npu::BatchCopyReport report;
   try {
     report = copier.copy(regions, stream, workspace.data_ptr(),
-                         static_cast<size_t>(workspace.numel()));
+                         static_cast<size_t>(workspace.numel()), per_copy);
   } catch (const std::exception& e) {
     TORCH_CHECK(false, e.what());
   }
