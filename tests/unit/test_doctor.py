@@ -149,13 +149,16 @@ def test_copy_op_writing_wrong_bytes_exits_nonzero():
     corrupt = """
 import ctypes
 from vllm_ascend.kv_offload import ops
-real = ops.swap_blocks_batch
-def faulty(src, dst, sizes, device):
-    out = real(src, dst, sizes, device)
-    p = ctypes.cast(int(dst[-1]), ctypes.POINTER(ctypes.c_uint8))
-    p[0] ^= 0xFF
-    return out
-ops.swap_blocks_batch = faulty
+real = ops.native_swap
+def faulty_path(device, per_copy=False):
+    swap = real(device, per_copy)
+    def faulty(src, dst, sizes):
+        out = swap(src, dst, sizes)
+        p = ctypes.cast(int(dst[-1]), ctypes.POINTER(ctypes.c_uint8))
+        p[0] ^= 0xFF
+        return out
+    return faulty
+ops.native_swap = faulty_path
 """
     rc, out, _ = run_doctor("--alloc-mib", "0", "--bandwidth-mib", "1", code=corrupt)
     assert rc == 1, out
