@@ -25,19 +25,20 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import psutil
 import pytest
 from openai import OpenAI
 
 from tests.e2e.conftest import (
     ALL_PROMPTS,
     PROMPTS_BY_DOC,
+    tiering,
+)
+from tests.e2e.serving import (
     REQUEST_TIMEOUT_S,
-    TieringServer,
+    Server,
     complete,
     cpu_block_bytes,
     reset_device_cache,
-    tiering,
 )
 from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model
 from vllm_ascend.kv_offload.tiering.block_file import HEADER_BYTES
@@ -81,49 +82,26 @@ def tiering_config(root: str, file_bytes: int) -> dict:
     }
 
 
-class OnlineTieringServer(TieringServer):
-    """The server, with what this module reads of it."""
+def completion_calls(server: Server) -> float:
+    """``/v1/completions`` calls the API server has ended (its HTTP metrics;
+    a dropped stream's call ends once its abort was sent)."""
+    return sum(
+        s.value
+        for s in server.samples()
+        if s.name == "http_requests_total"
+        and s.labels.get("handler") == "/v1/completions"
+    )
 
-    def finished(self) -> dict[str, float]:
-        """``vllm:request_success_total`` by ``finished_reason``."""
-        out: dict[str, float] = {}
-        for sample in self.samples():
-            if sample.name == "vllm:request_success_total":
-                reason = sample.labels.get("finished_reason", "")
-                out[reason] = out.get(reason, 0.0) + sample.value
-        return out
 
-    def completion_calls(self) -> float:
-        """``/v1/completions`` calls the API server has ended (its HTTP
-        metrics; a dropped stream's call ends once its abort was sent)."""
-        return sum(
-            s.value
-            for s in self.samples()
-            if s.name == "http_requests_total"
-            and s.labels.get("handler") == "/v1/completions"
-        )
-
-    def generated_in(self, low: str, high: str) -> float:
-        """Finished requests that generated more than ``low`` and at most
-        ``high`` tokens (vLLM's histogram buckets)."""
-        cumulative = {
-            s.labels["le"]: s.value
-            for s in self.samples()
-            if s.name == "vllm:request_generation_tokens_bucket"
-        }
-        return cumulative[high] - cumulative[low]
-
-    def processes(self) -> list[psutil.Process]:
-        return [psutil.Process(self.proc.pid), *self.children]
-
-    def usage(self) -> dict[str, int]:
-        """Threads (/proc/<pid>/task) and fds (/proc/<pid>/fd) of the server
-        and its engine processes."""
-        procs = self.processes()
-        return {
-            "threads": sum(len(os.listdir(f"/proc/{p.pid}/task")) for p in procs),
-            "fds": sum(len(os.listdir(f"/proc/{p.pid}/fd")) for p in procs),
-        }
+def generated_in(server: Server, low: str, high: str) -> float:
+    """Finished requests that generated more than ``low`` and at most
+    ``high`` tokens (vLLM's histogram buckets)."""
+    cumulative = {
+        s.labels["le"]: s.value
+        for s in server.samples()
+        if s.name == "vllm:request_generation_tokens_bucket"
+    }
+    return cumulative[high] - cumulative[low]
 
 
 def stream(
@@ -170,7 +148,7 @@ def stream(
 
 
 def quiesce(
-    server: OnlineTieringServer, client: OpenAI, model: str, flushes: list | None = None
+    server: Server, client: OpenAI, model: str, flushes: list | None = None
 ) -> dict:
     """Short requests (counted in ``flushes``) step the engine until no tier
     job is active and the tier's written bytes stopped changing; returns
@@ -191,7 +169,7 @@ def quiesce(
             return metrics
 
 
-def burst(server: OnlineTieringServer, model: str) -> list[dict]:
+def burst(server: Server, model: str) -> list[dict]:
     """The burst's streams, the early ones dropped while the engine is
     paused: each early request's call has ended in the API server (which
     sent its abort to the engine core first) before the resume is sent on
@@ -199,7 +177,7 @@ def burst(server: OnlineTieringServer, model: str) -> list[dict]:
     hows = ["finish", "early", "midway"] * (BURST // 3)
     prompts = [ALL_PROMPTS[i % len(ALL_PROMPTS)] for i in range(BURST)]
     random.Random(21).shuffle(prompts)
-    ended = server.completion_calls()
+    ended = completion_calls(server)
     drops = [threading.Event() for _ in hows]
     server.post("/pause?mode=keep&clear_cache=false")
     with ThreadPoolExecutor(BURST) as pool:
@@ -213,7 +191,7 @@ def burst(server: OnlineTieringServer, model: str) -> list[dict]:
                     assert dropped.wait(REQUEST_TIMEOUT_S), "an early client hung"
             # No other call can end while the engine is paused.
             deadline = time.monotonic() + REQUEST_TIMEOUT_S
-            while server.completion_calls() < ended + BURST // 3:
+            while completion_calls(server) < ended + BURST // 3:
                 assert time.monotonic() < deadline, "disconnects not noticed"
                 time.sleep(0.2)
         except BaseException:
@@ -235,7 +213,7 @@ def served(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("serve_tiering")
     root = str(tmp / "tier")
     block = cpu_block_bytes(model)
-    server = OnlineTieringServer(
+    server = Server(
         model, tmp / "server.log", tiering_config(root, HEADER_BYTES + block)
     )
     record: dict = {"block_bytes": block, "root": root}
@@ -255,7 +233,7 @@ def served(tmp_path_factory) -> dict:
 
         # The burst: every prefix loaded again (the device cache emptied),
         # from the CPU or the fs tier, while clients drop out.
-        record["early_ran_before"] = server.generated_in(*EARLY_BUCKET)
+        record["early_ran_before"] = generated_in(server, *EARLY_BUCKET)
         reset_device_cache(server)
         start = time.monotonic()
         record["burst"] = burst(server, model)
@@ -263,7 +241,7 @@ def served(tmp_path_factory) -> dict:
         record["flushes"] = []
         record["after_burst"] = quiesce(server, client, model, record["flushes"])
         record["finished_after_burst"] = server.finished()
-        record["early_ran_after"] = server.generated_in(*EARLY_BUCKET)
+        record["early_ran_after"] = generated_in(server, *EARLY_BUCKET)
 
         # Afterwards: the fixed prompts, prefixes again from the tiers.
         reset_device_cache(server)
