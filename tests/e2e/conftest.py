@@ -1,27 +1,19 @@
-"""Shared pieces of the end-to-end tests: prompts, the scenario runner, the
-OpenAI server of the online tests and the tiering config."""
+"""Shared pieces of the end-to-end tests: prompts, engine configs, the
+scenario runner and its fixtures, the tiering config (the online tests'
+server: tests/e2e/serving.py)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
-import psutil
 import pytest
-from openai import OpenAI
-from prometheus_client.parser import text_string_to_metric_families
 
 from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model, make_prompt
 
@@ -45,6 +37,21 @@ FAULTY_OFFLOAD = dict(
 # fp32 keeps recomputed and reloaded prefixes numerically identical; a small
 # KV cache keeps engine start-up cheap.
 ENGINE = {"dtype": "float32", "max_model_len": 2048, "enforce_eager": True}
+
+# vLLM's engine core and its one worker inside the scenario's process
+# (VLLM_ENABLE_V1_MULTIPROCESSING=0, the uni executor): about three times
+# faster to start than vLLM's default layout (an engine core and a worker
+# process), and several engines can run one after another in one process
+# ("sequence"). The servers and the scenarios that say so keep the default.
+IN_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def in_process(scenario: dict) -> dict:
+    """``scenario`` with its engine (``ENGINE`` unless given) in-process."""
+    engine = dict(scenario.get("engine", ENGINE), distributed_executor_backend="uni")
+    env = {**scenario.get("env", {}), **IN_PROCESS_ENV}
+    return dict(scenario, engine=engine, env=env)
+
 
 # Three "documents" of 4 full 128-token blocks, three questions each.
 DOC_WORDS = 512
@@ -112,7 +119,7 @@ def reference(scenario_dir) -> list[list[int]]:
     result = run_scenario(
         scenario_dir,
         "reference",
-        {"engine": ENGINE, "offload": None, "phases": [{"prompts": ALL_PROMPTS}]},
+        in_process({"offload": None, "phases": [{"prompts": ALL_PROMPTS}]}),
     )
     return token_ids(result["phases"][0])
 
@@ -131,34 +138,6 @@ def offloading_code(request) -> dict:
 
     skip_unless_core_supported()
     return {"pythonpath": [str(overlay_dir())]}
-
-
-# The OpenAI server of examples/serve_kv_offload.sh, for the online tests.
-START_TIMEOUT_S = 300
-STOP_TIMEOUT_S = 60
-REQUEST_TIMEOUT_S = 120
-MAX_TOKENS = 16  # as the reference fixture
-BLOCK_TOKENS = 128  # the guide's block_size (= the device block size here)
-
-
-def serve_flags(device_blocks: int) -> list[str]:
-    """Test-only flags of the online tests' servers."""
-    return [
-        "--dtype",
-        "float32",
-        "--enforce-eager",
-        "--max-model-len",
-        "1024",
-        "--num-gpu-blocks-override",
-        str(device_blocks),
-        # usage.prompt_tokens_details.cached_tokens in every response.
-        "--enable-prompt-tokens-details",
-    ]
-
-
-# The offloading config is the example script's (the guide's); 10 device
-# blocks hold one document's questions, not all three.
-SERVE_FLAGS = serve_flags(10)
 
 
 def free_port() -> int:
@@ -192,205 +171,6 @@ def load_subscriber() -> ModuleType:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
-
-
-def cpu_block_bytes(model_dir: str) -> int:
-    """K and V bytes of one 128-token block across all layers (fp32)."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    per_token = 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 4
-    return cfg["num_hidden_layers"] * BLOCK_TOKENS * per_token
-
-
-class Server:
-    """``examples/serve_kv_offload.sh`` as a subprocess on 127.0.0.1."""
-
-    def __init__(self, model: str, log_path: Path):
-        self.model = model
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        env = dict(os.environ)
-        # The script runs `python` and `vllm` from PATH: use this interpreter's.
-        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]])
-        env.update(
-            HOST="127.0.0.1",
-            PORT=str(self.port),
-            VLLM_SERVER_DEV_MODE="1",  # exposes POST /reset_prefix_cache
-        )
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        self._log = open(log_path, "wb")  # closed in stop()
-        self.proc = subprocess.Popen(
-            ["bash", str(REPO / "examples" / "serve_kv_offload.sh"), model]
-            + SERVE_FLAGS,
-            cwd=REPO,
-            env=env,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            # Its own session: a Ctrl-C on pytest does not hit it twice.
-            start_new_session=True,
-        )
-        self.children: list[psutil.Process] = []
-
-    def log_tail(self, chars: int = 6000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:]
-
-    def wait_ready(self) -> float:
-        start = time.monotonic()
-        while time.monotonic() - start < START_TIMEOUT_S:
-            if self.proc.poll() is not None:
-                raise AssertionError(
-                    f"server exited with {self.proc.returncode} during start-up:\n"
-                    f"{self.log_tail()}"
-                )
-            try:
-                with urllib.request.urlopen(self.base + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        # The script exec's the server: this pid is the API
-                        # server, its descendants the engine core and worker.
-                        parent = psutil.Process(self.proc.pid)
-                        self.children = parent.children(recursive=True)
-                        return time.monotonic() - start
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(1)
-        raise AssertionError(
-            f"server not healthy after {START_TIMEOUT_S} s:\n{self.log_tail()}"
-        )
-
-    def post(self, path: str) -> dict:
-        req = urllib.request.Request(self.base + path, data=b"", method="POST")
-        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
-            return json.loads(r.read())
-
-    def samples(self) -> Iterator[Any]:
-        """Every sample on /metrics (prometheus_client's ``Sample``)."""
-        with urllib.request.urlopen(self.base + "/metrics", timeout=30) as r:
-            text = r.read().decode()
-        for family in text_string_to_metric_families(text):
-            yield from family.samples
-
-    def metrics(self) -> dict[str, float]:
-        """Every sample on /metrics, summed over labels except ``source``."""
-        totals: dict[str, float] = {}
-        for sample in self.samples():
-            name = sample.name
-            if "source" in sample.labels:
-                name += f"{{source={sample.labels['source']}}}"
-            totals[name] = totals.get(name, 0.0) + sample.value
-        return totals
-
-    def stop(self, sig: int = signal.SIGINT) -> dict:
-        """``sig`` (SIGKILL: to the whole process group), then wait; returns
-        how the server and its children ended."""
-        result = {"returncode": self.proc.poll(), "stop_s": 0.0, "orphans": []}
-        if result["returncode"] is None:
-            start = time.monotonic()
-            if sig == signal.SIGKILL:
-                # Its own session (start_new_session): the group is its pid.
-                os.killpg(self.proc.pid, sig)
-            else:
-                self.proc.send_signal(sig)
-            try:
-                result["returncode"] = self.proc.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                result["returncode"] = None
-            result["stop_s"] = time.monotonic() - start
-        # Children get a grace period to notice their parent is gone.
-        _, alive = psutil.wait_procs(self.children, timeout=15)
-        result["orphans"] = [p.pid for p in alive]
-        # Whatever is left was started by this test: end it by pid.
-        if result["returncode"] is None:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
-        for p in alive:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        self._log.close()
-        return result
-
-
-class TieringServer(Server):
-    """``vllm serve``'s API server (module entry point) with
-    ``transfer_config`` as its ``--kv-transfer-config``, started through
-    ``launcher`` (a command prefix, e.g. ``nsenter``) if given."""
-
-    def __init__(
-        self,
-        model: str,
-        log_path: Path,
-        transfer_config: dict,
-        launcher: Sequence[str] = (),
-    ):
-        self.model = model
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-        self._log = open(log_path, "wb")  # closed in stop()
-        self.proc = psutil.Popen(
-            [
-                *launcher,
-                sys.executable,
-                "-m",
-                # `vllm serve` (the example script's fallback: the CLI's
-                # version check fails where the metadata says vllm-cpu).
-                "vllm.entrypoints.launchers.api_server.entry",
-                "--model",
-                model,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                *serve_flags(16),
-                "--kv-transfer-config",
-                json.dumps(transfer_config),
-            ],
-            cwd=REPO,
-            env=env,
-            stdout=self._log,
-            stderr=self._log,
-            start_new_session=True,
-        )
-        self.children = []
-
-
-def reset_device_cache(server: TieringServer) -> None:
-    deadline = time.monotonic() + 60
-    while not server.post("/reset_prefix_cache")["success"]:
-        assert time.monotonic() < deadline, "reset_prefix_cache kept failing"
-        time.sleep(0.5)
-
-
-def wait_for_metric(server: Server, client, model: str, name: str, value: float):
-    """Poll /metrics until ``name`` reaches ``value``; short requests drive the
-    engine steps that complete transfers and report their stats."""
-    deadline = time.monotonic() + 60
-    while True:
-        metrics = server.metrics()
-        if metrics.get(name, 0.0) >= value or time.monotonic() > deadline:
-            return metrics
-        client.completions.create(model=model, prompt="flush", max_tokens=2)
-        time.sleep(0.5)
-
-
-def complete(client: OpenAI, model: str, prompt: str) -> dict:
-    """A greedy completion; its token ids and prompt tokens served by a cache."""
-    resp = client.completions.create(
-        model=model,
-        prompt=prompt,
-        max_tokens=MAX_TOKENS,
-        temperature=0.0,
-        extra_body={"ignore_eos": True, "return_token_ids": True},
-    ).model_dump()
-    details = resp["usage"].get("prompt_tokens_details") or {}
-    return {
-        "token_ids": resp["choices"][0]["token_ids"],
-        "cached_tokens": details.get("cached_tokens") or 0,
-    }
 
 
 # The tiering spec with an fs tier under ``root`` (the tiering e2e tests).

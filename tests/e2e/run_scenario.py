@@ -12,19 +12,22 @@ test-only fault injection of ``vllm_ascend.kv_offload.worker``),
 ``driver`` (``"module:function"``, called with the scenario instead of the
 phases above, for scenarios that drive the engine step by step), and
 ``sequence`` (scenarios run one after another in this process, each engine
-shut down before the next starts: one interpreter start instead of several).
+shut down before the next starts, each with its own ``env``: one
+interpreter start instead of several).
 
     python -m tests.e2e.run_scenario SCENARIO.json RESULT.json
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -87,16 +90,37 @@ def counters(llm) -> dict[str, float]:
 
 def run(scenario: dict) -> dict:
     os.environ.update(scenario.get("env", {}))
-    if "driver" in scenario:
-        module, function = scenario["driver"].split(":")
-        return getattr(importlib.import_module(module), function)(scenario)
     if "sequence" in scenario:
         runs = []
         for step in scenario["sequence"]:
-            runs.append(_run_engine(step, shutdown=True))
+            with _env(step.get("env", {})):
+                runs.append(_run_one(step, shutdown=True))
             gc.collect()  # the engine's KV cache goes before the next one's
         return {"runs": runs}
-    return _run_engine(scenario)
+    return _run_one(scenario)
+
+
+def _run_one(scenario: dict, shutdown: bool = False) -> dict:
+    if "driver" in scenario:  # a driver shuts its engine down itself
+        module, function = scenario["driver"].split(":")
+        return getattr(importlib.import_module(module), function)(scenario)
+    return _run_engine(scenario, shutdown)
+
+
+@contextlib.contextmanager
+def _env(changes: dict[str, str]) -> Iterator[None]:
+    """``changes`` in os.environ while one engine of a sequence runs (a
+    worker reads e.g. its faults when it starts)."""
+    saved = {name: os.environ.get(name) for name in changes}
+    os.environ.update(changes)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _run_engine(scenario: dict, shutdown: bool = False) -> dict:

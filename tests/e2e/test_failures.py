@@ -8,9 +8,9 @@ prompts with offloading off (the ``reference`` fixture); two negative
 controls show that these comparisons do catch failures that are not handled.
 
 Most engines run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``uni``
-executor: three times faster to start); one runs vLLM's default process
-layout, so the failure metadata also crosses the worker -> scheduler
-process boundary.
+executor: three times faster to start), one after the other in one process
+(``runs``); one runs vLLM's default process layout, so the failure metadata
+also crosses the worker -> scheduler process boundary.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from tests.e2e.conftest import (
     FAULTY_OFFLOAD,
     GUIDE_OFFLOAD,
     cached,
+    in_process,
     run_scenario,
     scenario_log,
     token_ids,
@@ -33,8 +34,6 @@ pytestmark = pytest.mark.e2e
 
 FULL_DOC_TOKENS = 512
 FIRST_QUESTIONS = [0, 3, 6]  # indices of each document's first prompt
-IN_PROCESS_ENGINE = dict(ENGINE, distributed_executor_backend="uni")
-IN_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 # Store everything, then ask again with the device prefix cache emptied:
 # the first question of each document must come from the CPU.
 TWICE = [
@@ -43,46 +42,78 @@ TWICE = [
 ]
 
 
-def run_with_faults(
-    scenario_dir,
-    name: str,
-    faults: str,
-    phases=TWICE,
-    in_process: bool = True,
-    **scenario,
-) -> tuple[dict, list[str]]:
-    """Runs a scenario with ``faults``; returns its result and the faults."""
-    fault_log = scenario_dir / f"{name}.faults"
+def with_faults(scenario_dir, name: str, faults: str, **scenario) -> dict:
+    """``scenario`` (``TWICE`` through the fault-injecting guide config
+    unless given) with ``faults``, logged to ``<name>.faults``."""
     env = {
         "VLLM_ASCEND_KV_OFFLOAD_FAULTS": faults,
-        "VLLM_ASCEND_KV_OFFLOAD_FAULTS_LOG": str(fault_log),
+        "VLLM_ASCEND_KV_OFFLOAD_FAULTS_LOG": str(scenario_dir / f"{name}.faults"),
     }
-    if in_process:
-        env.update(IN_PROCESS_ENV)
-    scenario.setdefault("engine", IN_PROCESS_ENGINE if in_process else ENGINE)
-    scenario.setdefault("offload", FAULTY_OFFLOAD)
-    result = run_scenario(scenario_dir, name, dict(scenario, phases=phases, env=env))
-    injected = fault_log.read_text().split("\n")[:-1] if fault_log.exists() else []
-    return result, injected
+    return {"phases": TWICE, "offload": FAULTY_OFFLOAD, **scenario, "env": env}
+
+
+def injected_faults(scenario_dir, name: str) -> list[str]:
+    fault_log = scenario_dir / f"{name}.faults"
+    return fault_log.read_text().split("\n")[:-1] if fault_log.exists() else []
+
+
+# Negative controls: connectors that do not handle one kind of failure
+# (defined below).
+NEGATIVE = [("IgnoresFailedStores", "store:1"), ("IgnoresFailedLoads", "load:1")]
+
+
+def in_process_scenarios(scenario_dir) -> dict[str, dict]:
+    """The in-process scenarios of this module, by name."""
+    scenarios = {
+        # Submit-time failures ("load_submit", "store_submit") take the same
+        # reporting path; tests/unit/test_worker_state_machine.py covers them
+        # without an engine.
+        "failed_load": with_faults(
+            scenario_dir, "failed_load", "load:1", kv_load_failure_policy="recompute"
+        ),
+        "failed_load_policy_fail": with_faults(
+            scenario_dir,
+            "failed_load_policy_fail",
+            "load:1:1",  # only the first load fails
+            phases=[*TWICE, {"prompts": ALL_PROMPTS}],
+            kv_load_failure_policy="fail",  # vLLM's default
+        ),
+        "failed_store": with_faults(scenario_dir, "failed_store", "store:1"),
+    }
+    for connector, faults in NEGATIVE:
+        scenarios[f"negative_{connector}"] = with_faults(
+            scenario_dir,
+            f"negative_{connector}",
+            faults,
+            connector=connector,
+            connector_module_path="tests.e2e.test_failures",
+            kv_load_failure_policy="recompute",
+        )
+    return {name: in_process(s) for name, s in scenarios.items()}
+
+
+@pytest.fixture(scope="module")
+def runs(scenario_dir) -> dict[str, tuple[dict, list[str]]]:
+    """Each in-process scenario's result and the faults it injected."""
+    scenarios = in_process_scenarios(scenario_dir)
+    result = run_scenario(
+        scenario_dir, "failures", {"sequence": list(scenarios.values())}
+    )
+    return {
+        name: (run, injected_faults(scenario_dir, name))
+        for name, run in zip(scenarios, result["runs"], strict=True)
+    }
 
 
 def kinds(injected: list[str]) -> set[str]:
     return {line.split()[0] for line in injected}
 
 
-# Submit-time failures ("load_submit", "store_submit") take the same reporting
-# path; tests/unit/test_worker_state_machine.py covers them without an engine.
-@pytest.mark.parametrize("kind", ["load"])
-def test_failed_loads_are_recomputed(scenario_dir, reference, kind):
-    result, injected = run_with_faults(
-        scenario_dir,
-        f"failed_{kind}",
-        f"{kind}:1",
-        kv_load_failure_policy="recompute",
-    )
+def test_failed_loads_are_recomputed(runs, reference):
+    result, injected = runs["failed_load"]
     # Every load failed (one per document; the other questions then hit the
     # recomputed blocks on the device), yet every output is right.
-    assert kinds(injected) == {kind} and len(injected) >= 3
+    assert kinds(injected) == {"load"} and len(injected) >= 3
     assert token_ids(result["phases"][0]) == reference
     assert token_ids(result["phases"][1]) == reference
     assert result["counters"].get("vllm:kv_offload_load_bytes", 0) == 0
@@ -90,16 +121,8 @@ def test_failed_loads_are_recomputed(scenario_dir, reference, kind):
     assert result["counters"]["vllm:kv_offload_failed_loads"] == len(injected)
 
 
-def test_failed_load_fails_only_its_request_and_the_engine_serves_on(
-    scenario_dir, reference
-):
-    result, injected = run_with_faults(
-        scenario_dir,
-        "failed_load_policy_fail",
-        "load:1:1",  # only the first load fails
-        phases=[*TWICE, {"prompts": ALL_PROMPTS}],
-        kv_load_failure_policy="fail",  # vLLM's default
-    )
+def test_failed_load_fails_only_its_request_and_the_engine_serves_on(runs, reference):
+    result, injected = runs["failed_load_policy_fail"]
     assert injected == [injected[0]] and injected[0].startswith("load ")
     first, second, third = result["phases"]
     assert token_ids(first) == reference
@@ -112,10 +135,9 @@ def test_failed_load_fails_only_its_request_and_the_engine_serves_on(
     assert token_ids(third) == reference
 
 
-@pytest.mark.parametrize("kind", ["store"])
-def test_failed_stores_are_never_loaded(scenario_dir, reference, kind):
-    result, injected = run_with_faults(scenario_dir, f"failed_{kind}", f"{kind}:1")
-    assert kinds(injected) == {kind} and len(injected) >= 3
+def test_failed_stores_are_never_loaded(runs, reference):
+    result, injected = runs["failed_store"]
+    assert kinds(injected) == {"store"} and len(injected) >= 3
     first, second = result["phases"]
     assert token_ids(first) == reference
     assert token_ids(second) == reference
@@ -130,17 +152,18 @@ def test_failed_stores_are_never_loaded(scenario_dir, reference, kind):
 def test_random_faults_with_eviction_in_a_multiprocess_engine(scenario_dir, reference):
     """vLLM's default process layout, a small device cache and a small CPU
     pool (constant eviction), and faults of every kind."""
-    result, injected = run_with_faults(
+    name = "random_faults_multiprocess"
+    scenario = with_faults(
         scenario_dir,
-        "random_faults_multiprocess",
+        name,
         "load:0.3,store:0.3,load_submit:0.1,store_submit:0.1,seed:5",
         phases=[*TWICE, {"prompts": ALL_PROMPTS[::-1]}],
-        in_process=False,
         engine=dict(ENGINE, max_model_len=1024, num_gpu_blocks_override=10),
         offload=dict(FAULTY_OFFLOAD, num_cpu_blocks=9),
         kv_load_failure_policy="recompute",
     )
-    assert len(injected) >= 3
+    result = run_scenario(scenario_dir, name, scenario)
+    assert len(injected_faults(scenario_dir, name)) >= 3
     first, second, third = result["phases"]
     assert token_ids(first) == reference
     assert token_ids(second) == reference
@@ -169,21 +192,11 @@ class IgnoresFailedLoads(AscendOffloadingConnector):
         return set()
 
 
-@pytest.mark.parametrize(
-    "connector, faults",
-    [("IgnoresFailedStores", "store:1"), ("IgnoresFailedLoads", "load:1")],
-)
+@pytest.mark.parametrize("connector", [connector for connector, _ in NEGATIVE])
 def test_negative_control_unhandled_failures_change_the_output(
-    scenario_dir, reference, connector, faults
+    runs, reference, connector
 ):
-    result, injected = run_with_faults(
-        scenario_dir,
-        f"negative_{connector}",
-        faults,
-        connector=connector,
-        connector_module_path="tests.e2e.test_failures",
-        kv_load_failure_policy="recompute",
-    )
+    result, injected = runs[f"negative_{connector}"]
     assert injected
     second = result["phases"][1]
     # The same CPU hits as a healthy run, but the KV is garbage.
@@ -197,7 +210,8 @@ def test_negative_control_unhandled_failures_change_the_output(
 @pytest.mark.parametrize(
     "num_cpu_blocks, allocated",
     [
-        (1000, True),
+        # Every engine of ``runs``: the fault-injecting guide config.
+        (FAULTY_OFFLOAD["num_cpu_blocks"], True),
         # One engine start per bad value is costly; the other bad values are
         # covered by tests/unit/test_config_validation.py and
         # tests/unit/test_host_memory_guard.py.
@@ -205,26 +219,25 @@ def test_negative_control_unhandled_failures_change_the_output(
     ],
 )
 def test_start_up_logs_the_pool_exactly_when_it_allocates_one(
-    scenario_dir, num_cpu_blocks, allocated
+    request, scenario_dir, num_cpu_blocks, allocated
 ):
     """In-process engines log through vLLM's logger like the others, so the
     pool's start-up line is in the log when the pool was allocated; its
     absence after a refused start then means that nothing was allocated."""
-    name = f"start_up_{num_cpu_blocks}_blocks"
-    scenario = {
-        "engine": IN_PROCESS_ENGINE,
-        "offload": dict(GUIDE_OFFLOAD, num_cpu_blocks=num_cpu_blocks),
-        "env": IN_PROCESS_ENV,
-        "phases": [{"prompts": ALL_PROMPTS[:1]}],
-    }
     if allocated:
-        run_scenario(scenario_dir, name, scenario)
-    else:
-        with pytest.raises(AssertionError):
-            run_scenario(scenario_dir, name, scenario)
-    log = scenario_log(scenario_dir, name)
-    if allocated:
+        request.getfixturevalue("runs")
+        log = scenario_log(scenario_dir, "failures")
         assert f"KV offload: CPU block pool of {num_cpu_blocks} blocks" in log
-    else:
-        assert "OffloadConfigError" in log and "lower num_cpu_blocks to" in log
-        assert "CPU block pool of" not in log
+        return
+    name = f"start_up_{num_cpu_blocks}_blocks"
+    scenario = in_process(
+        {
+            "offload": dict(GUIDE_OFFLOAD, num_cpu_blocks=num_cpu_blocks),
+            "phases": [{"prompts": ALL_PROMPTS[:1]}],
+        }
+    )
+    with pytest.raises(AssertionError):
+        run_scenario(scenario_dir, name, scenario)
+    log = scenario_log(scenario_dir, name)
+    assert "OffloadConfigError" in log and "lower num_cpu_blocks to" in log
+    assert "CPU block pool of" not in log

@@ -3,6 +3,10 @@
 Every scenario compares greedy token ids against the same prompts run with
 offloading off (the ``reference`` fixture). Each runs twice: with the
 installed vLLM's offloading code and with vLLM 0.33's (``offloading_code``).
+Per offloading code, the scenarios' engines run in-process one after the
+other in one process (``runs``), but one; vLLM's default process layout
+also runs the guide's config in tests/e2e/test_serve.py and faults in
+tests/e2e/test_failures.py.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from tests.e2e.conftest import (
     GUIDE_OFFLOAD,
     PROMPTS_BY_DOC,
     cached,
+    in_process,
     run_scenario,
     token_ids,
 )
@@ -23,24 +28,86 @@ from tests.vllm_version import VLLM_VERSION
 pytestmark = pytest.mark.e2e
 
 FULL_DOC_TOKENS = 512  # 4 blocks of 128 tokens
+FIRST_QUESTIONS = [doc[0] for doc in PROMPTS_BY_DOC]
+
+SCENARIOS = {
+    # The guide's exact config: all prompts, then again from the CPU only.
+    "guide": {
+        "offload": GUIDE_OFFLOAD,
+        "phases": [
+            {"prompts": ALL_PROMPTS},
+            {"prompts": ALL_PROMPTS, "reset_prefix_cache": True},
+        ],
+    },
+    # 10 device blocks hold one document's questions, not all three.
+    "small_device": {
+        "engine": dict(ENGINE, max_model_len=1024, num_gpu_blocks_override=10),
+        "offload": GUIDE_OFFLOAD,
+        "phases": [{"prompts": ALL_PROMPTS}, {"prompts": PROMPTS_BY_DOC[0]}],
+    },
+    # 9 CPU blocks: room for two documents' 4-block prefixes, not three, so
+    # storing the third evicts 3 blocks of the least recently used document.
+    "small_cpu": {
+        "offload": dict(GUIDE_OFFLOAD, num_cpu_blocks=9),
+        "phases": [
+            {"prompts": FIRST_QUESTIONS},
+            # Most recent first: documents 2 and 1 are whole in the pool,
+            # document 0 lost blocks.
+            {"prompts": FIRST_QUESTIONS[::-1], "reset_prefix_cache": True},
+        ],
+    },
+    "corrupting": {
+        "offload": dict(
+            GUIDE_OFFLOAD,
+            spec_name="CorruptingOffloadingSpec",
+            spec_module_path="tests.e2e.corrupting_spec",
+        ),
+        "phases": [
+            {"prompts": ALL_PROMPTS},
+            {"prompts": ALL_PROMPTS, "reset_prefix_cache": True},
+        ],
+    },
+    # Layers registered as unequal (part0, part1) tuples, as on Ascend.
+    "tuple_layout": {
+        "offload": GUIDE_OFFLOAD,
+        "connector": "TupleLayoutOffloadingConnector",
+        "connector_module_path": "tests.e2e.tuple_layout_connector",
+        "phases": [
+            {"prompts": PROMPTS_BY_DOC[0]},
+            {"prompts": PROMPTS_BY_DOC[0], "reset_prefix_cache": True},
+        ],
+    },
+}
+
+
+# In vLLM's default process layout: in-process, the CPU pool of small_cpu
+# lost document 1's prefix instead (0 tokens cached instead of 512, also
+# when it ran alone; found while moving these engines in-process, not yet
+# explained).
+DEFAULT_LAYOUT = {"small_cpu"}
 
 
 @pytest.fixture(scope="module")
-def guide_run(scenario_dir, offloading_code) -> dict:
-    """The guide's exact config: all prompts, then again from the CPU only."""
-    return run_scenario(
+def runs(scenario_dir, offloading_code) -> dict[str, dict]:
+    """Every scenario's result, by name."""
+    suffix = "_0.33" if offloading_code else ""
+    names = [n for n in SCENARIOS if n not in DEFAULT_LAYOUT]
+    sequence = [in_process(SCENARIOS[n]) for n in names]
+    result = run_scenario(
         scenario_dir,
-        "guide",
-        {
-            **offloading_code,
-            "engine": ENGINE,
-            "offload": GUIDE_OFFLOAD,
-            "phases": [
-                {"prompts": ALL_PROMPTS},
-                {"prompts": ALL_PROMPTS, "reset_prefix_cache": True},
-            ],
-        },
+        f"offload_e2e{suffix}",
+        {**offloading_code, "sequence": sequence},
     )
+    out = dict(zip(names, result["runs"], strict=True))
+    for name in DEFAULT_LAYOUT:
+        scenario = {"engine": ENGINE, **offloading_code, **SCENARIOS[name]}
+        out[name] = run_scenario(scenario_dir, f"{name}{suffix}", scenario)
+    return out
+
+
+@pytest.fixture(scope="module")
+def guide_run(runs) -> dict:
+    return runs["guide"]
 
 
 def test_outputs_with_offloading_equal_outputs_without(
@@ -64,24 +131,8 @@ def test_after_prefix_cache_reset_prompts_are_served_from_cpu(guide_run, referen
     assert counters["vllm:kv_offload_load_bytes"] > 0
 
 
-def test_blocks_evicted_from_a_small_device_cache_come_back_from_cpu(
-    scenario_dir, reference, offloading_code
-):
-    # 10 device blocks hold one document's questions, not all three.
-    engine = dict(ENGINE, max_model_len=1024, num_gpu_blocks_override=10)
-    result = run_scenario(
-        scenario_dir,
-        "small_device",
-        {
-            **offloading_code,
-            "engine": engine,
-            "offload": GUIDE_OFFLOAD,
-            "phases": [
-                {"prompts": ALL_PROMPTS},
-                {"prompts": PROMPTS_BY_DOC[0]},
-            ],
-        },
-    )
+def test_blocks_evicted_from_a_small_device_cache_come_back_from_cpu(runs, reference):
+    result = runs["small_device"]
     assert token_ids(result["phases"][0]) == reference
     assert token_ids(result["phases"][1]) == reference[:3]
     # Document 0 was evicted from the device by documents 1 and 2.
@@ -89,28 +140,8 @@ def test_blocks_evicted_from_a_small_device_cache_come_back_from_cpu(
     assert result["counters"]["vllm:kv_offload_load_bytes"] > 0
 
 
-def test_cpu_pool_smaller_than_working_set_evicts_least_recently_used(
-    scenario_dir, reference, offloading_code
-):
-    # 9 CPU blocks: room for two documents' 4-block prefixes, not three, so
-    # storing the third evicts 3 blocks of the least recently used document.
-    offload = dict(GUIDE_OFFLOAD, num_cpu_blocks=9)
-    first_questions = [doc[0] for doc in PROMPTS_BY_DOC]
-    result = run_scenario(
-        scenario_dir,
-        "small_cpu",
-        {
-            **offloading_code,
-            "engine": ENGINE,
-            "offload": offload,
-            "phases": [
-                {"prompts": first_questions},
-                # Most recent first: documents 2 and 1 are whole in the pool,
-                # document 0 lost blocks.
-                {"prompts": first_questions[::-1], "reset_prefix_cache": True},
-            ],
-        },
-    )
+def test_cpu_pool_smaller_than_working_set_evicts_least_recently_used(runs, reference):
+    result = runs["small_cpu"]
     assert token_ids(result["phases"][0]) == [reference[0], reference[3], reference[6]]
     again = result["phases"][1]
     assert token_ids(again) == [reference[6], reference[3], reference[0]]
@@ -124,27 +155,8 @@ def test_cpu_pool_smaller_than_working_set_evicts_least_recently_used(
     assert cached(again)[2] == (128 if VLLM_VERSION >= (0, 31) else 0)
 
 
-def test_negative_control_corrupted_loads_change_the_output(
-    scenario_dir, reference, offloading_code
-):
-    offload = dict(
-        GUIDE_OFFLOAD,
-        spec_name="CorruptingOffloadingSpec",
-        spec_module_path="tests.e2e.corrupting_spec",
-    )
-    result = run_scenario(
-        scenario_dir,
-        "corrupting",
-        {
-            **offloading_code,
-            "engine": ENGINE,
-            "offload": offload,
-            "phases": [
-                {"prompts": ALL_PROMPTS},
-                {"prompts": ALL_PROMPTS, "reset_prefix_cache": True},
-            ],
-        },
-    )
+def test_negative_control_corrupted_loads_change_the_output(runs, reference):
+    result = runs["corrupting"]
     # Stores are untouched: the first pass still matches.
     assert token_ids(result["phases"][0]) == reference
     second = result["phases"][1]
@@ -153,23 +165,9 @@ def test_negative_control_corrupted_loads_change_the_output(
     assert token_ids(second) != reference
 
 
-def test_ascend_tuple_layout_runs_end_to_end(scenario_dir, reference, offloading_code):
+def test_ascend_tuple_layout_runs_end_to_end(runs, reference):
     """Layers registered as unequal (part0, part1) tuples, as on Ascend."""
-    result = run_scenario(
-        scenario_dir,
-        "tuple_layout",
-        {
-            **offloading_code,
-            "engine": ENGINE,
-            "offload": GUIDE_OFFLOAD,
-            "connector": "TupleLayoutOffloadingConnector",
-            "connector_module_path": "tests.e2e.tuple_layout_connector",
-            "phases": [
-                {"prompts": PROMPTS_BY_DOC[0]},
-                {"prompts": PROMPTS_BY_DOC[0], "reset_prefix_cache": True},
-            ],
-        },
-    )
+    result = runs["tuple_layout"]
     assert token_ids(result["phases"][0]) == reference[:3]
     assert token_ids(result["phases"][1]) == reference[:3]
     assert cached(result["phases"][1])[0] >= FULL_DOC_TOKENS

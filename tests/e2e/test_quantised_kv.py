@@ -21,6 +21,7 @@ from tests.e2e.conftest import (
     GUIDE_OFFLOAD,
     PROMPTS_BY_DOC,
     cached,
+    in_process,
     run_scenario,
     scenario_log,
     token_ids,
@@ -47,7 +48,8 @@ def kv_cache_dtype(request) -> str:
 @pytest.fixture(scope="module")
 def runs(scenario_dir, kv_cache_dtype) -> dict:
     """Offloading off, then on (cold; again: device hit; after a device
-    prefix-cache reset: CPU hit), one engine after the other in one process."""
+    prefix-cache reset: CPU hit), one in-process engine after the other in
+    one process."""
     engine = dict(ENGINE, kv_cache_dtype=kv_cache_dtype)
     name = f"quantised_{kv_cache_dtype}"
     result = run_scenario(
@@ -55,16 +57,24 @@ def runs(scenario_dir, kv_cache_dtype) -> dict:
         name,
         {
             "sequence": [
-                {"engine": engine, "offload": None, "phases": [{"prompts": PROMPTS}]},
-                {
-                    "engine": engine,
-                    "offload": GUIDE_OFFLOAD,
-                    "phases": [
-                        {"prompts": PROMPTS},
-                        {"prompts": PROMPTS},
-                        {"prompts": PROMPTS, "reset_prefix_cache": True},
-                    ],
-                },
+                in_process(
+                    {
+                        "engine": engine,
+                        "offload": None,
+                        "phases": [{"prompts": PROMPTS}],
+                    }
+                ),
+                in_process(
+                    {
+                        "engine": engine,
+                        "offload": GUIDE_OFFLOAD,
+                        "phases": [
+                            {"prompts": PROMPTS},
+                            {"prompts": PROMPTS},
+                            {"prompts": PROMPTS, "reset_prefix_cache": True},
+                        ],
+                    }
+                ),
             ]
         },
     )

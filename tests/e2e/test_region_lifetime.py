@@ -28,12 +28,14 @@ from openai import OpenAI
 
 from tests.e2e.conftest import (
     PROMPTS_BY_DOC,
+    tiering,
+)
+from tests.e2e.serving import (
     REQUEST_TIMEOUT_S,
-    TieringServer,
+    Server,
     complete,
     cpu_block_bytes,
     reset_device_cache,
-    tiering,
     wait_for_metric,
 )
 from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model
@@ -119,7 +121,7 @@ def serve_once(
 ) -> dict:
     """One start, a prefix stored and loaded back from the region, one stop."""
     launcher = ["nsenter", "-t", shm.parts[2], "-m", "--"]
-    server = TieringServer(model, tmp / f"server{run}.log", config, launcher)
+    server = Server(model, tmp / f"server{run}.log", config, launcher)
     record: dict = {"run": run, "stop_signal": signal.Signals(stop).name}
     try:
         record["start_s"] = server.wait_ready()

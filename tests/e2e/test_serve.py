@@ -28,8 +28,10 @@ from openai import OpenAI
 from tests.conftest import run_serving_doc_flow
 from tests.e2e.conftest import (
     ALL_PROMPTS,
-    BLOCK_TOKENS,
     PROMPTS_BY_DOC,
+)
+from tests.e2e.serving import (
+    BLOCK_TOKENS,
     REQUEST_TIMEOUT_S,
     START_TIMEOUT_S,
     STOP_TIMEOUT_S,

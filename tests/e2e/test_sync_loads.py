@@ -9,7 +9,9 @@ failed blocks of a running request: vLLM drops that step's output for the
 request and recomputes. Outputs must equal offloading off in every case.
 
 vLLM 0.33 has no CPU build: these run its offloading packages over the
-installed 0.32 core (``tests/vllm033/overlay.py``), in-process engines.
+installed 0.32 core (``tests/vllm033/overlay.py``), in-process engines, one
+after the other in one process per offloading code (``runs_033``,
+``runs_installed``).
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ import pytest
 
 from tests.e2e.conftest import (
     ALL_PROMPTS,
-    ENGINE,
     FAULTY_OFFLOAD,
     GUIDE_OFFLOAD,
+    IN_PROCESS_ENV,
     cached,
+    in_process,
     run_scenario,
     token_ids,
 )
@@ -38,34 +41,56 @@ TWICE = [
 ]
 
 
-def run_sync(scenario_dir, name: str, faults: str | None = None, **scenario):
-    from tests.vllm033.overlay import overlay_dir, skip_unless_core_supported
-
-    skip_unless_core_supported()
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    fault_log = scenario_dir / f"{name}.faults"
+def sync_scenario(scenario_dir, name: str, faults: str | None = None, **scenario):
+    """All prompts twice through the guide's config with synchronous loads
+    (the fault-injecting spec with ``faults``, logged to ``<name>.faults``)."""
+    env = {}
     if faults:
         env["VLLM_ASCEND_KV_OFFLOAD_FAULTS"] = faults
-        env["VLLM_ASCEND_KV_OFFLOAD_FAULTS_LOG"] = str(fault_log)
-    result = run_scenario(
-        scenario_dir,
-        name,
+        env["VLLM_ASCEND_KV_OFFLOAD_FAULTS_LOG"] = str(scenario_dir / f"{name}.faults")
+    return in_process(
         {
-            "pythonpath": [str(overlay_dir())],
-            "engine": dict(ENGINE, distributed_executor_backend="uni"),
             "offload": dict(FAULTY_OFFLOAD if faults else GUIDE_OFFLOAD, **SYNC),
             "phases": TWICE,
             "env": env,
             **scenario,
-        },
+        }
     )
+
+
+def sync_scenarios(scenario_dir) -> dict[str, dict]:
+    return {
+        "sync_loads": sync_scenario(scenario_dir, "sync_loads"),
+        "sync_load_faults": sync_scenario(
+            scenario_dir,
+            "sync_load_faults",
+            faults="expedited_load:1,expedited_load_submit:0.5,seed:3",
+            kv_load_failure_policy="recompute",
+        ),
+        # A connector that does not report the failed sync loads' blocks.
+        "sync_load_faults_unreported": sync_scenario(
+            scenario_dir,
+            "sync_load_faults_unreported",
+            faults="expedited_load:1",
+            kv_load_failure_policy="recompute",
+            connector="IgnoresFailedLoads",
+            connector_module_path="tests.e2e.test_failures",
+        ),
+    }
+
+
+def run_sync(runs_033, scenario_dir, name: str) -> tuple[dict, list[str]]:
+    result = runs_033[name]
     assert result["offloading_overlay"] == "0.33.0"
+    fault_log = scenario_dir / f"{name}.faults"
     injected = fault_log.read_text().split("\n")[:-1] if fault_log.exists() else []
     return result, injected
 
 
-def test_sync_loads_serve_cpu_hits_with_identical_outputs(scenario_dir, reference):
-    result, _ = run_sync(scenario_dir, "sync_loads")
+def test_sync_loads_serve_cpu_hits_with_identical_outputs(
+    runs_033, scenario_dir, reference
+):
+    result, _ = run_sync(runs_033, scenario_dir, "sync_loads")
     first, second = result["phases"]
     assert token_ids(first) == reference
     assert token_ids(second) == reference
@@ -74,14 +99,9 @@ def test_sync_loads_serve_cpu_hits_with_identical_outputs(scenario_dir, referenc
 
 
 def test_failed_sync_loads_are_recomputed_and_the_engine_serves_on(
-    scenario_dir, reference
+    runs_033, scenario_dir, reference
 ):
-    result, injected = run_sync(
-        scenario_dir,
-        "sync_load_faults",
-        faults="expedited_load:1,expedited_load_submit:0.5,seed:3",
-        kv_load_failure_policy="recompute",
-    )
+    result, injected = run_sync(runs_033, scenario_dir, "sync_load_faults")
     # Loads really went the synchronous (expedited) way, and all failed.
     assert injected
     assert {line.split()[0] for line in injected} <= {
@@ -96,18 +116,11 @@ def test_failed_sync_loads_are_recomputed_and_the_engine_serves_on(
 
 
 def test_negative_control_unreported_sync_load_failures_change_the_output(
-    scenario_dir, reference
+    runs_033, scenario_dir, reference
 ):
     """The comparison above can fail: a connector that does not report the
     failed sync loads' blocks lets vLLM use what they left behind."""
-    result, injected = run_sync(
-        scenario_dir,
-        "sync_load_faults_unreported",
-        faults="expedited_load:1",
-        kv_load_failure_policy="recompute",
-        connector="IgnoresFailedLoads",
-        connector_module_path="tests.e2e.test_failures",
-    )
+    result, injected = run_sync(runs_033, scenario_dir, "sync_load_faults_unreported")
     assert injected
     assert token_ids(result["phases"][1]) != reference
 
@@ -155,7 +168,11 @@ def drive_batches(scenario: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    from tests.e2e.run_scenario import kv_transfer_config, settle_stores
+    from tests.e2e.run_scenario import (
+        kv_transfer_config,
+        settle_stores,
+        shutdown_engine,
+    )
     from tests.fault_injection import FaultInjector, inject_faults
     from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model
 
@@ -194,41 +211,25 @@ def drive_batches(scenario: dict) -> dict:
     for metric in llm.get_metrics():
         if hasattr(metric, "value"):
             counters[metric.name] = counters.get(metric.name, 0.0) + metric.value
-    return {
+    result = {
         "rounds": rounds,
         "counters": counters,
         "injected": injected,
         "async_scheduling": llm.llm_engine.vllm_config.scheduler_config.async_scheduling,  # noqa: E501
     }
+    shutdown_engine(llm)  # the next engine of the sequence starts after it
+    return result
 
 
-def run_batches(scenario_dir, name: str, offload, **scenario) -> dict:
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    if scenario.pop("overlay", True):
-        from tests.vllm033.overlay import overlay_dir, skip_unless_core_supported
-
-        skip_unless_core_supported()
-        scenario["pythonpath"] = [str(overlay_dir())]
-    return run_scenario(
-        scenario_dir,
-        name,
-        {
-            "driver": "tests.e2e.test_sync_loads:drive_batches",
-            "engine": BATCH_ENGINE,
-            "offload": offload,
-            "env": env,
-            "kv_load_failure_policy": "recompute",
-            **scenario,
-        },
-        # Six rounds of 24 batched requests: minutes on a loaded 2-core machine.
-        timeout_s=1800,
-    )
-
-
-@pytest.fixture(scope="module")
-def batch_reference(scenario_dir) -> list[list[int]]:
-    result = run_batches(scenario_dir, "batch_reference", None, rounds=1, overlay=False)
-    return [r["token_ids"] for r in result["rounds"][0]]
+def batch_scenario(offload, **scenario) -> dict:
+    return {
+        "driver": "tests.e2e.test_sync_loads:drive_batches",
+        "engine": BATCH_ENGINE,
+        "offload": offload,
+        "env": IN_PROCESS_ENV,
+        "kv_load_failure_policy": "recompute",
+        **scenario,
+    }
 
 
 def differing(result: dict, reference: list[list[int]]) -> list[tuple[int, int]]:
@@ -255,35 +256,85 @@ EVERY_KIND = (
     "expedited_load:0.1,expedited_load_submit:0.05,load:0.1,load_submit:0.05,"
     "store:0.1,store_submit:0.05"
 )
+# id: (tiered, faults, on vLLM 0.33's offloading code)
+BATCH_CASES = {
+    "cpu-only": (False, "expedited_load:0.2", True),
+    "tiering": (True, "expedited_load:0.2", True),
+    "every-kind": (False, EVERY_KIND, True),
+    # vLLM 0.32's own offloading code: async loads only.
+    "vllm-0.32-async-every-kind": (False, EVERY_KIND, False),
+}
 
 
-@pytest.mark.parametrize(
-    "tiered, faults, overlay",
-    [
-        (False, "expedited_load:0.2", True),
-        (True, "expedited_load:0.2", True),
-        (False, EVERY_KIND, True),
-        # vLLM 0.32's own offloading code: async loads only.
-        (False, EVERY_KIND, False),
-    ],
-    ids=["cpu-only", "tiering", "every-kind", "vllm-0.32-async-every-kind"],
-)
+def batch_cases(scenario_dir, overlay: bool) -> dict[str, dict]:
+    """The batched scenarios on one offloading code, by case id."""
+    out = {}
+    for case, (tiered, faults, on_033) in BATCH_CASES.items():
+        if on_033 != overlay:
+            continue
+        offload = dict(GUIDE_OFFLOAD, num_cpu_blocks=64)
+        if tiered:
+            root = scenario_dir / "sync_tier"
+            root.mkdir(exist_ok=True)
+            offload = tiering_offload(str(root))
+        if on_033:
+            offload.update(SYNC)
+        out[case] = batch_scenario(offload, faults=faults, seeds=SEEDS)
+    return out
+
+
+# Six rounds of 24 batched requests per engine: minutes on a loaded machine.
+BATCH_TIMEOUT_S = 1800
+
+
+@pytest.fixture(scope="module")
+def runs_033(scenario_dir) -> dict[str, dict]:
+    """Every engine on vLLM 0.33's offloading code, by name: the sync-load
+    scenarios, then the batched ones."""
+    from tests.vllm033.overlay import overlay_dir, skip_unless_core_supported
+
+    skip_unless_core_supported()
+    scenarios = {**sync_scenarios(scenario_dir), **batch_cases(scenario_dir, True)}
+    result = run_scenario(
+        scenario_dir,
+        "sync_loads_0.33",
+        {"pythonpath": [str(overlay_dir())], "sequence": list(scenarios.values())},
+        timeout_s=3 * BATCH_TIMEOUT_S,
+    )
+    return dict(zip(scenarios, result["runs"], strict=True))
+
+
+@pytest.fixture(scope="module")
+def runs_installed(scenario_dir) -> dict[str, dict]:
+    """The batched requests with offloading off (``reference``), then the
+    batched scenarios on the installed vLLM's offloading code."""
+    scenarios = {
+        "reference": batch_scenario(None, rounds=1),
+        **batch_cases(scenario_dir, False),
+    }
+    result = run_scenario(
+        scenario_dir,
+        "sync_loads_installed",
+        {"sequence": list(scenarios.values())},
+        timeout_s=2 * BATCH_TIMEOUT_S,
+    )
+    return dict(zip(scenarios, result["runs"], strict=True))
+
+
+@pytest.fixture(scope="module")
+def batch_reference(runs_installed) -> list[list[int]]:
+    return [r["token_ids"] for r in runs_installed["reference"]["rounds"][0]]
+
+
+@pytest.mark.parametrize("case", list(BATCH_CASES))
 def test_some_failed_loads_under_preemption_change_no_output(
-    scenario_dir, batch_reference, tiered, faults, overlay
+    request, batch_reference, case
 ):
     """1 in 48 outputs differed before the fix (docs/robustness.md, "Failed
     synchronous loads"); 3 seeds x 2 rounds x 24 requests per engine."""
-    offload = dict(GUIDE_OFFLOAD, num_cpu_blocks=64)
-    if tiered:
-        root = scenario_dir / "sync_tier"
-        root.mkdir(exist_ok=True)
-        offload = tiering_offload(str(root))
-    if overlay:
-        offload.update(SYNC)
-    name = f"some_loads_fail_{len(faults)}_{'tier' if tiered else 'cpu'}_{overlay}"
-    result = run_batches(
-        scenario_dir, name, offload, faults=faults, seeds=SEEDS, overlay=overlay
-    )
+    on_033 = BATCH_CASES[case][2]
+    runs = request.getfixturevalue("runs_033" if on_033 else "runs_installed")
+    result = runs[case]
     assert result["injected"] >= len(SEEDS)
     assert result["counters"]["vllm:num_preemptions"] > 0
     assert result["counters"]["vllm:kv_offload_load_bytes"] > 0

@@ -8,11 +8,16 @@ directory: an incompatible engine, corrupted files, a directory that
 disappears, and a stale shared-memory region; a forged directory (garbage
 under valid headers) is the negative control showing that the output
 comparison does catch wrong KV.
+
+Engine A runs in vLLM's default process layout (its region is mapped by
+three processes); the readers run in-process, one after the other in one
+process (``readers``).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import uuid
 import zlib
@@ -22,6 +27,7 @@ import pytest
 from tests.e2e.conftest import (
     ENGINE,
     PROMPTS_BY_DOC,
+    in_process,
     run_scenario,
     scenario_log,
     tiering,
@@ -37,8 +43,9 @@ PREFIX_TOKENS = 512  # each prompt's document: 4 blocks of 128 tokens
 BLOCKS = 4 * len(PROMPTS)
 
 
-def run_engine(tmp, name: str, root: str, **extra) -> dict:
-    scenario = {
+def tier_scenario(root: str, **extra) -> dict:
+    """The tiering driver's scenario: PROMPTS through an fs tier at ``root``."""
+    return {
         "driver": "tests.e2e.tiering_driver:run",
         "engine": ENGINE,
         "offload": tiering(root, **extra.pop("offload", {})),
@@ -46,7 +53,6 @@ def run_engine(tmp, name: str, root: str, **extra) -> dict:
         "prompts": PROMPTS,
         **extra,
     }
-    return run_scenario(tmp, name, scenario)
 
 
 def tokens(result: dict) -> list[list[int]]:
@@ -69,9 +75,8 @@ def written(scenario_dir) -> tuple[str, dict]:
     root = str(scenario_dir / "tier-a")
     # One writer thread: files are written in the order blocks were stored,
     # which the corruption test relies on to find each prompt's blocks.
-    return root, run_engine(
-        scenario_dir, "tier_writer", root, offload={"write_threads": 1}
-    )
+    scenario = tier_scenario(root, offload={"write_threads": 1})
+    return root, run_scenario(scenario_dir, "tier_writer", scenario)
 
 
 def copy_of(written, scenario_dir, name: str) -> tuple[str, list[str]]:
@@ -80,6 +85,75 @@ def copy_of(written, scenario_dir, name: str) -> tuple[str, list[str]]:
     shutil.copytree(root, dst)
     files = [f.replace(root, dst, 1) for f in result["files"]]
     return dst, files
+
+
+# Engines on A's model directory (same config.json, same layout) whose KV is
+# not A's: another RoPE theta, random (dummy) weights (issue 28, D2).
+OTHER_KV = {
+    "hf_overrides": {
+        "hf_overrides": {
+            "rope_parameters": {"rope_theta": 1000.0, "rope_type": "default"}
+        }
+    },
+    "dummy_weights": {"load_format": "dummy"},
+}
+
+
+@pytest.fixture(scope="module")
+def readers(written, scenario_dir) -> dict:
+    """Every reader's result by name, and the stale region's engine id."""
+    root, _ = written
+    # Prompt p's 4 files all get corruption p, so whichever the reader opens
+    # first is rejected for that reason, and the whole prefix recomputes.
+    corrupt, _ = copy_of(written, scenario_dir, "tier-corrupt")
+    for corruption, chain in zip(
+        CORRUPTIONS.values(), _chains(written, corrupt), strict=True
+    ):
+        for path in chain:
+            corruption(path)
+    forged, files = copy_of(written, scenario_dir, "tier-forged")
+    _forge(files)
+    engine_id = f"kvoff-test-{uuid.uuid4().hex[:8]}"
+    scenarios = {
+        "tier_reader": tier_scenario(root),
+        # Another CPU block size: another identity directory, so no file of A's.
+        "tier_incompatible": tier_scenario(root, offload={"block_size": 256}),
+        "tier_corrupt": tier_scenario(corrupt),
+        "tier_forged": tier_scenario(forged),
+        # A region of a dead run with this engine_id (and our mark), and the
+        # tier's directory deleted once the engine is up.
+        "tier_stale_vanish": tier_scenario(
+            copy_of(written, scenario_dir, "tier-vanish")[0],
+            engine_id=engine_id,
+            before={"stale_region": engine_id},
+            remove_root_after_start=True,
+        ),
+    }
+    for change, kwargs in OTHER_KV.items():
+        engine = {**ENGINE, **kwargs}
+        scenarios[f"reference_{change}"] = {
+            "engine": engine,
+            "offload": None,
+            "phases": [{"prompts": PROMPTS}],
+        }
+        copy = copy_of(written, scenario_dir, f"tier-{change}")[0]
+        scenarios[f"tier_{change}"] = tier_scenario(copy, engine=engine)
+    try:
+        result = run_scenario(
+            scenario_dir,
+            "tier_readers",
+            {"sequence": [in_process(s) for s in scenarios.values()]},
+        )
+    finally:
+        for path in (region_path(engine_id), mark_path(engine_id)):
+            if os.path.exists(path):
+                os.unlink(path)
+    return {
+        **dict(zip(scenarios, result["runs"], strict=True)),
+        "engine_id": engine_id,
+        "corrupt": corrupt,
+        "log": scenario_log(scenario_dir, "tier_readers"),
+    }
 
 
 def test_writer_serves_prompts_and_writes_every_block(written, expected):
@@ -105,11 +179,8 @@ def test_the_engine_shuts_down_in_process_without_a_traceback(written, scenario_
     assert "Traceback" not in log
 
 
-def test_second_engine_serves_the_prefixes_from_the_files(
-    written, expected, scenario_dir
-):
-    root, a = written
-    b = run_engine(scenario_dir, "tier_reader", root)
+def test_second_engine_serves_the_prefixes_from_the_files(readers, expected):
+    b = readers["tier_reader"]
     assert tokens(b) == expected
     assert all(c >= PREFIX_TOKENS for c in cached(b)), cached(b)
     counters = b["counters"]
@@ -121,44 +192,19 @@ def test_second_engine_serves_the_prefixes_from_the_files(
     assert not b["region_after_shutdown"]
 
 
-def test_an_incompatible_engine_gets_misses_never_wrong_output(
-    written, expected, scenario_dir
-):
-    root, _ = written
-    # Another CPU block size: another identity directory, so no file of A's.
-    c = run_engine(scenario_dir, "tier_incompatible", root, offload={"block_size": 256})
+def test_an_incompatible_engine_gets_misses_never_wrong_output(readers, expected):
+    c = readers["tier_incompatible"]
     assert tokens(c) == expected
     assert cached(c) == [0, 0, 0]
     assert c["counters"].get("vllm:kv_offload_tiering_chunk_hits", 0) == 0
     assert len({f.split("/ascend-kv-")[1][:16] for f in c["files"]}) == 2
 
 
-# Engines on A's model directory (same config.json, same layout) whose KV is
-# not A's: another RoPE theta, random (dummy) weights (issue 28, D2).
-OTHER_KV = {
-    "hf_overrides": {
-        "hf_overrides": {
-            "rope_parameters": {"rope_theta": 1000.0, "rope_type": "default"}
-        }
-    },
-    "dummy_weights": {"load_format": "dummy"},
-}
-
-
 @pytest.mark.parametrize("change", list(OTHER_KV))
-def test_an_engine_computing_other_kv_never_reads_the_files(
-    written, expected, scenario_dir, change
-):
-    engine = {**ENGINE, **OTHER_KV[change]}
-    offloading_off = run_scenario(
-        scenario_dir,
-        f"reference_{change}",
-        {"engine": engine, "offload": None, "phases": [{"prompts": PROMPTS}]},
-    )
-    own = token_ids(offloading_off["phases"][0])
+def test_an_engine_computing_other_kv_never_reads_the_files(readers, expected, change):
+    own = token_ids(readers[f"reference_{change}"]["phases"][0])
     assert own != expected  # the change does change the model
-    root, _ = copy_of(written, scenario_dir, f"tier-{change}")
-    g = run_engine(scenario_dir, f"tier_{change}", root, engine=engine)
+    g = readers[f"tier_{change}"]
     assert tokens(g) == own
     assert cached(g) == [0, 0, 0]
     assert g["counters"].get("vllm:kv_offload_tiering_chunk_hits", 0) == 0
@@ -190,21 +236,15 @@ CORRUPTIONS = {
 }
 
 
-def test_corrupted_files_are_misses_logged_and_removed(written, expected, scenario_dir):
-    root, _ = copy_of(written, scenario_dir, "tier-corrupt")
-    # Prompt p's 4 files all get corruption p, so whichever the reader opens
-    # first is rejected for that reason, and the whole prefix recomputes.
-    for corrupt, chain in zip(
-        CORRUPTIONS.values(), _chains(written, root), strict=True
-    ):
-        for path in chain:
-            corrupt(path)
-    d = run_engine(scenario_dir, "tier_corrupt", root)
+def test_corrupted_files_are_misses_logged_and_removed(readers, expected):
+    d = readers["tier_corrupt"]
     assert tokens(d) == expected
     assert cached(d) == [0, 0, 0]
-    log = scenario_log(scenario_dir, "tier_corrupt")
+    # (The readers share one log: each line names its file, in D's copy.)
+    root = re.escape(readers["corrupt"])
     for reason in CORRUPTIONS:
-        assert f"is not loaded ({reason}" in log, reason
+        line = rf"fs tier file {root}/\S+ is not loaded \({reason}"
+        assert re.search(line, readers["log"]), reason
     assert d["counters"].get("vllm:kv_offload_tiering_promotion_job_failures", 0) > 0
 
 
@@ -217,11 +257,8 @@ def _chains(written, root: str) -> list[list[str]]:
     return [files[4 * p : 4 * p + 4] for p in range(len(PROMPTS))]
 
 
-def test_control_forged_files_change_the_output(written, expected, scenario_dir):
-    """Negative control: garbage under a valid header is loaded (it passes
-    every check), and the outputs differ, so the comparisons above would
-    catch corrupted KV that got through."""
-    root, files = copy_of(written, scenario_dir, "tier-forged")
+def _forge(files: list[str]) -> None:
+    """Garbage under each file's valid header, with its checksum."""
     for path in files:
         with open(path, "r+b") as f:
             size = os.path.getsize(path) - HEADER_BYTES
@@ -230,35 +267,26 @@ def test_control_forged_files_change_the_output(written, expected, scenario_dir)
             f.write(garbage)
             f.seek(20)  # crc32 after magic(8), version(4), length(8)
             f.write(zlib.crc32(garbage).to_bytes(4, "little"))
-    e = run_engine(scenario_dir, "tier_forged", root)
+
+
+def test_control_forged_files_change_the_output(readers, expected):
+    """Negative control: garbage under a valid header is loaded (it passes
+    every check), and the outputs differ, so the comparisons above would
+    catch corrupted KV that got through."""
+    e = readers["tier_forged"]
     assert all(c >= PREFIX_TOKENS for c in cached(e))
     assert tokens(e) != expected
 
 
-def test_stale_region_and_vanishing_directory(written, expected, scenario_dir):
+def test_stale_region_and_vanishing_directory(readers, expected):
     """A region of a dead run with this engine_id (and our mark), and the
     tier's directory deleted once the engine is up: the engine starts,
     serves the prompts by recomputing, logs both; its own region's name is
     gone once the engine is up (every process mapped it)."""
-    root, _ = copy_of(written, scenario_dir, "tier-vanish")
-    engine_id = f"kvoff-test-{uuid.uuid4().hex[:8]}"
-    try:
-        f = run_engine(
-            scenario_dir,
-            "tier_stale_vanish",
-            root,
-            engine_id=engine_id,
-            before={"stale_region": engine_id},
-            remove_root_after_start=True,
-        )
-    finally:
-        for path in (region_path(engine_id), mark_path(engine_id)):
-            if os.path.exists(path):
-                os.unlink(path)
+    f = readers["tier_stale_vanish"]
     assert tokens(f) == expected
     # The copy held every block; with its directory gone nothing hits.
     assert cached(f) == [0, 0, 0]
-    log = scenario_log(scenario_dir, "tier_stale_vanish")
     # The planted 4 KiB region did not stand in the way: the engine made its
     # own (joining the stale file would have timed out after 30 s). Which
     # process swept it is not asserted here: any tiering engine opening a
@@ -266,5 +294,5 @@ def test_stale_region_and_vanishing_directory(written, expected, scenario_dir):
     # before this engine); that the sweep removes and logs a dead region is
     # tests/unit/test_region.py's
     # test_a_dead_region_of_another_engine_is_removed_at_the_next_opening.
-    assert f"Created mmap file {region_path(engine_id)}" in log
+    assert f"Created mmap file {region_path(readers['engine_id'])}" in readers["log"]
     assert not f["region_while_running"] and not f["region_after_shutdown"]

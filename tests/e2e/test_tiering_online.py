@@ -1,7 +1,8 @@
 """Online serving with tiering: ``vllm serve`` with a CPU tier too small for
 the working set and a bounded fs tier, under a burst of concurrent
-streaming clients of which two thirds disconnect (before the first token,
-while the prefix loads are in flight, or mid-stream).
+streaming clients of which two thirds disconnect: a third before the
+engine schedules their requests, a third after their first chunk (while
+the other requests' prefix loads are in flight).
 
 Afterwards the server must answer the fixed prompts exactly as offloading
 off does (the ``reference`` fixture, greedy), ``/metrics`` must be
@@ -14,27 +15,30 @@ one server for the module.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import psutil
 import pytest
 from openai import OpenAI
 
 from tests.e2e.conftest import (
     ALL_PROMPTS,
     PROMPTS_BY_DOC,
+    tiering,
+)
+from tests.e2e.serving import (
     REQUEST_TIMEOUT_S,
-    TieringServer,
+    Server,
     complete,
     cpu_block_bytes,
     reset_device_cache,
-    tiering,
 )
 from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model
 from vllm_ascend.kv_offload.tiering.block_file import HEADER_BYTES
@@ -43,10 +47,19 @@ pytestmark = pytest.mark.e2e
 
 BURST = 24  # concurrent streams: a third each finish, drop early, drop mid-way
 BURST_TOKENS = 32
-# A dropped client's request is long: it must still be running when the
-# disconnect reaches the engine (32 tokens of this model can be done before
-# the server notices a client that left after 0.3 s on an idle machine).
+# vLLM does not wait for a streaming client: the engine generates on while
+# the disconnect travels client -> API server -> engine core, and the SSE
+# chunks fit in loopback socket buffers. A request of this model can
+# reach its max_tokens first (on a loaded machine: every one of them, in 2
+# of 6 runs), so whether a mid-way drop aborts its request is a race. The
+# early drops are made while the engine is paused (vLLM's dev endpoint
+# ``/pause?mode=keep``): their aborts reach the engine before it resumes,
+# so they can never run. Each kind gets its own max_tokens, so vLLM's
+# histogram of generated tokens per finished request tells them apart
+# (buckets 1-2-5: 32 in (20, 50], 64 in (50, 100], 256 in (200, 500]).
 DROP_TOKENS = 256
+EARLY_TOKENS = 64
+EARLY_BUCKET = ("50.0", "100.0")
 # Generous: a thread or an fd per in-flight request would exceed it.
 FD_SLACK = 16
 THREAD_SLACK = 8
@@ -69,69 +82,73 @@ def tiering_config(root: str, file_bytes: int) -> dict:
     }
 
 
-class OnlineTieringServer(TieringServer):
-    """The server, with what this module reads of it."""
-
-    def finished(self) -> dict[str, float]:
-        """``vllm:request_success_total`` by ``finished_reason``."""
-        out: dict[str, float] = {}
-        for sample in self.samples():
-            if sample.name == "vllm:request_success_total":
-                reason = sample.labels.get("finished_reason", "")
-                out[reason] = out.get(reason, 0.0) + sample.value
-        return out
-
-    def processes(self) -> list[psutil.Process]:
-        return [psutil.Process(self.proc.pid), *self.children]
-
-    def usage(self) -> dict[str, int]:
-        """Threads (/proc/<pid>/task) and fds (/proc/<pid>/fd) of the server
-        and its engine processes."""
-        procs = self.processes()
-        return {
-            "threads": sum(len(os.listdir(f"/proc/{p.pid}/task")) for p in procs),
-            "fds": sum(len(os.listdir(f"/proc/{p.pid}/fd")) for p in procs),
-        }
+def completion_calls(server: Server) -> float:
+    """``/v1/completions`` calls the API server has ended (its HTTP metrics;
+    a dropped stream's call ends once its abort was sent)."""
+    return sum(
+        s.value
+        for s in server.samples()
+        if s.name == "http_requests_total"
+        and s.labels.get("handler") == "/v1/completions"
+    )
 
 
-def stream(base: str, model: str, prompt: str, how: str, seed: int) -> dict:
+def generated_in(server: Server, low: str, high: str) -> float:
+    """Finished requests that generated more than ``low`` and at most
+    ``high`` tokens (vLLM's histogram buckets)."""
+    cumulative = {
+        s.labels["le"]: s.value
+        for s in server.samples()
+        if s.name == "vllm:request_generation_tokens_bucket"
+    }
+    return cumulative[high] - cumulative[low]
+
+
+def stream(
+    base: str, model: str, prompt: str, how: str, dropped: threading.Event
+) -> dict:
     """One streaming completion: ``finish`` reads it all, ``early`` drops the
-    connection before the first token, ``midway`` after the first chunk."""
+    connection once the server answered (the engine paused) and sets
+    ``dropped``, ``midway`` drops it after the first chunk."""
+    max_tokens = {"finish": BURST_TOKENS, "early": EARLY_TOKENS}.get(how, DROP_TOKENS)
     body = {
         "model": model,
         "prompt": prompt,
-        "max_tokens": BURST_TOKENS if how == "finish" else DROP_TOKENS,
+        "max_tokens": max_tokens,
         "temperature": 0.0,
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
     out: dict = {"how": how, "chunks": 0, "finish_reason": None, "tokens": None}
-    with (
-        httpx.Client(timeout=REQUEST_TIMEOUT_S) as client,
-        client.stream("POST", base + "/v1/completions", json=body) as resp,
-    ):
-        resp.raise_for_status()
-        if how == "early":
-            time.sleep(random.Random(seed).uniform(0.0, 0.3))
-            return out
-        for line in resp.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: ") :])
-            if chunk.get("choices"):
-                out["chunks"] += 1
-                reason = chunk["choices"][0].get("finish_reason")
-                out["finish_reason"] = reason or out["finish_reason"]
-            if chunk.get("usage"):
-                out["tokens"] = chunk["usage"]["completion_tokens"]
-            if how == "midway" and out["chunks"] >= 1:
+    try:
+        with (
+            httpx.Client(timeout=REQUEST_TIMEOUT_S) as client,
+            client.stream("POST", base + "/v1/completions", json=body) as resp,
+        ):
+            resp.raise_for_status()
+            if how == "early":
                 return out
+            for line in resp.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: ") :])
+                if chunk.get("choices"):
+                    out["chunks"] += 1
+                    reason = chunk["choices"][0].get("finish_reason")
+                    out["finish_reason"] = reason or out["finish_reason"]
+                if chunk.get("usage"):
+                    out["tokens"] = chunk["usage"]["completion_tokens"]
+                if how == "midway" and out["chunks"] >= 1:
+                    return out
+    finally:
+        if how == "early":
+            dropped.set()  # the connection is closed (or never opened)
     return out
 
 
 def quiesce(
-    server: OnlineTieringServer, client: OpenAI, model: str, flushes: list | None = None
+    server: Server, client: OpenAI, model: str, flushes: list | None = None
 ) -> dict:
     """Short requests (counted in ``flushes``) step the engine until no tier
     job is active and the tier's written bytes stopped changing; returns
@@ -152,6 +169,40 @@ def quiesce(
             return metrics
 
 
+def burst(server: Server, model: str) -> list[dict]:
+    """The burst's streams, the early ones dropped while the engine is
+    paused: each early request's call has ended in the API server (which
+    sent its abort to the engine core first) before the resume is sent on
+    the same channel, so the engine drops them before it schedules any."""
+    hows = ["finish", "early", "midway"] * (BURST // 3)
+    prompts = [ALL_PROMPTS[i % len(ALL_PROMPTS)] for i in range(BURST)]
+    random.Random(21).shuffle(prompts)
+    ended = completion_calls(server)
+    drops = [threading.Event() for _ in hows]
+    server.post("/pause?mode=keep&clear_cache=false")
+    with ThreadPoolExecutor(BURST) as pool:
+        futures = [
+            pool.submit(stream, server.base, model, p, how, dropped)
+            for p, how, dropped in zip(prompts, hows, drops, strict=True)
+        ]
+        try:
+            for how, dropped in zip(hows, drops, strict=True):
+                if how == "early":
+                    assert dropped.wait(REQUEST_TIMEOUT_S), "an early client hung"
+            # No other call can end while the engine is paused.
+            deadline = time.monotonic() + REQUEST_TIMEOUT_S
+            while completion_calls(server) < ended + BURST // 3:
+                assert time.monotonic() < deadline, "disconnects not noticed"
+                time.sleep(0.2)
+        except BaseException:
+            # The other streams wait for the engine: let them end.
+            with contextlib.suppress(Exception):
+                server.post("/resume")
+            raise
+        server.post("/resume")
+        return [f.result(timeout=300) for f in futures]
+
+
 def temp_files(root: str) -> list[str]:
     return [n for _, _, names in os.walk(root) for n in names if ".tmp" in n]
 
@@ -162,7 +213,7 @@ def served(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("serve_tiering")
     root = str(tmp / "tier")
     block = cpu_block_bytes(model)
-    server = OnlineTieringServer(
+    server = Server(
         model, tmp / "server.log", tiering_config(root, HEADER_BYTES + block)
     )
     record: dict = {"block_bytes": block, "root": root}
@@ -182,21 +233,15 @@ def served(tmp_path_factory) -> dict:
 
         # The burst: every prefix loaded again (the device cache emptied),
         # from the CPU or the fs tier, while clients drop out.
+        record["early_ran_before"] = generated_in(server, *EARLY_BUCKET)
         reset_device_cache(server)
-        hows = ["finish", "early", "midway"] * (BURST // 3)
-        prompts = [ALL_PROMPTS[i % len(ALL_PROMPTS)] for i in range(BURST)]
-        random.Random(21).shuffle(prompts)
         start = time.monotonic()
-        with ThreadPoolExecutor(BURST) as pool:
-            futures = [
-                pool.submit(stream, server.base, model, p, how, i)
-                for i, (p, how) in enumerate(zip(prompts, hows, strict=True))
-            ]
-            record["burst"] = [f.result(timeout=300) for f in futures]
+        record["burst"] = burst(server, model)
         record["burst_s"] = time.monotonic() - start
         record["flushes"] = []
         record["after_burst"] = quiesce(server, client, model, record["flushes"])
         record["finished_after_burst"] = server.finished()
+        record["early_ran_after"] = generated_in(server, *EARLY_BUCKET)
 
         # Afterwards: the fixed prompts, prefixes again from the tiers.
         reset_device_cache(server)
@@ -235,16 +280,15 @@ def test_finished_streams_got_every_token(served):
 
 
 def test_dropped_clients_aborted_their_requests_and_none_failed(served):
-    # vLLM counts requests that ran to the end by finished_reason (aborted
-    # ones are not counted): the finished streams and the flushes, and any
-    # dropped request that the disconnect did not stop.
+    # Every client that dropped before the engine scheduled its request had
+    # it aborted: none of them ran (no finished request generated their
+    # token count; vLLM does not count aborted requests as finished).
+    assert served["early_ran_after"] == served["early_ran_before"]
+    # The finished streams and the flushes ran out; so may a mid-way
+    # dropped request that reached its end before its disconnect did.
     before, after = served["finished_before"], served["finished_after_burst"]
     ran_out = after.get("length", 0.0) - before.get("length", 0.0)
-    dropped = BURST - BURST // 3
     assert ran_out >= BURST // 3, (before, after)
-    # (The last flush may not be counted yet: an upper bound of the flushes.)
-    not_stopped = ran_out - BURST // 3 - len(served["flushes"])
-    assert not_stopped < dropped, (before, after)
     assert after.get("error", 0.0) == before.get("error", 0.0) == 0
     # No request of a dropped client is left in the engine.
     for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting"):

@@ -1,34 +1,35 @@
-"""The doctor, run as a user runs it: a subprocess, against model directories
-holding only a config.json. Each run imports vLLM (seconds), so runs are few
-and shared between tests."""
+"""The doctor against model directories holding only a config.json, run in
+this process through its ``main(argv)`` (what the console script calls),
+and once as a user runs it (``python -m``) where only a fresh interpreter
+can show it: a platform plugin that fails to import."""
 
+import contextlib
+import ctypes
+import io
 import json
+import os
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from types import SimpleNamespace as NS
 
 import pytest
 
 from tests.unit.model_configs import DEEPSEEK_V2_LITE, LLAMA3_8B, QWEN3_0_6B
-from vllm_ascend.kv_offload import ops
+from vllm_ascend.kv_offload import doctor, ops, self_check
 
 ROOT = Path(__file__).resolve().parents[2]
 # Small test sizes: the checks, not the figures, are under test here.
 FAST = ["--alloc-mib", "8", "--bandwidth-mib", "2", "--rounds", "1"]
 
 
-def run_doctor(*args, code=None):
-    """The doctor's exit status and stdout; ``code``: Python run before it
-    in the same process (to break something on purpose)."""
-    main = "import sys; from vllm_ascend.kv_offload import doctor; "
-    if code is None:
-        cmd = [sys.executable, "-m", "vllm_ascend.kv_offload.doctor", *args]
-    else:
-        cmd = [sys.executable, "-c", code + "\n" + main + "sys.exit(doctor.main())"]
-        cmd += list(args)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    return proc.returncode, proc.stdout, proc.stderr
+def run_doctor(*args: str) -> tuple[int, str]:
+    """The doctor's exit status and stdout."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = doctor.main(list(args))
+    return rc, out.getvalue()
 
 
 def model_dir(tmp_path_factory, name, config):
@@ -49,21 +50,21 @@ def expected_copy_path() -> str:
 
 @pytest.fixture(scope="module")
 def qwen3_json(tmp_path_factory):
-    rc, out, err = run_doctor(
+    rc, out = run_doctor(
         "--model", model_dir(tmp_path_factory, "qwen3", QWEN3_0_6B), "--json", *FAST
     )
-    return rc, json.loads(out), err
+    return rc, json.loads(out)
 
 
 def test_healthy_cpu_machine_exits_zero(qwen3_json):
-    rc, report, err = qwen3_json
-    assert rc == 0, (report["checks"], err[-2000:])
+    rc, report = qwen3_json
+    assert rc == 0, report["checks"]
     assert report["ok"] is True
     assert not [c for c in report["checks"] if c["status"] == "FAIL"]
 
 
 def test_json_names_platform_copy_path_and_self_check(qwen3_json):
-    _, report, _ = qwen3_json
+    _, report = qwen3_json
     assert report["platform"] == "cpu"
     assert report["vllm_platform"] == "cpu"
     assert report["copy_path"] == expected_copy_path()
@@ -74,7 +75,7 @@ def test_json_names_platform_copy_path_and_self_check(qwen3_json):
 
 
 def test_json_sizes_the_model_from_config_json(qwen3_json):
-    _, report, _ = qwen3_json
+    _, report = qwen3_json
     # 2 * 28 layers * 8 KV heads * 128 * 2 bytes * 128 tokens (test_sizing.py).
     assert report["bytes_per_cpu_block"] == 14_680_064
     blocks = report["max_num_cpu_blocks"]
@@ -85,7 +86,7 @@ def test_json_sizes_the_model_from_config_json(qwen3_json):
 
 
 def test_json_reports_versions_allocation_and_verified_bandwidth(qwen3_json):
-    _, report, _ = qwen3_json
+    _, report = qwen3_json
     versions = report["versions"]
     assert versions["torch"] and versions["vllm"].startswith("0.")
     assert versions["torch_npu"] == "not found"  # this CI machine has none
@@ -103,7 +104,7 @@ def test_json_reports_versions_allocation_and_verified_bandwidth(qwen3_json):
 
 
 def test_mla_model(tmp_path_factory):
-    rc, out, _ = run_doctor(
+    rc, out = run_doctor(
         "--model", model_dir(tmp_path_factory, "dsv2", DEEPSEEK_V2_LITE), "--json",
         "--alloc-mib", "0", "--bandwidth-mib", "0",
     )  # fmt: skip
@@ -115,7 +116,7 @@ def test_mla_model(tmp_path_factory):
 
 
 def test_text_output_has_one_line_per_check(tmp_path_factory):
-    rc, out, _ = run_doctor(
+    rc, out = run_doctor(
         "--model", model_dir(tmp_path_factory, "llama", LLAMA3_8B), *FAST
     )
     assert rc == 0, out
@@ -130,7 +131,7 @@ def test_text_output_has_one_line_per_check(tmp_path_factory):
 
 def test_unsizable_model_exits_nonzero_naming_the_key(tmp_path_factory):
     broken = {k: v for k, v in QWEN3_0_6B.items() if k != "num_hidden_layers"}
-    rc, out, _ = run_doctor(
+    rc, out = run_doctor(
         "--model", model_dir(tmp_path_factory, "broken", broken), "--json",
         "--alloc-mib", "0", "--bandwidth-mib", "0",
     )  # fmt: skip
@@ -143,24 +144,25 @@ def test_unsizable_model_exits_nonzero_naming_the_key(tmp_path_factory):
     assert report["platform"] == "cpu"
 
 
-def test_copy_op_writing_wrong_bytes_exits_nonzero():
+def test_copy_op_writing_wrong_bytes_exits_nonzero(monkeypatch):
     # The op copies, then one byte of the destination is flipped: what a
     # faulty copy path would do to KV.
-    corrupt = """
-import ctypes
-from vllm_ascend.kv_offload import ops
-real = ops.native_swap
-def faulty_path(device, per_copy=False):
-    swap = real(device, per_copy)
-    def faulty(src, dst, sizes):
-        out = swap(src, dst, sizes)
-        p = ctypes.cast(int(dst[-1]), ctypes.POINTER(ctypes.c_uint8))
-        p[0] ^= 0xFF
-        return out
-    return faulty
-ops.native_swap = faulty_path
-"""
-    rc, out, _ = run_doctor("--alloc-mib", "0", "--bandwidth-mib", "1", code=corrupt)
+    real = ops.native_swap
+
+    def faulty_path(device, per_copy=False):
+        swap = real(device, per_copy)
+
+        def faulty(src, dst, sizes):
+            out = swap(src, dst, sizes)
+            p = ctypes.cast(int(dst[-1]), ctypes.POINTER(ctypes.c_uint8))
+            p[0] ^= 0xFF
+            return out
+
+        return faulty
+
+    # Where the bandwidth table's path binds the op (copy_paths.CopyPath.bind).
+    monkeypatch.setattr(ops, "native_swap", faulty_path)
+    rc, out = run_doctor("--alloc-mib", "0", "--bandwidth-mib", "1")
     assert rc == 1, out
     assert "WRONG BYTES" in out and "op (store" in out
     assert out.rstrip().splitlines()[-1].startswith("BROKEN")
@@ -176,7 +178,8 @@ def test_console_script_points_at_main():
 
 def test_platform_plugin_failing_to_import_is_reported_not_raised(tmp_path):
     # What upstream vllm-ascend's platform plugin does on a machine without
-    # torch_npu: vLLM's platform resolution raises ModuleNotFoundError.
+    # torch_npu: vLLM's platform resolution raises ModuleNotFoundError. vLLM
+    # resolves its platform once per process: the doctor runs in its own.
     (tmp_path / "fake_npu_platform.py").write_text(
         "def register():\n    return 'fake_npu_platform_cls.NPUPlatform'\n"
     )
@@ -187,12 +190,19 @@ def test_platform_plugin_failing_to_import_is_reported_not_raised(tmp_path):
     (dist / "entry_points.txt").write_text(
         "[vllm.platform_plugins]\nfake_npu = fake_npu_platform:register\n"
     )
-    code = f"import sys; sys.path.insert(0, {str(tmp_path)!r})"
-    rc, out, err = run_doctor(
-        "--json", "--alloc-mib", "0", "--bandwidth-mib", "0", code=code
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm_ascend.kv_offload.doctor"]
+        + ["--json", "--alloc-mib", "0", "--bandwidth-mib", "0"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env=env,
     )
-    assert rc == 1, err[-2000:]
-    report = json.loads(out)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
     platform = next(c for c in report["checks"] if c["name"] == "platform")
     assert platform["status"] == "FAIL"
     assert "torch_npu" in platform["summary"]
@@ -200,32 +210,31 @@ def test_platform_plugin_failing_to_import_is_reported_not_raised(tmp_path):
     assert report["vllm_platform"] is None
 
 
-# A stand-in for self_check.run_self_check with the result shape of the
-# pool helper's module (SelfCheckResult: passed, path, failure, attempts,
-# summary()), to check what the doctor makes of each outcome.
-FAKE_SELF_CHECK = """
-import sys, types
-from types import SimpleNamespace as NS
-attempts = [NS(path="native", passed=False, failure="byte 7 of block 0 differs")]
-if {passes}:
-    attempts.append(NS(path="torch", passed=True, failure=None))
-result = NS(
-    passed={passes}, path="torch" if {passes} else None,
-    failure=None if {passes} else "native: byte 7 of block 0 differs",
-    attempts=attempts, memory_kind="pageable", bandwidth_gbps=1.0, seconds=0.1,
-    summary=lambda: "passed on path torch",
-)
-module = types.ModuleType("vllm_ascend.kv_offload.self_check")
-module.run_self_check = lambda device, fragment_sizes: result
-sys.modules[module.__name__] = module
-"""
+def fake_self_check(monkeypatch, passes: bool) -> None:
+    """A stand-in for self_check.run_self_check with the result shape of
+    the pool helper's module (SelfCheckResult: passed, path, failure,
+    attempts, summary()), to check what the doctor makes of each outcome."""
+    attempts = [NS(path="native", passed=False, failure="byte 7 of block 0 differs")]
+    if passes:
+        attempts.append(NS(path="torch", passed=True, failure=None))
+    result = NS(
+        passed=passes,
+        path="torch" if passes else None,
+        failure=None if passes else "native: byte 7 of block 0 differs",
+        attempts=attempts,
+        memory_kind="pageable",
+        bandwidth_gbps=1.0,
+        seconds=0.1,
+        summary=lambda: "passed on path torch",
+    )
+    monkeypatch.setattr(
+        self_check, "run_self_check", lambda device, fragment_sizes: result
+    )
 
 
-def test_self_check_moving_down_to_a_byte_exact_path_sets_the_copy_path():
-    rc, out, _ = run_doctor(
-        "--json", "--alloc-mib", "0", "--bandwidth-mib", "0",
-        code=FAKE_SELF_CHECK.format(passes=True),
-    )  # fmt: skip
+def test_self_check_moving_down_to_a_byte_exact_path_sets_the_copy_path(monkeypatch):
+    fake_self_check(monkeypatch, passes=True)
+    rc, out = run_doctor("--json", "--alloc-mib", "0", "--bandwidth-mib", "0")
     report = json.loads(out)
     assert rc == 0
     assert report["self_check"] == "passed"
@@ -234,11 +243,9 @@ def test_self_check_moving_down_to_a_byte_exact_path_sets_the_copy_path():
     assert "native: byte 7 of block 0 differs" in check["lines"]
 
 
-def test_self_check_with_no_byte_exact_path_exits_nonzero():
-    rc, out, _ = run_doctor(
-        "--json", "--alloc-mib", "0", "--bandwidth-mib", "0",
-        code=FAKE_SELF_CHECK.format(passes=False),
-    )  # fmt: skip
+def test_self_check_with_no_byte_exact_path_exits_nonzero(monkeypatch):
+    fake_self_check(monkeypatch, passes=False)
+    rc, out = run_doctor("--json", "--alloc-mib", "0", "--bandwidth-mib", "0")
     report = json.loads(out)
     assert rc == 1
     assert report["self_check"] == "failed: native: byte 7 of block 0 differs"

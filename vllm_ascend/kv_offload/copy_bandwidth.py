@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from vllm_ascend.kv_offload import ops
-from vllm_ascend.kv_offload.copy_paths import candidate_paths
 
 POISON = -7  # every destination byte holds this until a copy writes it
 CONTIGUOUS = "contiguous"
@@ -61,7 +60,10 @@ class Device:
         self.settle_s = 0.0
         self._streams: list = []
         # What CopyEngine copies with here (the worker's first candidate),
-        # and what "op" times: the first that is not the torch path.
+        # and what "op" times: the first that is not the torch path. Imported
+        # here: it imports vLLM's platform, which the doctor checks first.
+        from vllm_ascend.kv_offload.copy_paths import candidate_paths
+
         self.paths = candidate_paths(name)
         self.op_path = next((p for p in self.paths if p.native), None)
 
