@@ -282,7 +282,7 @@ def acl_calls(monkeypatch, kernel_release):
 
     worker = functools.partial(
         tiering_spec.NPUTieringWorker,
-        engine=SimpleNamespace(use=lambda path: None),
+        engine=SimpleNamespace(use=lambda swap: None, buffers=lambda: []),
         queues=(_NoCopies(), _NoCopies(), _NoCopies()),
         self_check=_passed_self_check,
     )
