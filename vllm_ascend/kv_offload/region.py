@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
@@ -154,19 +153,23 @@ def hold_mark(engine_id: str) -> RegionMark:
 
 
 def open_region(
-    before_create: Callable[[], None] | None = None, **kwargs: Any
+    create: bool = True, **kwargs: Any
 ) -> tuple[SharedOffloadRegion, RegionMark]:
     """``SharedOffloadRegion(**kwargs)`` after a sweep, held by its mark
     before anyone else can look at it. vLLM's own unlink at ``cleanup`` is
     turned off: ``close_region`` releases the name (if no one did).
-    ``before_create`` runs only where this process is about to create the
-    region (openings are serialised), e.g. a check of host memory."""
+    ``create=False``: join the region only; if it is not there, raise
+    (another worker was to create it)."""
     with dir_lock():
         sweep_dead_regions()
         mark = RegionMark(kwargs["engine_id"])
         try:
-            if before_create is not None and not mark.region_existed:
-                before_create()
+            if not create and not mark.region_existed:
+                raise OffloadConfigError(
+                    f"KV offload: {mark.region_path}, the CPU pool this worker "
+                    "shares with rank 0 of its engine, does not exist: rank 0 "
+                    "did not create it (its error says why)"
+                )
             region = SharedOffloadRegion(**kwargs)
         except BaseException:
             if not mark.region_existed:

@@ -9,9 +9,11 @@ Two specs build it:
   tier, which its scheduler maps too);
 * ``NPUOffloadingSpec`` (the guide's) when vLLM says the KV layout is
   replicated (``OffloadingConfig.replicated_layout``: MLA under tensor
-  parallelism, every rank holding the same latent): every worker of the
-  host maps one copy, rank 0's slot, which rank 0 alone writes (vLLM's
-  connector gates stores on ``_is_store_writer``) and every rank loads from.
+  parallelism, every rank holding the same latent): rank 0 checks the one
+  copy against the host's memory budget and records it in the host's
+  ledger (``host_ledger``), creates the region, and every worker of the
+  host maps it, rank 0's slot, which rank 0 alone writes (vLLM's connector
+  gates stores on ``_is_store_writer``) and every rank loads from.
 
 Where ranks share a slot, their start-up self-checks (which round-trip
 scratch KV through the pool's first rows) take turns under an exclusive
@@ -23,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
 from vllm.v1.kv_offload.base import CanonicalKVCaches
@@ -41,6 +43,9 @@ from vllm_ascend.kv_offload.region import (
     open_region,
 )
 from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
+
+if TYPE_CHECKING:
+    from vllm_ascend.kv_offload.host_ledger import Reservation
 
 logger = init_logger(__name__)
 
@@ -105,7 +110,7 @@ def build_region_worker(
     blocks_per_chunk: int,
     copy_path: str = "auto",
     shared_slot: bool = False,
-    before_create: Callable[[], None] | None = None,
+    reserve: Callable[[], Reservation] | None = None,
     barrier: Callable[[], None] | None = None,
     piece_bytes: int | None = None,
 ) -> RegionWorker:
@@ -115,32 +120,29 @@ def build_region_worker(
 
     ``shared_slot``: other ranks use the same slot (a replicated layout).
     ``piece_bytes``: the ``host_piece_bytes`` setting (npu registration).
-    ``before_create``: called, under the lock that serialises openings,
-    only by the worker that is about to create the region (the host-memory
-    guard, once per host). ``barrier``: every worker of the engine calls it
-    once, after mapping the region or failing to; then no one needs the
-    region's name and it is removed, so that the kernel frees the memory
-    when the last process that mapped it exits, however it exits.
+    Without ``barrier`` the first worker to open the region creates it.
+    With one (every worker of the engine calls it, twice): the worker given
+    ``reserve`` (the host-memory check and the ledger's record, once per
+    host) creates the region, the others join it after the first call;
+    after the second every worker has mapped it, or failed to, and the
+    region's name is removed, so that the kernel frees the memory when the
+    last process that mapped it exits, however it exits.
     """
     device = kv_caches.tensors[0].tensor.device
-    try:
-        region, mark = open_region(
-            before_create=before_create,
-            engine_id=engine_id,
-            num_chunks=num_chunks,
-            rank=slot_rank,
-            kv_bytes_per_chunk=kv_bytes_per_chunk,
-            cpu_page_size=slot_bytes,
-        )
-    except BaseException:
-        if barrier is not None:
-            barrier()  # the others wait there; they fail on their own errors
-        raise
+    kwargs = dict(
+        engine_id=engine_id,
+        num_chunks=num_chunks,
+        rank=slot_rank,
+        kv_bytes_per_chunk=kv_bytes_per_chunk,
+        cpu_page_size=slot_bytes,
+    )
+    if barrier is None:
+        region, mark = open_region(**kwargs)
+        reservation = None
+    else:
+        region, mark, reservation = _open_in_turn(kwargs, reserve, barrier)
     registration = None
     try:
-        if barrier is not None:
-            barrier()
-            mark.release_name()
         pool = RegionBlockPool(
             region,
             [t.page_size_bytes for t in kv_caches.tensors],
@@ -149,6 +151,8 @@ def build_region_worker(
             slot_capacity=slot_bytes,
             row_stride=kv_bytes_per_chunk,
         )
+        if reservation is not None:
+            pool.on_release(reservation.release)
         if device.type == "cuda":
             register_with_cuda(region, pool)
         elif device.type == "npu":
@@ -162,6 +166,8 @@ def build_region_worker(
             )
     except BaseException:
         close_region(region, registration, mark)
+        if reservation is not None:
+            reservation.release()
         raise
     logger.info(
         "KV offload: worker on shared region %s (%d bytes: %d rows of %d "
@@ -175,3 +181,40 @@ def build_region_worker(
         ", shared by every rank (replicated KV layout)" if shared_slot else "",
     )
     return worker
+
+
+def _open_in_turn(
+    kwargs: dict[str, Any],
+    reserve: Callable[[], Reservation] | None,
+    barrier: Callable[[], None],
+) -> tuple[SharedOffloadRegion, RegionMark, Reservation | None]:
+    """The creator (``reserve`` given) reserves and creates, then everyone
+    meets; the others join, then everyone meets again and the name goes.
+    Every worker reaches both meetings, failed or not, so that none waits
+    for one that gave up: each fails on its own error."""
+    opened: tuple[SharedOffloadRegion, RegionMark] | None = None
+    reservation = None
+    try:
+        try:
+            if reserve is not None:
+                reservation = reserve()
+                opened = open_region(**kwargs)
+                # The creator has faulted the region in (vLLM populates the
+                # slot it opens with): out of MemAvailable now.
+                reservation.allocated()
+        finally:
+            barrier()
+        if reserve is None:
+            opened = open_region(create=False, **kwargs)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            barrier()
+        if opened is not None:
+            close_region(opened[0], None, opened[1])
+        if reservation is not None:
+            reservation.release()
+        raise
+    barrier()
+    region, mark = opened
+    mark.release_name()
+    return region, mark, reservation

@@ -11,7 +11,8 @@ vLLM's KV-cache spec would give each attention layer:
   ``hidden_size // num_attention_heads`` (``get_head_size``);
 * MLA (DeepSeek-V2/V3 style, ``kv_lora_rank`` set): one latent of
   ``kv_lora_rank + qk_rope_head_dim`` per token and layer, the same on every
-  tensor-parallel rank (vLLM's ``MLAAttentionSpec`` with one KV head);
+  tensor-parallel rank (vLLM's ``MLAAttentionSpec`` with one KV head), and
+  stored once for all of them;
 * hybrid models (``layer_types``, ``layers_block_type`` or
   ``full_attention_interval``): attention layers as above; the
   linear-attention / Mamba layers hold per-request state instead, and vLLM
@@ -19,8 +20,10 @@ vLLM's KV-cache spec would give each attention layer:
   reproduced here: the result is then a lower bound (``exact=False``).
 
 A CPU block holds ``block_size`` tokens (the guide's key) of every offloaded
-layer; its bytes over all tensor-parallel workers, rounded up to the page
-size, is the unit of ``cpu_bytes_to_use`` (``config.cpu_block_bytes``). Every
+layer; its bytes over all tensor-parallel workers (one copy for MLA under
+tensor parallelism, which the workers of a host share: ``replication``),
+rounded up to the page size, is the unit of ``cpu_bytes_to_use``
+(``config.cpu_block_bytes``). Every
 size read is validated first (``config_sizes``: a positive integer within a
 bound, or ``SizingError`` naming the key and value); a config missing a key
 is refused naming it, one of a layout not covered with
@@ -51,6 +54,7 @@ from vllm_ascend.kv_offload.config_sizes import (
 )
 from vllm_ascend.kv_offload.host_fit import HostFit, fit_host_memory
 from vllm_ascend.kv_offload.host_guard import AUTO_POOL_SHARE, auto_num_cpu_blocks
+from vllm_ascend.kv_offload.replication import predicts_replicated, stored_copies
 
 __all__ = [
     "AUTO_POOL_SHARE",
@@ -113,7 +117,8 @@ class KVSizing:
     # Ascend layout holds them).
     fragment_bytes: tuple[int, ...]
     worker_bytes_per_cpu_block: int  # one worker's pool row
-    bytes_per_cpu_block: int  # all workers, padded: cpu_bytes_to_use's unit
+    stored_copies: int  # of each block: one per worker, or one (replication)
+    bytes_per_cpu_block: int  # every copy, padded: cpu_bytes_to_use's unit
     exact: bool  # False: a lower bound (hybrid models)
     notes: tuple[str, ...] = field(default=())
 
@@ -295,10 +300,12 @@ def size_kv(
                 kv_lora_rank * elem * device_block_size,
                 rope * elem * device_block_size,
             )
-        if tp > 1:
+        if predicts_replicated(True, tp):
             notes.append(
-                f"MLA: each of the {tp} tensor-parallel workers holds the "
-                "same latent, so the pool stores it once per worker"
+                f"MLA: each of the {tp} tensor-parallel workers holds the same "
+                "latent; vLLM stores it once (one region the workers of the host "
+                "share) where they run on one node without pipeline or context "
+                "parallelism, else once per worker"
             )
     else:
         if kv_dtype == "fp8_ds_mla":
@@ -346,8 +353,9 @@ def size_kv(
         fragments = (kv_heads * head_size * elem * device_block_size,) * 2
 
     worker_block = attention_layers * per_token * block_size
-    all_workers = worker_block * tp
-    aligned = -(-all_workers // CPU_BLOCK_ALIGNMENT) * CPU_BLOCK_ALIGNMENT
+    copies = stored_copies(tp, predicts_replicated(attention == "mla", tp))
+    all_copies = worker_block * copies
+    aligned = -(-all_copies // CPU_BLOCK_ALIGNMENT) * CPU_BLOCK_ALIGNMENT
     exact = state_layers == 0
     if not exact:
         notes.append(
@@ -373,6 +381,7 @@ def size_kv(
         bytes_per_token_per_layer=per_token,
         fragment_bytes=fragments,
         worker_bytes_per_cpu_block=worker_block,
+        stored_copies=copies,
         bytes_per_cpu_block=aligned,
         exact=exact,
         notes=tuple(notes),
