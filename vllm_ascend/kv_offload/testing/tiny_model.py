@@ -163,15 +163,25 @@ def _write_tokenizer(out: Path, vocab_size: int) -> None:
 
 def _hf_model(spec: TinyModelSpec | TinyMLASpec):
     """The transformers model of ``spec``, with its init's weights."""
+    common = dict(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=spec.initializer_range,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        torch_dtype=spec.dtype,
+    )
     if isinstance(spec, TinyMLASpec):
         from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
         return DeepseekV2ForCausalLM(
             DeepseekV2Config(
-                vocab_size=spec.vocab_size,
-                hidden_size=spec.hidden_size,
-                intermediate_size=spec.intermediate_size,
-                num_hidden_layers=spec.num_layers,
+                **common,
                 num_attention_heads=spec.num_heads,
                 num_key_value_heads=spec.num_heads,
                 kv_lora_rank=spec.kv_lora_rank,
@@ -181,33 +191,16 @@ def _hf_model(spec: TinyModelSpec | TinyMLASpec):
                 v_head_dim=spec.v_head_dim,
                 # Every layer dense (an MLP, no experts): the smallest model.
                 first_k_dense_replace=spec.num_layers,
-                max_position_embeddings=spec.max_position_embeddings,
-                initializer_range=spec.initializer_range,
-                tie_word_embeddings=False,
-                bos_token_id=1,
-                eos_token_id=2,
-                pad_token_id=0,
-                torch_dtype=spec.dtype,
             )
         )
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     return Qwen3ForCausalLM(
         Qwen3Config(
-            vocab_size=spec.vocab_size,
-            hidden_size=spec.hidden_size,
-            intermediate_size=spec.intermediate_size,
-            num_hidden_layers=spec.num_layers,
+            **common,
             num_attention_heads=spec.num_heads,
             num_key_value_heads=spec.num_kv_heads,
             head_dim=spec.head_dim,
-            max_position_embeddings=spec.max_position_embeddings,
-            initializer_range=spec.initializer_range,
-            tie_word_embeddings=False,
-            bos_token_id=1,
-            eos_token_id=2,
-            pad_token_id=0,
-            torch_dtype=spec.dtype,
         )
     )
 
