@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -15,7 +16,11 @@ from types import ModuleType
 
 import pytest
 
-from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model, make_prompt
+from vllm_ascend.kv_offload.testing.tiny_model import (
+    ensure_mla_model,
+    ensure_tiny_model,
+    make_prompt,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -52,6 +57,15 @@ def in_process(scenario: dict) -> dict:
     env = {**scenario.get("env", {}), **IN_PROCESS_ENV}
     return dict(scenario, engine=engine, env=env)
 
+
+# Two tensor-parallel workers on vLLM's CPU backend (scenario keys): its mp
+# executor, each worker's OpenMP threads on a core of its own (on a 2-core
+# machine the engine core shares them; the default binding does not give
+# two ranks a core each).
+TP2 = {
+    "engine": {**ENGINE, "tensor_parallel_size": 2},
+    "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+}
 
 # Three "documents" of 4 full 128-token blocks, three questions each.
 DOC_WORDS = 512
@@ -105,6 +119,25 @@ def token_ids(phase: list[dict]) -> list[list[int]]:
 
 def cached(phase: list[dict]) -> list[int]:
     return [r["num_cached_tokens"] for r in phase]
+
+
+def remove_vllm_tp_shm(log: str) -> list[str]:
+    """Removes what vLLM's CPU tensor-parallel communicator left in
+    /dev/shm for the engines of ``log`` (``vllm_dist_<id>-tp:...-cpushm_<rank>``,
+    4 MiB each): its workers, terminated after vLLM's shutdown grace
+    period, never unlink them. Not offloading's files; returns the paths."""
+    removed = []
+    for dist_id in sorted(set(re.findall(r"/tmp/(vllm_dist_[0-9a-f]+)", log))):
+        for path in Path("/dev/shm").glob(f"{dist_id}-*"):
+            path.unlink(missing_ok=True)
+            removed.append(str(path))
+    return removed
+
+
+@pytest.fixture(scope="session")
+def mla_model() -> str:
+    """The tiny DeepSeek-V2-style MLA model (testing/tiny_model.py)."""
+    return ensure_mla_model()
 
 
 @pytest.fixture(scope="session")

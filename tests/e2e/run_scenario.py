@@ -6,7 +6,8 @@ prompt tokens were served from a cache; at the end it records vLLM's
 offloading counters. A process per scenario keeps engines from leaking state
 into each other.
 
-Optional keys: ``env`` (variables set before the engine starts, e.g. the
+Optional keys: ``model`` (a model directory; default: the tiny Qwen3),
+``env`` (variables set before the engine starts, e.g. the
 test-only fault injection of ``vllm_ascend.kv_offload.worker``),
 ``kv_role`` and ``kv_load_failure_policy`` (for ``KVTransferConfig``), and
 ``driver`` (``"module:function"``, called with the scenario instead of the
@@ -132,7 +133,8 @@ def _run_engine(scenario: dict, shutdown: bool = False) -> dict:
     transfer_config = kv_transfer_config(scenario)
     if transfer_config is not None:
         kwargs["kv_transfer_config"] = transfer_config
-    llm = LLM(model=ensure_tiny_model(), disable_log_stats=False, **kwargs)
+    model = scenario.get("model") or ensure_tiny_model()
+    llm = LLM(model=model, disable_log_stats=False, **kwargs)
 
     phases, phase_counters = [], []
     for phase in scenario["phases"]:

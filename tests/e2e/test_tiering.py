@@ -33,8 +33,8 @@ from tests.e2e.conftest import (
     tiering,
     token_ids,
 )
+from vllm_ascend.kv_offload.region import mark_path, region_path
 from vllm_ascend.kv_offload.tiering.block_file import HEADER_BYTES
-from vllm_ascend.kv_offload.tiering.region import mark_path, region_path
 
 pytestmark = pytest.mark.e2e
 

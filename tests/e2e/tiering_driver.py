@@ -63,8 +63,8 @@ def run(scenario: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
+    from vllm_ascend.kv_offload.region import mark_path, region_path
     from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model
-    from vllm_ascend.kv_offload.tiering.region import mark_path, region_path
 
     engine_id = scenario.get("engine_id")
     stale = (scenario.get("before") or {}).get("stale_region")

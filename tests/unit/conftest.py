@@ -17,14 +17,14 @@ import torch
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
-    from vllm_ascend.kv_offload.tiering.region import RegionMark
+    from vllm_ascend.kv_offload.region import RegionMark
 
 
 @pytest.fixture
 def shared_region() -> Iterator[Callable[..., tuple[SharedOffloadRegion, RegionMark]]]:
     """Opens tiering regions (``open_region``) under a fresh engine id (or
     the one given); each is closed at teardown if the test did not."""
-    from vllm_ascend.kv_offload.tiering.region import close_region, open_region
+    from vllm_ascend.kv_offload.region import close_region, open_region
 
     opened: list[tuple[SharedOffloadRegion, RegionMark]] = []
 

@@ -23,7 +23,12 @@ def make_config(
     blocks_per_chunk: int = 1,
     tokens_per_block: int = 128,
     world_size: int = 1,
+    rank: int = 0,
+    replicated_layout: bool = False,
+    engine_id: str = "test-engine",
 ) -> OffloadingConfig:
+    """``replicated_layout``: vLLM's flag for KV every rank holds the same
+    (MLA under tensor parallelism)."""
     return OffloadingConfig(
         groups=(
             OffloadingGroupConfig(
@@ -35,13 +40,14 @@ def make_config(
         worker_kv_bytes_per_block=worker_kv_bytes_per_block,
         enable_kv_cache_events=False,
         extra_config=extra,
-        engine_id="test-engine",
+        engine_id=engine_id,
         model=OffloadingModelConfig(name="tiny", dtype="float32"),
         cache=OffloadingCacheConfig(
             tokens_per_hash=tokens_per_block, blocks_per_chunk=blocks_per_chunk
         ),
+        replicated_layout=replicated_layout,
         parallel=OffloadingParallelConfig(
-            rank=0,
+            rank=rank,
             world_size=world_size,
             tp_size=world_size,
             pp_size=1,

@@ -22,9 +22,9 @@ from vllm.v1.kv_offload.tiering.manager import (
 )
 
 from tests.unit.conftest import FS_JOB_TIMEOUT_S, finished_job, fs_job
+from vllm_ascend.kv_offload.region import close_region
 from vllm_ascend.kv_offload.tiering.fs import VerifiedFileSystemTier, tier_dir_usable
 from vllm_ascend.kv_offload.tiering.fs_budget import FsTierBudget
-from vllm_ascend.kv_offload.tiering.region import close_region
 
 
 def test_shutting_the_tiers_down_unmaps_the_region_without_an_error(
@@ -51,7 +51,7 @@ def test_shutting_the_tiers_down_unmaps_the_region_without_an_error(
     assert "Failed to close" not in caplog.text
     assert "BufferError" not in caplog.text
     assert mapping.closed
-    # The region's name is ours to remove (tiering.region), not vLLM's cleanup.
+    # The region's name is ours to remove (region.py), not vLLM's cleanup.
     close_region(region, None, mark)
     assert not os.path.exists(region.mmap_path)
 

@@ -263,6 +263,7 @@ def test_the_doctors_fit_leaves_room_for_the_hosts_live_pools():
         worker_bytes_per_cpu_block=BLOCK,
         bytes_per_cpu_block=BLOCK,
         tensor_parallel_size=1,
+        stored_copies=1,
     )
     others = [Reserved(300 * MiB, allocated=True, engine_id="other", pid=1)]
     fit = fit_host_memory(sizing, available_bytes=GiB, other_pools=others)

@@ -1,5 +1,5 @@
 """The tiering spec's shared ``/dev/shm`` region: this rank's pool on it, and
-its lifetime (``tiering/region.py``): the name released once every process
+its lifetime (``region.py``): the name released once every process
 has mapped it, our mark beside it, the sweep of dead regions at every
 opening, and files that are not ours left alone."""
 
@@ -21,7 +21,7 @@ from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from tests.unit.conftest import TIERING
 from tests.unit.kv_helpers import make_config
 from vllm_ascend.kv_offload.config import OffloadConfigError
-from vllm_ascend.kv_offload.tiering.region import (
+from vllm_ascend.kv_offload.region import (
     RegionBlockPool,
     close_region,
     hold_mark,
@@ -230,7 +230,7 @@ def test_a_killed_processs_region_is_gone_after_the_next_opening(
     killed = engine_ids()
     proc = start(
         "from time import sleep\n"
-        "from vllm_ascend.kv_offload.tiering.region import open_region\n"
+        "from vllm_ascend.kv_offload.region import open_region\n"
         f"region = open_region(engine_id={killed!r}, num_chunks=2, rank=0, "
         f"kv_bytes_per_chunk={PAGE}, cpu_page_size={PAGE})"
     )

@@ -105,10 +105,18 @@ def test_more_workers_than_kv_heads_replicate_one_head(size_kv):
     assert s.bytes_per_cpu_block == 16 * 1_835_008
 
 
-def test_mla_latent_is_stored_by_every_tensor_parallel_worker(size_kv):
+def test_mla_latent_is_stored_once_for_all_tensor_parallel_workers(size_kv):
+    """Every worker holds the same latent: vLLM calls the layout replicated
+    and the workers of the host share one copy (replication.py)."""
     s = size_kv(DEEPSEEK_V2_LITE, tensor_parallel_size=2)
     assert s.worker_bytes_per_cpu_block == 3_981_312
-    assert s.bytes_per_cpu_block == 2 * 3_981_312
+    assert s.stored_copies == 1
+    assert s.bytes_per_cpu_block == 3_981_312  # a multiple of the page size
+    assert "stores it once" in " ".join(s.notes)
+    # The host-memory fit counts one pool, not one per worker.
+    fit = fit_host_memory(s, available_bytes=10 * 2**30)
+    assert fit.workers_on_host == 1
+    assert fit.max_num_cpu_blocks == int(10 * 2**30 * 0.9) // 3_981_312
 
 
 def test_kv_cache_dtype_overrides_the_checkpoint_dtype(size_kv):

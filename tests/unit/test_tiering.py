@@ -20,7 +20,17 @@ from tests.unit.conftest import TIERING, payload
 from tests.unit.kv_helpers import make_config
 from tests.vllm_version import VLLM_VERSION
 from vllm_ascend.kv_offload.config import OffloadConfigError, check_keys
+from vllm_ascend.kv_offload.host_register import (
+    AclRegionRegistration,
+    kernel_registers_pageable_memory,
+    register_with_cuda,
+)
 from vllm_ascend.kv_offload.npu import NPUOffloadingSpec
+from vllm_ascend.kv_offload.region import (
+    RegionBlockPool,
+    close_region,
+    region_path,
+)
 from vllm_ascend.kv_offload.self_check import SelfCheckResult
 from vllm_ascend.kv_offload.tiering import block_file
 from vllm_ascend.kv_offload.tiering.block_file import (
@@ -31,17 +41,7 @@ from vllm_ascend.kv_offload.tiering.block_file import (
     write_block,
 )
 from vllm_ascend.kv_offload.tiering.fs import tier_dir_usable
-from vllm_ascend.kv_offload.tiering.host_register import (
-    AclRegionRegistration,
-    kernel_registers_pageable_memory,
-    register_with_cuda,
-)
 from vllm_ascend.kv_offload.tiering.identity import identity_digest, storage_identity
-from vllm_ascend.kv_offload.tiering.region import (
-    RegionBlockPool,
-    close_region,
-    region_path,
-)
 from vllm_ascend.kv_offload.tiering.spec import (
     NPUTieringOffloadingSpec,
     check_tiering_config,
@@ -250,6 +250,22 @@ def _passed_self_check(device, page_sizes, pool, paths, **kwargs) -> SelfCheckRe
     )
 
 
+def test_the_tiering_worker_copies_by_the_copy_path_setting():
+    """copy_path applies to the tiering spec's worker as to the guide's (it
+    was ignored: the worker always chose as for "auto")."""
+    from tests.unit.kv_helpers import make_kv_caches
+
+    page = mmap.PAGESIZE
+    engine_id = f"unit-cpu-{uuid.uuid4().hex[:8]}"
+    spec = _spec_for_worker(engine_id, page, extra={"copy_path": "torch"})
+    worker = spec.get_worker(make_kv_caches(4, [page]))
+    try:
+        assert worker.copy_path == "torch"
+    finally:
+        worker.shutdown()
+    assert not os.path.exists(region_path(engine_id))
+
+
 @pytest.fixture
 def kernel_release(monkeypatch):
     """Sets the kernel release this process reports (``os.uname``)."""
@@ -269,8 +285,7 @@ def acl_calls(monkeypatch, kernel_release):
     self-check (no npu streams here), through its constructor's arguments."""
     from types import SimpleNamespace
 
-    from vllm_ascend.kv_offload import ops
-    from vllm_ascend.kv_offload.tiering import spec as tiering_spec
+    from vllm_ascend.kv_offload import ops, region_worker
 
     calls = []
 
@@ -282,14 +297,14 @@ def acl_calls(monkeypatch, kernel_release):
         calls.append(("unregister", addr, device, os.path.exists(path or "")))
 
     worker = functools.partial(
-        tiering_spec.NPUTieringWorker,
+        region_worker.RegionWorker,
         engine=SimpleNamespace(use=lambda swap: None, buffers=lambda: []),
         queues=(_NoCopies(), _NoCopies(), _NoCopies()),
         self_check=_passed_self_check,
     )
     monkeypatch.setattr(ops, "host_register", register)
     monkeypatch.setattr(ops, "host_unregister", unregister)
-    monkeypatch.setattr(tiering_spec, "NPUTieringWorker", worker)
+    monkeypatch.setattr(region_worker, "RegionWorker", worker)
     kernel_release("6.8.0-generic")
     return calls
 

@@ -24,6 +24,7 @@ PRIVATE_VLLM_NAMES = {
     "_registry",
     "_init_worker",
     "_uses_shared_region",
+    "_all_workers_barrier",
     "_get_connector_metadata",
     "_job_block_counts",
     "_use_o_direct",
@@ -76,7 +77,16 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 check(hasattr(CPUOffloadingSpec, "_uses_shared_region")
       and "_uses_shared_region()" in inspect.getsource(CPUOffloadingSpec.__init__),
       "CPUOffloadingSpec.__init__ no longer asks _uses_shared_region() "
-      "(vllm_compat.PrivatePoolSpec)")
+      "(vllm_compat.ReplicatedOncePerHostSpec)")
+import vllm.v1.kv_offload.cpu.spec as cpu_spec
+barrier = getattr(cpu_spec, "_all_workers_barrier", None)
+check(callable(barrier) and not inspect.signature(barrier).parameters
+      and ".barrier()" in inspect.getsource(barrier)
+      and "barrier=_all_workers_barrier" in inspect.getsource(
+          CPUOffloadingSpec.create_worker),
+      "vllm.v1.kv_offload.cpu.spec._all_workers_barrier() is no longer the "
+      "barrier of every worker its region waits for "
+      "(vllm_compat.all_workers_barrier)")
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 check(callable(getattr(KVConnectorBase_V1, "_get_connector_metadata", None)),

@@ -29,6 +29,8 @@ from vllm.utils.math_utils import round_up
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
+from vllm_ascend.kv_offload.replication import stored_copies
+
 PREFIX = "kv_connector_extra_config"
 
 
@@ -275,12 +277,10 @@ def validate_connector_config(
 
 
 def cpu_block_bytes(config: OffloadingConfig) -> int:
-    """Bytes of one CPU block, as vLLM's spec sizes it (all workers, padded)."""
-    kv_bytes = (
-        config.worker_kv_bytes_per_block
-        * config.parallel.world_size
-        * config.cache.blocks_per_chunk
-    )
+    """Bytes of one CPU block, as vLLM's spec sizes it: every worker's KV,
+    or one copy where the layout is replicated (``replication``), padded."""
+    copies = stored_copies(config.parallel.world_size, config.replicated_layout)
+    kv_bytes = config.worker_kv_bytes_per_block * copies * config.cache.blocks_per_chunk
     return round_up(kv_bytes, CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT)
 
 

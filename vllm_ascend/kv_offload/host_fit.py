@@ -47,13 +47,13 @@ def fit_host_memory(
     (``other_pools``; by default those in the host's ledger when measuring
     now, none when ``available_bytes`` is given), within the host budget.
 
-    ``workers_on_host`` (default: every tensor-parallel worker) pools of
-    this engine share this host: the result is what all of them together
-    leave room for.
+    ``workers_on_host`` (default: one per stored copy: every tensor-parallel
+    worker, or one region they share for MLA) pools of this engine share
+    this host: the result is what all of them together leave room for.
     """
     workers = workers_on_host
     if workers is None:
-        workers = sizing.tensor_parallel_size
+        workers = sizing.stored_copies
     if workers < 1:
         raise SizingError(f"workers_on_host={workers} must be >= 1")
     try:

@@ -14,7 +14,11 @@ metrics. This spec changes two things:
   and refuses values it cannot use at start-up, before the pool exists, with
   one error that names the setting, the value and the fix;
 * the worker: upstream's refuses every platform but CUDA and XPU, ours runs
-  on ``npu``, ``cuda`` and ``cpu`` (see ``worker.py``).
+  on ``npu``, ``cuda`` and ``cpu`` (see ``worker.py``), each worker on a
+  private pool; where vLLM says the KV layout is replicated (MLA under
+  tensor parallelism: every rank holds the same latent), the workers of the
+  host share one copy instead, as vLLM's CPU spec does on CUDA
+  (``region_worker.py``).
 
 Validation happens in three places because each sees different things: the
 connector (``connector.py``) sees ``kv_role`` and the device block size
@@ -57,6 +61,8 @@ from vllm_ascend.kv_offload.host_guard import PoolRequest
 from vllm_ascend.kv_offload.logger import init_logger
 from vllm_ascend.kv_offload.manager import FailureAwareManager
 from vllm_ascend.kv_offload.pool_metrics import PoolCapacity
+from vllm_ascend.kv_offload.region_worker import RegionWorker, build_region_worker
+from vllm_ascend.kv_offload.replication import stored_copies
 from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
 
 logger = init_logger(__name__)
@@ -69,7 +75,7 @@ __all__ = [
 ]
 
 
-class NPUOffloadingSpec(vllm_compat.PrivatePoolSpec, CPUOffloadingSpec):
+class NPUOffloadingSpec(vllm_compat.ReplicatedOncePerHostSpec, CPUOffloadingSpec):
     """Offloads KV blocks to a CPU block pool; runs on npu, cuda and cpu."""
 
     # The kv_connector_extra_config keys this spec reads (config.KEYS has
@@ -91,7 +97,8 @@ class NPUOffloadingSpec(vllm_compat.PrivatePoolSpec, CPUOffloadingSpec):
             self.eviction_policy,
         )
 
-    # The worker this spec builds; a subclass may substitute its own.
+    # The worker this spec builds on a private pool; a subclass may
+    # substitute its own.
     worker_cls: type[NPUOffloadingWorker] = NPUOffloadingWorker
     _failure_aware_manager: FailureAwareManager | None = None
     _npu_worker: NPUOffloadingWorker | None = None
@@ -106,7 +113,8 @@ class NPUOffloadingSpec(vllm_compat.PrivatePoolSpec, CPUOffloadingSpec):
         return self._failure_aware_manager
 
     def pool_capacity(self) -> PoolCapacity:
-        """The CPU pool's size, all workers together (``/metrics``)."""
+        """The CPU pool's size, all workers together: one copy of each block
+        where the layout is replicated (``/metrics``)."""
         return PoolCapacity(
             self.num_chunks, self.num_chunks * cpu_block_bytes(self.config)
         )
@@ -126,7 +134,10 @@ class NPUOffloadingSpec(vllm_compat.PrivatePoolSpec, CPUOffloadingSpec):
         page_bytes = sum(t.page_size_bytes for t in kv_caches.tensors)
         return PoolRequest(
             num_blocks=self.num_chunks,
-            row_bytes=page_bytes * self.blocks_per_chunk,
+            # A shared region's rows are padded to the page size.
+            row_bytes=self.kv_bytes_per_chunk
+            if self.replicated_layout
+            else page_bytes * self.blocks_per_chunk,
             key=key,
             setting=f"{PREFIX}['{key}']={shown(given.get(key))}",
             all_workers_block_bytes=cpu_block_bytes(self.config),
@@ -170,9 +181,12 @@ class NPUOffloadingSpec(vllm_compat.PrivatePoolSpec, CPUOffloadingSpec):
                 pool,
                 budget,
                 engine_id=self.config.engine_id,
-                # The engine's workers, assumed on this host (across hosts
-                # the fix is lower than needed: on the safe side).
-                workers=self.config.parallel.world_size,
+                # The engine's pools, assumed on this host (across hosts
+                # the fix is lower than needed: on the safe side); one
+                # for all workers where the layout is replicated.
+                workers=stored_copies(
+                    self.config.parallel.world_size, self.replicated_layout
+                ),
                 host_kv_bytes=host_kv_bytes,
             )
             if refusal is not None:
@@ -188,6 +202,10 @@ class NPUOffloadingSpec(vllm_compat.PrivatePoolSpec, CPUOffloadingSpec):
             # Assembly: check host memory and record the pool in the host's
             # ledger, allocate it, build the worker on it (which self-checks
             # its copy path before serving).
+            copy_path = self.config.extra_config.get("copy_path") or "auto"
+            if self.replicated_layout:
+                self._npu_worker = self._replicated_worker(kv_caches, copy_path)
+                return self._npu_worker
             reservation = self.reserve_host_memory(kv_caches)
             try:
                 pool = self.allocate_pool(kv_caches)
@@ -199,11 +217,33 @@ class NPUOffloadingSpec(vllm_compat.PrivatePoolSpec, CPUOffloadingSpec):
             pool.on_release(reservation.release)
             try:
                 self._npu_worker = self.worker_cls(
-                    kv_caches,
-                    pool=pool,
-                    copy_path=self.config.extra_config.get("copy_path") or "auto",
+                    kv_caches, pool=pool, copy_path=copy_path
                 )
             except BaseException:
                 pool.release()
                 raise
         return self._npu_worker
+
+    def _replicated_worker(
+        self, kv_caches: CanonicalKVCaches, copy_path: str
+    ) -> RegionWorker:
+        """Every rank holds the same KV (MLA under tensor parallelism): the
+        workers of the host share one copy, rank 0's slot of a shared
+        region, which rank 0 checks against host memory, records in the
+        host's ledger and creates before the others map it
+        (``region_worker.py``)."""
+        rank_0 = self.config.parallel.rank == 0
+        return build_region_worker(
+            kv_caches,
+            engine_id=self.config.engine_id,
+            num_chunks=self.num_chunks,
+            slot_rank=0,
+            kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+            slot_bytes=self.cpu_page_size_per_worker,
+            blocks_per_chunk=self.blocks_per_chunk,
+            copy_path=copy_path,
+            shared_slot=True,
+            reserve=(lambda: self.reserve_host_memory(kv_caches)) if rank_0 else None,
+            barrier=vllm_compat.all_workers_barrier,
+            piece_bytes=int_setting(self.config.extra_config, "host_piece_bytes"),
+        )

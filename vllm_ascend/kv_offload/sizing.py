@@ -12,8 +12,9 @@ cannot load here is refused with vLLM's reason (``UnsupportedModelError``:
 Per token and attention layer on one rank: ``2 (K and V) * kv_heads *
 head_size * dtype_bytes``, or for MLA one latent of ``kv_lora_rank +
 qk_rope_head_dim``. A CPU block holds ``block_size`` tokens (the guide's key)
-of every attention layer; over all workers that store it, padded to the page
-size, it is the unit of ``cpu_bytes_to_use``. Hybrid models' state layers
+of every attention layer; over all workers that store it (one copy for MLA
+under tensor parallelism, which the workers of a host share: ``replication``),
+padded to the page size, it is the unit of ``cpu_bytes_to_use``. Hybrid models' state layers
 are not counted (a lower bound, ``exact=False``). How many blocks fit in host
 memory is ``host_fit``'s job.
 """
@@ -36,6 +37,7 @@ from vllm_ascend.kv_offload.config_sizes import (
     check_sizes,
     modelslim_kv_dtype,
 )
+from vllm_ascend.kv_offload.replication import predicts_replicated, stored_copies
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig
@@ -77,7 +79,6 @@ class KVSizing:
     kv_cache_dtype: str
     dtype_bytes: int
     tensor_parallel_size: int
-    workers_storing: int  # workers whose pools hold a copy of each block
     block_size: int  # tokens per CPU block (the guide's block_size)
     device_block_size: int  # tokens per device block (vLLM's block_size)
     bytes_per_token_per_layer: int  # one worker
@@ -86,7 +87,8 @@ class KVSizing:
     # Ascend layout holds them).
     fragment_bytes: tuple[int, ...]
     worker_bytes_per_cpu_block: int  # one worker's pool row
-    bytes_per_cpu_block: int  # all workers, padded: cpu_bytes_to_use's unit
+    stored_copies: int  # of each block: one per worker, or one (replication)
+    bytes_per_cpu_block: int  # every copy, padded: cpu_bytes_to_use's unit
     max_model_len: int  # vLLM's default for this model
     exact: bool  # False: a lower bound (hybrid models)
     notes: tuple[str, ...] = field(default=())
@@ -175,12 +177,6 @@ def _checkpoint_dtype(cfg: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
         return
 
 
-def _workers_storing(mla: bool, tensor_parallel_size: int) -> int:
-    """Workers whose pools hold a copy of one CPU block. The one place the
-    MLA-under-TP rule lives (today every worker stores its latent)."""
-    return tensor_parallel_size
-
-
 def size_model_config(
     mc: ModelConfig,
     raw: Mapping[str, Any],
@@ -256,10 +252,12 @@ def size_model_config(
                 (head_size - rope) * elem * device_block_size,
                 rope * elem * device_block_size,
             )
-        if tp > 1:
+        if predicts_replicated(True, tp):
             notes.append(
-                f"MLA: each of the {tp} tensor-parallel workers holds the "
-                "same latent, so the pool stores it once per worker"
+                f"MLA: each of the {tp} tensor-parallel workers holds the same "
+                "latent; vLLM stores it once (one region the workers of the host "
+                "share) where they run on one node without pipeline or context "
+                "parallelism, else once per worker"
             )
     else:
         if kv_dtype == "fp8_ds_mla":
@@ -278,10 +276,10 @@ def size_model_config(
         per_token = 2 * kv_heads * head_size * elem
         fragments = (kv_heads * head_size * elem * device_block_size,) * 2
 
-    workers = _workers_storing(mc.use_mla, tp)
+    copies = stored_copies(tp, predicts_replicated(mc.use_mla, tp))
     worker_block = attention_layers * per_token * block_size
-    all_workers = worker_block * workers
-    aligned = -(-all_workers // CPU_BLOCK_ALIGNMENT) * CPU_BLOCK_ALIGNMENT
+    all_copies = worker_block * copies
+    aligned = -(-all_copies // CPU_BLOCK_ALIGNMENT) * CPU_BLOCK_ALIGNMENT
     state_layers = num_layers - attention_layers
     if state_layers:
         notes.append(
@@ -302,12 +300,12 @@ def size_model_config(
         kv_cache_dtype=kv_dtype,
         dtype_bytes=elem,
         tensor_parallel_size=tp,
-        workers_storing=workers,
         block_size=block_size,
         device_block_size=device_block_size,
         bytes_per_token_per_layer=per_token,
         fragment_bytes=fragments,
         worker_bytes_per_cpu_block=worker_block,
+        stored_copies=copies,
         bytes_per_cpu_block=aligned,
         max_model_len=mc.max_model_len,
         exact=state_layers == 0,

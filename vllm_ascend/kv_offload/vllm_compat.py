@@ -13,18 +13,30 @@ from collections.abc import Callable
 from typing import Any
 
 
-class PrivatePoolSpec:
-    """Mixin for a ``CPUOffloadingSpec`` whose workers each own a private CPU
-    pool (ours), not vLLM's shared ``/dev/shm`` region.
+class ReplicatedOncePerHostSpec:
+    """Mixin for a ``CPUOffloadingSpec`` that stores a replicated KV layout
+    (MLA under tensor parallelism) once per host, on a region its workers
+    share (ours: ``region_worker.py``); other layouts in private pools.
 
     ``CPUOffloadingSpec.__init__`` asks ``_uses_shared_region()`` (True on
-    CUDA) to decide whether a replicated KV layout (e.g. MLA under TP) is
-    stored by rank 0 only; with private pools every rank must store its own.
-    Present with this meaning in vLLM 0.30, 0.31, 0.32 and 0.33.
+    CUDA) whether to honour ``OffloadingConfig.replicated_layout``: if so it
+    sizes one copy of each CPU block (``num_copies = 1``, every rank's slot
+    the same), and vLLM's connector lets rank 0 alone store. Present with
+    this meaning in vLLM 0.30, 0.31, 0.32 and 0.33.
     """
 
     def _uses_shared_region(self) -> bool:
-        return False
+        return True
+
+
+def all_workers_barrier() -> None:
+    """Returns once every worker of the engine has called it: vLLM's CPU
+    spec's ``_all_workers_barrier`` (the gloo barrier of the workers of this
+    data-parallel rank), after which its creator unlinks the region's name
+    (vLLM 0.32, 0.33)."""
+    from vllm.v1.kv_offload.cpu import spec
+
+    spec._all_workers_barrier()
 
 
 def replace_connector_loader(
@@ -154,7 +166,7 @@ def quiet_fs_tier_pool_errors(exc_type: type[BaseException]) -> None:
 
 def disown_region(region: Any) -> None:
     """Stops ``SharedOffloadRegion.cleanup`` from unlinking the region's file
-    (``_creator``; vLLM 0.32, 0.33): ``tiering.region`` removes it."""
+    (``_creator``; vLLM 0.32, 0.33): ``region`` removes it."""
     region._creator = False
 
 

@@ -10,6 +10,7 @@ Usage::
 
     python -m vllm_ascend.kv_offload.testing.tiny_model [--out DIR] [--layers N] ...
     python -m vllm_ascend.kv_offload.testing.tiny_model --preset demo
+    python -m vllm_ascend.kv_offload.testing.tiny_model --preset mla
 """
 
 from __future__ import annotations
@@ -88,6 +89,38 @@ DEMO_SPEC = TinyModelSpec(
 DEMO_DIR = DEFAULT_DIR.parent / "demo-qwen3"
 
 
+@dataclass(frozen=True)
+class TinyMLASpec:
+    """A tiny DeepSeek-V2-style model: multi-head latent attention (MLA),
+    whose KV cache holds one latent per token, the same on every
+    tensor-parallel rank (vLLM's replicated layout), and dense MLPs only.
+
+    The latent sizes are the ones vLLM's CPU MLA backends accept (head size
+    ``kv_lora_rank + qk_rope_head_dim`` = 576); its AMX backend, the one
+    that keeps prefix caching on (offloading needs it), runs bfloat16 only.
+    """
+
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4  # divisible by the tensor-parallel sizes tested (2)
+    kv_lora_rank: int = 512
+    qk_rope_head_dim: int = 64
+    qk_nope_head_dim: int = 32
+    v_head_dim: int = 32
+    intermediate_size: int = 256
+    vocab_size: int = 512
+    max_position_embeddings: int = 8192
+    initializer_range: float = 0.5
+    seed: int = 0
+    dtype: str = "bfloat16"
+
+    def stamp(self) -> str:
+        return json.dumps({"mla": asdict(self)}, sort_keys=True)
+
+
+MLA_DIR = DEFAULT_DIR.parent / "tiny-deepseek-v2"
+
+
 def vocabulary(vocab_size: int) -> list[str]:
     """Special tokens followed by pronounceable two-syllable pseudo-words."""
     words = [
@@ -128,18 +161,13 @@ def _write_tokenizer(out: Path, vocab_size: int) -> None:
     )
 
 
-def _write_weights(out: Path, spec: TinyModelSpec) -> None:
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(
+def _hf_model(spec: TinyModelSpec | TinyMLASpec):
+    """The transformers model of ``spec``, with its init's weights."""
+    common = dict(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim,
         max_position_embeddings=spec.max_position_embeddings,
         initializer_range=spec.initializer_range,
         tie_word_embeddings=False,
@@ -148,7 +176,39 @@ def _write_weights(out: Path, spec: TinyModelSpec) -> None:
         pad_token_id=0,
         torch_dtype=spec.dtype,
     )
-    model = Qwen3ForCausalLM(config)
+    if isinstance(spec, TinyMLASpec):
+        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+        return DeepseekV2ForCausalLM(
+            DeepseekV2Config(
+                **common,
+                num_attention_heads=spec.num_heads,
+                num_key_value_heads=spec.num_heads,
+                kv_lora_rank=spec.kv_lora_rank,
+                q_lora_rank=None,  # q_proj straight from the hidden state
+                qk_nope_head_dim=spec.qk_nope_head_dim,
+                qk_rope_head_dim=spec.qk_rope_head_dim,
+                v_head_dim=spec.v_head_dim,
+                # Every layer dense (an MLP, no experts): the smallest model.
+                first_k_dense_replace=spec.num_layers,
+            )
+        )
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM(
+        Qwen3Config(
+            **common,
+            num_attention_heads=spec.num_heads,
+            num_key_value_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+        )
+    )
+
+
+def _write_weights(out: Path, spec: TinyModelSpec | TinyMLASpec) -> None:
+    import torch
+
+    model = _hf_model(spec)
     # Fill every parameter from our own generator so the weights depend only
     # on the seed, not on the transformers version's init scheme.
     gen = torch.Generator().manual_seed(spec.seed)
@@ -169,8 +229,15 @@ def ensure_demo_model(out: str | os.PathLike[str] | None = None) -> str:
     return ensure_tiny_model(out if out is not None else DEMO_DIR, DEMO_SPEC)
 
 
+def ensure_mla_model(out: str | os.PathLike[str] | None = None) -> str:
+    """Return the path of the tiny MLA model (``TinyMLASpec``), generating it
+    if missing or stale."""
+    return ensure_tiny_model(out if out is not None else MLA_DIR, TinyMLASpec())
+
+
 def ensure_tiny_model(
-    out: str | os.PathLike[str] | None = None, spec: TinyModelSpec | None = None
+    out: str | os.PathLike[str] | None = None,
+    spec: TinyModelSpec | TinyMLASpec | None = None,
 ) -> str:
     """Return the path of the tiny model, generating it if missing or stale."""
     spec = spec or TinyModelSpec()
@@ -200,10 +267,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--preset",
-        choices=("tiny", "demo"),
+        choices=("tiny", "demo", "mla"),
         default="tiny",
         help="tiny: the tests' 2-layer model (default); demo: the offline "
-        "example's model (DEMO_SPEC, bfloat16); the other options are ignored",
+        "example's model (DEMO_SPEC, bfloat16); mla: a 2-layer DeepSeek-V2-style "
+        "MLA model (TinyMLASpec, bfloat16); the other options are ignored",
     )
     parser.add_argument("--out", default=None, help=f"default: {DEFAULT_DIR}")
     defaults = TinyModelSpec()
@@ -216,6 +284,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.preset == "demo":
         print(ensure_demo_model(args.out))
+        return
+    if args.preset == "mla":
+        print(ensure_mla_model(args.out))
         return
     spec = TinyModelSpec(
         hidden_size=args.hidden,

@@ -1,10 +1,11 @@
 """``NPUTieringOffloadingSpec``: vLLM's tiering framework (a CPU primary tier
 in one shared ``/dev/shm`` region, secondary tiers such as ``fs``) with
 ``NPUOffloadingSpec``'s configuration, connector and worker; the config
-checks of what it cannot do; ``NPUTieringWorker``, our worker on the region.
+checks of what it cannot do.
 
 vLLM's inherited ``get_worker`` refuses every platform but CUDA and XPU;
-this one runs on cpu, cuda and npu (``host_register``)."""
+this one builds our worker on the region (``region_worker.py``), which runs
+on cpu, cuda and npu (``host_register``)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ from vllm.v1.kv_offload.base import (
     OffloadingWorker,
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
-from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from vllm_ascend.kv_offload.config import (
@@ -34,64 +34,18 @@ from vllm_ascend.kv_offload.config import (
 from vllm_ascend.kv_offload.logger import init_logger
 from vllm_ascend.kv_offload.manager import FailureAwareManager
 from vllm_ascend.kv_offload.npu import NPUOffloadingSpec
+from vllm_ascend.kv_offload.region import RegionMark, hold_mark
+from vllm_ascend.kv_offload.region_worker import RegionWorker, build_region_worker
 from vllm_ascend.kv_offload.tiering.auth_key import AUTH_KEY_FILE, read_auth_key
 from vllm_ascend.kv_offload.tiering.fs import VERIFIED_FS_TYPE, tier_dir_usable
 from vllm_ascend.kv_offload.tiering.fs_budget import (
     budget_metric_definitions,
     check_budget_config,
 )
-from vllm_ascend.kv_offload.tiering.host_register import (
-    AclRegionRegistration,
-    register_with_cuda,
-)
 from vllm_ascend.kv_offload.tiering.identity import storage_identity
 from vllm_ascend.kv_offload.tiering.model_identity import SHARED_ID, check_shared_id
-from vllm_ascend.kv_offload.tiering.region import (
-    RegionBlockPool,
-    RegionMark,
-    close_region,
-    hold_mark,
-    open_region,
-)
-from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
 
 logger = init_logger(__name__)
-
-
-class NPUTieringWorker(NPUOffloadingWorker):
-    """Our worker on a shared region, which it unregisters from ACL (npu)
-    and unmaps once its copies have stopped (its name, unless released
-    already, is removed in any case)."""
-
-    def __init__(
-        self,
-        kv_caches: CanonicalKVCaches,
-        region: SharedOffloadRegion,
-        mark: RegionMark,
-        pool: RegionBlockPool,
-        registration: AclRegionRegistration | None = None,
-        **worker_args: Any,
-    ):
-        """``worker_args``: ``NPUOffloadingWorker``'s other arguments."""
-        self.region = region
-        self.mark = mark
-        self.registration = registration
-        super().__init__(kv_caches, pool, **worker_args)
-
-    @override
-    def shutdown(self) -> None:
-        if self._closed:
-            return
-        super().shutdown()
-        if self.pool.released:  # copies stopped, the pool let go
-            close_region(self.region, self.registration, self.mark)
-        else:
-            self.mark.release_name()
-            logger.warning(
-                "KV offload: copies still running at shutdown; the shared "
-                "region %s stays mapped until the process exits",
-                self.region.mmap_path,
-            )
 
 
 class _TieringManager(FailureAwareManager):
@@ -186,7 +140,7 @@ class NPUTieringOffloadingSpec(TieringOffloadingSpec, NPUOffloadingSpec):
     """
 
     extra_config_keys = NPUOffloadingSpec.extra_config_keys | TIERING_KEYS
-    _tiering_worker: NPUTieringWorker | None = None
+    _tiering_worker: RegionWorker | None = None
 
     @classmethod
     @override
@@ -240,7 +194,7 @@ class NPUTieringOffloadingSpec(TieringOffloadingSpec, NPUOffloadingSpec):
                 inner = TieringOffloadingSpec.get_manager(self)
                 if mark.region_existed:
                     # vLLM builds the scheduler after every worker mapped the
-                    # region: no one needs its name now (tiering.region).
+                    # region: no one needs its name now (region.py).
                     mark.release_name()
             finally:
                 if mark.region_existed:
@@ -255,52 +209,18 @@ class NPUTieringOffloadingSpec(TieringOffloadingSpec, NPUOffloadingSpec):
 
     @override
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
-        if self._tiering_worker is not None:
-            return self._tiering_worker
-        device = kv_caches.tensors[0].tensor.device
-        rank = 0 if self.replicated_layout else self.config.parallel.rank
-        region, mark = open_region(
-            engine_id=self.config.engine_id,
-            num_chunks=self.num_chunks,
-            rank=rank,
-            kv_bytes_per_chunk=self.kv_bytes_per_chunk,
-            cpu_page_size=self.cpu_page_size_per_worker,
-        )
-        registration = None
-        try:
-            pool = RegionBlockPool(
-                region,
-                [t.page_size_bytes for t in kv_caches.tensors],
-                self.blocks_per_chunk,
-                slot_offset=rank * self.cpu_page_size_per_worker,
-                slot_capacity=self.cpu_page_size_per_worker,
-                row_stride=self.kv_bytes_per_chunk,
+        if self._tiering_worker is None:
+            rank = 0 if self.replicated_layout else self.config.parallel.rank
+            self._tiering_worker = build_region_worker(
+                kv_caches,
+                engine_id=self.config.engine_id,
+                num_chunks=self.num_chunks,
+                slot_rank=rank,
+                kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+                slot_bytes=self.cpu_page_size_per_worker,
+                blocks_per_chunk=self.blocks_per_chunk,
+                copy_path=self.config.extra_config.get("copy_path") or "auto",
+                shared_slot=self.replicated_layout,
+                piece_bytes=int_setting(self.config.extra_config, "host_piece_bytes"),
             )
-            if device.type == "cuda":
-                register_with_cuda(region, pool)
-            elif device.type == "npu":
-                # The NPU copy backend refuses pageable host memory.
-                registration = AclRegionRegistration(
-                    region,
-                    piece_bytes=int_setting(
-                        self.config.extra_config, "host_piece_bytes"
-                    ),
-                )
-                pool.mark_pinned(True)
-            self._tiering_worker = NPUTieringWorker(
-                kv_caches, region, mark, pool, registration
-            )
-        except BaseException:
-            close_region(region, registration, mark)
-            raise
-        logger.info(
-            "KV offload: %s worker on shared region %s: %d rows of %d bytes, "
-            "this rank's slot %d bytes at offset %d",
-            TIERING_SPEC,
-            region.mmap_path,
-            region.num_chunks,
-            self.kv_bytes_per_chunk,
-            pool.slot_bytes,
-            rank * self.cpu_page_size_per_worker,
-        )
         return self._tiering_worker

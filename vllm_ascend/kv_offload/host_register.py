@@ -25,7 +25,7 @@ from vllm_ascend.kv_offload.host_pieces import (
     take_pieces,
 )
 from vllm_ascend.kv_offload.logger import init_logger
-from vllm_ascend.kv_offload.tiering.region import RegionBlockPool
+from vllm_ascend.kv_offload.region import RegionBlockPool
 
 logger = init_logger(__name__)
 

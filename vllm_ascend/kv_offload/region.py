@@ -1,6 +1,8 @@
-"""The CPU primary tier's memory: vLLM's shared ``/dev/shm`` region
+"""A CPU pool shared by the workers of one host: vLLM's ``/dev/shm`` region
 (``SharedOffloadRegion``) and ``RegionBlockPool``, this rank's slot of each
-region row; and the region's lifetime.
+region row; and the region's lifetime. The tiering spec's primary tier
+lives in one, and the guide's spec stores a replicated KV layout (MLA under
+tensor parallelism) in one (``region_worker.py``).
 
 vLLM names a region after its engine id (``vllm_offload_<engine_id>.mmap``)
 and removes it only in the creating worker's ``cleanup``, which ``vllm
@@ -16,7 +18,10 @@ size in ``/dev/shm`` until starts failed for want of space. Here:
   ``RegionMark.release_name`` unlinks it: the kernel frees the memory when
   the last mapping goes, however the processes end. Where the name was not
   released (a worker without our scheduler on its host), the first of its
-  processes to close the region unlinks it, as vLLM's creator did.
+  processes to close the region unlinks it, as vLLM's creator did. The
+  guide's spec, whose scheduler maps nothing, releases it as soon as every
+  worker has mapped the region (a barrier of all workers, as vLLM's CPU
+  spec does).
 * A mark of ours beside each region, ``vllm_ascend_offload_<engine_id>.lock``,
   on which every process that opens the region through this module holds a
   shared ``flock`` until it closes the region or dies; the mark goes with
@@ -53,7 +58,7 @@ from vllm_ascend.kv_offload.shm_marks import (
 )
 
 if TYPE_CHECKING:
-    from vllm_ascend.kv_offload.tiering.host_register import AclRegionRegistration
+    from vllm_ascend.kv_offload.host_register import AclRegionRegistration
 
 logger = init_logger(__name__)
 
@@ -147,14 +152,24 @@ def hold_mark(engine_id: str) -> RegionMark:
         return RegionMark(engine_id)
 
 
-def open_region(**kwargs: Any) -> tuple[SharedOffloadRegion, RegionMark]:
+def open_region(
+    create: bool = True, **kwargs: Any
+) -> tuple[SharedOffloadRegion, RegionMark]:
     """``SharedOffloadRegion(**kwargs)`` after a sweep, held by its mark
     before anyone else can look at it. vLLM's own unlink at ``cleanup`` is
-    turned off: ``close_region`` releases the name (if no one did)."""
+    turned off: ``close_region`` releases the name (if no one did).
+    ``create=False``: join the region only; if it is not there, raise
+    (another worker was to create it)."""
     with dir_lock():
         sweep_dead_regions()
         mark = RegionMark(kwargs["engine_id"])
         try:
+            if not create and not mark.region_existed:
+                raise OffloadConfigError(
+                    f"KV offload: {mark.region_path}, the CPU pool this worker "
+                    "shares with rank 0 of its engine, does not exist: rank 0 "
+                    "did not create it (its error says why)"
+                )
             region = SharedOffloadRegion(**kwargs)
         except BaseException:
             if not mark.region_existed:
