@@ -14,9 +14,9 @@ head_size * dtype_bytes``, or for MLA one latent of ``kv_lora_rank +
 qk_rope_head_dim``. A CPU block holds ``block_size`` tokens (the guide's key)
 of every attention layer; over all workers that store it (one copy for MLA
 under tensor parallelism, which the workers of a host share: ``replication``),
-padded to the page size, it is the unit of ``cpu_bytes_to_use``. Hybrid models' state layers
-are not counted (a lower bound, ``exact=False``). How many blocks fit in host
-memory is ``host_fit``'s job.
+padded to the page size, it is the unit of ``cpu_bytes_to_use``. Hybrid
+models' state layers are not counted (a lower bound, ``exact=False``). How
+many blocks fit in host memory is ``host_fit``'s job.
 """
 
 from __future__ import annotations
