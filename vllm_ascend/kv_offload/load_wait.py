@@ -14,9 +14,8 @@ the rest is recomputed, when
 * the wait (``hit_wait_s``): the bytes queued ahead on the worker's store and
   load queues (``worker.NPUOffloadingWorker.queued_bytes``), plus the hit's
   own bytes, over the copy bandwidth of the jobs that completed last (vLLM's
-  ``transfer_stats``: bytes and seconds each worker measured per job; until
-  one direction has completed a copy, the other's). Per worker: workers copy
-  their shares at the same time.
+  ``transfer_stats``: bytes and seconds each worker measured per job). Per
+  worker: workers copy their shares at the same time.
 * the tokens at stake: the request's prompt tokens from the first key that
   waits on; an upper bound of what the hit can save, so the bound errs
   towards serving the hit.
@@ -24,8 +23,9 @@ the rest is recomputed, when
   least ``PREFILL_STEP_MIN_TOKENS`` tokens (smaller ones are decode-bound),
   timed on the workers from the step's metadata to its ``get_finished``.
 
-Until a figure has been measured (no completed copy, no prefill step yet) nothing is recomputed: an estimate that is not there
-cannot justify dropping a hit. The workers' figures travel with vLLM's
+Until the engine has measured a prefill step nothing is recomputed, and a
+direction without a completed copy adds no wait (a lower bound): an estimate
+that is not there cannot justify dropping a hit. The workers' figures travel with vLLM's
 worker -> scheduler metadata (``failures.AscendOffloadingWorkerMetadata``),
 as their failed jobs do.
 """
@@ -50,27 +50,25 @@ def hit_wait_s(
     store_bytes_per_s: float | None,
     load_bytes: float,
     load_bytes_per_s: float | None,
-) -> float | None:
+) -> float:
     """Seconds until a hit's KV is on the device: ``store_bytes`` still to
     copy to the CPU first (0 for a ready block), then ``load_bytes`` (the
-    loads ahead and its own). None if a needed bandwidth is unknown."""
+    loads ahead and its own). A direction whose bandwidth is not measured
+    yet counts 0 s: a lower bound, which errs towards serving the hit."""
     wait = 0.0
     for nbytes, rate in ((store_bytes, store_bytes_per_s), (load_bytes, load_bytes_per_s)):
-        if nbytes <= 0:
-            continue
-        if not rate:
-            return None
-        wait += nbytes / rate
+        if nbytes > 0 and rate:
+            wait += nbytes / rate
     return wait
 
 
 def recompute_instead(
-    wait_s: float | None, tokens: int, tokens_per_s: float | None, ratio: float
+    wait_s: float, tokens: int, tokens_per_s: float | None, ratio: float
 ) -> bool:
     """Whether recomputing ``tokens`` beats waiting ``wait_s`` for them:
-    the wait exceeds ``ratio`` times their prefill. False where a figure is
-    unknown or the bound is off (``ratio`` 0)."""
-    if ratio <= 0 or wait_s is None or not tokens_per_s or tokens <= 0:
+    the wait exceeds ``ratio`` times their prefill. False where the prefill
+    rate is unknown or the bound is off (``ratio`` 0)."""
+    if ratio <= 0 or not tokens_per_s or tokens <= 0:
         return False
     return wait_s > ratio * tokens / tokens_per_s
 
@@ -204,14 +202,11 @@ class LoadWaitBound:
 
     def _too_long(self, lookup: _Lookup, start: int, store: bool) -> bool:
         tokens = lookup.num_prompt_tokens - start
-        # Until one direction has a completed copy, the other's bandwidth
-        # stands in for it (the same memory moves both ways).
-        store_rate, load_rate = self._store_rate.per_s(), self._load_rate.per_s()
         wait = hit_wait_s(
             self._queued.store_bytes_queued if store else 0,
-            store_rate or load_rate,
+            self._store_rate.per_s(),
             self._queued.load_bytes_queued + tokens * self.bytes_per_token,
-            load_rate or store_rate,
+            self._load_rate.per_s(),
         )
         return recompute_instead(wait, tokens, self._prefill_rate.per_s(), self.ratio)
 
