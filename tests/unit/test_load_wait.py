@@ -20,6 +20,7 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec, LookupResult, ReqContext
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
+from tests.fault_injection import FaultInjectingWorker
 from tests.unit.conftest import make_connector
 from tests.unit.kv_helpers import make_kv_caches
 from vllm_ascend.kv_offload import pool_metrics
@@ -37,7 +38,6 @@ from vllm_ascend.kv_offload.load_wait import (
 )
 from vllm_ascend.kv_offload.manager import FailureAwareManager
 from vllm_ascend.kv_offload.pool_metrics import PoolCapacity
-from tests.fault_injection import FaultInjectingWorker
 
 MiB = 1 << 20
 TOKENS_PER_KEY = 128
@@ -93,12 +93,18 @@ def bounded_manager(ratio: float = 1.0) -> FailureAwareManager:
 def stats(store_bytes_per_s: float = 0, load_bytes_per_s: float = 0):
     """vLLM's transfer stats of one second of copies at these bandwidths."""
     return TransferStats(
-        load=DirectionalTransferStats(int(load_bytes_per_s), 1.0 if load_bytes_per_s else 0.0),
-        store=DirectionalTransferStats(int(store_bytes_per_s), 1.0 if store_bytes_per_s else 0.0),
+        load=DirectionalTransferStats(
+            int(load_bytes_per_s), 1.0 if load_bytes_per_s else 0.0
+        ),
+        store=DirectionalTransferStats(
+            int(store_bytes_per_s), 1.0 if store_bytes_per_s else 0.0
+        ),
     )
 
 
-def report(m: FailureAwareManager, transfer_stats: TransferStats, figures: WorkerFigures):
+def report(
+    m: FailureAwareManager, transfer_stats: TransferStats, figures: WorkerFigures
+):
     """One step's aggregated worker metadata reaching the scheduler."""
     m.wait_bound.observe(
         AscendOffloadingWorkerMetadata(transfer_stats=transfer_stats, figures=figures)

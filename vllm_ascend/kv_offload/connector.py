@@ -339,9 +339,7 @@ class AscendOffloadingConnector(OffloadingConnector):
             meta = OffloadingWorkerMetadata()
         self._queued_sent = queued
         assert self._failure_log is not None
-        return self._failure_log.worker_metadata(
-            meta, self._step_clock.figures(queued)
-        )
+        return self._failure_log.worker_metadata(meta, self._step_clock.figures(queued))
 
     # -- scheduler side ----------------------------------------------------
 

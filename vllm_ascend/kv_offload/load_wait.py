@@ -56,7 +56,10 @@ def hit_wait_s(
     loads ahead and its own). A direction whose bandwidth is not measured
     yet counts 0 s: a lower bound, which errs towards serving the hit."""
     wait = 0.0
-    for nbytes, rate in ((store_bytes, store_bytes_per_s), (load_bytes, load_bytes_per_s)):
+    for nbytes, rate in (
+        (store_bytes, store_bytes_per_s),
+        (load_bytes, load_bytes_per_s),
+    ):
         if nbytes > 0 and rate:
             wait += nbytes / rate
     return wait
