@@ -22,7 +22,7 @@ from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
 from tests.fault_injection import FaultInjectingWorker
 from tests.unit.conftest import make_connector
-from tests.unit.kv_helpers import make_kv_caches
+from tests.unit.kv_helpers import make_kv_caches, make_worker
 from vllm_ascend.kv_offload import pool_metrics
 from vllm_ascend.kv_offload.connector import (
     DEFAULT_MAX_LOAD_WAIT_RATIO,
@@ -219,7 +219,7 @@ def test_the_setting_bounds_the_managers_wait_and_0_turns_it_off(ratio, bounded)
 
 def test_the_worker_reports_the_bytes_queued_behind_a_slow_store():
     kv = make_kv_caches(8, [1 << 12])
-    worker = FaultInjectingWorker(kv, blocks_per_chunk=1, num_cpu_blocks=8)
+    worker = make_worker(kv, 1, 8, worker_cls=FaultInjectingWorker)
     worker.delays = {"store": 0.3}
     spec = GPULoadStoreSpec([0, 1], group_sizes=[2], block_indices=[0])
     assert worker.submit_store(1, spec, CPULoadStoreSpec([0, 1]))
