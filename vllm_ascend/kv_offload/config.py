@@ -155,18 +155,14 @@ def float_setting(extra: Mapping[str, Any], key: str) -> float | None:
     if value is None:
         return None
     spec = KEYS[key]
-    example = f"{key}={spec.example}"
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise OffloadConfigError(
-            f"{PREFIX}['{key}']={shown(value)} must be a number (a JSON "
-            f"number, not a string); set it to e.g. {example}"
-        )
-    if not math.isfinite(value) or value < spec.minimum:
-        raise OffloadConfigError(
-            f"{PREFIX}['{key}']={shown(value)} must be a finite number >= "
-            f"{spec.minimum}; set it to e.g. {example}, or 0 to turn it off"
-        )
-    return float(value)
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if number and math.isfinite(value) and value >= spec.minimum:
+        return float(value)
+    raise OffloadConfigError(
+        f"{PREFIX}['{key}']={shown(value)} must be a finite number >= "
+        f"{spec.minimum} (a JSON number, not a string); set it to e.g. "
+        f"{key}={spec.example}"
+    )
 
 
 def _check_bool(key: str, value: Any) -> None:
