@@ -331,7 +331,10 @@ class AscendOffloadingConnector(OffloadingConnector):
 
     def build_connector_worker_meta(self) -> OffloadingWorkerMetadata | None:
         meta = super().build_connector_worker_meta()
-        queued = self._offloading_worker.queued_bytes()
+        worker = self.connector_worker.worker if self.connector_worker else None
+        if worker is None:  # no KV caches registered yet: nothing to report
+            return meta
+        queued = worker.queued_bytes()
         if meta is None:
             # Nothing finished: report only figures the scheduler lacks.
             if not self._step_clock.tokens and queued == self._queued_sent:
