@@ -1,11 +1,13 @@
-"""TEST ONLY: transfer jobs that fail on purpose, to exercise failure handling.
+"""TEST ONLY: transfer jobs that fail, or run slowly, on purpose.
 
 Not part of the package: engines load it through a spec of its own,
 ``FaultInjectingOffloadingSpec`` (``spec_module_path:
 "tests.fault_injection"``), whose worker wraps each job's copy
 (``NPUOffloadingWorker._copy_job``). Faults are chosen by
 ``VLLM_ASCEND_KV_OFFLOAD_FAULTS``, read when the worker is built (in the
-engine's worker process), or by a test that sets ``worker.faults``.
+engine's worker process), or by a test that sets ``worker.faults``. Slow
+copies likewise: ``VLLM_ASCEND_KV_OFFLOAD_COPY_DELAYS`` or ``worker.delays``
+(``parse_delays``), for the bounded wait of CPU hits (``load_wait.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import ctypes
 import os
 import random
 import threading
+import time
 
 import torch
 
@@ -27,6 +30,7 @@ logger = init_logger(__name__)
 
 FAULTS_ENV = "VLLM_ASCEND_KV_OFFLOAD_FAULTS"
 FAULTS_LOG_ENV = "VLLM_ASCEND_KV_OFFLOAD_FAULTS_LOG"
+DELAYS_ENV = "VLLM_ASCEND_KV_OFFLOAD_COPY_DELAYS"
 FAULT_KINDS = (
     "store",
     "load",
@@ -198,15 +202,45 @@ def _faulty(
     return faults.apply(kind, job_id, desc, copy, host_destination)
 
 
+def parse_delays(spec: str) -> dict[str, float]:
+    """``"store:0.5,load:0.1"``: seconds each copy job of that kind (see
+    ``FAULT_KINDS``: store, load, expedited_load) sleeps on its copy thread
+    or before its stream work is queued, before copying."""
+    delays = {}
+    for item in filter(None, (p.strip() for p in spec.split(","))):
+        kind, _, seconds = item.partition(":")
+        if kind not in FAULT_KINDS[:3]:
+            raise ValueError(
+                f"{DELAYS_ENV}={spec!r}: unknown kind {kind!r}; write KIND:SECONDS "
+                "with KIND one of store, load, expedited_load"
+            )
+        delays[kind] = float(seconds)
+    return delays
+
+
+def _slowed(copy: CopyFn, seconds: float) -> CopyFn:
+    def slow_copy() -> object:
+        time.sleep(seconds)
+        return copy()
+
+    return slow_copy
+
+
 class FaultInjectingWorker(NPUOffloadingWorker):
-    """Our worker, with each job's copy passed through ``self.faults``."""
+    """Our worker, with each job's copy passed through ``self.faults`` and
+    slowed by ``self.delays``."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.faults: FaultInjector | None = FaultInjector.from_env()
+        self.delays = parse_delays(os.environ.get(DELAYS_ENV, ""))
+        if self.delays:
+            logger.warning("KV offload: TEST copy delays: %s", self.delays)
 
     def _copy_job(self, kind: str, job_id: int, desc: Descriptors) -> CopyFn:
-        return _faulty(self, kind, job_id, desc, super()._copy_job(kind, job_id, desc))
+        copy = _faulty(self, kind, job_id, desc, super()._copy_job(kind, job_id, desc))
+        delay = getattr(self, "delays", {}).get(kind)
+        return _slowed(copy, delay) if delay else copy
 
 
 class FaultInjectingOffloadingSpec(NPUOffloadingSpec):

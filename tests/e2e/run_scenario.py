@@ -15,6 +15,9 @@ phases above, for scenarios that drive the engine step by step), and
 ``sequence`` (scenarios run one after another in this process, each engine
 shut down before the next starts, each with its own ``env``: one
 interpreter start instead of several).
+Per phase, optionally: ``reset_prefix_cache``, ``sleep_s`` (before it, e.g.
+for slowed copies to land) and ``settle: false`` (the next phase starts while
+the stores of this one may still be in flight).
 
     python -m tests.e2e.run_scenario SCENARIO.json RESULT.json
 """
@@ -138,6 +141,7 @@ def _run_engine(scenario: dict, shutdown: bool = False) -> dict:
 
     phases, phase_counters = [], []
     for phase in scenario["phases"]:
+        time.sleep(phase.get("sleep_s", 0))
         if phase.get("reset_prefix_cache"):
             assert llm.reset_prefix_cache()
         params = SamplingParams(
@@ -154,11 +158,13 @@ def _run_engine(scenario: dict, shutdown: bool = False) -> dict:
                     "token_ids": list(out.outputs[0].token_ids),
                     "num_cached_tokens": out.num_cached_tokens or 0,
                     "finish_reason": out.outputs[0].finish_reason,
+                    "ttft_s": out.metrics.first_token_latency if out.metrics else None,
                 }
                 for out in outputs
             ]
         )
-        settle_stores(llm)
+        if phase.get("settle", True):
+            settle_stores(llm)
         # After each phase: what it stored and loaded is the difference.
         phase_counters.append(counters(llm))
 

@@ -83,6 +83,9 @@ def test_an_unknown_key_unlike_any_other_lists_the_known_keys():
         ("eviction_policy", "fifo", ["='fifo'", "use one of lru, arc"]),
         ("cache_policy_module_path", 3, ["=3", "must be a string"]),
         ("spec_module_path", ["x"], ["=['x']", "must be a string"]),
+        ("max_load_wait_ratio", "1", ["='1'", "a finite number", "=1.0"]),
+        ("max_load_wait_ratio", -0.5, ["=-0.5", ">= 0", "max_load_wait_ratio=1.0"]),
+        ("max_load_wait_ratio", float("inf"), ["=inf", "a finite number"]),
     ],
 )
 def test_vllms_keys_are_type_checked_naming_key_value_and_fix(key, value, fragments):

@@ -21,6 +21,7 @@ allocated (``host_guard``, ``host_ledger``).
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -40,9 +41,9 @@ class OffloadConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Key:
-    kind: type  # int, bool, str; list or dict (tiering's)
+    kind: type  # int, float, bool, str; list or dict (tiering's)
     example: Any  # a valid value, for the fix in the message
-    minimum: int = 1  # ints only
+    minimum: int = 1  # ints and floats only
     choices: tuple[str, ...] = ()  # strs only; () = any
     read_by: str = ""  # the one spec (and its subclasses) that reads it
 
@@ -72,6 +73,9 @@ KEYS: dict[str, Key] = {
     # Ours: the most bytes of the CPU pool one host allocation or
     # registration takes (host_pieces.py); runtimes refuse larger ones.
     "host_piece_bytes": Key(int, 64 * 2**30, minimum=64 * 2**10),
+    # Ours: a CPU hit whose copies would take longer than this many times
+    # recomputing its tokens is recomputed (load_wait.py); 0: waits unbounded.
+    "max_load_wait_ratio": Key(float, 1.0, minimum=0),
     # vLLM's tiering, read by NPUTieringOffloadingSpec only (tiering/spec.py
     # checks what is inside them).
     "secondary_tiers": Key(
@@ -147,6 +151,22 @@ def int_setting(extra: Mapping[str, Any], key: str) -> int | None:
     return int(value)
 
 
+def float_setting(extra: Mapping[str, Any], key: str) -> float | None:
+    """``extra[key]`` as a finite number >= the key's minimum, None if absent."""
+    value = extra.get(key)
+    if value is None:
+        return None
+    spec = KEYS[key]
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if number and math.isfinite(value) and value >= spec.minimum:
+        return float(value)
+    raise OffloadConfigError(
+        f"{PREFIX}['{key}']={shown(value)} must be a finite number >= "
+        f"{spec.minimum} (a JSON number, not a string); set it to e.g. "
+        f"{key}={spec.example}"
+    )
+
+
 def _check_bool(key: str, value: Any) -> None:
     if isinstance(value, bool):
         return
@@ -199,6 +219,8 @@ def check_keys(extra: Mapping[str, Any], accepted: Collection[str] = SPEC_KEYS) 
         kind = KEYS[key].kind
         if kind is int:
             int_setting(extra, key)
+        elif kind is float:
+            float_setting(extra, key)
         elif kind is bool:
             _check_bool(key, value)
         elif kind in (list, dict):

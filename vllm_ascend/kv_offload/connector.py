@@ -25,6 +25,10 @@ through its public hooks only (no vLLM method is copied here):
 * the worker's facts on ``/metrics``: each worker adds its pool's info series
   (memory kind, pieces, copy path: ``pool_metrics.py``) to the KV connector
   stats vLLM collects from workers; vLLM's worker side reports none.
+* a bounded wait for CPU hits (``load_wait.py``, ``max_load_wait_ratio``):
+  each worker times its steps' forward passes and reports the bytes queued
+  on its copy queues in its metadata; the scheduler side feeds them to the
+  manager's ``LoadWaitBound``, which recomputes a hit that would wait longer.
 
 The ``vllm.general_plugins`` entry point (``plugin.register``) puts this class
 under the name ``OffloadingConnector``, so the guide's
@@ -64,12 +68,14 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
 from vllm_ascend.kv_offload import pool_metrics, vllm_compat
+from vllm_ascend.kv_offload.config import float_setting
 from vllm_ascend.kv_offload.failures import (
     FailureRouter,
     SyncLoadQuarantine,
     WorkerFailureLog,
 )
 from vllm_ascend.kv_offload.kv_layout import KVCacheParts, canonicalize
+from vllm_ascend.kv_offload.load_wait import LoadWaitBound, StepClock
 from vllm_ascend.kv_offload.logger import init_logger
 from vllm_ascend.kv_offload.manager import FailureAwareManager
 from vllm_ascend.kv_offload.npu import (
@@ -86,14 +92,19 @@ logger = init_logger(__name__)
 # returns as soon as one does, so this only bounds how late the engine sees a
 # request that arrives meanwhile.
 IDLE_STEP_WAIT_S = 0.02
+# max_load_wait_ratio when not set: a CPU hit waits at most as long as
+# recomputing its tokens would take (docs/user_guide.md).
+DEFAULT_MAX_LOAD_WAIT_RATIO = 1.0
 
 
 @dataclass
 class AscendOffloadingConnectorMetadata(OffloadingConnectorMetadata):
     """vLLM's scheduler -> worker metadata, plus whether the step computes
-    nothing (the worker may then wait for transfers instead of returning)."""
+    nothing (the worker may then wait for transfers instead of returning) and
+    how many tokens it computes (the worker times it: ``load_wait.py``)."""
 
     idle_step: bool = False
+    num_scheduled_tokens: int = 0
 
 
 def our_spec_class(extra_config: Mapping[str, Any]) -> type[NPUOffloadingSpec] | None:
@@ -119,6 +130,18 @@ def _device_block_sizes(
         resolve_dcp_kv_block_size(kv_cache_config.kv_cache_groups[g].kv_cache_spec, dcp)
         for g in get_offloading_group_ids(kv_cache_config)
     ]
+
+
+def _worker_bytes_per_token(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+) -> float:
+    """One worker's offloaded KV bytes per token (what a load of it copies)."""
+    groups = get_offloading_group_ids(kv_cache_config)
+    sizes = _device_block_sizes(vllm_config, kv_cache_config)
+    if not sizes:
+        return 0.0
+    page_bytes = _spec_page_bytes(kv_cache_config, groups)
+    return sum(padded for _, padded in page_bytes.values()) / sizes[0]
 
 
 def _spec_page_bytes(
@@ -197,6 +220,9 @@ class AscendOffloadingConnector(OffloadingConnector):
         self._failure_log: WorkerFailureLog | None = None
         self._failure_router: FailureRouter | None = None
         self._quarantine: SyncLoadQuarantine | None = None
+        self._step_clock = StepClock()
+        self._queued_sent = (0, 0)
+        self._wait_bound: LoadWaitBound | None = None
         if self.connector_worker is not None:
             self._failure_log = WorkerFailureLog(report_block_ids)
         if self.connector_scheduler is not None:
@@ -214,6 +240,13 @@ class AscendOffloadingConnector(OffloadingConnector):
             self._failure_router = FailureRouter(
                 manager, vllm_config.parallel_config.world_size, self._quarantine
             )
+            ratio = float_setting(extra, "max_load_wait_ratio")
+            ratio = DEFAULT_MAX_LOAD_WAIT_RATIO if ratio is None else ratio
+            if ratio > 0:
+                self._wait_bound = LoadWaitBound(
+                    ratio, _worker_bytes_per_token(vllm_config, kv_cache_config)
+                )
+            manager.wait_bound = self._wait_bound
             policy = getattr(transfer_config, "kv_load_failure_policy", "fail")
             if policy != "recompute":
                 logger.info(
@@ -260,8 +293,10 @@ class AscendOffloadingConnector(OffloadingConnector):
         assert isinstance(connector_metadata, OffloadingConnectorMetadata)
         assert self._failure_log is not None
         self._failure_log.record_loads(connector_metadata.load_jobs)
+        self._step_clock.start(getattr(connector_metadata, "num_scheduled_tokens", 0))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        self._step_clock.stop()
         meta = vllm_compat.bound_metadata(self)
         if getattr(meta, "idle_step", False):
             self._offloading_worker.wait_for_progress(IDLE_STEP_WAIT_S)
@@ -296,10 +331,18 @@ class AscendOffloadingConnector(OffloadingConnector):
 
     def build_connector_worker_meta(self) -> OffloadingWorkerMetadata | None:
         meta = super().build_connector_worker_meta()
+        worker = self.connector_worker.worker if self.connector_worker else None
+        if worker is None:  # no KV caches registered yet: nothing to report
+            return meta
+        queued = worker.queued_bytes()
         if meta is None:
-            return None
+            # Nothing finished: report only figures the scheduler lacks.
+            if not self._step_clock.tokens and queued == self._queued_sent:
+                return None
+            meta = OffloadingWorkerMetadata()
+        self._queued_sent = queued
         assert self._failure_log is not None
-        return self._failure_log.worker_metadata(meta)
+        return self._failure_log.worker_metadata(meta, self._step_clock.figures(queued))
 
     # -- scheduler side ----------------------------------------------------
 
@@ -314,6 +357,10 @@ class AscendOffloadingConnector(OffloadingConnector):
         # Not yet while its prefix is in device blocks a sync load is filling.
         if self._quarantine is not None and self._quarantine.must_wait(request):
             return None, False
+        if self._wait_bound is not None:
+            self._wait_bound.begin_lookup(
+                request.request_id, num_computed_tokens, request.num_prompt_tokens
+            )
         result = super().get_num_new_matched_tokens(request, num_computed_tokens)
         if self._quarantine is not None:
             self._quarantine.on_lookup(request, num_computed_tokens, result)
@@ -332,8 +379,9 @@ class AscendOffloadingConnector(OffloadingConnector):
         self._failure_router.expect(meta)
         # Every field of vLLM's metadata, whatever its version has.
         values = {f.name: getattr(meta, f.name) for f in fields(meta)}
+        tokens = scheduler_output.total_num_scheduled_tokens
         return AscendOffloadingConnectorMetadata(
-            **values, idle_step=scheduler_output.total_num_scheduled_tokens == 0
+            **values, idle_step=tokens == 0, num_scheduled_tokens=tokens
         )
 
     def update_connector_output(self, connector_output: KVConnectorOutput):
@@ -342,4 +390,6 @@ class AscendOffloadingConnector(OffloadingConnector):
         assert self._failure_router is not None
         self._failure_router.invalidate_blocks(connector_output.invalid_block_ids)
         self._failure_router.route(connector_output.kv_connector_worker_meta)
+        if self._wait_bound is not None:
+            self._wait_bound.observe(connector_output.kv_connector_worker_meta)
         super().update_connector_output(connector_output)

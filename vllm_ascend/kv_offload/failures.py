@@ -48,6 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
 )
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
+from vllm_ascend.kv_offload.load_wait import WorkerFigures
 from vllm_ascend.kv_offload.logger import init_logger
 from vllm_ascend.kv_offload.manager import FailureAwareManager
 
@@ -60,10 +61,12 @@ class AscendOffloadingWorkerMetadata(OffloadingWorkerMetadata):
 
     A failed job is also in ``completed_jobs`` (vLLM saw it finish), so vLLM's
     bookkeeping (one count per worker) is unchanged; ``failed_jobs`` tells
-    the scheduler side what the job did not do.
+    the scheduler side what the job did not do. ``figures``: what the worker
+    measured in the step, for the bounded wait of CPU hits (``load_wait``).
     """
 
     failed_jobs: set[int] = field(default_factory=set)
+    figures: WorkerFigures | None = None
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         merged = super().aggregate(other)
@@ -72,7 +75,12 @@ class AscendOffloadingWorkerMetadata(OffloadingWorkerMetadata):
             completed_jobs=merged.completed_jobs,
             transfer_stats=merged.transfer_stats,
             failed_jobs=self.failed_jobs | getattr(other, "failed_jobs", set()),
+            figures=_merged(self.figures, getattr(other, "figures", None)),
         )
+
+
+def _merged(a: WorkerFigures | None, b: WorkerFigures | None) -> WorkerFigures | None:
+    return b if a is None else a.aggregate(b)
 
 
 # -- worker side ---------------------------------------------------------------
@@ -148,9 +156,10 @@ class WorkerFailureLog:
         return block_ids
 
     def worker_metadata(
-        self, meta: OffloadingWorkerMetadata
+        self, meta: OffloadingWorkerMetadata, figures: WorkerFigures | None = None
     ) -> AscendOffloadingWorkerMetadata:
-        """vLLM's metadata of this step, with the failed jobs among it."""
+        """vLLM's metadata of this step, with the failed jobs among it and
+        the worker's ``figures``."""
         for job_id in meta.completed_jobs:
             self._load_jobs.pop(job_id, None)
         failed = self._failed_jobs & set(meta.completed_jobs)
@@ -159,6 +168,7 @@ class WorkerFailureLog:
             completed_jobs=meta.completed_jobs,
             transfer_stats=meta.transfer_stats,
             failed_jobs=failed,
+            figures=figures,
         )
 
 

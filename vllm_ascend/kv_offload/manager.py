@@ -11,7 +11,10 @@ exactly two answers, from what the connector tells it
   instead of being recorded as holding KV they do not hold;
 * a request whose load failed: ``lookup`` answers MISS for it from then on,
   so it recomputes instead of loading again (a fault that repeats cannot make
-  it retry forever). Forgotten when the request finishes.
+  it retry forever). Forgotten when the request finishes. And where a hit
+  would wait longer than recomputing it (``load_wait.LoadWaitBound``, when
+  the connector sets ``wait_bound``), MISS from the key where the wait
+  starts.
 
 It also adds the CPU pool's capacity, occupancy and evictions, and the
 failed stores and loads, to vLLM's offloading stats (``get_stats``,
@@ -41,6 +44,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from vllm_ascend.kv_offload import vllm_compat
+from vllm_ascend.kv_offload.load_wait import LoadWaitBound
 from vllm_ascend.kv_offload.pool_metrics import (
     PoolCapacity,
     PoolCounts,
@@ -77,6 +81,8 @@ class FailureAwareManager:
         # Keys whose CPU BlockStored was published and BlockRemoved was not.
         self._cpu_resident: set[Any] = set()
         self._pending_events: list[OffloadingEvent] = []
+        # Set by the connector from max_load_wait_ratio (None: waits unbounded).
+        self.wait_bound: LoadWaitBound | None = None
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for names not defined here.
@@ -127,10 +133,20 @@ class FailureAwareManager:
     def lookup(self, key: Any, req_context: ReqContext):
         if req_context.req_id in self._failed_load_req_ids:
             return LookupResult.MISS
-        return self.inner.lookup(key, req_context)
+        result = self.inner.lookup(key, req_context)
+        if self.wait_bound is None:
+            return result
+        # Key positions: vLLM >= 0.32's ReqContext; without them the tokens
+        # at stake count from the request's computed tokens.
+        position = getattr(req_context, "get_offload_key_position", None)
+        return self.wait_bound.admit(
+            result, req_context.req_id, position(key) if position else None
+        )
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._failed_load_req_ids.discard(req_context.req_id)
+        if self.wait_bound is not None:
+            self.wait_bound.forget(req_context.req_id)
         self.inner.on_request_finished(req_context)
 
     def _count_promotion_evictions(self) -> None:
@@ -155,7 +171,12 @@ class FailureAwareManager:
                 stats,
                 self.capacity,
                 vllm_compat.cpu_blocks_in_use(self._cpu),
-                PoolCounts(self._evictions, self._failed_stores, self._failed_loads),
+                PoolCounts(
+                    self._evictions,
+                    self._failed_stores,
+                    self._failed_loads,
+                    self.wait_bound.take_recomputed() if self.wait_bound else 0,
+                ),
             )
             self._evictions = self._failed_stores = self._failed_loads = 0
         return stats

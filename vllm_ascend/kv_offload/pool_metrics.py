@@ -10,10 +10,12 @@ places requests by cache contents also needs, and vLLM does not export, is
 how large the CPU cache is and how full: four series, declared and
 reported here in the same framework (docs/serving_events_metrics.md).
 
-For an operator, three more: failed stores and failed loads (counters; the
-failures are otherwise only in the log), and an info series (a gauge of 1,
-Prometheus' ``_info`` convention) whose labels say what the pool's memory is
-and which copy path the start-up self-check chose. Those two facts live in
+For an operator, four more: failed stores and failed loads (counters; the
+failures are otherwise only in the log), CPU hits recomputed instead of
+waiting for their copies (``load_wait.py``, ``max_load_wait_ratio``), and
+an info series (a gauge of 1, Prometheus' ``_info`` convention) whose labels
+say what the pool's memory is and which copy path the start-up self-check
+chose. Those two facts live in
 the worker processes: each worker reports them in its own KV connector stats
 (``connector.AscendOffloadingConnector.get_kv_connector_stats``), which vLLM
 merges over workers and with the scheduler's; workers that differ show as
@@ -41,6 +43,7 @@ BLOCKS_IN_USE = "vllm:kv_offload_cpu_pool_blocks_in_use"
 EVICTIONS = "vllm:kv_offload_cpu_pool_evictions"
 FAILED_STORES = "vllm:kv_offload_failed_stores"
 FAILED_LOADS = "vllm:kv_offload_failed_loads"
+HITS_RECOMPUTED = "vllm:kv_offload_hits_recomputed"
 POOL_INFO = "vllm:kv_offload_cpu_pool_info"
 POOL_INFO_LABELS = ("memory_kind", "pinned", "pieces", "copy_path")
 
@@ -83,6 +86,14 @@ def metric_definitions() -> dict[str, Any]:
                 "(kv_load_failure_policy)."
             ),
         ),
+        HITS_RECOMPUTED: OffloadingCounterMetadata(
+            documentation=(
+                "Requests whose CPU hit was recomputed (from the first block "
+                "that had to wait) because waiting for its copies was "
+                "estimated to take longer than max_load_wait_ratio times "
+                "recomputing it."
+            ),
+        ),
         POOL_INFO: OffloadingGaugeMetadata(
             documentation=(
                 "1 per kind of worker CPU pool: its host memory (memory_kind, "
@@ -107,6 +118,7 @@ class PoolCounts:
     evictions: int = 0
     failed_stores: int = 0
     failed_loads: int = 0
+    hits_recomputed: int = 0
 
 
 @dataclass(frozen=True)
@@ -140,6 +152,7 @@ def add_pool_stats(
     stats.increase_counter(EVICTIONS, counts.evictions)
     stats.increase_counter(FAILED_STORES, counts.failed_stores)
     stats.increase_counter(FAILED_LOADS, counts.failed_loads)
+    stats.increase_counter(HITS_RECOMPUTED, counts.hits_recomputed)
 
 
 def add_pool_info(stats: Any, info: PoolInfo) -> None:

@@ -89,8 +89,9 @@ class NPUOffloadingWorker(OffloadingWorker):
             make_transfer_queue(self.device, "load-expedited"),
         )
         self._queues = (self._stores, self._loads, self._expedited_loads)
-        # job_id -> bytes, for the TransferResult.
+        # job_id -> bytes, for the TransferResult; stores among them.
         self._job_bytes: dict[int, int] = {}
+        self._store_jobs: set[int] = set()
         # Jobs that failed at submission; reported by the next get_finished.
         self._refused: list[int] = []
         self._divert_failures = False
@@ -179,6 +180,8 @@ class NPUOffloadingWorker(OffloadingWorker):
             )
             copy = self._copy_job(direction, job_id, desc)
             self._job_bytes[job_id] = desc.num_bytes
+            if to_cpu:
+                self._store_jobs.add(job_id)
             queue.submit(job_id, copy)
         except Exception:
             # Reported to the connector by the False return; the engine goes on.
@@ -186,6 +189,7 @@ class NPUOffloadingWorker(OffloadingWorker):
                 "KV offload: %s job %d could not be submitted", direction, job_id
             )
             self._job_bytes.pop(job_id, None)
+            self._store_jobs.discard(job_id)
             return self._refuse(job_id)
         return True
 
@@ -230,6 +234,7 @@ class NPUOffloadingWorker(OffloadingWorker):
         results = []
         for job in finished:
             size = self._job_bytes.pop(job.job_id, 0)
+            self._store_jobs.discard(job.job_id)
             if job.success:
                 results.append(TransferResult(job.job_id, True, size, job.seconds))
             elif self._divert_failures:
@@ -239,6 +244,13 @@ class NPUOffloadingWorker(OffloadingWorker):
             else:
                 results.append(TransferResult(job.job_id, False, size, job.seconds))
         return results
+
+    def queued_bytes(self) -> tuple[int, int]:
+        """Bytes of the (store, load) jobs submitted and not yet reported
+        finished: what a new job of each direction waits behind
+        (``load_wait.py``)."""
+        stores = sum(self._job_bytes[j] for j in self._store_jobs)
+        return stores, sum(self._job_bytes.values()) - stores
 
     def wait(self, job_ids: set[int]) -> None:
         for queue in self._queues:
@@ -264,6 +276,7 @@ class NPUOffloadingWorker(OffloadingWorker):
         self._closed = True
         stopped = [q.shutdown() for q in self._queues]
         self._job_bytes.clear()
+        self._store_jobs.clear()
         if all(stopped):
             # Release the (possibly pinned) host memory now, not at GC; a
             # shared region's owner decided what that means.
