@@ -151,10 +151,19 @@ def read(llm, cfg: dict, prompt: str, length: int) -> dict:
     return row
 
 
-def engine_process(cfg: dict, conn) -> None:
+def engine_process(cfg: dict, conn, name: str) -> None:
     """One engine; runs ``(role, length, seed)`` commands until ``None``."""
     from vllm_ascend.kv_offload.testing import engine
     from vllm_ascend.kv_offload.testing.tiny_model import make_prompt
+
+    if cfg["log_dir"] is not None:  # the engine's output; [ttft] lines stay
+        log = os.open(
+            os.path.join(cfg["log_dir"], f"engine_{name}.log"),
+            os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+            0o644,
+        )
+        os.dup2(log, 1)
+        os.dup2(log, 2)
 
     transfer = engine.transfer_config(
         extra_config(cfg), kv_load_failure_policy="recompute"
@@ -188,7 +197,7 @@ def run_rounds(cfg: dict) -> list[dict]:
     engines = {}
     for name in "AB":
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=engine_process, args=(cfg, child), name=name)
+        proc = ctx.Process(target=engine_process, args=(cfg, child, name), name=name)
         proc.start()
         engines[name] = (proc, parent)
     try:
@@ -315,7 +324,10 @@ def main(argv: list[str] | None = None) -> None:
             "lengths": args.lengths,
             "rounds": args.rounds,
             "root_dir": None if root is None else str(root),
+            "log_dir": None if args.log_dir is None else str(args.log_dir),
         }
+        if args.log_dir is not None:
+            args.log_dir.mkdir(parents=True, exist_ok=True)
         # Both engines: one core for the scheduler with a connector as
         # without, and a device KV cache for the longest prompt.
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")

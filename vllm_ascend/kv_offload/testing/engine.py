@@ -72,17 +72,20 @@ def ttft_s(output) -> float:
     return output.metrics.first_token_latency
 
 
-def counters(prefixes: Iterable[str] = (OFFLOAD_PREFIX,)) -> dict[str, float]:
+def counters(
+    prefixes: Iterable[str] = (OFFLOAD_PREFIX,), registry=None
+) -> dict[str, float]:
     """This process's engine metrics whose names start with one of
     ``prefixes`` (counters and gauges), summed over labels, as floats.
 
-    Read from the Prometheus registry: ``LLM.get_metrics()`` turns counters
-    into ``int``, which truncates the load/store seconds to 0."""
+    Read from the Prometheus registry (``registry``: the default one):
+    ``LLM.get_metrics()`` turns counters into ``int``, which truncates the
+    load/store seconds to 0."""
     from prometheus_client import REGISTRY
 
     prefixes = tuple(prefixes)
     totals: dict[str, float] = {}
-    for family in REGISTRY.collect():
+    for family in (registry or REGISTRY).collect():
         if family.type not in ("counter", "gauge") or not family.name.startswith(
             prefixes
         ):

@@ -142,6 +142,8 @@ class Server:
                 p.kill()
             except psutil.NoSuchProcess:
                 pass
+        # SIGKILL is delivered asynchronously: gone means waited for.
+        psutil.wait_procs(alive, timeout=30)
         self._log.close()
         return result
 
