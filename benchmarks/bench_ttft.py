@@ -265,18 +265,18 @@ def summarize(trials: list[dict], lengths: list[int]) -> list[dict]:
 
 def print_table(summary: list[dict]) -> None:
     print("\nTTFT, ms: median / p90 [1-min load average range]")
-    print(f"{'tokens':>6} " + " ".join(f"{c:>24}" for c in CASES) + "  cold/CPU")
+    print(f"{'tokens':>6}" + "".join(f"{c:>26}" for c in CASES) + "  cold/CPU")
     for r in summary:
         cells = [
-            f"{r[c]['median']:7.0f} / {r[c]['p90']:<5.0f} "
+            f"{r[c]['median']:6.0f} / {r[c]['p90']:<5.0f}"
             f"[{r[c]['load'][0]:.1f}-{r[c]['load'][1]:.1f}]"
             if c in r
             else "-"
             for c in CASES
         ]
         print(
-            f"{r['length']:6d} "
-            + " ".join(f"{c:>24}" for c in cells)
+            f"{r['length']:6d}"
+            + "".join(f"{c:>26}" for c in cells)
             + f"  {r['cold_over_cpu']:8.1f}"
         )
 
