@@ -26,7 +26,6 @@ def block_files(root: str) -> list[str]:
     return sorted(out)
 
 
-
 def _drop_page_cache(paths: list[str]) -> None:
     for path in paths:
         fd = os.open(path, os.O_RDONLY)
