@@ -1,15 +1,10 @@
 #!/usr/bin/env bash
-# Installs vllm-ascend-kv-offload into the active Python environment, next to
-# the vLLM (and upstream vllm-ascend >= 0.30) already there, then runs the
-# doctor:   bash scripts/install_next_to_vllm_ascend.sh
-# Nothing of vLLM, torch, torch_npu or vllm-ascend is installed, upgraded or
-# removed (--no-deps, built against the torch there); only missing build
-# tools are added. An upstream vllm-ascend < 0.30 is refused before building:
-# it ships its own vllm_ascend/kv_offload. The build runs on a copy of the
-# tracked sources (no build/ or egg-info left here), its output in a log kept
-# on failure. Without torch_npu the npu backend is not built. PYTHON selects
-# another interpreter. Exit status: 1 with one line saying why, else the
-# doctor's.
+# bash scripts/install_next_to_vllm_ascend.sh: installs vllm-ascend-kv-offload
+# next to the vLLM (and vllm-ascend >= 0.30; older ones ship their own
+# kv_offload: refused) already there, then runs the doctor. --no-deps: nothing
+# of vLLM, torch(_npu) or vllm-ascend is changed; built from a copy of the
+# tracked sources (nothing left here). PYTHON selects another interpreter.
+# Exit status: 1 with one line saying why (the log is kept), else the doctor's.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 PY=${PYTHON:-python}
@@ -69,10 +64,8 @@ if [[ $npu == 1 ]]; then unset VLLM_PLUGINS; else export VLLM_PLUGINS=ascend_kv_
 "$PY" -c 'import vllm_ascend.kv_offload.npu as s; from vllm_ascend.kv_offload import ops
 print(f"[install] {s.__name__} from {s.__file__}\n[install] native op: {ops.HAS_NATIVE_OP}")' 2>>"$log" ||
   fail "the installed package does not import: $(tail -1 "$log")"
-if [[ $npu == 1 ]]; then
-  echo "[install] done: installed with the npu backend"
-else
-  echo "[install] done: not an Ascend machine: installed, npu backend not built"
-fi
+done="not an Ascend machine: installed, npu backend not built"
+[[ $npu == 1 ]] && done="installed with the npu backend"
+echo "[install] done: $done"
 rm -f "$log"
 "$PY" -m vllm_ascend.kv_offload.doctor
