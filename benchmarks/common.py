@@ -73,7 +73,7 @@ class ModelArgs:
         )
 
 
-# bench_tiering's and bench_serving's model: recomputing 8k tokens takes
+# bench_ttft's and bench_serving's model: recomputing 8k tokens takes
 # seconds, not a minute, on 2 cores; 8 KiB of KV per token in fp32 (1 MiB per
 # 128-token block), 13 M parameters.
 SMALL_MODEL = ModelArgs(

@@ -29,32 +29,24 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kv_offload_sizing as sizing  # noqa: E402 (the examples' own module)
 
+# Starts the engine, times requests, shuts it down (shared with the tests).
+from vllm_ascend.kv_offload.testing import engine  # noqa: E402
 
-def offload_counters(llm) -> dict[str, float]:
+
+def offload_counters() -> dict[str, float]:
     """Bytes stored to and loaded from the CPU so far (vLLM's counters)."""
-    wanted = {
-        "vllm:kv_offload_store_bytes": "stored_bytes",
-        "vllm:kv_offload_load_bytes": "loaded_bytes",
+    totals = engine.counters()
+    return {
+        "stored_bytes": totals.get("vllm:kv_offload_store_bytes", 0.0),
+        "loaded_bytes": totals.get("vllm:kv_offload_load_bytes", 0.0),
     }
-    totals = dict.fromkeys(wanted.values(), 0.0)
-    for metric in llm.get_metrics():
-        name = wanted.get(metric.name)
-        if name is not None and hasattr(metric, "value"):
-            totals[name] += metric.value
-    return totals
 
 
 def time_to_first_token(llm, prompt: str) -> tuple[float, int, int]:
-    """Seconds to the first token of ``prompt`` alone, its cached tokens and
-    its length in tokens."""
-    from vllm import SamplingParams
-
-    start = time.perf_counter()
-    (out,) = llm.generate(
-        [prompt], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False
-    )
-    elapsed = time.perf_counter() - start
-    return elapsed, out.num_cached_tokens or 0, len(out.prompt_token_ids)
+    """Seconds to the first token of ``prompt`` alone (vLLM's request
+    metrics), its cached tokens and its length in tokens."""
+    out = engine.generate(llm, prompt, max_tokens=1)
+    return engine.ttft_s(out), out.num_cached_tokens or 0, len(out.prompt_token_ids)
 
 
 def print_completions(outputs, generated: bool) -> None:
@@ -69,24 +61,6 @@ def print_completions(outputs, generated: bool) -> None:
             "meaningless; what this example shows is the time to first token "
             "printed at the end (cold, device hit, CPU hit)"
         )
-
-
-# How long the engine's processes get to exit before vLLM SIGKILLs them.
-# vLLM's default is 5 s for the engine core, which itself first waits up to
-# 5 s (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS) for its worker: on a small busy
-# machine their teardown (garbage collection of the model and the engine,
-# offloading on or off alike) takes longer, so the default ends in "force
-# killing" lines and a leaked shared_memory warning. Waiting costs nothing
-# when they are quicker: shutdown returns as soon as they have exited.
-SHUTDOWN_TIMEOUT_S = 120.0
-WORKER_SHUTDOWN_TIMEOUT_S = "60"  # the engine core's wait, within the above
-
-
-def shutdown(llm) -> None:
-    """Shuts the engine down before the interpreter exits, and gives its
-    processes the time they need to exit on their own (above), so that
-    their shared memory is released in order."""
-    llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
 
 
 def main() -> None:
@@ -144,7 +118,7 @@ def main() -> None:
 
     # The CPU backend's core reservation is our plugin's (cpu_threads.apply).
     os.environ.setdefault(
-        "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", WORKER_SHUTDOWN_TIMEOUT_S
+        "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", engine.WORKER_SHUTDOWN_TIMEOUT_S
     )
 
     def sized(kv_cache_in_host: bool):
@@ -183,7 +157,7 @@ def main() -> None:
             f"{sizing.show(plan.available)} available"
         )
 
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.config import KVTransferConfig
 
     kv_transfer_config = KVTransferConfig(
@@ -202,13 +176,10 @@ def main() -> None:
         engine_args["max_model_len"] = plan.max_model_len
 
     start = time.perf_counter()
-    llm = LLM(
-        model=model,
-        gpu_memory_utilization=0.5,
-        kv_transfer_config=kv_transfer_config,
-        # Keeps the metrics that the summary below reads.
-        disable_log_stats=False,
-        **engine_args,
+    # LLM(model=..., kv_transfer_config=..., disable_log_stats=False, ...):
+    # the statistics kept are where the times and counters below come from.
+    llm = engine.start(
+        model, kv_transfer_config, gpu_memory_utilization=0.5, **engine_args
     )
     engine_start_s = time.perf_counter() - start
     try:
@@ -220,7 +191,7 @@ def main() -> None:
         # new shapes) that are neither computing nor loading.
         time_to_first_token(llm, long_prompt(0))
         cold, device, cpu = [], [], []
-        loaded_before = offload_counters(llm)["loaded_bytes"]
+        loaded_before = offload_counters()["loaded_bytes"]
         cpu_tokens = prompt_tokens = 0
         for r in range(1, args.rounds + 1):
             prompt = long_prompt(r)
@@ -230,12 +201,12 @@ def main() -> None:
             # Device hit: the prefix is still in the device cache.
             device.append(time_to_first_token(llm, prompt)[0])
             # Drop the device prefix cache: only the CPU pool holds the prefix.
-            llm.reset_prefix_cache()
+            engine.reset_prefix_cache(llm)
             seconds, cpu_tokens, _ = time_to_first_token(llm, prompt)
             cpu.append(seconds)
-        counters = offload_counters(llm)
+        counters = offload_counters()
     finally:
-        shutdown(llm)
+        engine.shutdown(llm)
         del llm
         gc.collect()
 

@@ -8,7 +8,6 @@ import importlib.util
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from types import ModuleType
 
 import pytest
 
+from vllm_ascend.kv_offload.testing.server import free_port  # noqa: F401 (tests import it from here)
 from vllm_ascend.kv_offload.testing.tiny_model import (
     ensure_mla_model,
     ensure_tiny_model,
@@ -171,12 +171,6 @@ def offloading_code(request) -> dict:
 
     skip_unless_core_supported()
     return {"pythonpath": [str(overlay_dir())]}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def zmq_events_config(port: int, topic: str):

@@ -71,7 +71,7 @@ def _change_storage(action: str, storage: str) -> None:
 def _run_phases(llm, phases: list[dict], storage: str) -> list[dict]:
     from vllm import SamplingParams
 
-    from tests.e2e.run_scenario import counters, settle_stores
+    from vllm_ascend.kv_offload.testing.engine import counters, settle
 
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     out = []
@@ -90,8 +90,8 @@ def _run_phases(llm, phases: list[dict], storage: str) -> list[dict]:
                     "finish_reason": r.outputs[0].finish_reason,
                 }
             )
-        settle_stores(llm)
-        out.append({"results": results, "counters": counters(llm)})
+        settle(llm)
+        out.append({"results": results, "counters": counters()})
     return out
 
 

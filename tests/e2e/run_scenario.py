@@ -34,62 +34,24 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from vllm_ascend.kv_offload.testing import engine
+
 
 def kv_transfer_config(scenario: dict):
-    from vllm.config import KVTransferConfig
-
     if scenario.get("offload") is None:
         return None
-    return KVTransferConfig(
+    return engine.transfer_config(
+        scenario["offload"],
         kv_connector=scenario.get("connector", "OffloadingConnector"),
         kv_connector_module_path=scenario.get("connector_module_path"),
         kv_role=scenario.get("kv_role", "kv_both"),
-        kv_connector_extra_config=scenario["offload"],
         kv_load_failure_policy=scenario.get("kv_load_failure_policy", "fail"),
     )
 
 
-def _stored_bytes(llm) -> float:
-    return sum(
-        getattr(m, "value", 0.0)
-        for m in llm.get_metrics()
-        if m.name == "vllm:kv_offload_store_bytes"
-    )
-
-
-def settle_stores(llm, max_rounds: int = 50) -> None:
-    """Lets the stores of the last phase land before the next one looks the
-    blocks up. Stores are submitted at the start of the next engine step and
-    finish asynchronously, so short requests step the engine until the stored
-    byte count has stayed the same over two rounds (on a loaded machine one
-    round of steps was not always enough)."""
-    from vllm import SamplingParams
-
-    params = SamplingParams(max_tokens=4)
-    last, steady = -1.0, 0
-    for _ in range(max_rounds):
-        llm.generate(["flush"], params, use_tqdm=False)
-        time.sleep(0.05)
-        stored = _stored_bytes(llm)
-        steady = steady + 1 if stored == last else 0
-        if steady >= 2:
-            return
-        last = stored
-
-
-def shutdown_engine(llm, timeout_s: float = 60) -> None:
-    """Shuts ``llm``'s engine core down and waits for it: vLLM kills it after
-    5 s by default, which a loaded machine can exceed."""
-    llm.llm_engine.engine_core.shutdown(timeout=timeout_s)
-
-
-def counters(llm) -> dict[str, float]:
-    """vLLM's offloading metrics (ours included), summed over labels."""
-    totals: dict[str, float] = {}
-    for metric in llm.get_metrics():
-        if metric.name.startswith("vllm:kv_offload") and hasattr(metric, "value"):
-            totals[metric.name] = totals.get(metric.name, 0.0) + metric.value
-    return totals
+# The shared driver's, under the names the e2e tests import.
+settle_stores = engine.settle
+shutdown_engine = engine.shutdown
 
 
 def run(scenario: dict) -> dict:
@@ -128,29 +90,24 @@ def _env(changes: dict[str, str]) -> Iterator[None]:
 
 
 def _run_engine(scenario: dict, shutdown: bool = False) -> dict:
-    from vllm import LLM, SamplingParams
-
     from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model
 
-    kwargs = dict(scenario.get("engine", {}))
-    transfer_config = kv_transfer_config(scenario)
-    if transfer_config is not None:
-        kwargs["kv_transfer_config"] = transfer_config
-    model = scenario.get("model") or ensure_tiny_model()
-    llm = LLM(model=model, disable_log_stats=False, **kwargs)
+    llm = engine.start(
+        scenario.get("model") or ensure_tiny_model(),
+        kv_transfer_config(scenario),
+        **scenario.get("engine", {}),
+    )
 
     phases, phase_counters = [], []
     for phase in scenario["phases"]:
         time.sleep(phase.get("sleep_s", 0))
         if phase.get("reset_prefix_cache"):
-            assert llm.reset_prefix_cache()
-        params = SamplingParams(
-            max_tokens=phase.get("max_tokens", 16), temperature=0.0, ignore_eos=True
-        )
+            engine.reset_prefix_cache(llm)
         # One request at a time keeps the cache state each request sees
         # independent of batching.
         outputs = [
-            llm.generate([p], params, use_tqdm=False)[0] for p in phase["prompts"]
+            engine.generate(llm, p, phase.get("max_tokens", 16), ignore_eos=True)
+            for p in phase["prompts"]
         ]
         phases.append(
             [
@@ -166,7 +123,7 @@ def _run_engine(scenario: dict, shutdown: bool = False) -> dict:
         if phase.get("settle", True):
             settle_stores(llm)
         # After each phase: what it stored and loaded is the difference.
-        phase_counters.append(counters(llm))
+        phase_counters.append(engine.counters())
 
     # Which vLLM offloading code ran: "0.33.0" under tests/vllm033's overlay.
     overlay = os.environ.get("VLLM_KV_OFFLOAD_OVERLAY")
@@ -175,7 +132,7 @@ def _run_engine(scenario: dict, shutdown: bool = False) -> dict:
     compilation = llm.llm_engine.vllm_config.compilation_config
     result = {
         "phases": phases,
-        "counters": phase_counters[-1] if phase_counters else counters(llm),
+        "counters": phase_counters[-1] if phase_counters else engine.counters(),
         "phase_counters": phase_counters,
         "offloading_overlay": overlay,
         "compilation": {"mode": compilation.mode.name, "backend": compilation.backend},

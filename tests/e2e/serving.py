@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 import urllib.error
@@ -19,7 +18,8 @@ import psutil
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.conftest import REPO, free_port
+from tests.e2e.conftest import REPO
+from vllm_ascend.kv_offload.testing import server as driver
 
 # The OpenAI server of examples/serve_kv_offload.sh, for the online tests.
 START_TIMEOUT_S = 300
@@ -56,8 +56,9 @@ def cpu_block_bytes(model_dir: str) -> int:
     return cfg["num_hidden_layers"] * BLOCK_TOKENS * per_token
 
 
-class Server:
-    """An OpenAI server on 127.0.0.1 in its own session: the example script
+class Server(driver.Server):
+    """An OpenAI server on 127.0.0.1 in its own session (the one server
+    driver, ``testing.server``): the example script
     ``examples/serve_kv_offload.sh`` (the guide's config, ``SERVE_FLAGS``),
     or, given ``transfer_config``, ``vllm serve``'s API server module with it
     as its ``--kv-transfer-config`` (16 device blocks), started through
@@ -71,79 +72,33 @@ class Server:
         launcher: Sequence[str] = (),
     ):
         self.model = model
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")  # /reset_prefix_cache
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+        env = {"VLLM_SERVER_DEV_MODE": "1"}  # /reset_prefix_cache
+        env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(REPO), os.environ.get("PYTHONPATH", "")]
+        )
         if transfer_config is None:
             # The script runs `python` and `vllm` from PATH: this interpreter's.
             env["PATH"] = os.pathsep.join(
-                [str(Path(sys.executable).parent), env["PATH"]]
+                [str(Path(sys.executable).parent), os.environ["PATH"]]
             )
-            env.update(HOST="127.0.0.1", PORT=str(self.port))
+            env["HOST"] = "127.0.0.1"  # PORT: the driver's
             script = REPO / "examples" / "serve_kv_offload.sh"
             command = ["bash", str(script), model, *SERVE_FLAGS]
         else:
-            command = [
-                sys.executable,
-                "-m",
-                # `vllm serve` (the example script's fallback: the CLI's
-                # version check fails where the metadata says vllm-cpu).
-                "vllm.entrypoints.launchers.api_server.entry",
-                "--model",
-                model,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
+            flags = [
                 *serve_flags(16),
                 "--kv-transfer-config",
                 json.dumps(transfer_config),
             ]
-        self._log = open(log_path, "wb")  # closed in stop()
-        self.proc = psutil.Popen(
-            [*launcher, *command],
-            cwd=REPO,
-            env=env,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            # Its own session: a Ctrl-C on pytest does not hit it twice.
-            start_new_session=True,
-        )
-        self.children: list[psutil.Process] = []
-
-    def log_tail(self, chars: int = 6000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:]
+            command = driver.serve_command(model, flags)
+        super().__init__([*launcher, *command], log_path, env, REPO)
 
     def wait_ready(self) -> float:
-        start = time.monotonic()
-        while time.monotonic() - start < START_TIMEOUT_S:
-            if self.proc.poll() is not None:
-                raise AssertionError(
-                    f"server exited with {self.proc.returncode} during start-up:\n"
-                    f"{self.log_tail()}"
-                )
-            try:
-                with urllib.request.urlopen(self.base + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        # The script exec's the server: this pid is the API
-                        # server, its descendants the engine core and worker.
-                        parent = psutil.Process(self.proc.pid)
-                        self.children = parent.children(recursive=True)
-                        return time.monotonic() - start
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(1)
-        raise AssertionError(
-            f"server not healthy after {START_TIMEOUT_S} s:\n{self.log_tail()}"
-        )
+        return super().wait_ready(START_TIMEOUT_S)
 
-    def post(self, path: str) -> dict:
-        req = urllib.request.Request(self.base + path, data=b"", method="POST")
-        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
-            return json.loads(r.read())
+    def stop(self, sig: int = signal.SIGINT) -> dict:
+        return super().stop(sig, STOP_TIMEOUT_S)
 
     def samples(self) -> Iterator[Any]:
         """Every sample on /metrics (prometheus_client's ``Sample``)."""
@@ -182,37 +137,6 @@ class Server:
             "threads": sum(len(os.listdir(f"/proc/{p.pid}/task")) for p in procs),
             "fds": sum(len(os.listdir(f"/proc/{p.pid}/fd")) for p in procs),
         }
-
-    def stop(self, sig: int = signal.SIGINT) -> dict:
-        """``sig`` (SIGKILL: to the whole process group), then wait; returns
-        how the server and its children ended."""
-        result = {"returncode": self.proc.poll(), "stop_s": 0.0, "orphans": []}
-        if result["returncode"] is None:
-            start = time.monotonic()
-            if sig == signal.SIGKILL:
-                # Its own session (start_new_session): the group is its pid.
-                os.killpg(self.proc.pid, sig)
-            else:
-                self.proc.send_signal(sig)
-            try:
-                result["returncode"] = self.proc.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                result["returncode"] = None
-            result["stop_s"] = time.monotonic() - start
-        # Children get a grace period to notice their parent is gone.
-        _, alive = psutil.wait_procs(self.children, timeout=15)
-        result["orphans"] = [p.pid for p in alive]
-        # Whatever is left was started by this test: end it by pid.
-        if result["returncode"] is None:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
-        for p in alive:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        self._log.close()
-        return result
 
 
 def reset_device_cache(server: Server) -> None:

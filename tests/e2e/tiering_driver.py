@@ -20,26 +20,9 @@ import os
 import shutil
 import time
 
-from tests.e2e.run_scenario import counters, settle_stores, shutdown_engine
+from vllm_ascend.kv_offload.testing import engine
 
 TIER_WRITE_BYTES = "vllm:kv_offload_tiering_write_bytes"
-
-
-def _settle_tier_writes(llm, max_rounds: int = 60) -> None:
-    """Steps the engine until the fs tier's written bytes stop changing
-    (cascades are submitted at the end of a scheduler step)."""
-    from vllm import SamplingParams
-
-    params = SamplingParams(max_tokens=2)
-    last, steady = -1.0, 0
-    for _ in range(max_rounds):
-        llm.generate(["flush"], params, use_tqdm=False)
-        time.sleep(0.1)
-        written = counters(llm).get(TIER_WRITE_BYTES, 0.0)
-        steady = steady + 1 if written == last else 0
-        if steady >= 3:
-            return
-        last = written
 
 
 def _files(root: str) -> list[str]:
@@ -60,9 +43,6 @@ def _meet(mine: str, others: list[str], timeout: float = 600.0) -> None:
 
 
 def run(scenario: dict) -> dict:
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
-
     from vllm_ascend.kv_offload.region import mark_path, region_path
     from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model
 
@@ -72,19 +52,10 @@ def run(scenario: dict) -> dict:
         with open(region_path(stale), "wb") as f:
             f.write(b"\0" * 4096)  # smaller than any region: vLLM would wait 30 s
         open(mark_path(stale), "wb").close()
-    transfer = KVTransferConfig(
-        kv_connector="OffloadingConnector",
-        kv_role="kv_both",
-        kv_connector_extra_config=scenario["offload"],
-        kv_load_failure_policy="recompute",
-        engine_id=engine_id,
+    transfer = engine.transfer_config(
+        scenario["offload"], kv_load_failure_policy="recompute", engine_id=engine_id
     )
-    llm = LLM(
-        model=ensure_tiny_model(),
-        disable_log_stats=False,
-        kv_transfer_config=transfer,
-        **scenario["engine"],
-    )
+    llm = engine.start(ensure_tiny_model(), transfer, **scenario["engine"])
     engine_id = transfer.engine_id
     region_while_running = os.path.exists(region_path(engine_id))
     root = scenario.get("root_dir")
@@ -94,27 +65,27 @@ def run(scenario: dict) -> dict:
     barrier = scenario.get("barrier")
     if barrier:
         _meet(barrier["mine"], barrier["others"])
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     results = []
     for round_ in range(scenario.get("rounds", 1)):
         if round_:
-            settle_stores(llm)
-            llm.reset_prefix_cache()
+            engine.settle(llm)
+            engine.reset_prefix_cache(llm)
         for prompt in scenario["prompts"]:
-            out = llm.generate([prompt], params, use_tqdm=False)[0]
+            out = engine.generate(llm, prompt, 16, ignore_eos=True)
             results.append(
                 {
                     "token_ids": list(out.outputs[0].token_ids),
                     "num_cached_tokens": out.num_cached_tokens or 0,
                 }
             )
-    settle_stores(llm)
-    _settle_tier_writes(llm)
-    totals = counters(llm)
+    engine.settle(llm)
+    # Cascades to the fs tier are submitted at the end of a scheduler step.
+    engine.settle(llm, TIER_WRITE_BYTES, steady_rounds=3, max_rounds=60, pause_s=0.1)
+    totals = engine.counters()
     files = _files(root) if root and os.path.isdir(root) else []
 
     # Time for the engine core's own teardown: what it logs is checked.
-    shutdown_engine(llm)
+    engine.shutdown(llm)
     del llm
     gc.collect()
     return {

@@ -1,0 +1,140 @@
+"""The one engine driver of the e2e tests, the benchmarks and the offline
+example: an ``LLM`` with the guide's offloading configuration, one request
+at a time with its time to first token from vLLM's request metrics, the
+offloading counters, stores waited for, the device prefix cache dropped, and
+a shutdown that gives the engine's processes the time they need.
+
+Nothing here imports vLLM at module level: the example's ``--help`` and the
+benchmarks' orchestrators stay fast.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+# How long the engine's processes get to exit before vLLM SIGKILLs them.
+# vLLM's default is 5 s for the engine core, which itself first waits up to
+# 5 s (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS) for its worker: on a small busy
+# machine their teardown takes longer, so the default ends in "force
+# killing" lines and a leaked shared_memory warning. Waiting costs nothing
+# when they are quicker: shutdown returns as soon as they have exited.
+SHUTDOWN_TIMEOUT_S = 120.0
+WORKER_SHUTDOWN_TIMEOUT_S = "60"  # the engine core's wait, within the above
+
+OFFLOAD_PREFIX = "vllm:kv_offload"
+STORE_BYTES = "vllm:kv_offload_store_bytes"
+
+
+def transfer_config(extra_config: dict, **fields):
+    """The guide's ``KVTransferConfig`` around ``extra_config``
+    (``kv_connector_extra_config``); ``fields`` override or add its other
+    fields (``kv_load_failure_policy``, ``engine_id``, ...)."""
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(
+        **{
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": extra_config,
+            **fields,
+        }
+    )
+
+
+def start(model: str, transfer=None, **engine_args):
+    """An ``LLM`` for ``model`` with ``transfer`` (a ``KVTransferConfig`` or
+    None: offloading off), keeping the statistics that the request metrics
+    and the offloading counters below come from."""
+    from vllm import LLM
+
+    if transfer is not None:
+        engine_args["kv_transfer_config"] = transfer
+    return LLM(model=model, disable_log_stats=False, **engine_args)
+
+
+def generate(llm, prompt: str, max_tokens: int = 1, **sampling):
+    """``prompt`` alone (greedy): the cache state it sees does not depend on
+    batching. Returns vLLM's ``RequestOutput``."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, **sampling)
+    (out,) = llm.generate([prompt], params, use_tqdm=False)
+    return out
+
+
+def ttft_s(output) -> float:
+    """Time to first token of a finished request, from vLLM's request
+    metrics: arrival in the engine to the first token (what vLLM's own
+    ``vllm:time_to_first_token_seconds`` histogram records)."""
+    if output.metrics is None:
+        raise ValueError("no request metrics: start the engine with start()")
+    return output.metrics.first_token_latency
+
+
+def counters(
+    prefixes: Iterable[str] = (OFFLOAD_PREFIX,), registry=None
+) -> dict[str, float]:
+    """This process's engine metrics whose names start with one of
+    ``prefixes`` (counters and gauges), summed over labels, as floats.
+
+    Read from the Prometheus registry (``registry``: the default one):
+    ``LLM.get_metrics()`` turns counters into ``int``, which truncates the
+    load/store seconds to 0."""
+    from prometheus_client import REGISTRY
+
+    prefixes = tuple(prefixes)
+    totals: dict[str, float] = {}
+    for family in (registry or REGISTRY).collect():
+        if family.type not in ("counter", "gauge") or not family.name.startswith(
+            prefixes
+        ):
+            continue
+        value = sum(
+            s.value
+            for s in family.samples
+            if s.name == family.name or s.name == family.name + "_total"
+        )
+        totals[family.name] = totals.get(family.name, 0.0) + value
+    return totals
+
+
+def settle(
+    llm,
+    metric: str = STORE_BYTES,
+    steady_rounds: int = 2,
+    max_rounds: int = 50,
+    pause_s: float = 0.05,
+) -> float:
+    """Steps the engine with short requests until ``metric`` has stayed the
+    same for ``steady_rounds`` rounds; returns its value. Stores are
+    submitted at the start of the next engine step and finish
+    asynchronously (tier cascades at the end of one), so a phase's blocks
+    are only found by the next one once they have landed (on a loaded
+    machine one round of steps was not always enough)."""
+    last, steady = -1.0, 0
+    for _ in range(max_rounds):
+        generate(llm, "flush", max_tokens=2)
+        time.sleep(pause_s)
+        value = counters((metric,)).get(metric, 0.0)
+        steady = steady + 1 if value == last else 0
+        if steady >= steady_rounds:
+            break
+        last = value
+    return last
+
+
+def reset_prefix_cache(llm, timeout_s: float = 60.0) -> None:
+    """Drops the device prefix cache (refused while transfers are in
+    flight: retried, with steps in between, until ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while not llm.reset_prefix_cache():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"reset_prefix_cache kept failing for {timeout_s} s")
+        generate(llm, "flush", max_tokens=2)
+
+
+def shutdown(llm, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
+    """Shuts ``llm``'s engine core down and waits for its processes to exit
+    on their own (above), so that their shared memory is released in order."""
+    llm.llm_engine.engine_core.shutdown(timeout=timeout_s)
