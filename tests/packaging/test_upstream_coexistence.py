@@ -99,10 +99,12 @@ except Exception:
 try:
     import vllm_ascend.kv_offload.npu as npu
     from vllm_ascend.kv_offload import ops
+    # Read first: ops loads the native library on first use.
+    has_native_op = ops.HAS_NATIVE_OP
     native = sys.modules.get("vllm_ascend.kv_offload._C_kv_offload")
     out["ours"] = {
         "npu": npu.__file__,
-        "has_native_op": ops.HAS_NATIVE_OP,
+        "has_native_op": has_native_op,
         "backends": list(ops.native_backends()),
         "native": getattr(native, "__file__", None),
     }
