@@ -19,7 +19,6 @@ from vllm_ascend.kv_offload.config import OffloadConfigError
 from vllm_ascend.kv_offload.tiering import fs_budget
 from vllm_ascend.kv_offload.tiering.block_file import (
     HEADER_BYTES,
-    StoredBlockError,
     read_block,
     write_block,
 )
@@ -35,6 +34,7 @@ from vllm_ascend.kv_offload.tiering.spec import (
     NPUTieringOffloadingSpec,
     check_tiering_config,
 )
+from vllm_ascend.kv_offload.tiering.tier_paths import StoredBlockError
 
 IDENTITY = bytes(32)
 PAYLOAD_BYTES = 2 * 4096

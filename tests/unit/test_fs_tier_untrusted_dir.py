@@ -27,8 +27,6 @@ from vllm_ascend.kv_offload.tiering.auth_key import read_auth_key
 from vllm_ascend.kv_offload.tiering.block_file import (
     HEADER_BYTES,
     HEADER_STRUCT,
-    BadEntryError,
-    StoredBlockError,
     key_digest,
     read_block,
     remove_stale_temp_files,
@@ -40,6 +38,7 @@ from vllm_ascend.kv_offload.tiering.spec import (
     NPUTieringOffloadingSpec,
     check_tiering_config,
 )
+from vllm_ascend.kv_offload.tiering.tier_paths import BadEntryError, StoredBlockError
 
 IDENTITY = bytes(range(32))
 KEY = key_digest(make_offload_key(b"\x01" * 32, 0))

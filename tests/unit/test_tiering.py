@@ -35,7 +35,6 @@ from vllm_ascend.kv_offload.self_check import SelfCheckResult
 from vllm_ascend.kv_offload.tiering import block_file
 from vllm_ascend.kv_offload.tiering.block_file import (
     HEADER_BYTES,
-    StoredBlockError,
     key_digest,
     read_block,
     write_block,
@@ -46,6 +45,7 @@ from vllm_ascend.kv_offload.tiering.spec import (
     NPUTieringOffloadingSpec,
     check_tiering_config,
 )
+from vllm_ascend.kv_offload.tiering.tier_paths import StoredBlockError
 from vllm_ascend.kv_offload.transfer_queue import TransferQueue
 
 

@@ -3,12 +3,12 @@ version, payload length, CRC32 of the payload, identity digest, key digest,
 optionally an HMAC-SHA256 over header and payload) followed by the payload,
 written atomically and verified on every read.
 
-Files under the tier directory are untrusted: every path is opened one
-component at a time below the configured ``root`` without following a
-symlink (``O_NOFOLLOW`` with ``dir_fd``), and only regular files are opened.
-Anything else in place of a block file or of one of its directories (a
-symlink, FIFO, device, socket, directory) is a *bad entry*: a miss, reported
-to ``on_bad_entry``, and removed, so that the block can be written again.
+Files under the tier directory are untrusted: every path is reached
+through ``tier_paths`` (one component at a time below the configured
+``root``, no symlink followed, only regular files opened); anything else in
+place of a block file or of one of its directories is a *bad entry*: a
+miss, reported to ``on_bad_entry``, and removed, so that the block can be
+written again.
 """
 
 from __future__ import annotations
@@ -26,12 +26,21 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Callable
 
 from vllm.v1.kv_offload.base import (
     OffloadKey,
     get_offload_block_hash,
     get_offload_group_idx,
+)
+
+from vllm_ascend.kv_offload.tiering.tier_paths import (
+    BadEntryHook,
+    StoredBlockError,
+    kind_of,
+    open_dirs,
+    open_regular,
+    remove_entry,
+    split_under,
 )
 
 # One page, so that header + payload stay O_DIRECT-aligned (the payload is a
@@ -61,17 +70,6 @@ def key_digest(key: OffloadKey) -> bytes:
     group = get_offload_group_idx(key)
     return hashlib.sha256(block_hash + group.to_bytes(4, "little")).digest()
 
-
-class StoredBlockError(OSError):
-    """A stored file that must not be loaded (short, foreign, corrupted)."""
-
-
-class BadEntryError(StoredBlockError):
-    """Something other than a regular file where a block file should be (or
-    other than a directory on the path to one)."""
-
-
-BadEntryHook = Callable[[str, str], None]  # (path, what was found there)
 
 _local = threading.local()
 
@@ -113,91 +111,6 @@ def _mac(auth_key: bytes, header: mmap.mmap, payload: memoryview) -> bytes:
     return mac.digest()
 
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_KINDS = (
-    (stat.S_ISLNK, "symlink"),
-    (stat.S_ISDIR, "directory"),
-    (stat.S_ISFIFO, "FIFO"),
-    (stat.S_ISSOCK, "socket"),
-    (stat.S_ISCHR, "character device"),
-    (stat.S_ISBLK, "block device"),
-    (stat.S_ISREG, "regular file"),
-)
-
-
-def _kind(mode: int) -> str:
-    return next((kind for test, kind in _KINDS if test(mode)), "special file")
-
-
-def _remove_entry(dir_fd: int, name: str) -> None:
-    """Removes a bad entry without following it; a directory only if empty
-    (nothing is removed recursively from a shared directory)."""
-    with contextlib.suppress(OSError):
-        if stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
-            os.rmdir(name, dir_fd=dir_fd)
-        else:
-            os.unlink(name, dir_fd=dir_fd)
-
-
-def _split(root: str, path: str) -> tuple[list[str], str]:
-    rel = os.path.relpath(path, root)
-    parts = rel.split(os.sep)
-    if os.path.isabs(rel) or any(p in ("", os.curdir, os.pardir) for p in parts):
-        raise StoredBlockError(errno.EINVAL, f"not under the tier root {root}", path)
-    return parts[:-1], parts[-1]
-
-
-def open_dirs(
-    root: str,
-    dirs: list[str] | tuple[str, ...],
-    create: bool = False,
-    path: str = "",
-    on_bad_entry: BadEntryHook | None = None,
-) -> int:
-    """An fd of ``root/dirs...``, reached without following a symlink below
-    ``root`` (``root`` itself is configured, so trusted): the one walk of the
-    tier's directories (block files here, the size bound's scan in
-    ``fs_budget``). A non-directory on the way is a bad entry: removed, and
-    replaced by a directory if ``create``. ``path``: the file the walk is
-    for, in errors."""
-    try:
-        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        if not create:
-            raise
-        os.makedirs(root, exist_ok=True)
-        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        for name in dirs:
-            try:
-                sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
-            except FileNotFoundError:
-                if not create:
-                    raise
-                with contextlib.suppress(FileExistsError):
-                    os.mkdir(name, 0o755, dir_fd=fd)
-                sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
-            except OSError as e:
-                if e.errno not in (errno.ELOOP, errno.ENOTDIR):
-                    raise
-                mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
-                found = f"a {_kind(mode)} in place of a directory"
-                _remove_entry(fd, name)
-                if on_bad_entry is not None:
-                    on_bad_entry(path, found)
-                if not create:
-                    raise BadEntryError(errno.ENOTDIR, found, path) from e
-                with contextlib.suppress(FileExistsError):
-                    os.mkdir(name, 0o755, dir_fd=fd)
-                sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
-            os.close(fd)
-            fd = sub
-        return fd
-    except BaseException:
-        os.close(fd)
-        raise
-
-
 def write_block(
     path: str,
     payload: memoryview,
@@ -214,7 +127,7 @@ def write_block(
     Returns False if a block file is there already (another writer won); a
     bad entry in its place is removed and the block written."""
     root = root or os.path.dirname(path)
-    dirs, name = _split(root, path)
+    dirs, name = split_under(root, path)
     header = _header_buffer()
     header[:] = bytes(HEADER_BYTES)
     HEADER_STRUCT.pack_into(
@@ -241,9 +154,9 @@ def write_block(
         else:
             if stat.S_ISREG(mode):
                 return False
-            _remove_entry(dir_fd, name)
+            remove_entry(dir_fd, name)
             if on_bad_entry is not None:
-                on_bad_entry(path, f"a {_kind(mode)} in place of a block file")
+                on_bad_entry(path, f"a {kind_of(mode)} in place of a block file")
         tmp = temp_name(name)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp, dir_fd=dir_fd)  # left by an earlier use of this name
@@ -267,43 +180,6 @@ def write_block(
     return True
 
 
-def _open_regular(
-    dir_fd: int,
-    name: str,
-    path: str,
-    o_direct: int,
-    on_bad_entry: BadEntryHook | None,
-) -> int:
-    """An fd of the regular file ``name``; nothing else is opened (no
-    symlink followed, no FIFO or device opened, so no open blocks)."""
-
-    def bad(mode: int) -> BadEntryError:
-        found = f"a {_kind(mode)} in place of a block file"
-        _remove_entry(dir_fd, name)
-        if on_bad_entry is not None:
-            on_bad_entry(path, found)
-        return BadEntryError(errno.EIO, found, path)
-
-    mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
-    if not stat.S_ISREG(mode):
-        raise bad(mode)
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-    try:
-        fd = os.open(name, flags | o_direct, dir_fd=dir_fd)
-    except OSError as e:  # replaced since the stat: look again
-        if e.errno == errno.ENOENT:
-            raise
-        mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
-        if not stat.S_ISREG(mode):
-            raise bad(mode) from e
-        raise
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise bad(mode)
-    return fd
-
-
 def read_block(
     path: str,
     payload: memoryview,
@@ -321,11 +197,11 @@ def read_block(
     ``write_block`` wrote for this identity and key (and, with
     ``auth_key``, MACed with that key)."""
     root = root or os.path.dirname(path)
-    dirs, name = _split(root, path)
+    dirs, name = split_under(root, path)
     header = _header_buffer()
     dir_fd = open_dirs(root, dirs, False, path, on_bad_entry)
     try:
-        fd = _open_regular(dir_fd, name, path, o_direct, on_bad_entry)
+        fd = open_regular(dir_fd, name, path, o_direct, on_bad_entry)
     finally:
         os.close(dir_fd)
     try:
@@ -390,42 +266,17 @@ def remove_stale_temp_files(root: str, max_age_s: float = STALE_TMP_AGE_S) -> in
     return removed
 
 
-def remove_block(path: str, root: str) -> None:
-    """Removes the regular file ``path`` under ``root`` (a file that failed
-    verification), following no symlink; anything else is left alone."""
-    dirs, name = _split(root, path)
-    with contextlib.suppress(OSError):
-        dir_fd = open_dirs(root, dirs, False, path, None)
-        try:
-            mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
-            if stat.S_ISREG(mode):
-                os.unlink(name, dir_fd=dir_fd)
-        finally:
-            os.close(dir_fd)
-
-
-def make_dirs(path: str, root: str) -> None:
-    """``os.makedirs(path)`` below ``root`` without following a symlink (a
-    bad entry on the way is replaced by a directory)."""
-    rel = os.path.relpath(path, root)
-    if rel == os.curdir:
-        os.close(os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
-        return
-    dirs, last = _split(root, path)
-    os.close(open_dirs(root, [*dirs, last], True, path, None))
-
-
 def write_small_file(path: str, data: bytes, root: str) -> None:
     """Writes ``path`` under ``root`` atomically, following no symlink and
     replacing a non-regular entry (``identity.json``, vLLM's
     ``config.json``)."""
-    dirs, name = _split(root, path)
+    dirs, name = split_under(root, path)
     dir_fd = open_dirs(root, dirs, True, path, None)
     try:
         with contextlib.suppress(FileNotFoundError):
             mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
             if not stat.S_ISREG(mode):
-                _remove_entry(dir_fd, name)
+                remove_entry(dir_fd, name)
         tmp = temp_name(name)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp, dir_fd=dir_fd)
@@ -440,22 +291,5 @@ def write_small_file(path: str, data: bytes, root: str) -> None:
             raise
         finally:
             os.close(fd)
-    finally:
-        os.close(dir_fd)
-
-
-def is_regular_file(path: str, root: str) -> bool:
-    """Whether ``path`` under ``root`` is a regular file (no symlink
-    followed on the way or at the end)."""
-    dirs, name = _split(root, path)
-    try:
-        dir_fd = open_dirs(root, dirs, False, path, None)
-    except OSError:
-        return False
-    try:
-        mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
-        return stat.S_ISREG(mode)
-    except OSError:
-        return False
     finally:
         os.close(dir_fd)

@@ -35,13 +35,8 @@ from vllm_ascend.kv_offload.tiering.auth_key import (
 )
 from vllm_ascend.kv_offload.tiering.block_file import (
     HEADER_BYTES,
-    BadEntryError,
-    StoredBlockError,
-    is_regular_file,
     key_digest,
-    make_dirs,
     read_block,
-    remove_block,
     remove_stale_temp_files,
     write_block,
     write_small_file,
@@ -57,6 +52,13 @@ from vllm_ascend.kv_offload.tiering.identity import (
     identity_root,
 )
 from vllm_ascend.kv_offload.tiering.model_identity import SHARED_ID, with_shared_id
+from vllm_ascend.kv_offload.tiering.tier_paths import (
+    BadEntryError,
+    StoredBlockError,
+    is_regular_file,
+    make_dirs,
+    remove_block,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_ascend.kv_offload.config import OffloadConfigError
 from vllm_ascend.kv_offload.logger import init_logger
-from vllm_ascend.kv_offload.tiering.block_file import open_dirs
+from vllm_ascend.kv_offload.tiering.tier_paths import open_dirs
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (

@@ -1,0 +1,192 @@
+"""Paths below an untrusted tier directory, reached without following a
+symlink: every component is opened with ``O_NOFOLLOW`` from its parent's
+fd (``dir_fd``), and only directories and regular files are opened.
+Anything else where a directory or a block file should be (a symlink,
+FIFO, device, socket, or a directory in place of a file) is a *bad entry*:
+reported to ``on_bad_entry``, removed (a directory only if empty) and, where
+the caller creates, replaced. The block file format on top of it is
+``block_file.py``; the size bound's scan walks with ``open_dirs`` too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+from collections.abc import Callable
+
+
+class StoredBlockError(OSError):
+    """A stored file that must not be loaded (short, foreign, corrupted)."""
+
+
+class BadEntryError(StoredBlockError):
+    """Something other than a regular file where a block file should be (or
+    other than a directory on the path to one)."""
+
+
+BadEntryHook = Callable[[str, str], None]  # (path, what was found there)
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_KINDS = (
+    (stat.S_ISLNK, "symlink"),
+    (stat.S_ISDIR, "directory"),
+    (stat.S_ISFIFO, "FIFO"),
+    (stat.S_ISSOCK, "socket"),
+    (stat.S_ISCHR, "character device"),
+    (stat.S_ISBLK, "block device"),
+    (stat.S_ISREG, "regular file"),
+)
+
+
+def kind_of(mode: int) -> str:
+    return next((kind for test, kind in _KINDS if test(mode)), "special file")
+
+
+def remove_entry(dir_fd: int, name: str) -> None:
+    """Removes a bad entry without following it; a directory only if empty
+    (nothing is removed recursively from a shared directory)."""
+    with contextlib.suppress(OSError):
+        if stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+            os.rmdir(name, dir_fd=dir_fd)
+        else:
+            os.unlink(name, dir_fd=dir_fd)
+
+
+def split_under(root: str, path: str) -> tuple[list[str], str]:
+    rel = os.path.relpath(path, root)
+    parts = rel.split(os.sep)
+    if os.path.isabs(rel) or any(p in ("", os.curdir, os.pardir) for p in parts):
+        raise StoredBlockError(errno.EINVAL, f"not under the tier root {root}", path)
+    return parts[:-1], parts[-1]
+
+
+def open_dirs(
+    root: str,
+    dirs: list[str] | tuple[str, ...],
+    create: bool = False,
+    path: str = "",
+    on_bad_entry: BadEntryHook | None = None,
+) -> int:
+    """An fd of ``root/dirs...``, reached without following a symlink below
+    ``root`` (``root`` itself is configured, so trusted): the one walk of the
+    tier's directories (block files here, the size bound's scan in
+    ``fs_budget``). A non-directory on the way is a bad entry: removed, and
+    replaced by a directory if ``create``. ``path``: the file the walk is
+    for, in errors."""
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        if not create:
+            raise
+        os.makedirs(root, exist_ok=True)
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for name in dirs:
+            try:
+                sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, 0o755, dir_fd=fd)
+                sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            except OSError as e:
+                if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
+                found = f"a {kind_of(mode)} in place of a directory"
+                remove_entry(fd, name)
+                if on_bad_entry is not None:
+                    on_bad_entry(path, found)
+                if not create:
+                    raise BadEntryError(errno.ENOTDIR, found, path) from e
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, 0o755, dir_fd=fd)
+                sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = sub
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def open_regular(
+    dir_fd: int,
+    name: str,
+    path: str,
+    o_direct: int,
+    on_bad_entry: BadEntryHook | None,
+) -> int:
+    """An fd of the regular file ``name``; nothing else is opened (no
+    symlink followed, no FIFO or device opened, so no open blocks)."""
+
+    def bad(mode: int) -> BadEntryError:
+        found = f"a {kind_of(mode)} in place of a block file"
+        remove_entry(dir_fd, name)
+        if on_bad_entry is not None:
+            on_bad_entry(path, found)
+        return BadEntryError(errno.EIO, found, path)
+
+    mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+    if not stat.S_ISREG(mode):
+        raise bad(mode)
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(name, flags | o_direct, dir_fd=dir_fd)
+    except OSError as e:  # replaced since the stat: look again
+        if e.errno == errno.ENOENT:
+            raise
+        mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+        if not stat.S_ISREG(mode):
+            raise bad(mode) from e
+        raise
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise bad(mode)
+    return fd
+
+
+def remove_block(path: str, root: str) -> None:
+    """Removes the regular file ``path`` under ``root`` (a file that failed
+    verification), following no symlink; anything else is left alone."""
+    dirs, name = split_under(root, path)
+    with contextlib.suppress(OSError):
+        dir_fd = open_dirs(root, dirs, False, path, None)
+        try:
+            mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+            if stat.S_ISREG(mode):
+                os.unlink(name, dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def make_dirs(path: str, root: str) -> None:
+    """``os.makedirs(path)`` below ``root`` without following a symlink (a
+    bad entry on the way is replaced by a directory)."""
+    rel = os.path.relpath(path, root)
+    if rel == os.curdir:
+        os.close(os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
+        return
+    dirs, last = split_under(root, path)
+    os.close(open_dirs(root, [*dirs, last], True, path, None))
+
+
+def is_regular_file(path: str, root: str) -> bool:
+    """Whether ``path`` under ``root`` is a regular file (no symlink
+    followed on the way or at the end)."""
+    dirs, name = split_under(root, path)
+    try:
+        dir_fd = open_dirs(root, dirs, False, path, None)
+    except OSError:
+        return False
+    try:
+        mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+        return stat.S_ISREG(mode)
+    except OSError:
+        return False
+    finally:
+        os.close(dir_fd)
