@@ -71,8 +71,8 @@ def read_bandwidth(root: str, block_bytes: int) -> dict:
     from vllm.v1.kv_offload.tiering.fs.io import probe_o_direct
 
     from vllm_ascend.kv_offload.tiering.block_file import (
-        _HEADER,
         HEADER_BYTES,
+        HEADER_STRUCT,
         read_block,
     )
 
@@ -87,7 +87,7 @@ def read_bandwidth(root: str, block_bytes: int) -> dict:
     ids = []
     for p in paths:  # identity and key from each header (verified below)
         with open(p, "rb") as f:
-            _, _, _, _, identity, key = _HEADER.unpack(f.read(_HEADER.size))
+            _, _, _, _, identity, key = HEADER_STRUCT.unpack(f.read(HEADER_STRUCT.size))
         ids.append((identity, key))
     use_o_direct = probe_o_direct(root)
     o_direct = getattr(os, "O_DIRECT", 0) if use_o_direct else 0

@@ -51,8 +51,6 @@ HEADER_VERSION = 1
 # The on-disk header every reader parses: magic, version, payload bytes,
 # crc32 of payload, identity digest, key digest.
 HEADER_STRUCT = struct.Struct("<8sIQI32s32s")
-# Its former name, still read by benchmarks/ (not this change's files).
-_HEADER = HEADER_STRUCT
 # Then the MAC kind (0: none, as the zero padding of files without one
 # reads) and an HMAC-SHA256 over the header up to the MAC and the payload.
 _MAC = struct.Struct("<I32s")
