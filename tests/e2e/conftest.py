@@ -15,7 +15,6 @@ from types import ModuleType
 
 import pytest
 
-from vllm_ascend.kv_offload.testing.server import free_port  # noqa: F401 (tests import it from here)
 from vllm_ascend.kv_offload.testing.tiny_model import (
     ensure_mla_model,
     ensure_tiny_model,

@@ -32,10 +32,10 @@ from tests.e2e.conftest import (
     GUIDE_OFFLOAD,
     PROMPTS_BY_DOC,
     REPO,
-    free_port,
     load_subscriber,
     zmq_events_config,
 )
+from vllm_ascend.kv_offload.testing.server import free_port
 
 pytestmark = pytest.mark.e2e
 

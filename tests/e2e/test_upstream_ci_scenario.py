@@ -70,12 +70,12 @@ import pytest
 from tests.e2e.conftest import (
     ENGINE,
     GUIDE_OFFLOAD,
-    free_port,
     load_subscriber,
     run_scenario,
     tiering,
     zmq_events_config,
 )
+from vllm_ascend.kv_offload.testing.server import free_port
 from vllm_ascend.kv_offload.testing.tiny_model import (
     DEFAULT_DIR,
     TinyModelSpec,
