@@ -1,5 +1,6 @@
 """What the benchmarks share: the generated model's arguments, the CLI flags
-for them, percentiles, and the load average they report beside figures.
+for them, percentiles, the load average they report beside figures, and the
+one busy core ("hog") some of them run beside what they measure.
 
 ``ModelArgs`` is the command-line face of the tiny model's
 ``TinyModelSpec`` (``vllm_ascend.kv_offload.testing.tiny_model``): one flag
@@ -11,6 +12,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
+import sys
+import threading
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -116,3 +120,53 @@ def percentile(values: list[float], q: float) -> float:
 
 def loadavg() -> tuple[float, float, float]:
     return os.getloadavg()
+
+
+class LoadSampler:
+    """Samples the load average every ``period_s`` while a measurement runs
+    (``with LoadSampler() as load: ...``; then ``load.samples``)."""
+
+    def __init__(self, period_s: float = 5.0):
+        self.samples: list[tuple[float, float, float]] = []
+        self._stop = threading.Event()
+        self._period = period_s
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while True:
+            self.samples.append(loadavg())
+            if self._stop.wait(self._period):
+                return
+
+    def __enter__(self) -> LoadSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+class CpuHog:
+    """One busy process (one core's worth) beside what is measured, ended on
+    leaving the ``with`` block or after ``seconds`` at most."""
+
+    CODE = (
+        "import sys, time\n"
+        "end = time.time() + float(sys.argv[1])\n"
+        "while time.time() < end: pass"
+    )
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def __enter__(self) -> CpuHog:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", self.CODE, str(self.seconds)]
+        )
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        self.proc.wait(timeout=30)

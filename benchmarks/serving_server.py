@@ -1,0 +1,158 @@
+"""The server the serving benchmark measures: ``vllm serve`` through the one
+server driver (``vllm_ascend.kv_offload.testing.server``), with offloading
+off or on (the guide's ``--kv-transfer-config``, every other flag the same),
+and what is read from it: ``/metrics`` counters, RSS, the OpenMP binding
+vLLM logged, greedy token ids.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+import psutil
+
+from benchmarks.serving_workloads import BLOCK_TOKENS, Sizes
+from vllm_ascend.kv_offload.testing import server
+
+# /metrics counters recorded per workload (summed over labels but source).
+COUNTERS = {
+    "device_hit_tokens": "vllm:prompt_tokens_cached_by_source_total{source=device}",
+    "cpu_hit_tokens": "vllm:prompt_tokens_cached_by_source_total{source=host}",
+    "prompt_tokens": "vllm:prompt_tokens_total",
+    "preemptions": "vllm:num_preemptions_total",
+    "load_bytes": "vllm:kv_offload_load_bytes_total",
+    "store_bytes": "vllm:kv_offload_store_bytes_total",
+}
+
+
+def prometheus_totals(text: str) -> dict[str, float]:
+    """Every sample of a /metrics page, summed over labels except ``source``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name
+            if "source" in sample.labels:
+                name += f"{{source={sample.labels['source']}}}"
+            totals[name] = totals.get(name, 0.0) + sample.value
+    return totals
+
+
+def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict:
+    return {k: after.get(n, 0.0) - before.get(n, 0.0) for k, n in COUNTERS.items()}
+
+
+def parse_omp_binding(log_text: str) -> dict | None:
+    """Rank 0's OpenMP cores and the reserved cores from vLLM's "OpenMP thread
+    binding info" log lines (``OMPProcessManager``), or None if absent."""
+    cores = re.search(r"local_rank=0, core ids=\[([0-9, ]*)\]", log_text)
+    reserved = re.search(r"reserved_cpus=\[([0-9, ]*)\]", log_text)
+    if cores is None or reserved is None:
+        return None
+
+    def ids(m):
+        return [int(x) for x in m.group(1).replace(" ", "").split(",") if x]
+
+    return {"omp_cores": ids(cores), "reserved_cpus": ids(reserved)}
+
+
+def offload_config(cpu_blocks: int) -> str:
+    """The guide's --kv-transfer-config, with a pool of ``cpu_blocks``."""
+    return json.dumps(
+        {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "num_cpu_blocks": cpu_blocks,
+                "block_size": BLOCK_TOKENS,
+                "spec_name": "NPUOffloadingSpec",
+                "spec_module_path": "vllm_ascend.kv_offload.npu",
+            },
+        }
+    )
+
+
+def serve_flags(args, sizes: Sizes, offload: bool) -> list[str]:
+    """``vllm serve`` flags: the same for both servers, plus the guide's
+    ``--kv-transfer-config`` with offloading on."""
+    flags = [
+        "--dtype", args.dtype, "--enforce-eager",
+        "--block-size", str(BLOCK_TOKENS),
+        "--max-model-len", str(args.max_model_len),
+        "--num-gpu-blocks-override", str(sizes.device_blocks),
+        "--max-num-seqs", str(max(args.concurrency + [args.mt_clients])),
+        "--seed", "0",
+    ]  # fmt: skip
+    if offload:
+        flags += ["--kv-transfer-config", offload_config(sizes.cpu_blocks)]
+    return flags
+
+
+def server_env() -> dict[str, str]:
+    """What both servers get on top of this environment: no CPU-thread
+    setting (vLLM and our plugin choose), 1 GiB ``VLLM_CPU_KVCACHE_SPACE``
+    unless set (``--num-gpu-blocks-override`` sizes the device cache), and
+    ``POST /reset_prefix_cache``."""
+    return {
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        "VLLM_SERVER_DEV_MODE": "1",
+    }
+
+
+class BenchServer(server.Server):
+    """``vllm serve MODEL FLAGS`` with ``server_env()``."""
+
+    def __init__(self, model: str, flags: list[str], log: Path):
+        cwd = Path(__file__).resolve().parents[1]
+        super().__init__(server.serve_command(model, flags), log, server_env(), cwd)
+
+    def metrics(self) -> dict[str, float]:
+        return prometheus_totals(self.get("/metrics").decode())
+
+    def reset_caches(self) -> None:
+        """Empties the device and the CPU prefix caches."""
+        deadline = time.monotonic() + 120
+        while True:
+            body = self.post("/reset_prefix_cache?reset_external=true", timeout=60)
+            if body.get("success", True):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"reset_prefix_cache kept failing: {body}")
+            time.sleep(0.5)  # refused while transfers are in flight
+
+    def reset_device_cache(self) -> None:
+        self.post("/reset_prefix_cache", timeout=60)
+
+    def rss_bytes(self) -> int:
+        """The RSS of the server and all its processes."""
+        try:
+            procs = [self.proc, *self.proc.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return 0
+        total = 0
+        for p in procs:
+            try:
+                total += p.memory_info().rss
+            except psutil.NoSuchProcess:
+                pass
+        return total
+
+    def complete(self, model: str, prompt: str, max_tokens: int) -> list[int]:
+        """The greedy completion's token ids."""
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        return self.post("/v1/completions", body)["choices"][0]["token_ids"]
+
+    def omp_binding(self) -> dict | None:
+        return parse_omp_binding(self.log_path.read_text(errors="replace"))
