@@ -188,22 +188,20 @@ def plot(result: dict, out_dir: Path) -> list[Path]:
     recs = [r for r in result["records"] if r["kind"] == "prefix_repetition"]
     conc = sorted({r["concurrency"] for r in recs})
     out_dir.mkdir(parents=True, exist_ok=True)
+    sides = (("off", False, "tab:red"), ("on", True, "tab:blue"))
+    throughput = [
+        (style, color, name, offload, "req_per_s")
+        for (name, offload, color), style in zip(sides, ("o--", "s-"), strict=True)
+    ]
+    ttft = [
+        (style, color, f"{name} {stat}", offload, f"ttft_{stat}_ms")
+        for name, offload, color in sides
+        for style, stat in (("o-", "median"), ("s--", "p99"))
+    ]
     figures = {
-        "serving_throughput.png": (
-            "requests / s",
-            "linear",
-            [("o--", None, "off", False, "req_per_s"), ("s-", None, "on", True, "req_per_s")],
-        ),
-        "serving_ttft.png": (
-            "TTFT (ms)",
-            "log",
-            [
-                (style, color, f"{name} {stat}", offload, f"ttft_{stat}_ms")
-                for name, offload, color in (("off", False, "tab:red"), ("on", True, "tab:blue"))
-                for style, stat in (("o-", "median"), ("s--", "p99"))
-            ],
-        ),
-    }  # fmt: skip
+        "serving_throughput.png": ("requests / s", "linear", throughput),
+        "serving_ttft.png": ("TTFT (ms)", "log", ttft),
+    }
     paths = []
     for name, (ylabel, yscale, lines) in figures.items():
         fig, ax = plt.subplots(figsize=(5, 3.5))

@@ -201,7 +201,9 @@ def conversation_texts(args, seed: int) -> tuple[str, list[list[tuple[str, int]]
         convs.append(
             [
                 (
-                    make_prompt(rng.randint(120, 160), seed=seed * 100003 + c * 101 + t),
+                    make_prompt(
+                        rng.randint(120, 160), seed=seed * 100003 + c * 101 + t
+                    ),
                     rng.randint(80, 120),
                 )
                 for t in range(args.mt_turns)

@@ -196,8 +196,8 @@ def test_issue26_goals_are_met_at_their_bounds():
     [
         ({"quiet": 1.59}, {("prefix_repetition", "req_per_s")}),
         ({"busy": 1.39}, {("hog", "req_per_s")}),
-        ({"p99": 1.01}, {("prefix_repetition", "ttft_p99_ms"), ("hog", "ttft_p99_ms")}),
-        ({"tpot": 1.06}, {("prefix_repetition", "tpot_mean_ms"), ("hog", "tpot_mean_ms")}),
+        ({"p99": 1.01}, {(k, "ttft_p99_ms") for k in ("prefix_repetition", "hog")}),
+        ({"tpot": 1.06}, {(k, "tpot_mean_ms") for k in ("prefix_repetition", "hog")}),
         ({"no_reuse": 0.94}, {("no_reuse", "req_per_s")}),
     ],
 )  # fmt: skip
@@ -303,7 +303,11 @@ def test_the_issue26_preset_is_issue_26s_shape():
     args, sizes = issue26_args()
     assert model_args(args) == ModelArgs(**{**SMALL_MODEL.__dict__, "layers": 6})
     assert args.dtype == "float32"
-    assert (sizes.device_blocks, sizes.num_prefixes, sizes.prefix_len) == (128, 32, 1024)
+    assert (sizes.device_blocks, sizes.num_prefixes, sizes.prefix_len) == (
+        128,
+        32,
+        1024,
+    )
     # Prefixes and their suffixes: ~2.25x the device cache's tokens.
     tokens = sizes.num_prefixes * (sizes.prefix_len + sizes.suffix_len)
     assert tokens / (sizes.device_blocks * wl.BLOCK_TOKENS) == 2.25
@@ -348,7 +352,10 @@ def test_the_estimate_grows_with_servers_layers_tokens_and_the_hog():
     assert wl.estimate_seconds(plan, servers=8, layers=6) == 2 * four
     assert wl.estimate_seconds(plan, servers=4, layers=12) > four
     quiet, hog = plan[0], plan[2]
-    assert (quiet.num_prompts, quiet.prompt_tokens) == (hog.num_prompts, hog.prompt_tokens)
+    assert (quiet.num_prompts, quiet.prompt_tokens) == (
+        hog.num_prompts,
+        hog.prompt_tokens,
+    )
     assert wl.estimate_seconds([hog], 1, 6) > wl.estimate_seconds([quiet], 1, 6)
 
 
