@@ -125,12 +125,14 @@ def workloads(args: argparse.Namespace, sizes: Sizes) -> list[Workload]:
 
 
 # Cost model of ``estimate_seconds``, from a --quick run on this 2-core VM
-# (vLLM 0.32.0's CPU backend, the 4-layer SMALL_MODEL): a server start, a
-# workload's fixed cost (cache reset, client start) and prompt tokens
-# computed per second per layer. The hog takes one of the two cores.
+# (vLLM 0.32.0's CPU backend, the 4-layer SMALL_MODEL, load average 10 when
+# the off server ran): a server start took 49 s; a workload's fixed cost
+# (cache reset, /metrics, the client) a few s; prompt tokens the server
+# computed (not hit) went at ~9-10k tokens x layers per second. The hog
+# takes one of the two cores.
 START_S = 60.0
-WORKLOAD_S = 10.0
-LAYER_TOKENS_PER_S = 8000.0
+WORKLOAD_S = 5.0
+LAYER_TOKENS_PER_S = 12000.0
 HOG_SLOWDOWN = 1.5
 
 
