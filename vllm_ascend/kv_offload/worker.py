@@ -21,7 +21,6 @@ stays loud.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import numpy as np
 from vllm.v1.kv_offload.base import (
@@ -33,14 +32,18 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
-from vllm_ascend.kv_offload import ops
 from vllm_ascend.kv_offload.copy_engine import CopyEngine, Descriptors
-from vllm_ascend.kv_offload.copy_paths import candidate_paths
 from vllm_ascend.kv_offload.cpu_pool import CpuBlockPool
 from vllm_ascend.kv_offload.job_ledger import JobLedger
 from vllm_ascend.kv_offload.logger import init_logger
 from vllm_ascend.kv_offload.pool_metrics import PoolInfo
-from vllm_ascend.kv_offload.self_check import SelfCheckResult, refusal, run_self_check
+from vllm_ascend.kv_offload.self_check import (
+    SelfCheck,
+    SelfCheckResult,
+    choose_copy_path,
+    refusal,
+    run_self_check,
+)
 from vllm_ascend.kv_offload.transfer_queue import (
     CopyFn,
     TransferQueue,
@@ -51,7 +54,6 @@ logger = init_logger(__name__)
 
 # The worker's queues: stores, loads, expedited loads.
 WorkerQueues = tuple[TransferQueue, TransferQueue, TransferQueue]
-SelfCheck = Callable[..., SelfCheckResult]
 
 
 class NPUOffloadingWorker(OffloadingWorker):
@@ -92,31 +94,16 @@ class NPUOffloadingWorker(OffloadingWorker):
         # Each accepted job until get_finished reports it.
         self._jobs = JobLedger()
         self._closed = False
-        self._run_self_check = self_check
-        self._check_copy_path(kv_caches, copy_path)
-
-    def _check_copy_path(self, kv_caches: CanonicalKVCaches, setting: str) -> None:
-        """Before serving: the start-up self-check picks the copy path and
-        returns its copy function, bound (``self_check.py``); or offloading
-        is refused."""
-        paths = candidate_paths(self.device.type, setting)
-        if self.device.type != "cpu" and not paths[0].native and setting != "torch":
-            logger.warning(
-                "KV offload: no native copy op for %s here (%s); copies use "
-                "the torch path",
-                self.device.type,
-                "vLLM's swap_blocks_batch is not registered"
-                if self.device.type == "cuda"
-                else ops.fallback_reason()
-                or f"compiled backends: {', '.join(ops.native_backends())}",
-            )
-        result = self._run_self_check(
+        # Before serving: the start-up self-check picks the copy path and
+        # returns its copy function, bound; or offloading is refused.
+        result = choose_copy_path(
             self.device,
             [t.page_size_bytes for t in kv_caches.tensors],
-            pool=self.pool,
-            paths=paths,
+            copy_path,
+            pool=pool,
             queues=(self._stores, self._loads),
             buffers=self.engine.buffers(),
+            check=self_check,
         )
         self.self_check: SelfCheckResult = result
         if not result.passed:
@@ -125,13 +112,6 @@ class NPUOffloadingWorker(OffloadingWorker):
         assert result.path is not None and result.swap is not None
         self.copy_path: str = result.path
         self.engine.use(result.swap)
-        logger.info(
-            "KV offload: copy path %s on %s (self-check: %.2f GB/s, %.0f ms)",
-            self.copy_path,
-            self.device,
-            result.bandwidth_gbps,
-            result.seconds * 1e3,
-        )
 
     def pool_info(self) -> PoolInfo:
         """What this worker's pool is, for ``/metrics`` (``pool_metrics``)."""
