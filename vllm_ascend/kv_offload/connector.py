@@ -68,22 +68,17 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
 from vllm_ascend.kv_offload import pool_metrics, vllm_compat
-from vllm_ascend.kv_offload.config import float_setting
-from vllm_ascend.kv_offload.failures import (
-    FailureRouter,
-    SyncLoadQuarantine,
-    WorkerFailureLog,
-)
+from vllm_ascend.kv_offload.failures import WorkerFailureLog
 from vllm_ascend.kv_offload.kv_layout import KVCacheParts, canonicalize
-from vllm_ascend.kv_offload.load_wait import LoadWaitBound, StepClock
+from vllm_ascend.kv_offload.load_wait import StepClock
 from vllm_ascend.kv_offload.logger import init_logger
-from vllm_ascend.kv_offload.manager import FailureAwareManager
 from vllm_ascend.kv_offload.npu import (
     NPUOffloadingSpec,
     OffloadConfigError,
     validate_connector_config,
 )
 from vllm_ascend.kv_offload.plugin import fallback_connector_class
+from vllm_ascend.kv_offload.scheduler_side import SchedulerSide
 from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
 
 logger = init_logger(__name__)
@@ -92,9 +87,6 @@ logger = init_logger(__name__)
 # returns as soon as one does, so this only bounds how late the engine sees a
 # request that arrives meanwhile.
 IDLE_STEP_WAIT_S = 0.02
-# max_load_wait_ratio when not set: a CPU hit waits at most as long as
-# recomputing its tokens would take (docs/user_guide.md).
-DEFAULT_MAX_LOAD_WAIT_RATIO = 1.0
 
 
 @dataclass
@@ -218,43 +210,19 @@ class AscendOffloadingConnector(OffloadingConnector):
         with set_current_vllm_config(vllm_config):
             super().__init__(vllm_config, role, kv_cache_config)
         self._failure_log: WorkerFailureLog | None = None
-        self._failure_router: FailureRouter | None = None
-        self._quarantine: SyncLoadQuarantine | None = None
         self._step_clock = StepClock()
         self._queued_sent = (0, 0)
-        self._wait_bound: LoadWaitBound | None = None
+        self._scheduler_side: SchedulerSide | None = None
         if self.connector_worker is not None:
             self._failure_log = WorkerFailureLog(report_block_ids)
         if self.connector_scheduler is not None:
-            manager = self.connector_scheduler.manager
-            if not isinstance(manager, FailureAwareManager):
-                raise TypeError(
-                    "AscendOffloadingConnector needs NPUOffloadingSpec's manager "
-                    f"(FailureAwareManager), got {type(manager).__name__}"
-                )
-            if report_block_ids and groups:
-                group = kv_cache_config.kv_cache_groups[groups[0]]
-                self._quarantine = SyncLoadQuarantine(
-                    group.kv_cache_spec.block_size, group_idx=groups[0]
-                )
-            self._failure_router = FailureRouter(
-                manager, vllm_config.parallel_config.world_size, self._quarantine
+            self._scheduler_side = SchedulerSide(
+                self.connector_scheduler.manager,
+                vllm_config,
+                kv_cache_config,
+                groups[0] if report_block_ids and groups else None,
+                _worker_bytes_per_token(vllm_config, kv_cache_config),
             )
-            ratio = float_setting(extra, "max_load_wait_ratio")
-            ratio = DEFAULT_MAX_LOAD_WAIT_RATIO if ratio is None else ratio
-            if ratio > 0:
-                self._wait_bound = LoadWaitBound(
-                    ratio, _worker_bytes_per_token(vllm_config, kv_cache_config)
-                )
-            manager.wait_bound = self._wait_bound
-            policy = getattr(transfer_config, "kv_load_failure_policy", "fail")
-            if policy != "recompute":
-                logger.info(
-                    "KV offload: kv_load_failure_policy=%r: a request whose "
-                    "CPU->device load fails will fail; 'recompute' recomputes "
-                    "its blocks instead",
-                    policy,
-                )
 
     # -- worker side -------------------------------------------------------
 
@@ -346,37 +314,34 @@ class AscendOffloadingConnector(OffloadingConnector):
 
     # -- scheduler side ----------------------------------------------------
 
+    @property
+    def _scheduler(self) -> SchedulerSide:
+        assert self._scheduler_side is not None, "not the scheduler's connector"
+        return self._scheduler_side
+
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
-        if self._quarantine is not None:
-            self._quarantine.bind(kv_cache_manager)
+        self._scheduler.bind(kv_cache_manager)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        # Not yet while its prefix is in device blocks a sync load is filling.
-        if self._quarantine is not None and self._quarantine.must_wait(request):
+        if self._scheduler.must_wait(request):
             return None, False
-        if self._wait_bound is not None:
-            self._wait_bound.begin_lookup(
-                request.request_id, num_computed_tokens, request.num_prompt_tokens
-            )
+        self._scheduler.begin_lookup(request, num_computed_tokens)
         result = super().get_num_new_matched_tokens(request, num_computed_tokens)
-        if self._quarantine is not None:
-            self._quarantine.on_lookup(request, num_computed_tokens, result)
+        self._scheduler.end_lookup(request, num_computed_tokens, result)
         return result
 
     def update_state_after_alloc(self, request: Request, blocks, num_external_tokens):
         super().update_state_after_alloc(request, blocks, num_external_tokens)
-        if self._quarantine is not None:
-            self._quarantine.on_alloc(request, blocks, num_external_tokens)
+        self._scheduler.on_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(
         self, scheduler_output: SchedulerOutput
     ) -> AscendOffloadingConnectorMetadata:
         meta = super().build_connector_meta(scheduler_output)
-        assert self._failure_router is not None
-        self._failure_router.expect(meta)
+        self._scheduler.on_metadata(meta)
         # Every field of vLLM's metadata, whatever its version has.
         values = {f.name: getattr(meta, f.name) for f in fields(meta)}
         tokens = scheduler_output.total_num_scheduled_tokens
@@ -385,11 +350,6 @@ class AscendOffloadingConnector(OffloadingConnector):
         )
 
     def update_connector_output(self, connector_output: KVConnectorOutput):
-        # Before vLLM completes the jobs: complete_store must already know
-        # that a failed store's keys hold nothing.
-        assert self._failure_router is not None
-        self._failure_router.invalidate_blocks(connector_output.invalid_block_ids)
-        self._failure_router.route(connector_output.kv_connector_worker_meta)
-        if self._wait_bound is not None:
-            self._wait_bound.observe(connector_output.kv_connector_worker_meta)
+        # Before vLLM completes the jobs (see SchedulerSide.on_output).
+        self._scheduler.on_output(connector_output)
         super().update_connector_output(connector_output)
