@@ -68,9 +68,7 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
 from vllm_ascend.kv_offload import pool_metrics, vllm_compat
-from vllm_ascend.kv_offload.failures import WorkerFailureLog
 from vllm_ascend.kv_offload.kv_layout import KVCacheParts, canonicalize
-from vllm_ascend.kv_offload.load_wait import StepClock
 from vllm_ascend.kv_offload.logger import init_logger
 from vllm_ascend.kv_offload.npu import (
     NPUOffloadingSpec,
@@ -80,6 +78,7 @@ from vllm_ascend.kv_offload.npu import (
 from vllm_ascend.kv_offload.plugin import fallback_connector_class
 from vllm_ascend.kv_offload.scheduler_side import SchedulerSide
 from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
+from vllm_ascend.kv_offload.worker_side import WorkerSide
 
 logger = init_logger(__name__)
 
@@ -209,12 +208,10 @@ class AscendOffloadingConnector(OffloadingConnector):
         # (vLLM hands the spec only its OffloadingConfig).
         with set_current_vllm_config(vllm_config):
             super().__init__(vllm_config, role, kv_cache_config)
-        self._failure_log: WorkerFailureLog | None = None
-        self._step_clock = StepClock()
-        self._queued_sent = (0, 0)
+        self._worker_side: WorkerSide | None = None
         self._scheduler_side: SchedulerSide | None = None
         if self.connector_worker is not None:
-            self._failure_log = WorkerFailureLog(report_block_ids)
+            self._worker_side = WorkerSide(report_block_ids)
         if self.connector_scheduler is not None:
             self._scheduler_side = SchedulerSide(
                 self.connector_scheduler.manager,
@@ -231,6 +228,11 @@ class AscendOffloadingConnector(OffloadingConnector):
         worker = self.connector_worker.worker if self.connector_worker else None
         assert worker is not None, "KV caches are not registered yet"
         return worker
+
+    @property
+    def _worker(self) -> WorkerSide:
+        assert self._worker_side is not None, "not a worker's connector"
+        return self._worker_side
 
     def register_kv_caches(self, kv_caches: dict[str, KVCacheParts]) -> None:
         connector_worker = self.connector_worker
@@ -259,33 +261,28 @@ class AscendOffloadingConnector(OffloadingConnector):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         assert isinstance(connector_metadata, OffloadingConnectorMetadata)
-        assert self._failure_log is not None
-        self._failure_log.record_loads(connector_metadata.load_jobs)
-        self._step_clock.start(getattr(connector_metadata, "num_scheduled_tokens", 0))
+        self._worker.on_metadata(connector_metadata)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        self._step_clock.stop()
+        self._worker.forward_done()
         meta = vllm_compat.bound_metadata(self)
         if getattr(meta, "idle_step", False):
             self._offloading_worker.wait_for_progress(IDLE_STEP_WAIT_S)
         finished = super().get_finished(finished_req_ids)
-        assert self._failure_log is not None
-        self._failure_log.record_failures(self._offloading_worker.take_failed_jobs())
+        self._worker.record_failures(self._offloading_worker.take_failed_jobs())
         return finished
 
     def get_transfer_results(
         self, finished_req_ids: set[str]
     ) -> KVConnectorTransferResults:
         results = super().get_transfer_results(finished_req_ids)
-        assert self._failure_log is not None
-        results.failed_recving |= self._failure_log.take_failed_recving()
+        self._worker.add_failed_recving(results)
         return results
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         # Called after get_transfer_results in the same step, so a failed
         # load's blocks arrive with its request's finished_recving.
-        assert self._failure_log is not None
-        return self._failure_log.take_load_error_block_ids()
+        return self._worker.take_load_error_block_ids()
 
     def get_kv_connector_stats(self):
         stats = super().get_kv_connector_stats()
@@ -302,15 +299,7 @@ class AscendOffloadingConnector(OffloadingConnector):
         worker = self.connector_worker.worker if self.connector_worker else None
         if worker is None:  # no KV caches registered yet: nothing to report
             return meta
-        queued = worker.queued_bytes()
-        if meta is None:
-            # Nothing finished: report only figures the scheduler lacks.
-            if not self._step_clock.tokens and queued == self._queued_sent:
-                return None
-            meta = OffloadingWorkerMetadata()
-        self._queued_sent = queued
-        assert self._failure_log is not None
-        return self._failure_log.worker_metadata(meta, self._step_clock.figures(queued))
+        return self._worker.worker_metadata(meta, worker.queued_bytes())
 
     # -- scheduler side ----------------------------------------------------
 
