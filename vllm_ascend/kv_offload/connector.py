@@ -63,6 +63,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 from vllm.v1.core.kv_cache_utils import resolve_dcp_kv_block_size
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig, MambaSpec
+from vllm.v1.kv_offload.base import CanonicalKVCaches
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
@@ -155,6 +156,28 @@ def _spec_page_bytes(
     return out
 
 
+def _canonical_kv_caches(
+    kv_caches: dict[str, KVCacheParts], config: KVCacheConfig
+) -> CanonicalKVCaches:
+    """vllm-ascend's tuple layouts as one block view per part, checked
+    against vLLM's page sizes (``kv_layout.canonicalize``)."""
+    group_ids = get_offloading_group_ids(config)
+    groups = [config.kv_cache_groups[g].layer_names for g in group_ids]
+    canonical = canonicalize(
+        kv_caches,
+        groups,
+        config.num_blocks,
+        page_bytes=_spec_page_bytes(config, group_ids),
+    )
+    logger.info(
+        "KV offload: %d layers in %d groups as %d per-part block views",
+        sum(len(g) for g in groups),
+        len(groups),
+        len(canonical.tensors),
+    )
+    return canonical
+
+
 class AscendOffloadingConnector(OffloadingConnector):
     """vLLM's offloading connector, plus tuple layouts and failure handling."""
 
@@ -241,20 +264,7 @@ class AscendOffloadingConnector(OffloadingConnector):
             connector_worker.register_kv_caches(kv_caches)
         else:
             config = connector_worker.kv_cache_config
-            group_ids = get_offloading_group_ids(config)
-            groups = [config.kv_cache_groups[g].layer_names for g in group_ids]
-            canonical = canonicalize(
-                kv_caches,
-                groups,
-                config.num_blocks,
-                page_bytes=_spec_page_bytes(config, group_ids),
-            )
-            logger.info(
-                "KV offload: %d layers in %d groups as %d per-part block views",
-                sum(len(g) for g in groups),
-                len(groups),
-                len(canonical.tensors),
-            )
+            canonical = _canonical_kv_caches(kv_caches, config)
             vllm_compat.init_offloading_worker(connector_worker, canonical)
         self._offloading_worker.divert_failures()
 
