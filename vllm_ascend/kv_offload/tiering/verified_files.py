@@ -12,6 +12,8 @@ another engine) is a ``VanishedBlockError``, a miss like any other.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from typing import Any
 
 from vllm_ascend.kv_offload.logger import init_logger
 from vllm_ascend.kv_offload.tiering.block_file import read_block, write_block
@@ -56,15 +58,12 @@ class VerifiedBlockFiles:
         self.bad_entries = 0
         self.vanished_blocks = 0  # looked up, gone when loaded: misses
 
-    def _payload(self, offset: int) -> memoryview:
-        return self.primary[offset : offset + self.block_bytes]
-
-    def write(self, path: str, offset: int, key: bytes) -> bool:
-        """Stores the block at ``offset`` as ``path``; False if it was
-        there already (``block_file.write_block``)."""
-        return write_block(
+    def _on_file(self, io: Callable[..., Any], path: str, offset: int, key: bytes):
+        """``block_file``'s ``write_block`` or ``read_block`` on ``path`` and
+        the block at ``offset``, with this tier's identity, key and root."""
+        return io(
             path,
-            self._payload(offset),
+            self.primary[offset : offset + self.block_bytes],
             self.identity,
             key,
             self.o_direct,
@@ -73,21 +72,17 @@ class VerifiedBlockFiles:
             on_bad_entry=self._bad_entry,
         )
 
+    def write(self, path: str, offset: int, key: bytes) -> bool:
+        """Stores the block at ``offset`` as ``path``; False if it was
+        there already (``block_file.write_block``)."""
+        return self._on_file(write_block, path, offset, key)
+
     def read(self, path: str, offset: int, key: bytes) -> None:
         """Loads ``path`` into the block at ``offset``, verified; raises
         ``VanishedBlockError`` if it is gone, else the ``OSError`` that
         refused it (logged, and a file that fails verification removed)."""
         try:
-            read_block(
-                path,
-                self._payload(offset),
-                self.identity,
-                key,
-                self.o_direct,
-                root=self.root,
-                auth_key=self.auth_key,
-                on_bad_entry=self._bad_entry,
-            )
+            self._on_file(read_block, path, offset, key)
         except FileNotFoundError as exc:
             # Removed since the lookup (the size bound, another engine): a
             # miss like any other, not an I/O error.
