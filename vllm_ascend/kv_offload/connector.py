@@ -178,6 +178,30 @@ def _canonical_kv_caches(
     return canonical
 
 
+def _check_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
+    """The connector's settings, before vLLM derives anything from them."""
+    transfer_config = vllm_config.kv_transfer_config
+    assert transfer_config is not None
+    extra = transfer_config.kv_connector_extra_config
+    # __new__ sent other specs elsewhere (a subclass of ours gets ours).
+    spec_cls = our_spec_class(extra) or NPUOffloadingSpec
+    validate_connector_config(
+        transfer_config.kv_role,
+        extra,
+        _device_block_sizes(vllm_config, kv_cache_config),
+        spec_cls.extra_config_keys,
+    )
+    groups = get_offloading_group_ids(kv_cache_config)
+    if len(groups) > 1 and extra.get("sync_load_budget_bytes"):
+        raise OffloadConfigError(
+            "kv_connector_extra_config['sync_load_budget_bytes']="
+            f"{extra['sync_load_budget_bytes']!r} cannot be used with a model "
+            f"whose KV cache has {len(groups)} offloaded groups: a failed "
+            "synchronous load could not be reported to vLLM there; remove "
+            "sync_load_budget_bytes (loads then run asynchronously)"
+        )
+
+
 class AscendOffloadingConnector(OffloadingConnector):
     """vLLM's offloading connector, plus tuple layouts and failure handling."""
 
@@ -206,27 +230,9 @@ class AscendOffloadingConnector(OffloadingConnector):
         role: KVConnectorRole,
         kv_cache_config: KVCacheConfig,
     ):
-        transfer_config = vllm_config.kv_transfer_config
-        assert transfer_config is not None
-        extra = transfer_config.kv_connector_extra_config
-        # __new__ sent other specs elsewhere (a subclass of ours gets ours).
-        spec_cls = our_spec_class(extra) or NPUOffloadingSpec
-        validate_connector_config(
-            transfer_config.kv_role,
-            extra,
-            _device_block_sizes(vllm_config, kv_cache_config),
-            spec_cls.extra_config_keys,
-        )
+        _check_config(vllm_config, kv_cache_config)
         groups = get_offloading_group_ids(kv_cache_config)
         report_block_ids = len(groups) <= 1
-        if not report_block_ids and extra.get("sync_load_budget_bytes"):
-            raise OffloadConfigError(
-                "kv_connector_extra_config['sync_load_budget_bytes']="
-                f"{extra['sync_load_budget_bytes']!r} cannot be used with a model "
-                f"whose KV cache has {len(groups)} offloaded groups: a failed "
-                "synchronous load could not be reported to vLLM there; remove "
-                "sync_load_budget_bytes (loads then run asynchronously)"
-            )
         # The tiering spec's storage identity reads the resolved model config
         # (vLLM hands the spec only its OffloadingConfig).
         with set_current_vllm_config(vllm_config):
