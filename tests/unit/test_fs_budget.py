@@ -201,14 +201,14 @@ def test_a_file_used_again_during_the_scan_is_kept(tmp_path, monkeypatch):
     for i, path in enumerate(paths):
         age(path, 100 - i)
     budget = FsTierBudget(root, max_bytes=6 * FILE_BYTES, file_bytes=FILE_BYTES)
-    real_list = budget.list_block_files
+    real_list = budget.files.entries
 
     def read_meanwhile():
         entries = real_list()
         budget.touch(paths[0])  # another engine reads it after the listing
         return entries
 
-    monkeypatch.setattr(budget, "list_block_files", read_meanwhile)
+    monkeypatch.setattr(budget.files, "entries", read_meanwhile)
     budget.scan()
     assert os.path.exists(paths[0])
 
@@ -223,7 +223,7 @@ def test_a_directory_swapped_for_a_symlink_after_the_listing_is_not_followed(
     for i, path in enumerate(paths):
         age(path, 100 - i)
     budget = FsTierBudget(str(root), max_bytes=6 * FILE_BYTES, file_bytes=FILE_BYTES)
-    real_list = budget.list_block_files
+    real_list = budget.files.entries
 
     def swap_after_listing():
         entries = real_list()
@@ -232,7 +232,7 @@ def test_a_directory_swapped_for_a_symlink_after_the_listing_is_not_followed(
         (root / "b0").symlink_to(outside / "b0", target_is_directory=True)
         return entries
 
-    monkeypatch.setattr(budget, "list_block_files", swap_after_listing)
+    monkeypatch.setattr(budget.files, "entries", swap_after_listing)
     budget.scan()
     assert (outside / "b0" / "b0.bin").exists()
 

@@ -94,7 +94,7 @@ def test_a_file_evicted_between_its_lookup_and_its_load_is_a_plain_miss(tier, ca
     tier.submit_load(fs_job(9, key, True))
     result = finished_job(tier, 9)
     assert result is not None and not result.success  # recomputed, not loaded
-    assert tier.vanished_blocks == 1
+    assert tier.files.vanished_blocks == 1
     lines = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert lines == [], [r.getMessage() for r in lines]
     assert looked_up(tier, key) is LookupResult.MISS  # not offered again
@@ -106,5 +106,5 @@ def test_other_load_failures_are_still_logged(tier, caplog):
     os.truncate(path, 100)  # damaged, not gone
     tier.submit_load(fs_job(2, key, True))
     assert not finished_job(tier, 2).success
-    assert tier.vanished_blocks == 0
+    assert tier.files.vanished_blocks == 0
     assert "block I/O failed" in caplog.text

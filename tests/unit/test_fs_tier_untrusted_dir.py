@@ -210,7 +210,7 @@ def test_the_tier_counts_a_fifo_as_a_miss_and_shuts_down(tier):
     finally:
         release_fifo(path)
     assert result is not None and not result.success
-    assert tier.bad_entries == 1 and not os.path.lexists(path)
+    assert tier.files.bad_entries == 1 and not os.path.lexists(path)
     tier.submit_store(fs_job(2, key, False))
     assert finished_job(tier, 2).success and os.path.isfile(path)
     finished, _ = in_thread(tier.shutdown)

@@ -24,10 +24,7 @@ from tests.fault_injection import FaultInjectingWorker
 from tests.unit.conftest import make_connector
 from tests.unit.kv_helpers import make_kv_caches, make_worker
 from vllm_ascend.kv_offload import pool_metrics
-from vllm_ascend.kv_offload.connector import (
-    DEFAULT_MAX_LOAD_WAIT_RATIO,
-    AscendOffloadingConnectorMetadata,
-)
+from vllm_ascend.kv_offload.connector import AscendOffloadingConnectorMetadata
 from vllm_ascend.kv_offload.failures import AscendOffloadingWorkerMetadata
 from vllm_ascend.kv_offload.load_wait import (
     PREFILL_STEP_MIN_TOKENS,
@@ -38,6 +35,7 @@ from vllm_ascend.kv_offload.load_wait import (
 )
 from vllm_ascend.kv_offload.manager import FailureAwareManager
 from vllm_ascend.kv_offload.pool_metrics import PoolCapacity
+from vllm_ascend.kv_offload.scheduler_side import DEFAULT_MAX_LOAD_WAIT_RATIO
 
 MiB = 1 << 20
 TOKENS_PER_KEY = 128

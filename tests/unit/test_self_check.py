@@ -18,7 +18,7 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
 from tests.unit.kv_helpers import make_kv_caches, make_worker
-from vllm_ascend.kv_offload import ops, self_check, worker
+from vllm_ascend.kv_offload import ops, self_check
 from vllm_ascend.kv_offload.config import OffloadConfigError, check_keys
 from vllm_ascend.kv_offload.copy_paths import (
     VLLM_BATCH,
@@ -232,9 +232,11 @@ def test_the_check_never_touches_the_live_kv_cache():
 
 def test_the_worker_serves_on_the_path_the_check_chose(monkeypatch):
     paths = faulty({candidate_paths("cpu")[0].name: "byte"})
-    monkeypatch.setattr(worker, "candidate_paths", lambda device, setting: paths)
+    monkeypatch.setattr(self_check, "candidate_paths", lambda device, setting: paths)
     logged: list[str] = []
-    monkeypatch.setattr(worker.logger, "info", lambda msg, *a: logged.append(msg % a))
+    monkeypatch.setattr(
+        self_check.logger, "info", lambda msg, *a: logged.append(msg % a)
+    )
     kv = make_kv_caches(8, PAGES)
     w = make_worker(kv, 1, 4)
     try:
@@ -255,6 +257,6 @@ def test_the_worker_serves_on_the_path_the_check_chose(monkeypatch):
 
 def test_a_worker_with_no_byte_exact_path_is_refused_at_start_up(monkeypatch):
     paths = faulty({p.name: "raise" for p in candidate_paths("cpu")})
-    monkeypatch.setattr(worker, "candidate_paths", lambda device, setting: paths)
+    monkeypatch.setattr(self_check, "candidate_paths", lambda device, setting: paths)
     with pytest.raises(SelfCheckFailed, match="start-up self-check failed on cpu"):
         make_worker(make_kv_caches(8, PAGES), 1, 4)

@@ -63,28 +63,23 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 from vllm.v1.core.kv_cache_utils import resolve_dcp_kv_block_size
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig, MambaSpec
+from vllm.v1.kv_offload.base import CanonicalKVCaches
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
 from vllm_ascend.kv_offload import pool_metrics, vllm_compat
-from vllm_ascend.kv_offload.config import float_setting
-from vllm_ascend.kv_offload.failures import (
-    FailureRouter,
-    SyncLoadQuarantine,
-    WorkerFailureLog,
-)
 from vllm_ascend.kv_offload.kv_layout import KVCacheParts, canonicalize
-from vllm_ascend.kv_offload.load_wait import LoadWaitBound, StepClock
 from vllm_ascend.kv_offload.logger import init_logger
-from vllm_ascend.kv_offload.manager import FailureAwareManager
 from vllm_ascend.kv_offload.npu import (
     NPUOffloadingSpec,
     OffloadConfigError,
     validate_connector_config,
 )
 from vllm_ascend.kv_offload.plugin import fallback_connector_class
+from vllm_ascend.kv_offload.scheduler_side import SchedulerSide
 from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
+from vllm_ascend.kv_offload.worker_side import WorkerSide
 
 logger = init_logger(__name__)
 
@@ -92,9 +87,6 @@ logger = init_logger(__name__)
 # returns as soon as one does, so this only bounds how late the engine sees a
 # request that arrives meanwhile.
 IDLE_STEP_WAIT_S = 0.02
-# max_load_wait_ratio when not set: a CPU hit waits at most as long as
-# recomputing its tokens would take (docs/user_guide.md).
-DEFAULT_MAX_LOAD_WAIT_RATIO = 1.0
 
 
 @dataclass
@@ -164,6 +156,52 @@ def _spec_page_bytes(
     return out
 
 
+def _canonical_kv_caches(
+    kv_caches: dict[str, KVCacheParts], config: KVCacheConfig
+) -> CanonicalKVCaches:
+    """vllm-ascend's tuple layouts as one block view per part, checked
+    against vLLM's page sizes (``kv_layout.canonicalize``)."""
+    group_ids = get_offloading_group_ids(config)
+    groups = [config.kv_cache_groups[g].layer_names for g in group_ids]
+    canonical = canonicalize(
+        kv_caches,
+        groups,
+        config.num_blocks,
+        page_bytes=_spec_page_bytes(config, group_ids),
+    )
+    logger.info(
+        "KV offload: %d layers in %d groups as %d per-part block views",
+        sum(len(g) for g in groups),
+        len(groups),
+        len(canonical.tensors),
+    )
+    return canonical
+
+
+def _check_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
+    """The connector's settings, before vLLM derives anything from them."""
+    transfer_config = vllm_config.kv_transfer_config
+    assert transfer_config is not None
+    extra = transfer_config.kv_connector_extra_config
+    # __new__ sent other specs elsewhere (a subclass of ours gets ours).
+    spec_cls = our_spec_class(extra) or NPUOffloadingSpec
+    validate_connector_config(
+        transfer_config.kv_role,
+        extra,
+        _device_block_sizes(vllm_config, kv_cache_config),
+        spec_cls.extra_config_keys,
+    )
+    groups = get_offloading_group_ids(kv_cache_config)
+    if len(groups) > 1 and extra.get("sync_load_budget_bytes"):
+        raise OffloadConfigError(
+            "kv_connector_extra_config['sync_load_budget_bytes']="
+            f"{extra['sync_load_budget_bytes']!r} cannot be used with a model "
+            f"whose KV cache has {len(groups)} offloaded groups: a failed "
+            "synchronous load could not be reported to vLLM there; remove "
+            "sync_load_budget_bytes (loads then run asynchronously)"
+        )
+
+
 class AscendOffloadingConnector(OffloadingConnector):
     """vLLM's offloading connector, plus tuple layouts and failure handling."""
 
@@ -192,69 +230,25 @@ class AscendOffloadingConnector(OffloadingConnector):
         role: KVConnectorRole,
         kv_cache_config: KVCacheConfig,
     ):
-        transfer_config = vllm_config.kv_transfer_config
-        assert transfer_config is not None
-        extra = transfer_config.kv_connector_extra_config
-        # __new__ sent other specs elsewhere (a subclass of ours gets ours).
-        spec_cls = our_spec_class(extra) or NPUOffloadingSpec
-        validate_connector_config(
-            transfer_config.kv_role,
-            extra,
-            _device_block_sizes(vllm_config, kv_cache_config),
-            spec_cls.extra_config_keys,
-        )
+        _check_config(vllm_config, kv_cache_config)
         groups = get_offloading_group_ids(kv_cache_config)
         report_block_ids = len(groups) <= 1
-        if not report_block_ids and extra.get("sync_load_budget_bytes"):
-            raise OffloadConfigError(
-                "kv_connector_extra_config['sync_load_budget_bytes']="
-                f"{extra['sync_load_budget_bytes']!r} cannot be used with a model "
-                f"whose KV cache has {len(groups)} offloaded groups: a failed "
-                "synchronous load could not be reported to vLLM there; remove "
-                "sync_load_budget_bytes (loads then run asynchronously)"
-            )
         # The tiering spec's storage identity reads the resolved model config
         # (vLLM hands the spec only its OffloadingConfig).
         with set_current_vllm_config(vllm_config):
             super().__init__(vllm_config, role, kv_cache_config)
-        self._failure_log: WorkerFailureLog | None = None
-        self._failure_router: FailureRouter | None = None
-        self._quarantine: SyncLoadQuarantine | None = None
-        self._step_clock = StepClock()
-        self._queued_sent = (0, 0)
-        self._wait_bound: LoadWaitBound | None = None
+        self._worker_side: WorkerSide | None = None
+        self._scheduler_side: SchedulerSide | None = None
         if self.connector_worker is not None:
-            self._failure_log = WorkerFailureLog(report_block_ids)
+            self._worker_side = WorkerSide(report_block_ids)
         if self.connector_scheduler is not None:
-            manager = self.connector_scheduler.manager
-            if not isinstance(manager, FailureAwareManager):
-                raise TypeError(
-                    "AscendOffloadingConnector needs NPUOffloadingSpec's manager "
-                    f"(FailureAwareManager), got {type(manager).__name__}"
-                )
-            if report_block_ids and groups:
-                group = kv_cache_config.kv_cache_groups[groups[0]]
-                self._quarantine = SyncLoadQuarantine(
-                    group.kv_cache_spec.block_size, group_idx=groups[0]
-                )
-            self._failure_router = FailureRouter(
-                manager, vllm_config.parallel_config.world_size, self._quarantine
+            self._scheduler_side = SchedulerSide(
+                self.connector_scheduler.manager,
+                vllm_config,
+                kv_cache_config,
+                groups[0] if report_block_ids and groups else None,
+                _worker_bytes_per_token(vllm_config, kv_cache_config),
             )
-            ratio = float_setting(extra, "max_load_wait_ratio")
-            ratio = DEFAULT_MAX_LOAD_WAIT_RATIO if ratio is None else ratio
-            if ratio > 0:
-                self._wait_bound = LoadWaitBound(
-                    ratio, _worker_bytes_per_token(vllm_config, kv_cache_config)
-                )
-            manager.wait_bound = self._wait_bound
-            policy = getattr(transfer_config, "kv_load_failure_policy", "fail")
-            if policy != "recompute":
-                logger.info(
-                    "KV offload: kv_load_failure_policy=%r: a request whose "
-                    "CPU->device load fails will fail; 'recompute' recomputes "
-                    "its blocks instead",
-                    policy,
-                )
 
     # -- worker side -------------------------------------------------------
 
@@ -264,6 +258,11 @@ class AscendOffloadingConnector(OffloadingConnector):
         assert worker is not None, "KV caches are not registered yet"
         return worker
 
+    @property
+    def _worker(self) -> WorkerSide:
+        assert self._worker_side is not None, "not a worker's connector"
+        return self._worker_side
+
     def register_kv_caches(self, kv_caches: dict[str, KVCacheParts]) -> None:
         connector_worker = self.connector_worker
         assert connector_worker is not None
@@ -271,53 +270,35 @@ class AscendOffloadingConnector(OffloadingConnector):
             connector_worker.register_kv_caches(kv_caches)
         else:
             config = connector_worker.kv_cache_config
-            group_ids = get_offloading_group_ids(config)
-            groups = [config.kv_cache_groups[g].layer_names for g in group_ids]
-            canonical = canonicalize(
-                kv_caches,
-                groups,
-                config.num_blocks,
-                page_bytes=_spec_page_bytes(config, group_ids),
-            )
-            logger.info(
-                "KV offload: %d layers in %d groups as %d per-part block views",
-                sum(len(g) for g in groups),
-                len(groups),
-                len(canonical.tensors),
-            )
+            canonical = _canonical_kv_caches(kv_caches, config)
             vllm_compat.init_offloading_worker(connector_worker, canonical)
         self._offloading_worker.divert_failures()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         assert isinstance(connector_metadata, OffloadingConnectorMetadata)
-        assert self._failure_log is not None
-        self._failure_log.record_loads(connector_metadata.load_jobs)
-        self._step_clock.start(getattr(connector_metadata, "num_scheduled_tokens", 0))
+        self._worker.on_metadata(connector_metadata)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        self._step_clock.stop()
+        self._worker.forward_done()
         meta = vllm_compat.bound_metadata(self)
         if getattr(meta, "idle_step", False):
             self._offloading_worker.wait_for_progress(IDLE_STEP_WAIT_S)
         finished = super().get_finished(finished_req_ids)
-        assert self._failure_log is not None
-        self._failure_log.record_failures(self._offloading_worker.take_failed_jobs())
+        self._worker.record_failures(self._offloading_worker.take_failed_jobs())
         return finished
 
     def get_transfer_results(
         self, finished_req_ids: set[str]
     ) -> KVConnectorTransferResults:
         results = super().get_transfer_results(finished_req_ids)
-        assert self._failure_log is not None
-        results.failed_recving |= self._failure_log.take_failed_recving()
+        self._worker.add_failed_recving(results)
         return results
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         # Called after get_transfer_results in the same step, so a failed
         # load's blocks arrive with its request's finished_recving.
-        assert self._failure_log is not None
-        return self._failure_log.take_load_error_block_ids()
+        return self._worker.take_load_error_block_ids()
 
     def get_kv_connector_stats(self):
         stats = super().get_kv_connector_stats()
@@ -334,49 +315,38 @@ class AscendOffloadingConnector(OffloadingConnector):
         worker = self.connector_worker.worker if self.connector_worker else None
         if worker is None:  # no KV caches registered yet: nothing to report
             return meta
-        queued = worker.queued_bytes()
-        if meta is None:
-            # Nothing finished: report only figures the scheduler lacks.
-            if not self._step_clock.tokens and queued == self._queued_sent:
-                return None
-            meta = OffloadingWorkerMetadata()
-        self._queued_sent = queued
-        assert self._failure_log is not None
-        return self._failure_log.worker_metadata(meta, self._step_clock.figures(queued))
+        return self._worker.worker_metadata(meta, worker.queued_bytes())
 
     # -- scheduler side ----------------------------------------------------
 
+    @property
+    def _scheduler(self) -> SchedulerSide:
+        assert self._scheduler_side is not None, "not the scheduler's connector"
+        return self._scheduler_side
+
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
-        if self._quarantine is not None:
-            self._quarantine.bind(kv_cache_manager)
+        self._scheduler.bind(kv_cache_manager)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        # Not yet while its prefix is in device blocks a sync load is filling.
-        if self._quarantine is not None and self._quarantine.must_wait(request):
+        if self._scheduler.must_wait(request):
             return None, False
-        if self._wait_bound is not None:
-            self._wait_bound.begin_lookup(
-                request.request_id, num_computed_tokens, request.num_prompt_tokens
-            )
+        self._scheduler.begin_lookup(request, num_computed_tokens)
         result = super().get_num_new_matched_tokens(request, num_computed_tokens)
-        if self._quarantine is not None:
-            self._quarantine.on_lookup(request, num_computed_tokens, result)
+        self._scheduler.end_lookup(request, num_computed_tokens, result)
         return result
 
     def update_state_after_alloc(self, request: Request, blocks, num_external_tokens):
         super().update_state_after_alloc(request, blocks, num_external_tokens)
-        if self._quarantine is not None:
-            self._quarantine.on_alloc(request, blocks, num_external_tokens)
+        self._scheduler.on_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(
         self, scheduler_output: SchedulerOutput
     ) -> AscendOffloadingConnectorMetadata:
         meta = super().build_connector_meta(scheduler_output)
-        assert self._failure_router is not None
-        self._failure_router.expect(meta)
+        self._scheduler.on_metadata(meta)
         # Every field of vLLM's metadata, whatever its version has.
         values = {f.name: getattr(meta, f.name) for f in fields(meta)}
         tokens = scheduler_output.total_num_scheduled_tokens
@@ -385,11 +355,6 @@ class AscendOffloadingConnector(OffloadingConnector):
         )
 
     def update_connector_output(self, connector_output: KVConnectorOutput):
-        # Before vLLM completes the jobs: complete_store must already know
-        # that a failed store's keys hold nothing.
-        assert self._failure_router is not None
-        self._failure_router.invalidate_blocks(connector_output.invalid_block_ids)
-        self._failure_router.route(connector_output.kv_connector_worker_meta)
-        if self._wait_bound is not None:
-            self._wait_bound.observe(connector_output.kv_connector_worker_meta)
+        # Before vLLM completes the jobs (see SchedulerSide.on_output).
+        self._scheduler.on_output(connector_output)
         super().update_connector_output(connector_output)

@@ -21,7 +21,7 @@ path it also holds the scratch buffers, two blocks' worth).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -320,6 +320,49 @@ def run_self_check(
     )
     if result.passed:
         logger.info("KV offload self-check %s", result.summary())
+    return result
+
+
+# What a worker runs as its self-check (``run_self_check``; a test's own).
+SelfCheck = Callable[..., SelfCheckResult]
+
+
+def choose_copy_path(
+    device: torch.device,
+    fragment_sizes: Sequence[int],
+    setting: str,
+    *,
+    pool: CpuBlockPool,
+    queues: tuple[TransferQueue, TransferQueue],
+    buffers: Sequence[torch.Tensor],
+    check: SelfCheck = run_self_check,
+) -> SelfCheckResult:
+    """A worker's copy path, before it serves: ``check`` run on the
+    candidates for the ``copy_path`` ``setting``, on the worker's own pool,
+    (store, load) queues and ``buffers``. Warns where a device falls back to
+    the torch path for want of a native op, and logs the choice; the caller
+    refuses offloading (``refusal``) when no path passed."""
+    paths = candidate_paths(device.type, setting)
+    if device.type != "cpu" and not paths[0].native and setting != "torch":
+        logger.warning(
+            "KV offload: no native copy op for %s here (%s); copies use the torch path",
+            device.type,
+            "vLLM's swap_blocks_batch is not registered"
+            if device.type == "cuda"
+            else ops.fallback_reason()
+            or f"compiled backends: {', '.join(ops.native_backends())}",
+        )
+    result = check(
+        device, fragment_sizes, pool=pool, paths=paths, queues=queues, buffers=buffers
+    )
+    if result.passed:
+        logger.info(
+            "KV offload: copy path %s on %s (self-check: %.2f GB/s, %.0f ms)",
+            result.path,
+            device,
+            result.bandwidth_gbps,
+            result.seconds * 1e3,
+        )
     return result
 
 

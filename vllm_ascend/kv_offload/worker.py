@@ -21,7 +21,6 @@ stays loud.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import numpy as np
 from vllm.v1.kv_offload.base import (
@@ -33,16 +32,20 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
-from vllm_ascend.kv_offload import ops
 from vllm_ascend.kv_offload.copy_engine import CopyEngine, Descriptors
-from vllm_ascend.kv_offload.copy_paths import candidate_paths
 from vllm_ascend.kv_offload.cpu_pool import CpuBlockPool
+from vllm_ascend.kv_offload.job_ledger import JobLedger
 from vllm_ascend.kv_offload.logger import init_logger
 from vllm_ascend.kv_offload.pool_metrics import PoolInfo
-from vllm_ascend.kv_offload.self_check import SelfCheckResult, refusal, run_self_check
+from vllm_ascend.kv_offload.self_check import (
+    SelfCheck,
+    SelfCheckResult,
+    choose_copy_path,
+    refusal,
+    run_self_check,
+)
 from vllm_ascend.kv_offload.transfer_queue import (
     CopyFn,
-    FinishedJob,
     TransferQueue,
     make_transfer_queue,
 )
@@ -51,7 +54,6 @@ logger = init_logger(__name__)
 
 # The worker's queues: stores, loads, expedited loads.
 WorkerQueues = tuple[TransferQueue, TransferQueue, TransferQueue]
-SelfCheck = Callable[..., SelfCheckResult]
 
 
 class NPUOffloadingWorker(OffloadingWorker):
@@ -89,39 +91,19 @@ class NPUOffloadingWorker(OffloadingWorker):
             make_transfer_queue(self.device, "load-expedited"),
         )
         self._queues = (self._stores, self._loads, self._expedited_loads)
-        # job_id -> bytes, for the TransferResult; stores among them.
-        self._job_bytes: dict[int, int] = {}
-        self._store_jobs: set[int] = set()
-        # Jobs that failed at submission; reported by the next get_finished.
-        self._refused: list[int] = []
-        self._divert_failures = False
-        self._failed_jobs: list[int] = []
+        # Each accepted job until get_finished reports it.
+        self._jobs = JobLedger()
         self._closed = False
-        self._run_self_check = self_check
-        self._check_copy_path(kv_caches, copy_path)
-
-    def _check_copy_path(self, kv_caches: CanonicalKVCaches, setting: str) -> None:
-        """Before serving: the start-up self-check picks the copy path and
-        returns its copy function, bound (``self_check.py``); or offloading
-        is refused."""
-        paths = candidate_paths(self.device.type, setting)
-        if self.device.type != "cpu" and not paths[0].native and setting != "torch":
-            logger.warning(
-                "KV offload: no native copy op for %s here (%s); copies use "
-                "the torch path",
-                self.device.type,
-                "vLLM's swap_blocks_batch is not registered"
-                if self.device.type == "cuda"
-                else ops.fallback_reason()
-                or f"compiled backends: {', '.join(ops.native_backends())}",
-            )
-        result = self._run_self_check(
+        # Before serving: the start-up self-check picks the copy path and
+        # returns its copy function, bound; or offloading is refused.
+        result = choose_copy_path(
             self.device,
             [t.page_size_bytes for t in kv_caches.tensors],
-            pool=self.pool,
-            paths=paths,
+            copy_path,
+            pool=pool,
             queues=(self._stores, self._loads),
             buffers=self.engine.buffers(),
+            check=self_check,
         )
         self.self_check: SelfCheckResult = result
         if not result.passed:
@@ -130,13 +112,6 @@ class NPUOffloadingWorker(OffloadingWorker):
         assert result.path is not None and result.swap is not None
         self.copy_path: str = result.path
         self.engine.use(result.swap)
-        logger.info(
-            "KV offload: copy path %s on %s (self-check: %.2f GB/s, %.0f ms)",
-            self.copy_path,
-            self.device,
-            result.bandwidth_gbps,
-            result.seconds * 1e3,
-        )
 
     def pool_info(self) -> PoolInfo:
         """What this worker's pool is, for ``/metrics`` (``pool_metrics``)."""
@@ -151,12 +126,11 @@ class NPUOffloadingWorker(OffloadingWorker):
         """Report failed jobs to vLLM as finished (without stats) and keep
         them for ``take_failed_jobs``; for a connector that reports failures
         through vLLM's public hooks itself."""
-        self._divert_failures = True
+        self._jobs.divert()
 
     def take_failed_jobs(self) -> list[int]:
         """Jobs reported failed since the last call (diverted failures)."""
-        failed, self._failed_jobs = self._failed_jobs, []
-        return failed
+        return self._jobs.take_failed()
 
     def _submit(
         self,
@@ -171,7 +145,7 @@ class NPUOffloadingWorker(OffloadingWorker):
             direction = "expedited_load"
         if self._closed:
             logger.warning("KV offload: %s job %d after shutdown", direction, job_id)
-            return self._refuse(job_id)
+            return self._jobs.refuse(job_id)
         try:
             assert isinstance(device_spec, GPULoadStoreSpec)
             assert isinstance(cpu_spec, BlockIDsLoadStoreSpec)
@@ -179,18 +153,15 @@ class NPUOffloadingWorker(OffloadingWorker):
                 device_spec, np.asarray(cpu_spec.block_ids), to_cpu=to_cpu
             )
             copy = self._copy_job(direction, job_id, desc)
-            self._job_bytes[job_id] = desc.num_bytes
-            if to_cpu:
-                self._store_jobs.add(job_id)
+            self._jobs.accept(job_id, desc.num_bytes, store=to_cpu)
             queue.submit(job_id, copy)
         except Exception:
             # Reported to the connector by the False return; the engine goes on.
             logger.exception(
                 "KV offload: %s job %d could not be submitted", direction, job_id
             )
-            self._job_bytes.pop(job_id, None)
-            self._store_jobs.discard(job_id)
-            return self._refuse(job_id)
+            self._jobs.forget(job_id)
+            return self._jobs.refuse(job_id)
         return True
 
     def _copy_job(self, kind: str, job_id: int, desc: Descriptors) -> CopyFn:
@@ -199,13 +170,6 @@ class NPUOffloadingWorker(OffloadingWorker):
         "store", "load" or "expedited_load". A seam for tests
         (tests/fault_injection.py), which make chosen jobs fail."""
         return functools.partial(self.engine.swap, desc.src, desc.dst, desc.sizes)
-
-    def _refuse(self, job_id: int) -> bool:
-        if not self._divert_failures:
-            return False  # vLLM's contract: nothing is reported for it later
-        # Accepted as far as vLLM knows; finishes failed at the next poll.
-        self._refused.append(job_id)
-        return True
 
     def submit_store(
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
@@ -227,30 +191,13 @@ class NPUOffloadingWorker(OffloadingWorker):
         return self._submit(queue, job_id, dst_spec, src_spec, to_cpu=False)
 
     def get_finished(self) -> list[TransferResult]:
-        finished = [FinishedJob(j, False, 0.0) for j in self._refused]
-        self._refused.clear()
-        for queue in self._queues:
-            finished += queue.poll()
-        results = []
-        for job in finished:
-            size = self._job_bytes.pop(job.job_id, 0)
-            self._store_jobs.discard(job.job_id)
-            if job.success:
-                results.append(TransferResult(job.job_id, True, size, job.seconds))
-            elif self._divert_failures:
-                # Failed jobs moved no useful bytes: no transfer stats.
-                self._failed_jobs.append(job.job_id)
-                results.append(TransferResult(job.job_id, True, None, None))
-            else:
-                results.append(TransferResult(job.job_id, False, size, job.seconds))
-        return results
+        return self._jobs.report(job for q in self._queues for job in q.poll())
 
     def queued_bytes(self) -> tuple[int, int]:
         """Bytes of the (store, load) jobs submitted and not yet reported
         finished: what a new job of each direction waits behind
         (``load_wait.py``)."""
-        stores = sum(self._job_bytes[j] for j in self._store_jobs)
-        return stores, sum(self._job_bytes.values()) - stores
+        return self._jobs.queued_bytes()
 
     def wait(self, job_ids: set[int]) -> None:
         for queue in self._queues:
@@ -275,8 +222,7 @@ class NPUOffloadingWorker(OffloadingWorker):
             return
         self._closed = True
         stopped = [q.shutdown() for q in self._queues]
-        self._job_bytes.clear()
-        self._store_jobs.clear()
+        self._jobs.clear()
         if all(stopped):
             # Release the (possibly pinned) host memory now, not at GC; a
             # shared region's owner decided what that means.

@@ -36,9 +36,7 @@ from vllm_ascend.kv_offload.tiering.auth_key import (
 from vllm_ascend.kv_offload.tiering.block_file import (
     HEADER_BYTES,
     key_digest,
-    read_block,
     remove_stale_temp_files,
-    write_block,
     write_small_file,
 )
 from vllm_ascend.kv_offload.tiering.fs_budget import (
@@ -52,12 +50,10 @@ from vllm_ascend.kv_offload.tiering.identity import (
     identity_root,
 )
 from vllm_ascend.kv_offload.tiering.model_identity import SHARED_ID, with_shared_id
-from vllm_ascend.kv_offload.tiering.tier_paths import (
-    BadEntryError,
-    StoredBlockError,
-    is_regular_file,
-    make_dirs,
-    remove_block,
+from vllm_ascend.kv_offload.tiering.tier_paths import is_regular_file, make_dirs
+from vllm_ascend.kv_offload.tiering.verified_files import (
+    VanishedBlockError,
+    VerifiedBlockFiles,
 )
 
 if TYPE_CHECKING:
@@ -67,10 +63,6 @@ logger = init_logger(__name__)
 
 # Our fs tier, registered under this type; a config's "fs" tiers become it.
 VERIFIED_FS_TYPE = "ascend_fs"
-
-
-class VanishedBlockError(FileNotFoundError):
-    """A block file found by a lookup was removed before its load."""
 
 
 def tier_identity(
@@ -115,11 +107,10 @@ class VerifiedFileSystemTier(FileSystemTierManager):
                 f"secondary tier type {VERIFIED_FS_TYPE!r} needs spec_name="
                 f"{TIERING_SPEC!r} and spec_module_path={TIERING_MODULE!r}"
             )
-        self.auth_key = _tier_auth_key({AUTH_KEY_FILE: auth_key_file})
+        auth_key = _tier_auth_key({AUTH_KEY_FILE: auth_key_file})
         digest = identity_digest(
-            tier_identity(with_shared_id(spec_identity, identity), self.auth_key)
+            tier_identity(with_shared_id(spec_identity, identity), auth_key)
         )
-        self.identity_bytes = bytes.fromhex(digest)
         weights = spec_identity.get("weights", {})
         if identity is None and "unidentified" in weights:
             logger.warning(
@@ -131,7 +122,6 @@ class VerifiedFileSystemTier(FileSystemTierManager):
                 root_dir,
                 SHARED_ID,
             )
-        self.user_root_dir = root_dir
         self.root_dir = identity_root(root_dir, digest)
         max_bytes = kw.pop(MAX_BYTES_KEY, None)
         super().__init__(
@@ -145,11 +135,15 @@ class VerifiedFileSystemTier(FileSystemTierManager):
         self.block_bytes: int = primary_kv_view.strides[0]
         self.primary_bytes = primary_kv_view.cast("B")
         use_o_direct = vllm_compat.fs_tier_uses_o_direct(self)
-        self._o_direct = getattr(os, "O_DIRECT", 0) if use_o_direct else 0
-        self._rejected = 0
-        self._count_lock = threading.Lock()
-        self.bad_entries = 0
-        self.vanished_blocks = 0  # looked up, gone when loaded: misses
+        # Each block's file, written and read verified; failures counted.
+        self.files = VerifiedBlockFiles(
+            self.primary_bytes,
+            self.block_bytes,
+            bytes.fromhex(digest),
+            root_dir,
+            auth_key,
+            getattr(os, "O_DIRECT", 0) if use_o_direct else 0,
+        )
         vllm_compat.quiet_fs_tier_pool_errors(VanishedBlockError)
         self.stale_temp_files_removed = 0
         # Size bound (fs_budget): stores report, reads touch, stats count.
@@ -163,7 +157,7 @@ class VerifiedFileSystemTier(FileSystemTierManager):
             "CRC32%s, verified on every read)",
             self.root_dir,
             digest[:16],
-            " and an HMAC-SHA256 under the deployment key" if self.auth_key else "",
+            " and an HMAC-SHA256 under the deployment key" if auth_key else "",
         )
         # Temp files of writers that died mid-write (walks the directory).
         threading.Thread(
@@ -184,16 +178,6 @@ class VerifiedFileSystemTier(FileSystemTierManager):
                     self.root_dir,
                 )
 
-    def _bad_entry(self, path: str, found: str) -> None:
-        with self._count_lock:
-            self.bad_entries += 1
-        logger.warning(
-            "KV offload: fs tier: %s at %s; a miss, removed (the block can be "
-            "stored again)",
-            found,
-            path,
-        )
-
     def _paths_and_offsets(
         self, job: TransferJob
     ) -> tuple[list[str], list[int], list[bytes]]:
@@ -202,28 +186,16 @@ class VerifiedFileSystemTier(FileSystemTierManager):
         offsets = [int(c) * self.block_bytes for c in job.chunk_ids]
         return paths, offsets, [key_digest(k) for k in keys]
 
-    def _payload(self, offset: int) -> memoryview:
-        return self.primary_bytes[offset : offset + self.block_bytes]
-
     @override
     def submit_store(self, job_metadata: TransferJob) -> None:
         keys = list(job_metadata.keys)
         paths, offsets, key_ids = self._paths_and_offsets(job_metadata)
-        budget = self.budget
+        budget, files = self.budget, self.files
 
         def store_task() -> None:
             written = 0
             for path, offset, key in zip(paths, offsets, key_ids, strict=True):
-                written += write_block(
-                    path,
-                    self._payload(offset),
-                    self.identity_bytes,
-                    key,
-                    self._o_direct,
-                    root=self.user_root_dir,
-                    auth_key=self.auth_key,
-                    on_bad_entry=self._bad_entry,
-                )
+                written += files.write(path, offset, key)
             if budget is not None and written:
                 budget.note_stored(written * (HEADER_BYTES + self.block_bytes))
 
@@ -234,60 +206,22 @@ class VerifiedFileSystemTier(FileSystemTierManager):
         job_id = job_metadata.job_id
         keys = list(job_metadata.keys)
         paths, offsets, key_ids = self._paths_and_offsets(job_metadata)
-        budget = self.budget
+        budget, files = self.budget, self.files
 
         def load_task() -> None:
             for i, (path, offset, key) in enumerate(
                 zip(paths, offsets, key_ids, strict=True)
             ):
                 try:
-                    read_block(
-                        path,
-                        self._payload(offset),
-                        self.identity_bytes,
-                        key,
-                        self._o_direct,
-                        root=self.user_root_dir,
-                        auth_key=self.auth_key,
-                        on_bad_entry=self._bad_entry,
-                    )
-                except FileNotFoundError as exc:
-                    # Removed since the lookup (the size bound, another
-                    # engine): a miss like any other, not an I/O error.
-                    vllm_compat.record_fs_tier_load_progress(self, job_id, i)
-                    with self._count_lock:
-                        self.vanished_blocks += 1
-                    raise VanishedBlockError(exc.errno, exc.strerror, path) from exc
-                except OSError as exc:
+                    files.read(path, offset, key)
+                except OSError:
                     # Blocks before i are kept; this one and later recompute.
                     vllm_compat.record_fs_tier_load_progress(self, job_id, i)
-                    self._log_rejected(path, exc)
                     raise
                 if budget is not None:
                     budget.touch(path)
 
         vllm_compat.enqueue_fs_tier_load(self, job_id, keys, load_task)
-
-    def _log_rejected(self, path: str, exc: OSError) -> None:
-        with self._count_lock:
-            self._rejected += 1
-        if isinstance(exc, BadEntryError):
-            return  # logged and removed by _bad_entry
-        if isinstance(exc, StoredBlockError):
-            logger.warning(
-                "KV offload: fs tier file %s is not loaded (%s); the request "
-                "recomputes those tokens, the file is removed",
-                path,
-                exc.strerror,
-            )
-            remove_block(path, self.user_root_dir)
-        else:
-            logger.warning(
-                "KV offload: fs tier file %s could not be read (%s); the request "
-                "recomputes those tokens",
-                path,
-                exc,
-            )
 
     @override
     def shutdown(self) -> None:

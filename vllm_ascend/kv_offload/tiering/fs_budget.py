@@ -121,6 +121,7 @@ class FsTierBudget:
                 "many requests' prefixes)"
             )
         self.root = root
+        self.files = BlockFiles(root)
         self.max_bytes = max_bytes
         self.low_bytes = int(max_bytes * EVICT_TO)
         self._rescan_bytes = max(file_bytes, max_bytes // RESCAN_FRACTION)
@@ -165,7 +166,7 @@ class FsTierBudget:
                 self._since_scan = 0
             return
         try:
-            entries = self.list_block_files()
+            entries = self.files.entries()
             total = sum(e.size for e in entries)
             removed = removed_bytes = 0
             if total >= self.max_bytes:
@@ -173,7 +174,7 @@ class FsTierBudget:
                 for entry in entries:
                     if total <= self.low_bytes:
                         break
-                    gone = self._remove(entry)
+                    gone = self.files.remove(entry)
                     if gone is None:
                         continue  # used again or replaced: kept
                     total -= entry.size
@@ -254,7 +255,16 @@ class FsTierBudget:
             return None
         return fd
 
-    def list_block_files(self) -> list[_Entry]:
+
+class BlockFiles:
+    """The block files under an untrusted ``root``: listed and removed by
+    directory fds, nothing followed; a file is removed only if it is the one
+    listed, unchanged since."""
+
+    def __init__(self, root: str):
+        self.root = root
+
+    def entries(self) -> list[_Entry]:
         """Regular ``*.bin`` files under the root, walked by directory fds:
         symlinks are neither followed nor listed, temp files (in-flight
         writes) are left out."""
@@ -294,7 +304,7 @@ class FsTierBudget:
                 os.close(fd)
         return out
 
-    def _remove(self, entry: _Entry) -> bool | None:
+    def remove(self, entry: _Entry) -> bool | None:
         """True if removed, False if already gone (another evictor), None if
         kept because it changed since the listing (read, or rewritten)."""
         try:
