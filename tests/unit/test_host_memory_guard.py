@@ -71,12 +71,13 @@ def kv() -> CanonicalKVCaches:
     return make_kv_caches(4, [BLOCK])
 
 
-def device_kv() -> CanonicalKVCaches:
-    """A KV cache that is not host memory (as on an NPU or GPU)."""
-    tensor = torch.empty((4, BLOCK), dtype=torch.int8, device="meta")
+def unwritten_kv(blocks: int, page: int, device: str = "cpu") -> CanonicalKVCaches:
+    """A KV cache of one ``[blocks, page]`` tensor never written (no memory
+    used for it on "cpu"; "meta": not host memory, as on an NPU or GPU)."""
+    tensor = torch.empty((blocks, page), dtype=torch.int8, device=device)
     return CanonicalKVCaches(
-        tensors=[CanonicalKVCacheTensor(tensor=tensor, page_size_bytes=BLOCK)],
-        group_data_refs=[[CanonicalKVCacheRef(tensor_idx=0, page_size_bytes=BLOCK)]],
+        tensors=[CanonicalKVCacheTensor(tensor=tensor, page_size_bytes=page)],
+        group_data_refs=[[CanonicalKVCacheRef(tensor_idx=0, page_size_bytes=page)]],
     )
 
 
@@ -141,12 +142,7 @@ def test_the_fix_for_vllm_cpu_kvcache_space_is_in_its_unit(available, monkeypatc
     """VLLM_CPU_KVCACHE_SPACE counts whole GiB: the fix says which value."""
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "8")
     page = 64 * MiB
-    # 8 GiB of KV cache, never written: no memory is used for it.
-    tensor = torch.empty((128, page), dtype=torch.int8)
-    kv_cache = CanonicalKVCaches(
-        tensors=[CanonicalKVCacheTensor(tensor=tensor, page_size_bytes=page)],
-        group_data_refs=[[CanonicalKVCacheRef(tensor_idx=0, page_size_bytes=page)]],
-    )
+    kv_cache = unwritten_kv(128, page)  # 8 GiB of KV cache
     available.bytes = 12 * GiB  # what the KV cache left
     spec = RecordingSpec(make_config({"num_cpu_blocks": 240}, page))  # 15 GiB
     with pytest.raises(OffloadConfigError) as error:
@@ -160,8 +156,9 @@ def test_the_fix_for_vllm_cpu_kvcache_space_is_in_its_unit(available, monkeypatc
 
 def test_a_kv_cache_outside_host_memory_is_not_offered_as_the_fix(available):
     available.bytes = GiB
+    spec = RecordingSpec(make_config({"num_cpu_blocks": 20000}))
     with pytest.raises(OffloadConfigError) as error:
-        RecordingSpec(make_config({"num_cpu_blocks": 20000})).get_worker(device_kv())
+        spec.get_worker(unwritten_kv(4, BLOCK, "meta"))
     message = str(error.value)
     assert "lower num_cpu_blocks to 14745" in message
     assert "VLLM_CPU_KVCACHE_SPACE" not in message
