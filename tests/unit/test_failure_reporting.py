@@ -23,7 +23,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
-    OffloadingConnectorMetadata,
     TransferJob,
 )
 from vllm.v1.kv_offload.base import (
@@ -399,17 +398,6 @@ def test_a_store_of_blocks_another_connector_failed_to_load_is_not_kept():
     m.complete_store(list(good.keys_to_store), ctx("b"))
     assert m.lookup(b"k1", ctx("c")) == LookupResult.MISS
     assert m.lookup(b"k2", ctx("c")) == LookupResult.HIT
-
-
-def test_metadata_keeps_vllms_fields(monkeypatch):
-    c = make_connector("scheduler")
-    vllm_meta = OffloadingConnectorMetadata(load_jobs={1: load("a", 1)}, store_jobs={})
-    monkeypatch.setattr(
-        c.connector_scheduler, "build_connector_meta", lambda so: vllm_meta
-    )
-    meta = c.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=3))
-    assert meta.load_jobs is vllm_meta.load_jobs and not meta.idle_step
-    assert isinstance(meta, AscendOffloadingConnectorMetadata)
 
 
 # -- sync loads: their device blocks out of reach until they succeeded ---------
