@@ -200,8 +200,9 @@ def test_a_file_removed_by_another_evictor_is_tolerated(tmp_path, monkeypatch):
 
 
 def test_a_file_used_again_during_the_scan_is_kept(tmp_path, monkeypatch):
-    paths = aged_blocks(tmp_path)
-    budget = bounded(tmp_path)
+    root = str(tmp_path)
+    paths = aged_blocks(root)
+    budget = FsTierBudget(root, max_bytes=6 * FILE_BYTES, file_bytes=FILE_BYTES)
     real_list = budget.list_block_files
 
     def read_meanwhile():
@@ -221,7 +222,7 @@ def test_a_directory_swapped_for_a_symlink_after_the_listing_is_not_followed(
     outside = tmp_path / "outside"
     outside.mkdir()
     aged_blocks(root, name="b{}")  # one file in each of root/b0 ... root/b9
-    budget = bounded(root)
+    budget = FsTierBudget(str(root), max_bytes=6 * FILE_BYTES, file_bytes=FILE_BYTES)
     real_list = budget.list_block_files
 
     def swap_after_listing():
