@@ -63,6 +63,18 @@ def copy_threads_end(before: set[threading.Thread], timeout_s: float = 10.0) -> 
 
 
 @pytest.fixture
+def available(monkeypatch) -> Callable[[int], None]:
+    """Sets the host memory available (the host's MemAvailable, as
+    ``host_guard.host_available_bytes`` reads it) from then on."""
+    from vllm_ascend.kv_offload import host_guard
+
+    def set_available(nbytes: int) -> None:
+        monkeypatch.setattr(host_guard, "host_available_bytes", lambda: nbytes)
+
+    return set_available
+
+
+@pytest.fixture
 def host_ledger_dir(tmp_path, monkeypatch) -> str:
     """A host-memory ledger of the test's own (``host_ledger``), empty:
     the pools of workers outside the test are not on this host."""
