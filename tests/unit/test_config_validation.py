@@ -60,10 +60,6 @@ SPEC_CASES = [
         ["num_cpu_blocks=4", f"cpu_bytes_to_use={100 * BLOCK}", "set only one"],
     ),
     (
-        {"num_cpu_blocks": 8, "eviction_policy": "fifo"},
-        ["'eviction_policy'", "='fifo'", "use one of lru, arc"],
-    ),
-    (
         {"num_cpu_blocks": 8, "eviction_policy": 5},
         ["'eviction_policy'", "=5", "use one of lru, arc"],
     ),
