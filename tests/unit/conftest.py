@@ -20,6 +20,11 @@ if TYPE_CHECKING:
     from vllm_ascend.kv_offload.region import RegionMark
 
 
+def new_engine_id(kind: str = "unit") -> str:
+    """An engine id no other test uses (it names /dev/shm regions)."""
+    return f"{kind}-{uuid.uuid4().hex[:8]}"
+
+
 @pytest.fixture
 def shared_region() -> Iterator[Callable[..., tuple[SharedOffloadRegion, RegionMark]]]:
     """Opens tiering regions (``open_region``) under a fresh engine id (or
@@ -36,7 +41,7 @@ def shared_region() -> Iterator[Callable[..., tuple[SharedOffloadRegion, RegionM
         engine_id: str | None = None,
     ) -> tuple[SharedOffloadRegion, RegionMark]:
         region, mark = open_region(
-            engine_id=engine_id or f"unit-{uuid.uuid4().hex[:8]}",
+            engine_id=engine_id or new_engine_id(),
             num_chunks=num_chunks,
             rank=rank,
             kv_bytes_per_chunk=kv_bytes_per_chunk,
@@ -60,6 +65,18 @@ def copy_threads_end(before: set[threading.Thread], timeout_s: float = 10.0) -> 
     for thread in set(kv_offload_threads()) - before:
         thread.join(timeout_s)
     return set(kv_offload_threads()) <= before
+
+
+@pytest.fixture
+def available(monkeypatch) -> Callable[[int], None]:
+    """Sets the host memory available (the host's MemAvailable, as
+    ``host_guard.host_available_bytes`` reads it) from then on."""
+    from vllm_ascend.kv_offload import host_guard
+
+    def set_available(nbytes: int) -> None:
+        monkeypatch.setattr(host_guard, "host_available_bytes", lambda: nbytes)
+
+    return set_available
 
 
 @pytest.fixture

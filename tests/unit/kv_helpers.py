@@ -89,6 +89,12 @@ def make_kv_caches(
     return CanonicalKVCaches(tensors=tensors, group_data_refs=refs)
 
 
+def parts_of(cache) -> list[torch.Tensor]:
+    """The tensors of one layer's entry in a ``kv_caches`` dict (a tensor,
+    or a tuple/list of them as vllm-ascend registers)."""
+    return [cache] if isinstance(cache, torch.Tensor) else list(cache)
+
+
 def cpu_queues() -> tuple:
     """A worker's three queues (stores, loads, expedited loads) on the CPU
     backend, for a test that submits to one of them itself."""

@@ -12,7 +12,7 @@ import torch
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
-from tests.unit.kv_helpers import make_worker
+from tests.unit.kv_helpers import make_worker, parts_of
 from vllm_ascend.kv_offload.kv_layout import KVLayoutError, block_view, canonicalize
 
 NUM_BLOCKS = 6
@@ -61,10 +61,6 @@ def mamba_layer(seed=2):
         aligned_randn((NUM_BLOCKS, 3, 1024), torch.bfloat16, gen),
         aligned_randn((NUM_BLOCKS, 16, 64, 16), torch.float32, gen),
     ]
-
-
-def parts_of(cache):
-    return [cache] if isinstance(cache, torch.Tensor) else list(cache)
 
 
 def all_parts(kv_caches):

@@ -59,37 +59,26 @@ def test_load_swaps_source_and_destination():
     assert torch.equal(store.dst, load.src)
 
 
-def test_block_size_factor_packs_consecutive_device_blocks_into_one_cpu_block():
+@pytest.mark.parametrize(
+    "bpc, first, slots",
+    [
+        # Four logical blocks -> two CPU blocks, two slots each.
+        (2, 0, [(6, 0), (6, 1), (2, 0), (2, 1)]),
+        # Logical blocks 6..10 of the request: 6 sits in slot 2 of its CPU
+        # block, so the first CPU block's leading slots are skipped.
+        (4, 6, [(7, 2), (7, 3), (0, 0), (0, 1), (0, 2)]),
+    ],
+    ids=["consecutive-blocks-share-a-cpu-block", "partial-first-cpu-block"],
+)
+def test_block_size_factor_packs_device_blocks_into_cpu_block_slots(bpc, first, slots):
     kv = make_kv_caches(16, PAGES)
-    engine, pool = engine_for(kv, bpc=2)
-    # Four logical blocks -> two CPU blocks, two slots each.
-    spec = GPULoadStoreSpec([4, 5, 6, 7], group_sizes=[4], block_indices=[0])
-    desc = engine.build(spec, np.array([6, 2]), to_cpu=True)
-    dst = desc.dst.view(len(PAGES), 4).tolist()
+    engine, pool = engine_for(kv, bpc=bpc)
+    n, rows = len(slots), list(dict.fromkeys(row for row, _ in slots))
+    spec = GPULoadStoreSpec(list(range(n)), group_sizes=[n], block_indices=[first])
+    desc = engine.build(spec, np.array(rows), to_cpu=True)
+    dst = desc.dst.view(len(PAGES), n).tolist()
     for t in range(len(PAGES)):
-        assert dst[t] == [
-            cpu_page_addr(pool, t, 6, 0),
-            cpu_page_addr(pool, t, 6, 1),
-            cpu_page_addr(pool, t, 2, 0),
-            cpu_page_addr(pool, t, 2, 1),
-        ]
-
-
-def test_partial_first_cpu_block_skips_the_leading_slots():
-    kv = make_kv_caches(16, PAGES)
-    engine, pool = engine_for(kv, bpc=4)
-    # Logical blocks 6..10 of the request: 6 sits in slot 2 of its CPU block.
-    spec = GPULoadStoreSpec([1, 2, 3, 4, 5], group_sizes=[5], block_indices=[6])
-    desc = engine.build(spec, np.array([7, 0]), to_cpu=True)
-    dst = desc.dst.view(len(PAGES), 5).tolist()
-    for t in range(len(PAGES)):
-        assert dst[t] == [
-            cpu_page_addr(pool, t, 7, 2),
-            cpu_page_addr(pool, t, 7, 3),
-            cpu_page_addr(pool, t, 0, 0),
-            cpu_page_addr(pool, t, 0, 1),
-            cpu_page_addr(pool, t, 0, 2),
-        ]
+        assert dst[t] == [cpu_page_addr(pool, t, row, slot) for row, slot in slots]
 
 
 def test_groups_use_their_own_tensors_and_blocks():

@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 from types import SimpleNamespace as NS
 
@@ -166,14 +165,6 @@ def test_copy_op_writing_wrong_bytes_exits_nonzero(monkeypatch):
     assert rc == 1, out
     assert "WRONG BYTES" in out and "op (store" in out
     assert out.rstrip().splitlines()[-1].startswith("BROKEN")
-
-
-def test_console_script_points_at_main():
-    """Guards the command the docs start with (docs/first_run.md:
-    ``vllm-ascend-kv-offload-doctor``): pip installs it from this table."""
-    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    module, _, attr = scripts["vllm-ascend-kv-offload-doctor"].partition(":")
-    assert (module, attr) == ("vllm_ascend.kv_offload.doctor", "main")
 
 
 def test_platform_plugin_failing_to_import_is_reported_not_raised(tmp_path):

@@ -46,14 +46,10 @@ def model(tmp_path):
 
 
 @pytest.fixture
-def host(monkeypatch):
+def host(monkeypatch, available):
     """Sets the host memory available to the check."""
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
-
-    def set_available(nbytes: int) -> None:
-        monkeypatch.setattr(host_guard, "host_available_bytes", lambda: nbytes)
-
-    return set_available
+    return available
 
 
 def test_cpu_block_bytes_from_config_match_the_user_guide(model):

@@ -23,7 +23,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
-    OffloadingConnectorMetadata,
     TransferJob,
 )
 from vllm.v1.kv_offload.base import (
@@ -271,6 +270,13 @@ def keys(*names: str) -> list[bytes]:
     return [n.encode() for n in names]
 
 
+def worker_report(completed_jobs: dict, failed=()) -> AscendOffloadingWorkerMetadata:
+    """One worker's metadata: the jobs it finished, ``failed`` among them."""
+    meta = AscendOffloadingWorkerMetadata(failed_jobs=set(failed))
+    meta.completed_jobs.update(completed_jobs)
+    return meta
+
+
 def test_a_failed_store_frees_its_cpu_blocks_instead_of_recording_them():
     m = manager()
     out = m.prepare_store(keys("k1", "k2"), ctx("a"))
@@ -346,15 +352,9 @@ def test_the_router_turns_reported_failures_into_manager_calls():
             store_jobs={7: TransferJob("a", gpu(1), store_out.store_spec)},
         )
     )
-
-    def report(completed_jobs, failed):
-        meta = AscendOffloadingWorkerMetadata(failed_jobs=failed)
-        meta.completed_jobs.update(completed_jobs)
-        router.route(meta)
-
-    report({7: 1, 8: 1}, failed={7, 8})  # worker 0: both failed
+    router.route(worker_report({7: 1, 8: 1}, failed={7, 8}))  # worker 0: both failed
     assert m.lookup(b"k1", ctx("b")) == LookupResult.MISS  # load failure: b
-    report({7: 1, 8: 1}, failed=set())  # worker 1: both done
+    router.route(worker_report({7: 1, 8: 1}))  # worker 1: both done
     # vLLM's own completion of job 7 now frees the keys (success=False).
     m.complete_store(list(store_out.keys_to_store), ctx("a"))
     assert m.lookup(b"k1", ctx("c")) == LookupResult.MISS
@@ -365,18 +365,10 @@ def test_a_store_issued_while_its_requests_sync_load_failed_is_not_kept():
     m = manager()
     router = FailureRouter(m, num_workers=1)
     store_out = m.prepare_store(keys("k1"), ctx("a"))
-    # vLLM 0.33's TransferJob (0.32's has no sync field).
-    sync_load = SimpleNamespace(
-        req_id="a", src_spec=CPULoadStoreSpec([0]), dst_spec=gpu(3), sync=True
-    )
     store_job = TransferJob("a", gpu(4), store_out.store_spec)
-    router.expect(metadata(load_jobs={1: sync_load}, store_jobs={2: store_job}))
-    meta = AscendOffloadingWorkerMetadata(failed_jobs={1})
-    meta.completed_jobs.update({1: 1})
-    router.route(meta)  # the load failed; the store itself will succeed
-    meta = AscendOffloadingWorkerMetadata()
-    meta.completed_jobs.update({2: 1})
-    router.route(meta)
+    router.expect(metadata(load_jobs={1: sync_load("a", 3)}, store_jobs={2: store_job}))
+    router.route(worker_report({1: 1}, failed={1}))  # the store will succeed
+    router.route(worker_report({2: 1}))
     m.complete_store(list(store_out.keys_to_store), ctx("a"))
     assert m.lookup(b"k1", ctx("c")) == LookupResult.MISS
 
@@ -401,24 +393,11 @@ def test_a_store_of_blocks_another_connector_failed_to_load_is_not_kept():
         )
     )
     router.invalidate_blocks({4})  # the other connector's failed load
-    meta = AscendOffloadingWorkerMetadata()
-    meta.completed_jobs.update({1: 1, 2: 1})  # both copies "succeeded"
-    router.route(meta)
+    router.route(worker_report({1: 1, 2: 1}))  # both copies "succeeded"
     m.complete_store(list(bad.keys_to_store), ctx("a"))
     m.complete_store(list(good.keys_to_store), ctx("b"))
     assert m.lookup(b"k1", ctx("c")) == LookupResult.MISS
     assert m.lookup(b"k2", ctx("c")) == LookupResult.HIT
-
-
-def test_metadata_keeps_vllms_fields(monkeypatch):
-    c = make_connector("scheduler")
-    vllm_meta = OffloadingConnectorMetadata(load_jobs={1: load("a", 1)}, store_jobs={})
-    monkeypatch.setattr(
-        c.connector_scheduler, "build_connector_meta", lambda so: vllm_meta
-    )
-    meta = c.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=3))
-    assert meta.load_jobs is vllm_meta.load_jobs and not meta.idle_step
-    assert isinstance(meta, AscendOffloadingConnectorMetadata)
 
 
 # -- sync loads: their device blocks out of reach until they succeeded ---------
@@ -448,6 +427,7 @@ def blocks(*ids: int) -> SimpleNamespace:
 
 
 def sync_load(req_id: str, *block_ids: int) -> SimpleNamespace:
+    """vLLM 0.33's TransferJob of a synchronous load (0.32's has no sync)."""
     return SimpleNamespace(
         req_id=req_id,
         src_spec=CPULoadStoreSpec(list(block_ids)),

@@ -67,6 +67,19 @@ def age(path: str, seconds_ago: float) -> None:
     os.utime(path, (t, t), follow_symlinks=False)
 
 
+def aged_blocks(root, n: int = 10, name: str = "b{:02d}") -> list[str]:
+    """n block files under ``root``, the first the least recently used."""
+    paths = [store(str(root), name.format(i)) for i in range(n)]
+    for i, path in enumerate(paths):
+        age(path, 100 - i)
+    return paths
+
+
+def bounded(root, files: int = 6) -> FsTierBudget:
+    """The budget of ``root`` bounded to ``files`` block files."""
+    return FsTierBudget(str(root), max_bytes=files * FILE_BYTES, file_bytes=FILE_BYTES)
+
+
 def counter(stats, name: str) -> float:
     return stats.reduce().get(name, 0.0) if stats else 0.0
 
@@ -110,10 +123,8 @@ def test_the_least_recently_used_files_go_first_and_a_read_counts_as_use(
     tmp_path,
 ):
     root = str(tmp_path)
-    paths = [store(root, f"b{i:02d}") for i in range(10)]
-    for i, path in enumerate(paths):
-        age(path, 100 - i)  # b00 oldest ... b09 newest
-    budget = FsTierBudget(root, max_bytes=6 * FILE_BYTES, file_bytes=FILE_BYTES)
+    paths = aged_blocks(root)  # b00 oldest ... b09 newest
+    budget = bounded(root)
     budget.touch(paths[0])  # a read of the oldest one: now the newest
 
     budget.scan()
@@ -128,17 +139,14 @@ def test_the_least_recently_used_files_go_first_and_a_read_counts_as_use(
 
 
 def test_under_the_bound_nothing_is_removed(tmp_path):
-    root = str(tmp_path)
-    for i in range(5):
-        store(root, f"b{i:02d}")
-    budget = FsTierBudget(root, max_bytes=6 * FILE_BYTES, file_bytes=FILE_BYTES)
-    budget.scan()
-    assert len(block_files(root)) == 5
+    aged_blocks(tmp_path, 5)
+    bounded(tmp_path).scan()
+    assert len(block_files(str(tmp_path))) == 5
 
 
 def test_stores_trigger_the_scan_amortized(tmp_path):
     root = str(tmp_path)
-    budget = FsTierBudget(root, max_bytes=64 * FILE_BYTES, file_bytes=FILE_BYTES)
+    budget = bounded(root, 64)
     scans = []
     real_scan = budget.scan
     budget.scan = lambda: scans.append(1) or real_scan()
@@ -165,9 +173,7 @@ def test_only_regular_block_files_are_removed_and_nothing_is_followed(tmp_path):
     tmp_file = root / "r0" / "half-written.bin.123.tmp"
     tmp_file.parent.mkdir(exist_ok=True)
     tmp_file.write_bytes(b"x" * FILE_BYTES)
-    budget = FsTierBudget(str(root), max_bytes=4 * FILE_BYTES, file_bytes=FILE_BYTES)
-
-    budget.scan()  # must not block on the FIFO
+    bounded(root, 4).scan()  # must not block on the FIFO
 
     assert len(block_files(str(outside))) == 2
     assert (root / "file-link.bin").is_symlink()
@@ -178,9 +184,7 @@ def test_only_regular_block_files_are_removed_and_nothing_is_followed(tmp_path):
 
 def test_a_file_removed_by_another_evictor_is_tolerated(tmp_path, monkeypatch):
     root = str(tmp_path)
-    paths = [store(root, f"b{i:02d}") for i in range(10)]
-    for i, path in enumerate(paths):
-        age(path, 100 - i)
+    paths = aged_blocks(root)
     real_unlink = os.unlink
 
     def another_engine_was_faster(name, *args, **kw):
@@ -189,7 +193,7 @@ def test_a_file_removed_by_another_evictor_is_tolerated(tmp_path, monkeypatch):
         return real_unlink(name, *args, **kw)
 
     monkeypatch.setattr(fs_budget.os, "unlink", another_engine_was_faster)
-    budget = FsTierBudget(root, max_bytes=6 * FILE_BYTES, file_bytes=FILE_BYTES)
+    budget = bounded(root)
     budget.scan()
     assert len(block_files(root)) == 5
     assert counter(budget.take_stats(), EVICTED_BLOCKS) == 4  # ours only
@@ -197,9 +201,7 @@ def test_a_file_removed_by_another_evictor_is_tolerated(tmp_path, monkeypatch):
 
 def test_a_file_used_again_during_the_scan_is_kept(tmp_path, monkeypatch):
     root = str(tmp_path)
-    paths = [store(root, f"b{i:02d}") for i in range(10)]
-    for i, path in enumerate(paths):
-        age(path, 100 - i)
+    paths = aged_blocks(root)
     budget = FsTierBudget(root, max_bytes=6 * FILE_BYTES, file_bytes=FILE_BYTES)
     real_list = budget.files.entries
 
@@ -219,9 +221,7 @@ def test_a_directory_swapped_for_a_symlink_after_the_listing_is_not_followed(
     root = tmp_path / "tier"
     outside = tmp_path / "outside"
     outside.mkdir()
-    paths = [store(str(root), f"b{i}") for i in range(10)]  # all under root/b*
-    for i, path in enumerate(paths):
-        age(path, 100 - i)
+    aged_blocks(root, name="b{}")  # one file in each of root/b0 ... root/b9
     budget = FsTierBudget(str(root), max_bytes=6 * FILE_BYTES, file_bytes=FILE_BYTES)
     real_list = budget.files.entries
 
@@ -241,9 +241,8 @@ def test_a_scan_running_in_another_engine_is_not_repeated(tmp_path):
     import fcntl
 
     root = str(tmp_path)
-    for i in range(10):
-        store(root, f"b{i:02d}")
-    budget = FsTierBudget(root, max_bytes=6 * FILE_BYTES, file_bytes=FILE_BYTES)
+    aged_blocks(root)
+    budget = bounded(root)
     with open(os.path.join(root, LOCK_FILE), "a+") as other:
         fcntl.flock(other.fileno(), fcntl.LOCK_EX)
         budget.scan()
@@ -258,10 +257,8 @@ def test_a_symlink_in_place_of_the_lock_file_is_refused(tmp_path, caplog):
     target = tmp_path / "elsewhere"
     target.write_text("keep")
     (root / LOCK_FILE).symlink_to(target)
-    for i in range(10):
-        store(str(root), f"b{i:02d}")
-    budget = FsTierBudget(str(root), max_bytes=6 * FILE_BYTES, file_bytes=FILE_BYTES)
-    budget.scan()
+    aged_blocks(root)
+    bounded(root).scan()
     assert target.read_text() == "keep"
     assert len(block_files(str(root))) == 10  # no lock, no eviction
     assert LOCK_FILE in caplog.text
@@ -274,9 +271,7 @@ WRITES = 80
 
 
 def _writer(root: str, who: str, shared: int, log: str) -> None:
-    budget = FsTierBudget(
-        root, max_bytes=BOUND_FILES * FILE_BYTES, file_bytes=FILE_BYTES
-    )
+    budget = bounded(root, BOUND_FILES)
     rng = random.Random(who)
     with open(log, "w") as written:
         for i in range(WRITES):

@@ -20,7 +20,7 @@ import zlib
 import pytest
 from vllm.v1.kv_offload.base import make_offload_key
 
-from tests.unit.conftest import finished_job, fs_job
+from tests.unit.conftest import finished_job, fs_job, payload
 from vllm_ascend.kv_offload.config import OffloadConfigError, check_keys
 from vllm_ascend.kv_offload.connector import our_spec_class
 from vllm_ascend.kv_offload.tiering.auth_key import read_auth_key
@@ -45,12 +45,6 @@ KEY = key_digest(make_offload_key(b"\x01" * 32, 0))
 AUTH_KEY = b"Xq7cN2vLp9sD4kHw8tRb1mZe6yGu3aJf0oQi5nVx="  # openssl rand -base64 32
 # Long enough that anything still blocked is stuck, not slow (2 loaded cores).
 STUCK_S = 30.0
-
-
-def payload(fill: int = 7, size: int = 2 * mmap.PAGESIZE) -> memoryview:
-    buf = mmap.mmap(-1, size)
-    buf[:] = bytes([fill]) * size
-    return memoryview(buf)
 
 
 def in_thread(fn, *args, **kwargs):
@@ -86,18 +80,13 @@ def test_a_symlinked_directory_does_not_redirect_writes(tmp_path):
     seen = []
     path = str(root / "sub" / "b.bin")
     assert write_block(
-        path,
-        payload(),
-        IDENTITY,
-        KEY,
-        0,
-        root=str(root),
+        path, payload(), IDENTITY, KEY, 0, root=str(root),
         on_bad_entry=lambda p, found: seen.append(found),
-    )
+    )  # fmt: skip
     assert os.listdir(outside) == []
     assert (root / "sub").is_dir() and not (root / "sub").is_symlink()
     assert seen == ["a symlink in place of a directory"]
-    read_block(path, payload(0), IDENTITY, KEY, 0, root=str(root))
+    read_block(path, payload(fill=0), IDENTITY, KEY, 0, root=str(root))
 
 
 def test_a_symlinked_directory_is_not_read_through(tmp_path):
@@ -108,7 +97,12 @@ def test_a_symlinked_directory_is_not_read_through(tmp_path):
     (root / "sub").symlink_to(outside)
     with pytest.raises(BadEntryError, match="symlink in place of a directory"):
         read_block(
-            str(root / "sub" / "b.bin"), payload(0), IDENTITY, KEY, 0, root=str(root)
+            str(root / "sub" / "b.bin"),
+            payload(fill=0),
+            IDENTITY,
+            KEY,
+            0,
+            root=str(root),
         )
     assert not (root / "sub").exists() and (outside / "b.bin").exists()
 
@@ -157,15 +151,9 @@ def test_a_bad_entry_in_place_of_a_block_is_a_miss_removed_and_rewritable(
     seen = []
     try:
         finished, result = in_thread(
-            read_block,
-            str(path),
-            payload(0),
-            IDENTITY,
-            KEY,
-            0,
-            root=str(root),
+            read_block, str(path), payload(fill=0), IDENTITY, KEY, 0, root=str(root),
             on_bad_entry=lambda p, found: seen.append(found),
-        )
+        )  # fmt: skip
     finally:
         release_fifo(str(path))
     assert finished, "the read blocked"
@@ -173,7 +161,7 @@ def test_a_bad_entry_in_place_of_a_block_is_a_miss_removed_and_rewritable(
     assert len(seen) == 1 and "in place of a block file" in seen[0]
     assert not os.path.lexists(path)  # removed
     assert write_block(str(path), payload(), IDENTITY, KEY, 0, root=str(root))
-    read_block(str(path), payload(0), IDENTITY, KEY, 0, root=str(root))
+    read_block(str(path), payload(fill=0), IDENTITY, KEY, 0, root=str(root))
 
 
 def test_a_write_replaces_a_bad_entry_instead_of_skipping_it(tmp_path):
@@ -188,15 +176,9 @@ def test_a_write_replaces_a_bad_entry_instead_of_skipping_it(tmp_path):
 
 
 def test_paths_outside_the_root_are_refused(tmp_path):
+    root = str(tmp_path / "tier")
     with pytest.raises(StoredBlockError, match="not under the tier root"):
-        write_block(
-            str(tmp_path / "x.bin"),
-            payload(),
-            IDENTITY,
-            KEY,
-            0,
-            root=str(tmp_path / "tier"),
-        )
+        write_block(str(tmp_path / "x.bin"), payload(), IDENTITY, KEY, 0, root=root)
 
 
 def test_the_tier_counts_a_fifo_as_a_miss_and_shuts_down(tier):
@@ -236,28 +218,28 @@ def test_a_forged_file_is_loaded_without_a_key(tmp_path):
     """The documented trust boundary: without a key, write access to the
     directory is write access to every reader's KV."""
     path = str(tmp_path / "b.bin")
-    write_block(path, payload(7), IDENTITY, KEY, 0)
-    _forge(path, payload(9))
-    out = payload(0)
+    write_block(path, payload(fill=7), IDENTITY, KEY, 0)
+    _forge(path, payload(fill=9))
+    out = payload(fill=0)
     read_block(path, out, IDENTITY, KEY, 0)
-    assert bytes(out) == bytes(payload(9))
+    assert bytes(out) == bytes(payload(fill=9))
 
 
 def test_with_a_key_a_forged_or_unkeyed_file_is_a_miss(tmp_path):
     path = str(tmp_path / "b.bin")
-    write_block(path, payload(7), IDENTITY, KEY, 0, auth_key=AUTH_KEY)
-    out = payload(0)
+    write_block(path, payload(fill=7), IDENTITY, KEY, 0, auth_key=AUTH_KEY)
+    out = payload(fill=0)
     read_block(path, out, IDENTITY, KEY, 0, auth_key=AUTH_KEY)
-    assert bytes(out) == bytes(payload(7))
-    _forge(path, payload(9))
+    assert bytes(out) == bytes(payload(fill=7))
+    _forge(path, payload(fill=9))
     with pytest.raises(StoredBlockError, match="HMAC"):
-        read_block(path, payload(0), IDENTITY, KEY, 0, auth_key=AUTH_KEY)
+        read_block(path, payload(fill=0), IDENTITY, KEY, 0, auth_key=AUTH_KEY)
     os.remove(path)
-    write_block(path, payload(7), IDENTITY, KEY, 0)  # written without the key
+    write_block(path, payload(fill=7), IDENTITY, KEY, 0)  # written without the key
     with pytest.raises(StoredBlockError, match="HMAC"):
-        read_block(path, payload(0), IDENTITY, KEY, 0, auth_key=AUTH_KEY)
+        read_block(path, payload(fill=0), IDENTITY, KEY, 0, auth_key=AUTH_KEY)
     with pytest.raises(StoredBlockError, match="HMAC"):
-        read_block(path, payload(0), IDENTITY, KEY, 0, auth_key=b"k" * 32)
+        read_block(path, payload(fill=0), IDENTITY, KEY, 0, auth_key=b"k" * 32)
 
 
 def _key_file(tmp_path, data=AUTH_KEY, mode=0o600):

@@ -48,16 +48,6 @@ def ledger_files(directory: str) -> list[str]:
     )
 
 
-@pytest.fixture
-def available(monkeypatch):
-    """Host memory available, from now on (the host's MemAvailable)."""
-
-    def set_available(nbytes: int) -> None:
-        monkeypatch.setattr(host_guard, "host_available_bytes", lambda: nbytes)
-
-    return set_available
-
-
 def test_two_workers_whose_pools_fit_alone_but_not_together(host_ledger_dir, available):
     """Tensor-parallel ranks of one engine, each checking its own pool: the
     second sees the first's, is refused naming the total, and is told the

@@ -21,7 +21,6 @@ from vllm.v1.kv_offload.base import (
 )
 
 from tests.unit.kv_helpers import make_config, make_kv_caches
-from vllm_ascend.kv_offload import host_guard
 from vllm_ascend.kv_offload.npu import NPUOffloadingSpec, OffloadConfigError
 
 GiB, MiB = 2**30, 2**20
@@ -55,35 +54,25 @@ def no_pools_yet(host_ledger_dir):
     PoolRecorder.built = []
 
 
-@pytest.fixture
-def available(monkeypatch):
-    """``available.bytes`` is what the host has available, from now on."""
-
-    class Available:
-        bytes = 0
-
-    monkeypatch.setattr(host_guard, "host_available_bytes", lambda: Available.bytes)
-    return Available
-
-
 def kv() -> CanonicalKVCaches:
     """A small KV cache in host memory (as on vLLM's CPU backend)."""
     return make_kv_caches(4, [BLOCK])
 
 
-def device_kv() -> CanonicalKVCaches:
-    """A KV cache that is not host memory (as on an NPU or GPU)."""
-    tensor = torch.empty((4, BLOCK), dtype=torch.int8, device="meta")
+def unwritten_kv(blocks: int, page: int, device: str = "cpu") -> CanonicalKVCaches:
+    """A KV cache of one ``[blocks, page]`` tensor never written (no memory
+    used for it on "cpu"; "meta": not host memory, as on an NPU or GPU)."""
+    tensor = torch.empty((blocks, page), dtype=torch.int8, device=device)
     return CanonicalKVCaches(
-        tensors=[CanonicalKVCacheTensor(tensor=tensor, page_size_bytes=BLOCK)],
-        group_data_refs=[[CanonicalKVCacheRef(tensor_idx=0, page_size_bytes=BLOCK)]],
+        tensors=[CanonicalKVCacheTensor(tensor=tensor, page_size_bytes=page)],
+        group_data_refs=[[CanonicalKVCacheRef(tensor_idx=0, page_size_bytes=page)]],
     )
 
 
 def test_the_scheduler_side_checks_no_memory(available):
     """Built after the workers allocated their pools, it must not count them
     (it used to, and refused pools that had been allocated fine)."""
-    available.bytes = 0
+    available(0)
     spec = NPUOffloadingSpec(make_config({"num_cpu_blocks": 1000}))
     assert spec.num_chunks == 1000
     spec.get_manager()
@@ -92,7 +81,7 @@ def test_the_scheduler_side_checks_no_memory(available):
 def test_the_largest_pool_that_fits_is_allocated_and_one_block_more_is_not(
     available,
 ):
-    available.bytes = GiB  # 90 % of it holds 14745 blocks of 64 KiB
+    available(GiB)  # 90 % of it holds 14745 blocks of 64 KiB
     with pytest.raises(OffloadConfigError) as error:
         RecordingSpec(make_config({"num_cpu_blocks": 14746})).get_worker(kv())
     message = str(error.value)
@@ -104,12 +93,12 @@ def test_the_largest_pool_that_fits_is_allocated_and_one_block_more_is_not(
     spec = RecordingSpec(make_config({"num_cpu_blocks": 14745}))
     worker = spec.get_worker(kv())
     assert PoolRecorder.built == [14745]
-    available.bytes = 0  # checked once: the worker exists now
+    available(0)  # checked once: the worker exists now
     assert spec.get_worker(kv()) is worker
 
 
 def test_cpu_bytes_to_use_is_checked_in_its_own_terms(available):
-    available.bytes = GiB
+    available(GiB)
     with pytest.raises(OffloadConfigError) as error:
         RecordingSpec(make_config({"cpu_bytes_to_use": 2 * GiB})).get_worker(kv())
     message = str(error.value)
@@ -123,10 +112,10 @@ def test_memory_vllm_allocated_after_start_up_counts_and_the_fix_names_it(
     """vLLM's CPU backend allocates its KV cache (host memory) after the
     spec is built and before the pool: the pool must fit in what is left,
     and the error says which of the two to lower, and to what."""
-    available.bytes = 200 * MiB  # when the spec is built
+    available(200 * MiB)  # when the spec is built
     spec = RecordingSpec(make_config({"num_cpu_blocks": 2400}))  # 150 MiB
     kv_cache = make_kv_caches(1024, [BLOCK])  # 64 MiB of host memory
-    available.bytes = 136 * MiB  # what the KV cache left
+    available(136 * MiB)  # what the KV cache left
     with pytest.raises(OffloadConfigError) as error:
         spec.get_worker(kv_cache)
     message = str(error.value)
@@ -141,13 +130,8 @@ def test_the_fix_for_vllm_cpu_kvcache_space_is_in_its_unit(available, monkeypatc
     """VLLM_CPU_KVCACHE_SPACE counts whole GiB: the fix says which value."""
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "8")
     page = 64 * MiB
-    # 8 GiB of KV cache, never written: no memory is used for it.
-    tensor = torch.empty((128, page), dtype=torch.int8)
-    kv_cache = CanonicalKVCaches(
-        tensors=[CanonicalKVCacheTensor(tensor=tensor, page_size_bytes=page)],
-        group_data_refs=[[CanonicalKVCacheRef(tensor_idx=0, page_size_bytes=page)]],
-    )
-    available.bytes = 12 * GiB  # what the KV cache left
+    kv_cache = unwritten_kv(128, page)  # 8 GiB of KV cache
+    available(12 * GiB)  # what the KV cache left
     spec = RecordingSpec(make_config({"num_cpu_blocks": 240}, page))  # 15 GiB
     with pytest.raises(OffloadConfigError) as error:
         spec.get_worker(kv_cache)
@@ -159,9 +143,10 @@ def test_the_fix_for_vllm_cpu_kvcache_space_is_in_its_unit(available, monkeypatc
 
 
 def test_a_kv_cache_outside_host_memory_is_not_offered_as_the_fix(available):
-    available.bytes = GiB
+    available(GiB)
+    spec = RecordingSpec(make_config({"num_cpu_blocks": 20000}))
     with pytest.raises(OffloadConfigError) as error:
-        RecordingSpec(make_config({"num_cpu_blocks": 20000})).get_worker(device_kv())
+        spec.get_worker(unwritten_kv(4, BLOCK, "meta"))
     message = str(error.value)
     assert "lower num_cpu_blocks to 14745" in message
     assert "VLLM_CPU_KVCACHE_SPACE" not in message
@@ -179,7 +164,7 @@ def test_a_block_larger_than_the_limit_says_what_makes_blocks_smaller(
     available, chunk, fix
 ):
     bpc = 2 if chunk else 1
-    available.bytes = bpc * BLOCK  # 90 % of it holds no block
+    available(bpc * BLOCK)  # 90 % of it holds no block
     spec = RecordingSpec(
         make_config({"num_cpu_blocks": 1, **chunk}, blocks_per_chunk=bpc)
     )

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingConnectorMetadata,
+    TransferJob,
 )
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
@@ -121,7 +122,9 @@ def worker_side(monkeypatch):
 
 def test_scheduler_marks_steps_that_schedule_no_tokens_as_idle(monkeypatch):
     c = make_connector("scheduler")
-    vllm_meta = OffloadingConnectorMetadata(load_jobs={}, store_jobs={})
+    gpu = GPULoadStoreSpec([1], group_sizes=[1], block_indices=[0])
+    load = TransferJob("a", CPULoadStoreSpec([1]), gpu)
+    vllm_meta = OffloadingConnectorMetadata(load_jobs={1: load}, store_jobs={})
     monkeypatch.setattr(
         c.connector_scheduler, "build_connector_meta", lambda so: vllm_meta
     )
@@ -129,9 +132,10 @@ def test_scheduler_marks_steps_that_schedule_no_tokens_as_idle(monkeypatch):
     idle = c.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=0))
     busy = c.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=17))
 
-    assert isinstance(idle, AscendOffloadingConnectorMetadata)
+    for meta in (idle, busy):
+        assert isinstance(meta, AscendOffloadingConnectorMetadata)
+        assert meta.load_jobs is vllm_meta.load_jobs  # vLLM's fields carried over
     assert idle.idle_step and not busy.idle_step
-    assert idle.load_jobs is vllm_meta.load_jobs  # vLLM's fields carried over
 
 
 def test_idle_step_waits_for_transfers_before_polling(worker_side):

@@ -41,9 +41,8 @@ MiB = 1 << 20
 TOKENS_PER_KEY = 128
 BYTES_PER_TOKEN = 1024  # per worker: a key's load is 128 KiB
 PROMPT_TOKENS = 4 * TOKENS_PER_KEY
-# The engine's measured prefill: 2048 tokens in 0.5 s = 4096 tokens/s, so the
-# 512-token prompt recomputes in 0.125 s.
-PREFILL = WorkerFigures(forward_tokens=2048, forward_s=0.5)
+# The engine's measured prefill in the WorkerFigures below: 2048 tokens in
+# 0.5 s = 4096 tokens/s, so the 512-token prompt recomputes in 0.125 s.
 
 
 # -- the estimator ------------------------------------------------------------
@@ -137,63 +136,55 @@ def recomputed(m: FailureAwareManager) -> float:
     return m.get_stats().reduce()[pool_metrics.HITS_RECOMPUTED]
 
 
-def test_a_pending_hit_behind_a_slow_store_backlog_keeps_only_its_ready_prefix():
-    m = bounded_manager()
-    store(m, keys(2), complete=True)
-    store(m, keys(4)[2:], complete=False)  # still being copied to the CPU
-    # 64 MiB of stores queued at 16 MiB/s: 4 s, against 0.06 s of prefill.
-    report(m, stats(store_bytes_per_s=16 * MiB), WorkerFigures(64 * MiB, 0, 2048, 0.5))
+HIT, PENDING, MISS = LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.MISS
 
-    assert look_up(m) == [LookupResult.HIT, LookupResult.HIT, LookupResult.MISS]
-    assert recomputed(m) == 1
+
+@pytest.mark.parametrize(
+    "ratio, ready, transfer_stats, figures, looked_up, hits_recomputed",
+    [
+        # 2 of 4 keys stored, 2 still being copied to the CPU behind 64 MiB of
+        # stores queued at 16 MiB/s: 4 s, against 0.06 s of prefill.
+        (1.0, 2, stats(store_bytes_per_s=16 * MiB),
+         WorkerFigures(64 * MiB, 0, 2048, 0.5), [HIT, HIT, MISS], 1),
+        # 1 MiB of stores at 10 GiB/s: 0.1 ms, far below the prefill.
+        (1.0, 0, stats(store_bytes_per_s=10 << 30),
+         WorkerFigures(MiB, 0, 2048, 0.5), [PENDING] * 4, 0),
+        # 32 MiB of loads queued at 8 MiB/s: 4 s.
+        (1.0, 4, stats(load_bytes_per_s=8 * MiB),
+         WorkerFigures(0, 32 * MiB, 2048, 0.5), [MISS], 1),
+        (1.0, 4, stats(load_bytes_per_s=10 << 30),
+         WorkerFigures(0, MiB, 2048, 0.5), [HIT] * 4, 0),
+        # Decode-sized steps only: no prefill rate yet.
+        (1.0, 0, stats(store_bytes_per_s=MiB),
+         WorkerFigures(64 * MiB, 0, PREFILL_STEP_MIN_TOKENS - 1, 0.5),
+         [PENDING] * 4, 0),
+        # 0.5 s of stores: 4 times the prefill, under 100 times.
+        (100.0, 0, stats(store_bytes_per_s=16 * MiB),
+         WorkerFigures(8 * MiB, 0, 2048, 0.5), [PENDING] * 4, 0),
+    ],
+    ids=[
+        "a-pending-hit-behind-a-slow-store-backlog-keeps-only-its-ready-prefix",
+        "a-pending-hit-behind-fast-stores-still-waits-for-them",
+        "a-hit-behind-a-deep-load-queue-is-recomputed-whole",
+        "a-hit-behind-a-short-load-queue-is-served",
+        "nothing-is-recomputed-before-the-engine-has-measured-a-prefill",
+        "a-larger-ratio-lets-a-hit-wait-longer",
+    ],
+)  # fmt: skip
+def test_the_manager_answers_a_lookup_by_the_wait_it_estimates(
+    ratio, ready, transfer_stats, figures, looked_up, hits_recomputed
+):
+    """``ready`` of a prompt's 4 keys stored, the others still being stored;
+    then one step's figures reach the scheduler and the prompt is looked up."""
+    m = bounded_manager(ratio)
+    for names, complete in ((keys(4)[:ready], True), (keys(4)[ready:], False)):
+        if names:
+            store(m, names, complete)
+    report(m, transfer_stats, figures)
+
+    assert look_up(m) == looked_up
+    assert recomputed(m) == hits_recomputed
     assert recomputed(m) == 0  # a counter: reported once
-
-
-def test_a_pending_hit_behind_fast_stores_still_waits_for_them():
-    m = bounded_manager()
-    store(m, keys(4), complete=False)
-    # 1 MiB of stores at 10 GiB/s: 0.1 ms, far below the 0.125 s prefill.
-    report(m, stats(store_bytes_per_s=10 << 30), WorkerFigures(MiB, 0, 2048, 0.5))
-
-    assert look_up(m) == [LookupResult.HIT_PENDING] * 4
-    assert recomputed(m) == 0
-
-
-def test_a_hit_behind_a_deep_load_queue_is_recomputed_whole():
-    m = bounded_manager()
-    store(m, keys(4), complete=True)
-    # 32 MiB of loads queued at 8 MiB/s: 4 s.
-    report(m, stats(load_bytes_per_s=8 * MiB), WorkerFigures(0, 32 * MiB, 2048, 0.5))
-
-    assert look_up(m) == [LookupResult.MISS]
-    assert recomputed(m) == 1
-
-
-def test_a_hit_behind_a_short_load_queue_is_served():
-    m = bounded_manager()
-    store(m, keys(4), complete=True)
-    report(m, stats(load_bytes_per_s=10 << 30), WorkerFigures(0, MiB, 2048, 0.5))
-
-    assert look_up(m) == [LookupResult.HIT] * 4
-
-
-def test_nothing_is_recomputed_before_the_engine_has_measured_a_prefill():
-    m = bounded_manager()
-    store(m, keys(4), complete=False)
-    # Decode-sized steps only: no prefill rate yet.
-    small = WorkerFigures(64 * MiB, 0, PREFILL_STEP_MIN_TOKENS - 1, 0.5)
-    report(m, stats(store_bytes_per_s=MiB), small)
-
-    assert look_up(m) == [LookupResult.HIT_PENDING] * 4
-
-
-def test_a_larger_ratio_lets_a_hit_wait_longer():
-    m = bounded_manager(ratio=100.0)
-    store(m, keys(4), complete=False)
-    # 0.5 s of stores: 4 times the prefill, under 100 times.
-    report(m, stats(store_bytes_per_s=16 * MiB), WorkerFigures(8 * MiB, 0, 2048, 0.5))
-
-    assert look_up(m) == [LookupResult.HIT_PENDING] * 4
 
 
 # -- where the figures come from -------------------------------------------------

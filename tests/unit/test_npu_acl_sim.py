@@ -79,77 +79,33 @@ class SimAcl:
 
     def __init__(self, path: Path) -> None:
         lib = self.lib = ctypes.CDLL(str(path))  # RTLD_LOCAL: one state per file
-        u64p, i64p = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_int64)
-        lib.simacl_core_copy.argtypes = [
-            u64p,
-            u64p,
-            u64p,
-            i64p,
-            ctypes.c_size_t,
-            ctypes.c_void_p,
-            ctypes.c_int64,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.POINTER(_Report),
-            ctypes.c_char_p,
-            ctypes.c_size_t,
-        ]
-        lib.simacl_register.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_int,
-            ctypes.c_uint32,
-        ]
-        lib.simacl_inject_failure.argtypes = [
-            ctypes.c_char_p,
-            ctypes.c_size_t,
-            ctypes.c_int,
-            ctypes.c_size_t,
-        ]
-        lib.simacl_set_batch_unsupported.argtypes = [ctypes.c_int]
-        lib.simacl_calls.argtypes = [ctypes.c_char_p]
-        for fn in (
-            "simacl_calls",
-            "simacl_max_entries",
-            "simacl_sync_copies",
-            "simacl_pending",
-            "simacl_faulted_entries",
-        ):
-            getattr(lib, fn).restype = ctypes.c_size_t
-        lib.simacl_last_stream.restype = ctypes.c_void_p
-        lib.simacl_core_host_register.argtypes = [
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_uint32,
-            ctypes.c_char_p,
-            ctypes.c_size_t,
-        ]
-        lib.simacl_core_host_unregister.argtypes = [
-            ctypes.c_uint64,
-            ctypes.c_char_p,
-            ctypes.c_size_t,
-        ]
-        lib.simacl_core_host_alloc.argtypes = [
-            ctypes.c_uint64,
-            ctypes.POINTER(ctypes.c_uint64),
-            ctypes.c_char_p,
-            ctypes.c_size_t,
-        ]
-        lib.simacl_core_host_free.argtypes = [
-            ctypes.c_uint64,
-            ctypes.c_char_p,
-            ctypes.c_size_t,
-        ]
-        lib.simacl_last_register_flag.restype = ctypes.c_int64
-        lib.simacl_location_of.argtypes = [ctypes.c_void_p]
-        lib.simacl_set_host_register_location.argtypes = [ctypes.c_int]
-        lib.simacl_set_host_limits.argtypes = [
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_int,
-        ]
-        lib.simacl_pending.argtypes = [ctypes.c_void_p]
-        lib.simacl_core_sync.argtypes = [ctypes.c_void_p]
+        u64, i64 = ctypes.c_uint64, ctypes.c_int64
+        i32, u32 = ctypes.c_int, ctypes.c_uint32
+        size, ptr, text = ctypes.c_size_t, ctypes.c_void_p, ctypes.c_char_p
+        u64p, i64p = ctypes.POINTER(u64), ctypes.POINTER(i64)
+        err = [text, size]  # every core call's error buffer
+        for fn, argtypes in {
+            "core_copy": [u64p, u64p, u64p, i64p, size, ptr, i64, i32, i32]
+            + [ctypes.POINTER(_Report), *err],
+            "register": [ptr, size, i32, u32],
+            "inject_failure": [text, size, i32, size],
+            "set_batch_unsupported": [i32],
+            "calls": [text],
+            "core_host_register": [u64, u64, u32, *err],
+            "core_host_unregister": [u64, *err],
+            "core_host_alloc": [u64, ctypes.POINTER(u64), *err],
+            "core_host_free": [u64, *err],
+            "location_of": [ptr],
+            "set_host_register_location": [i32],
+            "set_host_limits": [u64, u64, i32],
+            "pending": [ptr],
+            "core_sync": [ptr],
+        }.items():
+            getattr(lib, f"simacl_{fn}").argtypes = argtypes
+        for fn in ("calls", "max_entries", "sync_copies", "pending", "faulted_entries"):
+            getattr(lib, f"simacl_{fn}").restype = size
+        lib.simacl_last_stream.restype = ptr
+        lib.simacl_last_register_flag.restype = i64
         # ctypes arrays handed to the simulated runtime directly (_raw_batch):
         # it may read them until the stream runs, so they live until reset.
         self.keep_alive: list[object] = []
@@ -357,20 +313,38 @@ def expected_after(src_buf, dst_buf, src_off, dst_off, size) -> np.ndarray:
     return want
 
 
+class Job:
+    """n regions of ``size`` bytes scattered (``scattered``) from ``src_buf``
+    to ``dst_buf``: their addresses, and what ``dst_buf`` holds once they
+    are copied (``want``)."""
+
+    def __init__(self, src_buf, dst_buf, n: int, size: int, seed: int = 0) -> None:
+        self.src_buf, self.dst_buf, self.size = src_buf, dst_buf, size
+        self.src_off, self.dst_off = scattered(n, size, seed)
+        self.src = Pools.addr(src_buf, self.src_off)
+        self.dst = Pools.addr(dst_buf, self.dst_off)
+        self.want = expected_after(src_buf, dst_buf, self.src_off, self.dst_off, size)
+
+    def run(self, sim: SimAcl, **kwargs) -> dict:
+        """``SimAcl.copy`` of the job (its keyword arguments: ``kwargs``)."""
+        return sim.copy(self.src, self.dst, [self.size] * len(self.src), **kwargs)
+
+
+def pools_job(
+    sim: SimAcl, n: int, size: int, direction: str = "h2d", seed: int = 0
+) -> tuple[Pools, Job]:
+    """Pools of room for a job of n scattered regions, and that job between
+    the pinned and the device pool (``direction``)."""
+    pools = Pools(sim, 2 * n * size)
+    bufs = (pools.pinned, pools.device)
+    return pools, Job(*(bufs if direction == "h2d" else bufs[::-1]), n, size, seed)
+
+
 @pytest.mark.parametrize("direction", ["h2d", "d2h"])
 def test_sim_copies_are_byte_exact(sim: SimAcl, direction: str) -> None:
     n, size = 300, 37  # odd size: nothing relies on alignment in the simulation
-    pools = Pools(sim, 2 * n * size)
-    src_buf, dst_buf = (
-        (pools.pinned, pools.device)
-        if direction == "h2d"
-        else (pools.device, pools.pinned)
-    )
-    src_off, dst_off = scattered(n, size)
-    want = expected_after(src_buf, dst_buf, src_off, dst_off, size)
-    report = sim.copy(
-        Pools.addr(src_buf, src_off), Pools.addr(dst_buf, dst_off), [size] * n
-    )
+    _, job = pools_job(sim, n, size, direction)
+    report = job.run(sim)
     assert report == {
         "direction": direction,
         "fallback_started": False,
@@ -378,41 +352,29 @@ def test_sim_copies_are_byte_exact(sim: SimAcl, direction: str) -> None:
         "single_calls": 0,
         "workspace_bytes": batch_workspace_bytes(n),
     }
-    np.testing.assert_array_equal(dst_buf, want)
+    np.testing.assert_array_equal(job.dst_buf, job.want)
     assert sim.lib.simacl_last_stream() == STREAM  # the caller's stream is used
     assert sim.calls(ATTRS) == 2  # direction read once, from fragment 0
     assert sim.lib.simacl_sync_copies() == 0  # pinned: queued, not synchronous
 
 
 def test_sim_10000_fragments_take_three_batch_calls(sim: SimAcl) -> None:
-    n, size = 10_000, 8
-    pools = Pools(sim, 2 * n * size)
-    src_off, dst_off = scattered(n, size, seed=1)
-    want = expected_after(pools.pinned, pools.device, src_off, dst_off, size)
-    report = sim.copy(
-        Pools.addr(pools.pinned, src_off), Pools.addr(pools.device, dst_off), [size] * n
-    )
+    pools, job = pools_job(sim, 10_000, 8, seed=1)
+    report = job.run(sim)
     assert (report["batch_calls"], report["single_calls"]) == (3, 0)
     assert sim.calls(BATCH) == 3 and sim.calls(SINGLE) == 0
     assert sim.lib.simacl_max_entries() == 4096  # 4096 + 4096 + 1808
-    np.testing.assert_array_equal(pools.device, want)
+    np.testing.assert_array_equal(pools.device, job.want)
 
 
 def test_sim_bad_entry_in_second_batch_names_the_callers_fragment(sim: SimAcl) -> None:
     n, size, bad = 10_000, 8, 5000
-    pools = Pools(sim, 2 * n * size)
-    src_off, dst_off = scattered(n, size, seed=2)
-    src = Pools.addr(pools.pinned, src_off)
-    src[bad] = Pools.addr(pools.pageable, 0)  # not the pinned memory attrs declare
+    pools, job = pools_job(sim, n, size, seed=2)
+    job.src[bad] = Pools.addr(pools.pageable, 0)  # not the pinned memory attrs declare
     before = pools.device.copy()
     # As if the dispatcher had merged 3 fragments into every region.
     with pytest.raises(RuntimeError) as info:
-        sim.copy(
-            src,
-            Pools.addr(pools.device, dst_off),
-            [size] * n,
-            fragments=np.arange(n) * 3,
-        )
+        job.run(sim, fragments=np.arange(n) * 3)
     msg = str(info.value)
     assert msg.startswith("swap_blocks_batch(device='npu'): aclrtMemcpyBatchAsync")
     assert f"ACL error {ACL_ERROR_RT_INVALID_MEMORY_TYPE}" in msg
@@ -424,7 +386,8 @@ def test_sim_bad_entry_in_second_batch_names_the_callers_fragment(sim: SimAcl) -
     # throws (as the op's tensor is freed), so the core had to wait for them.
     assert sim.calls(SYNC) == 1 and sim.pending() == 0
     assert sim.lib.simacl_faulted_entries() == 0
-    done = expected_after(pools.pinned, before, src_off[:4096], dst_off[:4096], size)
+    src_off, dst_off = job.src_off[:4096], job.dst_off[:4096]
+    done = expected_after(pools.pinned, before, src_off, dst_off, size)
     np.testing.assert_array_equal(pools.device, done)
 
 
@@ -435,21 +398,13 @@ def test_sim_bad_entry_in_second_batch_names_the_callers_fragment(sim: SimAcl) -
 
 def test_sim_queued_copies_run_when_the_stream_is_synchronized(sim: SimAcl) -> None:
     """The simulation itself: a pinned job waits on the stream."""
-    n, size = 100, 16
-    pools = Pools(sim, 2 * n * size)
-    src_off, dst_off = scattered(n, size)
+    pools, job = pools_job(sim, 100, 16)
     before = pools.device.copy()
-    want = expected_after(pools.pinned, pools.device, src_off, dst_off, size)
-    sim.copy(
-        Pools.addr(pools.pinned, src_off),
-        Pools.addr(pools.device, dst_off),
-        [size] * n,
-        sync=False,
-    )
+    job.run(sim, sync=False)
     assert sim.pending() == 1
     np.testing.assert_array_equal(pools.device, before)  # nothing ran yet
     assert sim.sync() == 0 and sim.pending() == 0
-    np.testing.assert_array_equal(pools.device, want)
+    np.testing.assert_array_equal(pools.device, job.want)
 
 
 @pytest.mark.parametrize("direction", ["h2d", "d2h"])
@@ -465,27 +420,15 @@ def test_sim_descriptor_arrays_live_until_the_copies_have_run(
     runtime finds garbage when the copies execute: wrong bytes, and the
     synchronize reports the fault."""
     n, size = 10_000, 8  # three batch calls, each reading its own slice
-    pools = Pools(sim, 2 * n * size)
-    src_buf, dst_buf = (
-        (pools.pinned, pools.device)
-        if direction == "h2d"
-        else (pools.device, pools.pinned)
-    )
-    src_off, dst_off = scattered(n, size, seed=3)
-    want = expected_after(src_buf, dst_buf, src_off, dst_off, size)
-    report = sim.copy(
-        Pools.addr(src_buf, src_off),
-        Pools.addr(dst_buf, dst_off),
-        [size] * n,
-        sync=False,
-        free_workspace_at_return=free_at_return,
-    )
+    _, job = pools_job(sim, n, size, direction, seed=3)
+    report = job.run(sim, sync=False, free_workspace_at_return=free_at_return)
     assert report["batch_calls"] == 3 and sim.pending() == 3
     assert report["workspace_bytes"] == batch_workspace_bytes(n)
     rc = sim.sync()
+    dst_buf, want = job.dst_buf, job.want
     wrong = sum(
         not np.array_equal(dst_buf[d : d + size], want[d : d + size])
-        for d in dst_off.tolist()
+        for d in job.dst_off.tolist()
     )
     if free_at_return:
         assert rc == ACL_ERROR_RT_COPY_DATA
@@ -498,14 +441,11 @@ def test_sim_descriptor_arrays_live_until_the_copies_have_run(
 
 
 def test_sim_failed_wait_for_enqueued_calls_is_reported(sim: SimAcl) -> None:
-    n, size = 5000, 8
-    pools = Pools(sim, 2 * n * size)
-    src_off, dst_off = scattered(n, size)
-    src = Pools.addr(pools.pinned, src_off)
-    src[4500] = Pools.addr(pools.pageable, 0)  # call 2 fails, call 1 is queued
+    pools, job = pools_job(sim, 5000, 8)
+    job.src[4500] = Pools.addr(pools.pageable, 0)  # call 2 fails, call 1 is queued
     sim.inject(SYNC, 1, ACL_ERROR_RT_INTERNAL_ERROR)
     with pytest.raises(RuntimeError) as info:
-        sim.copy(src, Pools.addr(pools.device, dst_off), [size] * n)
+        job.run(sim)
     msg = str(info.value)
     assert (
         f"failed with ACL error {ACL_ERROR_RT_INVALID_MEMORY_TYPE} at fragment 4500"
@@ -522,27 +462,19 @@ def test_sim_failed_wait_for_enqueued_calls_is_reported(sim: SimAcl) -> None:
 def test_sim_too_small_workspace_is_refused_before_anything_is_enqueued(
     sim: SimAcl, workspace_bytes: int
 ) -> None:
-    pools = Pools(sim, 2 * 100 * 8)
-    src_off, dst_off = scattered(100, 8)
+    _, job = pools_job(sim, 100, 8)
     with pytest.raises(
         RuntimeError,
         match=rf"the workspace \({workspace_bytes} bytes at 0x[0-9a-f]+\) must be "
         rf"at least {batch_workspace_bytes(100)} bytes aligned to 16; allocate "
         r"AclBatchCopier::workspace_bytes\(\) for this job",
     ):
-        sim.copy(
-            Pools.addr(pools.pinned, src_off),
-            Pools.addr(pools.device, dst_off),
-            [8] * 100,
-            workspace_bytes=workspace_bytes,
-        )
+        job.run(sim, workspace_bytes=workspace_bytes)
     assert sim.calls(BATCH) == 0 and sim.pending() == 0
 
 
 def test_sim_error_without_entry_names_the_call(sim: SimAcl) -> None:
-    n, size = 5000, 8
-    pools = Pools(sim, 2 * n * size)
-    src_off, dst_off = scattered(n, size)
+    _, job = pools_job(sim, 5000, 8, "d2h")
     sim.inject(BATCH, 2, ACL_ERROR_RT_INTERNAL_ERROR, SIZE_MAX)
     with pytest.raises(
         RuntimeError,
@@ -552,11 +484,7 @@ def test_sim_error_without_entry_names_the_call(sim: SimAcl) -> None:
             r"no single entry \(failIndex=SIZE_MAX\); ACL reports: SIMULATED ACL"
         ),
     ):
-        sim.copy(
-            Pools.addr(pools.device, src_off),
-            Pools.addr(pools.pinned, dst_off),
-            [size] * n,
-        )
+        job.run(sim)
 
 
 @pytest.mark.parametrize("runtime", ["batch_unsupported", "no_batch_symbol"])
@@ -571,16 +499,9 @@ def test_sim_unsupported_batch_api_falls_back_to_per_copy_loop(
     pools = Pools(sim, 2 * n * size)
     probes = 1 if runtime == "batch_unsupported" else 0  # a missing symbol: none
     for job, direction in enumerate(("d2h", "h2d")):
-        src_buf, dst_buf = (
-            (pools.device, pools.pinned)
-            if direction == "d2h"
-            else (pools.pinned, pools.device)
-        )
-        src_off, dst_off = scattered(n, size, seed=job)
-        want = expected_after(src_buf, dst_buf, src_off, dst_off, size)
-        report = sim.copy(
-            Pools.addr(src_buf, src_off), Pools.addr(dst_buf, dst_off), [size] * n
-        )
+        bufs = (pools.device, pools.pinned)
+        copy = Job(*(bufs if direction == "d2h" else bufs[::-1]), n, size, seed=job)
+        report = copy.run(sim)
         # Only the first job finds out (and its caller logs it); the second
         # does not ask the batch API again.
         # The first job of a runtime that has the symbol sizes its workspace
@@ -598,7 +519,7 @@ def test_sim_unsupported_batch_api_falls_back_to_per_copy_loop(
         # An explicit kind, not ACL_MEMCPY_DEFAULT (which makes the runtime
         # look the pointers up again on every copy).
         assert sim.lib.simacl_last_kind() == (D2H if direction == "d2h" else H2D)
-        np.testing.assert_array_equal(dst_buf, want)
+        np.testing.assert_array_equal(copy.dst_buf, copy.want)
 
 
 @pytest.mark.parametrize(
@@ -637,18 +558,12 @@ def test_sim_unsupported_batch_api_falls_back_to_per_copy_loop(
     ],
 )
 def test_sim_every_acl_error_raises(sim, api, nth, fail_index, expected) -> None:
-    n, size = 200, 64
-    pools = Pools(sim, 2 * n * size)
-    src_off, dst_off = scattered(n, size)
+    _, job = pools_job(sim, 200, 64)
     if api == SINGLE:
         sim.batch_unsupported()
     sim.inject(api, nth, ACL_ERROR_RT_INTERNAL_ERROR, fail_index)
     with pytest.raises(RuntimeError, match=expected) as info:
-        sim.copy(
-            Pools.addr(pools.pinned, src_off),
-            Pools.addr(pools.device, dst_off),
-            [size] * n,
-        )
+        job.run(sim)
     assert str(info.value).startswith("swap_blocks_batch(device='npu'): ")
     assert "ACL reports: SIMULATED ACL: injected failure of " + api in str(info.value)
     # Nothing of the job was queued with the workspace: nothing to wait for.
@@ -783,38 +698,28 @@ def test_sim_a_registered_region_is_copied_on_the_batch_path(
     region = Region(2 * n * size)
     device = np.random.default_rng(1).integers(0, 256, 2 * n * size, np.uint8)
     sim.register(device, LOC_DEVICE, device_id=3)
-    src_off, dst_off = scattered(n, size)
-    if direction == "d2h":
-        src_buf, dst_buf = device, region.buf
-    else:
-        src_buf, dst_buf = region.buf, device
-
-    def copy(**kw):
-        return sim.copy(
-            Pools.addr(src_buf, src_off), Pools.addr(dst_buf, dst_off), [size] * n, **kw
-        )
-
+    bufs = (device, region.buf)
+    job = Job(*(bufs if direction == "d2h" else bufs[::-1]), n, size)
     assert sim.location_of(region.addr) == LOC_UNREGISTERED
     with pytest.raises(RuntimeError, match="host side is not page-locked"):
-        copy()
+        job.run(sim)
     sim.host_register(region.addr, region.nbytes)
     assert sim.lib.simacl_last_register_flag() == MAPPED_PINNED
     assert sim.calls(HOST_REGISTER) == 1
     for byte in (0, region.nbytes - 1):
         assert sim.location_of(region.addr + byte) == LOC_HOST
-    want = expected_after(src_buf, dst_buf, src_off, dst_off, size)
-    report = copy(sync=False)
+    report = job.run(sim, sync=False)
     assert (report["batch_calls"], report["single_calls"]) == (1, 0)
     assert sim.pending() == 1  # queued, not a synchronous pageable copy
     assert sim.sync() == 0
     assert sim.lib.simacl_sync_copies() == 0
-    np.testing.assert_array_equal(dst_buf, want)
+    np.testing.assert_array_equal(job.dst_buf, job.want)
 
     sim.host_unregister(region.addr)
     assert sim.calls(HOST_UNREGISTER) == 1
     assert sim.location_of(region.addr) == LOC_UNREGISTERED
     with pytest.raises(RuntimeError, match="host side is not page-locked"):
-        copy()
+        job.run(sim)
 
 
 def test_sim_host_register_errors_name_the_range_and_the_code(sim: SimAcl) -> None:
@@ -904,13 +809,7 @@ def test_sim_unregistering_under_queued_copies_faults_them(sim: SimAcl) -> None:
     device = np.zeros(2 * n * size, np.uint8)
     sim.register(device, LOC_DEVICE, device_id=0)
     sim.host_register(region.addr, region.nbytes)
-    src_off, dst_off = scattered(n, size)
-    sim.copy(
-        Pools.addr(region.buf, src_off),
-        Pools.addr(device, dst_off),
-        [size] * n,
-        sync=False,
-    )
+    Job(region.buf, device, n, size).run(sim, sync=False)
     sim.host_unregister(region.addr)
     assert sim.sync() == ACL_ERROR_RT_COPY_DATA
     assert sim.lib.simacl_faulted_entries() == n
@@ -979,26 +878,21 @@ def test_sim_enforces_the_host_memory_limits_of_real_runtimes(sim: SimAcl) -> No
 def test_sim_constants_match_the_acl_headers(sim_libs) -> None:
     include = _load_fetcher().fetch_headers() / "include" / "acl"
     text = "".join(p.read_text() for p in include.rglob("*.h"))
-    for name, value in [
-        ("ACL_ERROR_INVALID_PARAM", ACL_ERROR_INVALID_PARAM),
-        ("ACL_ERROR_RT_PARAM_INVALID", ACL_ERROR_RT_PARAM_INVALID),
-        ("ACL_ERROR_RT_INVALID_MEMORY_TYPE", ACL_ERROR_RT_INVALID_MEMORY_TYPE),
-        ("ACL_ERROR_RT_FEATURE_NOT_SUPPORT", ACL_ERROR_RT_FEATURE_NOT_SUPPORT),
-        ("ACL_ERROR_RT_INTERNAL_ERROR", ACL_ERROR_RT_INTERNAL_ERROR),
-        ("ACL_ERROR_RT_ADDR_UNALIGNED", ACL_ERROR_RT_ADDR_UNALIGNED),
-        (
-            "ACL_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
-            ACL_ERROR_HOST_MEMORY_ALREADY_REGISTERED,
-        ),
-        ("ACL_ERROR_HOST_MEMORY_NOT_REGISTERED", ACL_ERROR_HOST_MEMORY_NOT_REGISTERED),
-    ]:
-        assert re.search(rf"\b{name}\b\s*=?\s*{value}\b", text), name
-    for name, value in [
-        ("ACL_HOST_REG_MAPPED", ACL_HOST_REG_MAPPED),
-        ("ACL_HOST_REG_PINNED", ACL_HOST_REG_PINNED),
-    ]:
+    # This module's names of the header's constants are the header's names.
+    for name in (
+        "ACL_ERROR_INVALID_PARAM",
+        "ACL_ERROR_RT_PARAM_INVALID",
+        "ACL_ERROR_RT_INVALID_MEMORY_TYPE",
+        "ACL_ERROR_RT_FEATURE_NOT_SUPPORT",
+        "ACL_ERROR_RT_INTERNAL_ERROR",
+        "ACL_ERROR_RT_ADDR_UNALIGNED",
+        "ACL_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
+        "ACL_ERROR_HOST_MEMORY_NOT_REGISTERED",
+    ):
+        assert re.search(rf"\b{name}\b\s*=?\s*{globals()[name]}\b", text), name
+    for name in ("ACL_HOST_REG_MAPPED", "ACL_HOST_REG_PINNED"):
         found = re.search(rf"#define\s+{name}\s+(0x[0-9A-Fa-f]+)UL", text)
-        assert found and int(found.group(1), 16) == value, name
+        assert found and int(found.group(1), 16) == globals()[name], name
     assert re.search(
         r"aclError aclrtHostRegisterV2\(void \*ptr, uint64_t size, uint32_t flag\)",
         text,
@@ -1202,21 +1096,11 @@ def test_sim_acl_malloc_host_is_freed_only_after_its_last_view(sim) -> None:
 
 
 def test_sim_per_copy_argument_copies_without_the_batch_api(sim) -> None:
-    n, size = 64, 512
-    pools = Pools(sim, 2 * n * size)
-    src_off, dst_off = scattered(n, size)
-    want = expected_after(pools.pinned, pools.device, src_off, dst_off, size)
-    report = sim.copy(
-        Pools.addr(pools.pinned, src_off),
-        Pools.addr(pools.device, dst_off),
-        [size] * n,
-        per_copy=True,
-    )
-    assert sim.calls(BATCH) == 0 and report["single_calls"] == n
+    pools, job = pools_job(sim, 64, 512)
+    report = job.run(sim, per_copy=True)
+    assert sim.calls(BATCH) == 0 and report["single_calls"] == 64
     assert report["workspace_bytes"] == 0
-    assert np.array_equal(pools.device, want)
+    assert np.array_equal(pools.device, job.want)
     # A choice of that call only: the next call batches again.
-    report = sim.copy(
-        Pools.addr(pools.pinned, src_off), Pools.addr(pools.device, dst_off), [size] * n
-    )
+    report = job.run(sim)
     assert report["batch_calls"] == 1 and not report["fallback_started"]

@@ -11,7 +11,6 @@ real servers, ``tests/e2e/test_kv_events.py`` the events of a reset.)
 from __future__ import annotations
 
 import dataclasses
-import uuid
 
 import pytest
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
@@ -31,7 +30,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
-from tests.unit.conftest import make_connector
+from tests.unit.conftest import make_connector, new_engine_id
 from tests.unit.kv_helpers import make_config
 from vllm_ascend.kv_offload import pool_metrics
 from vllm_ascend.kv_offload.failures import (
@@ -107,7 +106,7 @@ def spec_manager(request):
     config = dataclasses.replace(
         make_config({"num_cpu_blocks": 4, "block_size": 128}),
         enable_kv_cache_events=True,
-        engine_id=f"unit-{uuid.uuid4().hex[:8]}",
+        engine_id=new_engine_id(),
     )
     manager = request.param(config).get_manager()
     yield manager
@@ -131,7 +130,7 @@ def test_both_specs_report_the_same_pool_series_for_the_same_workload():
     for spec_cls in (NPUOffloadingSpec, NPUTieringOffloadingSpec):
         config = dataclasses.replace(
             make_config({"num_cpu_blocks": 4, "block_size": 128}),
-            engine_id=f"unit-{uuid.uuid4().hex[:8]}",
+            engine_id=new_engine_id(),
         )
         assert set(POOL_SERIES) <= set(spec_cls.build_metric_definitions({}))
         manager = spec_cls(config).get_manager()
@@ -149,7 +148,7 @@ def test_both_specs_report_the_same_pool_series_for_the_same_workload():
 def test_promotions_into_the_cpu_tier_count_their_evictions():
     config = dataclasses.replace(
         make_config({"num_cpu_blocks": 4, "block_size": 128}),
-        engine_id=f"unit-{uuid.uuid4().hex[:8]}",
+        engine_id=new_engine_id(),
     )
     manager = NPUTieringOffloadingSpec(config).get_manager()
     try:

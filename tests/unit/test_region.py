@@ -11,14 +11,13 @@ import os
 import signal
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import numpy as np
 import pytest
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
-from tests.unit.conftest import TIERING
+from tests.unit.conftest import TIERING, new_engine_id
 from tests.unit.kv_helpers import make_config
 from vllm_ascend.kv_offload.config import OffloadConfigError
 from vllm_ascend.kv_offload.region import (
@@ -32,10 +31,6 @@ from vllm_ascend.kv_offload.tiering.spec import NPUTieringOffloadingSpec
 
 PAGE = mmap.PAGESIZE
 REPO = Path(__file__).resolve().parents[2]
-
-
-def new_engine_id() -> str:
-    return f"unit-{uuid.uuid4().hex[:8]}"
 
 
 def leftovers(engine_id: str) -> list[str]:

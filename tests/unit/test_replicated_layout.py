@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import threading
-import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -30,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
+from tests.unit.conftest import new_engine_id
 from tests.unit.kv_helpers import make_config, make_kv_caches
 from vllm_ascend.kv_offload import host_guard, host_ledger, vllm_compat
 from vllm_ascend.kv_offload.host_memory import BORROWED
@@ -64,7 +64,7 @@ def ledger(host_ledger_dir) -> str:
 
 @pytest.fixture
 def engine_id() -> str:
-    engine = f"unit-mla-{uuid.uuid4().hex[:8]}"
+    engine = new_engine_id("unit-mla")
     yield engine
     # Nothing of the engine is left in /dev/shm, whatever the test did.
     assert not os.path.exists(region_path(engine))

@@ -55,23 +55,6 @@ def test_both_sizes_agreeing_is_fine_and_disagreeing_is_an_error():
         NPUOffloadingSpec(make_config(bad))
 
 
-@pytest.mark.parametrize(
-    "extra, message",
-    [
-        ({}, "needs the CPU pool size"),
-        ({"num_cpu_blocks": 0}, "must be > 0"),
-        ({"num_cpu_blocks": -3}, "must be > 0"),
-        ({"num_cpu_blocks": 2.5}, "must be a positive integer"),
-        ({"num_cpu_blocks": "many"}, "must be a positive integer"),
-        ({"cpu_bytes_to_use": 0}, "must be > 0"),
-        ({"num_cpu_blocks": 8, "eviction_policy": "fifo"}, "use one of lru, arc"),
-    ],
-)
-def test_bad_configuration_names_the_setting(extra, message):
-    with pytest.raises(OffloadConfigError, match=message):
-        NPUOffloadingSpec(make_config(extra))
-
-
 @pytest.mark.parametrize("policy", ["lru", "arc"])
 def test_vllm_eviction_policies_are_reused(policy):
     spec = NPUOffloadingSpec(

@@ -136,13 +136,20 @@ def run_copy(
     """Copies (src_offset, dst_offset, size) fragments between two int8
     tensors; returns the op's copy count (having checked that its workspace
     is empty) and what dst should now contain."""
+    expected, args = after(src, dst, frags)
+    copies, workspace = swap(*args)
+    assert_no_workspace(workspace)
+    return copies, expected
+
+
+def after(src: torch.Tensor, dst: torch.Tensor, frags: list[tuple[int, int, int]]):
+    """What dst holds once the (src_offset, dst_offset, size) fragments are
+    copied, and the op's arguments that copy them on "cpu"."""
     expected = dst.clone()
     for s, d, n in frags:
         expected[d : d + n] = src[s : s + n]
     abs_frags = [(src.data_ptr() + s, dst.data_ptr() + d, n) for s, d, n in frags]
-    copies, workspace = swap(*descriptors(abs_frags), "cpu")
-    assert_no_workspace(workspace)
-    return copies, expected
+    return expected, (*descriptors(abs_frags), "cpu")
 
 
 # --- copying ---------------------------------------------------------------
@@ -190,57 +197,32 @@ def test_single_huge_fragment_is_copied_correctly(swap: Swap) -> None:
 # --- coalescing ------------------------------------------------------------
 
 
-def test_fragments_contiguous_on_both_sides_merge_into_one_copy(swap: Swap) -> None:
-    src, dst = random_bytes(8 * 512), poisoned(8 * 512 + 512)
-    frags = [(i * 512, 512 + i * 512, 512) for i in range(8)]
-
-    copies, expected = run_copy(swap, src, dst, frags)
-
-    assert copies == 1
-    assert torch.equal(dst, expected)
-
-
 @pytest.mark.parametrize(
-    "frags",
+    "frags, copies",
     [
-        # source contiguous, destinations in reverse order
-        [(i * 64, (7 - i) * 64, 64) for i in range(8)],
-        # destination contiguous, sources spaced apart
-        [(i * 128, i * 64, 64) for i in range(8)],
-        # interleaved: each fragment continues the one before the previous
-        [
-            ((i % 2) * 4096 + (i // 2) * 64, i * 64 + (i % 2) * 4096, 64)
-            for i in range(8)
-        ],
+        # contiguous on both sides: one copy
+        ([(i * 512, 512 + i * 512, 512) for i in range(8)], 1),
+        # source contiguous, destinations in reverse order: not merged
+        ([(i * 64, (7 - i) * 64, 64) for i in range(8)], 8),
+        # destination contiguous, sources spaced apart: not merged
+        ([(i * 128, i * 64, 64) for i in range(8)], 8),
+        # interleaved (each fragment continues the one before the previous)
+        ([(i % 2 * 4096 + i // 2 * 64, i * 64 + i % 2 * 4096, 64) for i in range(8)],
+         8),
+        # runs of 3, 1 and 2 adjacent fragments: one copy each
+        ([(0, 0, 10), (10, 10, 20), (30, 30, 5), (100, 200, 7), (300, 400, 1),
+          (301, 401, 9)], 3),
     ],
-    ids=["dst-reversed", "src-gapped", "interleaved"],
-)
-def test_fragments_contiguous_on_one_side_only_are_not_merged(
-    swap: Swap, frags: list[tuple[int, int, int]]
+    ids=["both-sides", "dst-reversed", "src-gapped", "interleaved", "runs-3-1-2"],
+)  # fmt: skip
+def test_only_fragments_adjacent_on_both_sides_merge_into_one_copy(
+    swap: Swap, frags: list[tuple[int, int, int]], copies: int
 ) -> None:
     src, dst = random_bytes(8192), poisoned(8192)
 
-    copies, expected = run_copy(swap, src, dst, frags)
+    got, expected = run_copy(swap, src, dst, frags)
 
-    assert copies == len(frags)
-    assert torch.equal(dst, expected)
-
-
-def test_each_run_of_adjacent_fragments_becomes_one_copy(swap: Swap) -> None:
-    # runs of 3, 1 and 2 adjacent fragments
-    frags = [
-        (0, 0, 10),
-        (10, 10, 20),
-        (30, 30, 5),
-        (100, 200, 7),
-        (300, 400, 1),
-        (301, 401, 9),
-    ]
-    src, dst = random_bytes(512), poisoned(512)
-
-    copies, expected = run_copy(swap, src, dst, frags)
-
-    assert copies == 3
+    assert got == copies
     assert torch.equal(dst, expected)
 
 
@@ -462,11 +444,8 @@ def _opcheck_case() -> tuple[tuple, list[torch.Tensor], int]:
         + [(1000, 10, 7)]
         + [(3000 + i * 32, 100 + i * 32, 32) for i in range(3)]
     )
-    expected = dst.clone()
-    for s, d, n in frags:
-        expected[d : d + n] = src[s : s + n]
-    abs_frags = [(src.data_ptr() + s, dst.data_ptr() + d, n) for s, d, n in frags]
-    return (*descriptors(abs_frags), "cpu"), [src, dst, expected], 3
+    expected, args = after(src, dst, frags)
+    return args, [src, dst, expected], 3
 
 
 @needs_native

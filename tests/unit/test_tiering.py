@@ -7,7 +7,6 @@ import dataclasses
 import functools
 import mmap
 import os
-import uuid
 
 import pytest
 from vllm.v1.kv_offload.base import make_offload_key
@@ -16,7 +15,7 @@ from vllm.v1.kv_offload.config import (
     OffloadingModelConfig,
 )
 
-from tests.unit.conftest import TIERING, payload
+from tests.unit.conftest import TIERING, new_engine_id, payload
 from tests.unit.kv_helpers import make_config
 from tests.vllm_version import VLLM_VERSION
 from vllm_ascend.kv_offload.config import OffloadConfigError, check_keys
@@ -256,7 +255,7 @@ def test_the_tiering_worker_copies_by_the_copy_path_setting():
     from tests.unit.kv_helpers import make_kv_caches
 
     page = mmap.PAGESIZE
-    engine_id = f"unit-cpu-{uuid.uuid4().hex[:8]}"
+    engine_id = new_engine_id("unit-cpu")
     spec = _spec_for_worker(engine_id, page, extra={"copy_path": "torch"})
     worker = spec.get_worker(make_kv_caches(4, [page]))
     try:
@@ -313,7 +312,7 @@ def test_npu_worker_registers_the_region_and_unregisters_it_before_unmapping(
     acl_calls,
 ):
     page = mmap.PAGESIZE
-    spec = _spec_for_worker(f"unit-npu-{uuid.uuid4().hex[:8]}", page)
+    spec = _spec_for_worker(new_engine_id("unit-npu"), page)
     worker = spec.get_worker(_kv_caches("npu", page))
     region = worker.region
     base, size = region.base_tensor.data_ptr(), region.total_size_bytes
@@ -350,7 +349,7 @@ def test_npu_region_is_registered_in_pieces_smaller_where_refused_mapped_on_a5(
     monkeypatch.setattr(ops, "host_register", register)
     page = 8192
     spec = _spec_for_worker(
-        f"unit-npu-{uuid.uuid4().hex[:8]}",
+        new_engine_id("unit-npu"),
         page // 2,
         num_chunks=64,
         extra={"host_piece_bytes": 2 * limit},
@@ -382,7 +381,7 @@ def test_npu_registration_failure_is_a_clear_error_and_leaves_nothing(
 
     monkeypatch.setattr(ops, "host_register", refuse)
     page = mmap.PAGESIZE
-    engine_id = f"unit-npu-{uuid.uuid4().hex[:8]}"
+    engine_id = new_engine_id("unit-npu")
     spec = _spec_for_worker(engine_id, page)
     with pytest.raises(OffloadConfigError) as info:
         spec.get_worker(_kv_caches("npu", page))
@@ -398,7 +397,7 @@ def test_npu_registration_is_refused_on_kernels_that_cannot_lock_pageable_memory
 ):
     kernel_release("5.10.0-60.18.0.50.oe2203")
     page = mmap.PAGESIZE
-    engine_id = f"unit-npu-{uuid.uuid4().hex[:8]}"
+    engine_id = new_engine_id("unit-npu")
     with pytest.raises(OffloadConfigError, match="newer than 5.10 only"):
         _spec_for_worker(engine_id, page).get_worker(_kv_caches("npu", page))
     assert acl_calls == [] and not os.path.exists(region_path(engine_id))

@@ -14,6 +14,8 @@ loaded back, and compared part by part, scales included.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from vllm.v1.kv_offload.base import (
@@ -24,8 +26,8 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
 from tests.unit.conftest import make_connector
-from tests.unit.kv_helpers import make_worker
-from tests.unit.upstream_layouts import build, parts_of
+from tests.unit.kv_helpers import make_worker, parts_of
+from tests.unit.upstream_layouts import build
 from tests.unit.upstream_runner import REPLACEMENTS, RUNNER, RUNNER_METHODS
 from tests.unit.upstream_scenarios import scenarios
 from vllm_ascend.kv_offload.kv_layout import canonicalize
@@ -81,10 +83,12 @@ def block_size(built) -> int:
     return built.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
 
 
-def connector_for(built):
-    """The real connector, its worker side, with ``built``'s caches
-    registered (one device block per CPU block)."""
-    return make_connector(
+@contextlib.contextmanager
+def worker_side(built):
+    """The real connector's worker side (vLLM's connector worker: its spec
+    and our worker), with ``built``'s caches registered (one device block
+    per CPU block); our worker is shut down after."""
+    connector = make_connector(
         "worker",
         extra={
             "num_cpu_blocks": NUM_CPU_BLOCKS,
@@ -95,6 +99,10 @@ def connector_for(built):
         kv_cache_config=built.kv_cache_config,
         kv_caches=built.kv_caches,
     )
+    try:
+        yield connector.connector_worker
+    finally:
+        connector.connector_worker.worker.shutdown()
 
 
 def blocks_of(part: torch.Tensor, num_blocks: int, ids: list[int]) -> torch.Tensor:
@@ -146,25 +154,16 @@ def spec_bytes_per_block(built) -> int:
 
 
 def test_is_registered_and_every_part_survives_a_round_trip(layout):
-    connector = connector_for(layout)
-    worker = connector.connector_worker.worker
-    try:
-        assert round_trip(worker, layout) == []
-    finally:
-        worker.shutdown()
+    with worker_side(layout) as side:
+        assert round_trip(side.worker, layout) == []
 
 
 def test_bytes_per_cpu_block_are_what_the_spec_says(layout):
-    connector = connector_for(layout)
-    worker = connector.connector_worker.worker
-    try:
+    with worker_side(layout) as side:
         spec_bytes = spec_bytes_per_block(layout)
-        assert worker.pool.row_bytes == spec_bytes
+        assert side.worker.pool.row_bytes == spec_bytes
         # vLLM's own figure from the KVCacheConfig, which sizes the pool.
-        config = connector.connector_worker.spec.config
-        assert config.worker_kv_bytes_per_block == spec_bytes
-    finally:
-        worker.shutdown()
+        assert side.spec.config.worker_kv_bytes_per_block == spec_bytes
 
 
 # HF configs of the layouts sizing.py can size (dense and MLA attention; it
@@ -207,12 +206,8 @@ def test_sizing_gives_the_bytes_per_cpu_block_the_pool_holds(upstream, name, siz
         device_block_size=block_size(built),
         kv_cache_dtype=kv_cache_dtype,
     )
-    connector = connector_for(built)
-    worker = connector.connector_worker.worker
-    try:
-        assert sizing.worker_bytes_per_cpu_block == worker.pool.row_bytes
-    finally:
-        worker.shutdown()
+    with worker_side(built) as side:
+        assert sizing.worker_bytes_per_cpu_block == side.worker.pool.row_bytes
 
 
 def without_tensor(canonical: CanonicalKVCaches, drop: int) -> CanonicalKVCaches:

@@ -29,6 +29,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
+from tests.unit.kv_helpers import parts_of
 from tests.unit.upstream_runner import HardwareProfile
 
 NUM_BLOCKS = 6
@@ -201,10 +202,6 @@ def build(upstream, scenario: Scenario, seed: int = 0) -> Built:
         raw = torch.tensor([], dtype=torch.uint8).set_(storage)
         raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
     return Built(scenario, kv_cache_config, kv_caches)
-
-
-def parts_of(cache) -> list[torch.Tensor]:
-    return [cache] if isinstance(cache, torch.Tensor) else list(cache)
 
 
 def _storages(kv_caches):
