@@ -44,17 +44,6 @@ DEFAULT_FRAGMENT_BYTES = (16 * KiB, 64 * KiB, 256 * KiB, MiB)
 DEFAULT_TOTAL_BYTES = {"cpu": 64 * MiB, "cuda": 256 * MiB, "npu": 256 * MiB}
 
 
-def parse_bytes(text: str) -> int:
-    """``"4096"``, ``"16K"``, ``"64KiB"``, ``"1M"`` -> bytes (binary units)."""
-    try:
-        value = host_guard.parse_bytes(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"size must be > 0, got {text!r}")
-    return value
-
-
 def format_bytes(n: int) -> str:
     for unit, scale in (("GiB", 1 << 30), ("MiB", MiB), ("KiB", KiB)):
         if n >= scale and n % scale == 0:
@@ -168,7 +157,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--fragment-bytes",
         nargs="+",
-        type=parse_bytes,
+        type=host_guard.size_flag,
         default=list(DEFAULT_FRAGMENT_BYTES),
         help="fragment sizes (default 16K 64K 256K 1M)",
     )
@@ -180,7 +169,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--total-bytes",
-        type=parse_bytes,
+        type=host_guard.size_flag,
         default=None,
         help="bytes per row when --num-fragments is not given "
         "(default 256M on devices, 64M on cpu)",
@@ -212,7 +201,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=50_000,
         help="fragments of the descriptor-cost job (0 skips that section)",
     )
-    p.add_argument("--descriptor-fragment-bytes", type=parse_bytes, default=64)
+    p.add_argument("--descriptor-fragment-bytes", type=host_guard.size_flag, default=64)
     p.add_argument(
         "--descriptor-tensors",
         type=int,

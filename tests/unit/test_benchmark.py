@@ -105,13 +105,6 @@ def test_scatter_slots_leave_nothing_to_merge():
         assert not np.any((np.diff(src) == 1) & (np.diff(dst) == 1))
 
 
-@pytest.mark.parametrize(
-    "text, value", [("4096", 4096), ("16K", 16384), ("64KiB", 65536), ("1M", 1 << 20)]
-)
-def test_parse_bytes(text, value):
-    assert benchmark.parse_bytes(text) == value
-
-
 def test_concurrent_needs_a_device():
     with pytest.raises(SystemExit):
         benchmark.parse_args(["--device", "cpu", "--concurrent"])
