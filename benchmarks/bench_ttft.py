@@ -60,7 +60,7 @@ from benchmarks.common import (  # noqa: E402
     percentile,
 )
 
-CPU_BLOCK_TOKENS = 128
+CPU_BLOCK_TOKENS = 128  # the guide's block_size
 CASES = ("cold", "device", "cpu", "fs")
 COUNTERS = ("vllm:kv_offload", "vllm:external_prefix_cache_hits")
 STORE_BYTES = "vllm:kv_offload_store_bytes"
@@ -75,12 +75,9 @@ TIER_READ, TIER_READ_S = (
 def extra_config(cfg: dict) -> dict:
     """The guide's ``kv_connector_extra_config``; only the pool is sized to
     the run, and with the fs tier the spec is the tiering one."""
-    extra = {
-        "num_cpu_blocks": cfg["num_cpu_blocks"],
-        "block_size": CPU_BLOCK_TOKENS,
-        "spec_name": "NPUOffloadingSpec",
-        "spec_module_path": "vllm_ascend.kv_offload.npu",
-    }
+    from vllm_ascend.kv_offload.testing.engine import GUIDE_EXTRA_CONFIG
+
+    extra = {**GUIDE_EXTRA_CONFIG, "num_cpu_blocks": cfg["num_cpu_blocks"]}
     if cfg["root_dir"] is not None:
         extra.update(
             spec_name="NPUTieringOffloadingSpec",

@@ -30,12 +30,8 @@ from vllm_ascend.kv_offload import host_guard
 from vllm_ascend.kv_offload.host_guard import AUTO_POOL_SHARE, show, size_flag
 
 # The user guide's offloading configuration, key for key.
-GUIDE_EXTRA_CONFIG = {
-    "num_cpu_blocks": 1000,
-    "block_size": 128,
-    "spec_name": "NPUOffloadingSpec",
-    "spec_module_path": "vllm_ascend.kv_offload.npu",
-}
+from vllm_ascend.kv_offload.testing.engine import GUIDE_EXTRA_CONFIG
+
 # What the engine's processes (API process, engine core, worker: torch, the
 # tokenizer, activations) take besides the weights, the KV cache and the pool;
 # measured about 1.3 GiB on vLLM 0.32's CPU backend with the generated model.
