@@ -15,8 +15,7 @@ import numpy as np
 import torch
 from vllm.v1.kv_offload.base import CanonicalKVCaches, GPULoadStoreSpec
 
-from vllm_ascend.kv_offload import ops
-from vllm_ascend.kv_offload.copy_bandwidth import POISON, Device, scatter_slots
+from vllm_ascend.kv_offload.copy_bandwidth import POISON, Case, Device, scatter_slots
 from vllm_ascend.kv_offload.copy_engine import CopyEngine
 from vllm_ascend.kv_offload.copy_paths import CopyPath
 from vllm_ascend.kv_offload.cpu_pool import CpuBlockPool, private_pool
@@ -175,26 +174,18 @@ def layout_jobs(device: Device, blocks: int, repeats: int, seed: int) -> list[di
         }
         job = StoreJob.of(device, caches, blocks, device.op_path, seed)
         desc = job.build()
-        src = device.empty(desc.num_bytes, on_device=True)
-        dst = device.empty(desc.num_bytes, on_device=False)
-        # Written before timing: never-touched pageable memory reads as the
+        # The limit: one contiguous copy of the same bytes, as copy_bandwidth
+        # times it. Written first: never-touched pageable memory reads as the
         # kernel's shared zero page, from cache, and would flatter the limit.
-        src.fill_(1)
-        dst.fill_(POISON)
-        addrs = [
-            torch.tensor([x], dtype=torch.int64)
-            for x in (src.data_ptr(), dst.data_ptr(), src.numel())
-        ]
-
-        def contiguous(src=src, dst=dst, addrs=addrs) -> None:
-            if device.name == "cpu":
-                ops.swap_blocks_batch(*addrs, "cpu")
-            else:
-                dst.copy_(src, non_blocking=True)
-
+        n, one = desc.num_bytes, np.zeros(1, dtype=np.int64)
+        src, dst = device.empty(n, True), device.empty(n, False)
+        limit = Case(device, "d2h", src.fill_(1), dst.fill_(POISON), n, 1, one, one)
         median = alternate(
             device,
-            {"contiguous": contiguous, "op": lambda d=desc, j=job: j.engine.submit(d)},
+            {
+                "contiguous": limit.contiguous,
+                "op": lambda d=desc, j=job: j.engine.submit(d),
+            },
             repeats,
             host_only=False,
         )
