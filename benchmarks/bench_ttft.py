@@ -59,11 +59,10 @@ from benchmarks.common import (  # noqa: E402
     model_args,
     percentile,
 )
+from vllm_ascend.kv_offload.testing import engine  # noqa: E402 (no vLLM import)
 
-CPU_BLOCK_TOKENS = 128
+CPU_BLOCK_TOKENS = 128  # the guide's block_size
 CASES = ("cold", "device", "cpu", "fs")
-COUNTERS = ("vllm:kv_offload", "vllm:external_prefix_cache_hits")
-STORE_BYTES = "vllm:kv_offload_store_bytes"
 LOAD_BYTES, LOAD_S = "vllm:kv_offload_load_bytes", "vllm:kv_offload_load_time"
 TIER_WRITE = "vllm:kv_offload_tiering_write_bytes"
 TIER_READ, TIER_READ_S = (
@@ -75,12 +74,7 @@ TIER_READ, TIER_READ_S = (
 def extra_config(cfg: dict) -> dict:
     """The guide's ``kv_connector_extra_config``; only the pool is sized to
     the run, and with the fs tier the spec is the tiering one."""
-    extra = {
-        "num_cpu_blocks": cfg["num_cpu_blocks"],
-        "block_size": CPU_BLOCK_TOKENS,
-        "spec_name": "NPUOffloadingSpec",
-        "spec_module_path": "vllm_ascend.kv_offload.npu",
-    }
+    extra = {**engine.GUIDE_EXTRA_CONFIG, "num_cpu_blocks": cfg["num_cpu_blocks"]}
     if cfg["root_dir"] is not None:
         extra.update(
             spec_name="NPUTieringOffloadingSpec",
@@ -101,8 +95,6 @@ def delta(before: dict[str, float], after: dict[str, float], name: str) -> float
 
 def timed_hit(llm, prompt: str, cached: int) -> float:
     """TTFT of ``prompt``, whose first ``cached`` tokens must hit a cache."""
-    from vllm_ascend.kv_offload.testing import engine
-
     out = engine.generate(llm, prompt)
     got = out.num_cached_tokens or 0
     assert got == cached, f"{cached} cached tokens expected, {got} were"
@@ -112,37 +104,33 @@ def timed_hit(llm, prompt: str, cached: int) -> float:
 def write(llm, cfg: dict, prompt: str, length: int) -> dict:
     """Cold, device hit and CPU hit of a never-seen prompt; returns once its
     blocks are in the CPU tier (and, with the fs tier, in files)."""
-    from vllm_ascend.kv_offload.testing import engine
-
     expected = length // CPU_BLOCK_TOKENS * cfg["block_bytes"]
-    c0 = engine.counters(COUNTERS)
+    c0 = engine.counters()
     row = {"cold": timed_hit(llm, prompt, 0), "cold_load": loadavg()[0]}
-    engine.settle(llm, STORE_BYTES)
-    stored = delta(c0, engine.counters(COUNTERS), STORE_BYTES)
+    engine.settle(llm)
+    stored = delta(c0, engine.counters(), engine.STORE_BYTES)
     assert stored >= expected, f"{stored} of {expected} bytes stored"
     row.update(device=timed_hit(llm, prompt, length), device_load=loadavg()[0])
     engine.reset_prefix_cache(llm)
-    c1 = engine.counters(COUNTERS)
+    c1 = engine.counters()
     row.update(cpu=timed_hit(llm, prompt, length), cpu_load=loadavg()[0])
     engine.settle(llm, LOAD_BYTES)  # a load's stats come with a later step
-    c2 = engine.counters(COUNTERS)
+    c2 = engine.counters()
     assert delta(c1, c2, LOAD_BYTES) == expected, (c1, c2)
     row["cpu_load_gbps"] = expected / max(delta(c1, c2, LOAD_S), 1e-9) / 1e9
     if cfg["root_dir"] is not None:
         engine.settle(llm, TIER_WRITE, steady_rounds=3, max_rounds=100, pause_s=0.1)
-        written = delta(c0, engine.counters(COUNTERS), TIER_WRITE)
+        written = delta(c0, engine.counters(), TIER_WRITE)
         assert written >= expected, f"{written} of {expected} bytes in files"
     return row
 
 
 def read(llm, cfg: dict, prompt: str, length: int) -> dict:
     """The fs-tier hit of a prompt that another engine wrote."""
-    from vllm_ascend.kv_offload.testing import engine
-
-    c0 = engine.counters(COUNTERS)
+    c0 = engine.counters()
     row = {"fs": timed_hit(llm, prompt, length), "fs_load": loadavg()[0]}
     engine.settle(llm, TIER_READ)
-    c1 = engine.counters(COUNTERS)
+    c1 = engine.counters()
     expected = length // CPU_BLOCK_TOKENS * cfg["block_bytes"]
     assert delta(c0, c1, TIER_READ) >= expected, (c0, c1)
     row["fs_read_gbps"] = (
@@ -153,7 +141,6 @@ def read(llm, cfg: dict, prompt: str, length: int) -> dict:
 
 def engine_process(cfg: dict, conn, name: str) -> None:
     """One engine; runs ``(role, length, seed)`` commands until ``None``."""
-    from vllm_ascend.kv_offload.testing import engine
     from vllm_ascend.kv_offload.testing.tiny_model import make_prompt
 
     if cfg["log_dir"] is not None:  # the engine's output; [ttft] lines stay

@@ -18,6 +18,8 @@ import threading
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+import numpy as np
+
 REPO = Path(__file__).resolve().parents[1]
 
 # ModelArgs field -> TinyModelSpec field.
@@ -108,14 +110,8 @@ def add_output_args(p: argparse.ArgumentParser) -> None:
 
 
 def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default method)."""
-    xs = sorted(values)
-    if not xs:
-        return float("nan")
-    k = (len(xs) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+    """Linear-interpolated percentile (numpy's default method); NaN of none."""
+    return float(np.percentile(values, q)) if values else float("nan")
 
 
 def loadavg() -> tuple[float, float, float]:

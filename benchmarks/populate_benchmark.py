@@ -29,7 +29,6 @@ import argparse
 import json
 import mmap
 import os
-import resource
 import statistics
 import threading
 import time
@@ -78,11 +77,6 @@ def after(threads: int, huge: bool) -> Callable[[mmap.mmap, int, int], None]:
     return run
 
 
-def cpu_seconds() -> float:
-    used = resource.getrusage(resource.RUSAGE_SELF)
-    return used.ru_utime + used.ru_stime
-
-
 def trial(fault_in, nbytes: int) -> tuple[float, float, float]:
     """Seconds and CPU seconds per GiB, share in huge pages, of faulting a
     fresh mapping in."""
@@ -90,10 +84,10 @@ def trial(fault_in, nbytes: int) -> tuple[float, float, float]:
     view = torch.frombuffer(region, dtype=torch.int8)
     try:
         m0 = memory_kib("Rss", "AnonHugePages")
-        c0, t0 = cpu_seconds(), time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         fault_in(region, view.data_ptr(), nbytes)
         seconds = time.perf_counter() - t0
-        cpu = cpu_seconds() - c0
+        cpu = time.process_time() - c0
         m1 = memory_kib("Rss", "AnonHugePages")
     finally:
         del view
@@ -163,8 +157,7 @@ def variants(threads: list[int]) -> dict[str, Callable]:
     return found
 
 
-def run(args: argparse.Namespace) -> list[Trial]:
-    nbytes = int(args.gib * GiB) // populate.PAGE_BYTES * populate.PAGE_BYTES
+def run(args: argparse.Namespace, nbytes: int) -> list[Trial]:
     table = variants(args.threads)
     names = list(table)
     trials = []
@@ -229,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     nbytes = int(args.gib * GiB) // populate.PAGE_BYTES * populate.PAGE_BYTES
     for name, rate in gil_check(nbytes).items():
         print(f"another Python thread during {name}: {rate:,.0f} iterations/s")
-    trials = run(args)
+    trials = run(args, nbytes)
     names = list(variants(args.threads))
     print(report(trials, names))
     if args.json:

@@ -27,15 +27,11 @@ from pathlib import Path
 
 # The worker's host-memory guard: its arithmetic, applied here ahead of time.
 from vllm_ascend.kv_offload import host_guard
-from vllm_ascend.kv_offload.host_guard import AUTO_POOL_SHARE, show
+from vllm_ascend.kv_offload.host_guard import AUTO_POOL_SHARE, show, size_flag
 
 # The user guide's offloading configuration, key for key.
-GUIDE_EXTRA_CONFIG = {
-    "num_cpu_blocks": 1000,
-    "block_size": 128,
-    "spec_name": "NPUOffloadingSpec",
-    "spec_module_path": "vllm_ascend.kv_offload.npu",
-}
+from vllm_ascend.kv_offload.testing.engine import GUIDE_EXTRA_CONFIG
+
 # What the engine's processes (API process, engine core, worker: torch, the
 # tokenizer, activations) take besides the weights, the KV cache and the pool;
 # measured about 1.3 GiB on vLLM 0.32's CPU backend with the generated model.
@@ -46,15 +42,6 @@ KV_CACHE_SEQUENCES = 2
 KV_CACHE_MIN_BYTES = 256 * 2**20
 # ... and for a model named by its hub id, whose config is not read here.
 KV_CACHE_UNKNOWN_MODEL_BYTES = 4 * 2**30
-
-
-def parse_bytes(text: str) -> int:
-    """``1073741824``, ``512MiB``, ``4G``, ``1.5GiB`` -> bytes (a flag's type:
-    argparse prints an ArgumentTypeError's message)."""
-    try:
-        return host_guard.parse_bytes(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def looks_like_cpu_backend() -> bool:
@@ -274,14 +261,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--cpu-bytes",
-        type=parse_bytes,
+        type=size_flag,
         default=None,
         metavar="BYTES",
         help="size the CPU pool in bytes instead (cpu_bytes_to_use), e.g. 4GiB",
     )
     parser.add_argument(
         "--kv-cache-bytes",
-        type=parse_bytes,
+        type=size_flag,
         default=None,
         metavar="BYTES",
         help="device KV-cache size (kv_cache_memory_bytes), e.g. 1GiB; default "

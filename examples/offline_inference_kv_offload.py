@@ -144,7 +144,10 @@ def main() -> None:
 
     if current_platform.is_cpu() != guess_cpu:
         plan = sized(current_platform.is_cpu())
-    if current_platform.is_cpu() and not args.compile:
+    # torch.compile's warm-up takes minutes on 2 cores; eager mode with an
+    # explicit KV-cache size also skips vLLM's profiling run.
+    eager = current_platform.is_cpu() and not args.compile
+    if eager:
         plan.overrides.append("enforce_eager=True")
     print(
         "[example] the guide's configuration"
@@ -165,11 +168,7 @@ def main() -> None:
         kv_role="kv_both",
         kv_connector_extra_config=plan.extra_config,
     )
-    engine_args = {}
-    if current_platform.is_cpu() and not args.compile:
-        # torch.compile's warm-up takes minutes on 2 cores; eager mode with an
-        # explicit KV-cache size also skips vLLM's profiling run.
-        engine_args["enforce_eager"] = True
+    engine_args = {"enforce_eager": True} if eager else {}
     if plan.kv_cache_bytes is not None:
         engine_args["kv_cache_memory_bytes"] = plan.kv_cache_bytes
     if plan.max_model_len is not None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import shutil
 import subprocess
 import sys
@@ -27,10 +28,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-# The scripts run as files (not as a package); their shared step sits beside them.
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cmake_objects import ROOT, build_objects  # noqa: E402
-
+ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache"
 TORCH_NPU_VERSION = "2.13.0"
 # Pinned so that every runner gets the same file whatever its own Python is;
@@ -99,17 +97,27 @@ def fetch_headers(cache_dir: Path = CACHE / "torch_npu_headers") -> Path:
 
 
 def compile_check(torch_npu_dir: Path, build_dir: Path = CACHE / "npu_compile") -> int:
-    """Configures and builds vllm_ascend_npu_objs; returns the exit status."""
-    options = [
-        "-DVLLM_ASCEND_NPU_COMPILE_ONLY=ON",
-        f"-DVLLM_ASCEND_TORCH_NPU_DIR={torch_npu_dir}",
-    ]
-    if not build_objects("vllm_ascend_npu_objs", build_dir, options, _log):
-        _log(
-            "FAILED: the npu backend does not compile against torch-npu "
-            f"{TORCH_NPU_VERSION} headers"
-        )
-        return EXIT_COMPILE_FAILED
+    """Configures CMakeLists.txt against the installed torch and pybind11 and
+    the headers, builds vllm_ascend_npu_objs; returns the exit status."""
+    import pybind11
+    import torch
+
+    prefix = f"{torch.utils.cmake_prefix_path};{pybind11.get_cmake_dir()}"
+    configure = ["cmake", "-S", str(ROOT), "-B", str(build_dir)]
+    configure += [f"-DCMAKE_PREFIX_PATH={prefix}", "-DCMAKE_BUILD_TYPE=Release"]
+    configure += [f"-DPython_EXECUTABLE={sys.executable}"]
+    configure += ["-DVLLM_ASCEND_NPU_COMPILE_ONLY=ON"]
+    configure += [f"-DVLLM_ASCEND_TORCH_NPU_DIR={torch_npu_dir}"]
+    jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 2))
+    build = ["cmake", "--build", str(build_dir), "--target", "vllm_ascend_npu_objs"]
+    for step in (configure, build + ["-j", jobs]):
+        _log("$ " + " ".join(step))
+        if subprocess.run(step).returncode != 0:
+            _log(
+                "FAILED: the npu backend does not compile against torch-npu "
+                f"{TORCH_NPU_VERSION} headers"
+            )
+            return EXIT_COMPILE_FAILED
     _log(
         f"OK: csrc/kv_offload/npu/*.cpp and dispatch.cpp (npu on) compile against "
         f"torch-npu {TORCH_NPU_VERSION} headers (compile only, nothing linked or run)"

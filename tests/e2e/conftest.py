@@ -15,6 +15,7 @@ from types import ModuleType
 
 import pytest
 
+from vllm_ascend.kv_offload.testing.engine import GUIDE_EXTRA_CONFIG
 from vllm_ascend.kv_offload.testing.tiny_model import (
     ensure_mla_model,
     ensure_tiny_model,
@@ -23,12 +24,7 @@ from vllm_ascend.kv_offload.testing.tiny_model import (
 
 REPO = Path(__file__).resolve().parents[2]
 
-GUIDE_OFFLOAD = {
-    "num_cpu_blocks": 1000,
-    "block_size": 128,
-    "spec_name": "NPUOffloadingSpec",
-    "spec_module_path": "vllm_ascend.kv_offload.npu",
-}
+GUIDE_OFFLOAD = GUIDE_EXTRA_CONFIG
 
 # The guide's config with the test-only spec whose worker injects the faults
 # named by VLLM_ASCEND_KV_OFFLOAD_FAULTS (tests/fault_injection.py).

@@ -6,6 +6,7 @@ import pytest
 
 from benchmarks import copy_benchmark as benchmark
 from vllm_ascend.kv_offload import ops
+from vllm_ascend.kv_offload.copy_bandwidth import scatter_slots
 
 COPY_FIELDS = {
     "device",
@@ -99,16 +100,9 @@ def test_scatter_slots_leave_nothing_to_merge():
 
     rng = np.random.default_rng(0)
     for n in (2, 3, 10, 1000):
-        src, dst = benchmark.scatter_slots(n, rng)
+        src, dst = scatter_slots(n, rng)
         assert sorted(src) == list(range(n)) and sorted(dst) == list(range(n))
         assert not np.any((np.diff(src) == 1) & (np.diff(dst) == 1))
-
-
-@pytest.mark.parametrize(
-    "text, value", [("4096", 4096), ("16K", 16384), ("64KiB", 65536), ("1M", 1 << 20)]
-)
-def test_parse_bytes(text, value):
-    assert benchmark.parse_bytes(text) == value
 
 
 def test_concurrent_needs_a_device():

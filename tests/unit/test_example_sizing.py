@@ -4,6 +4,7 @@ cannot fit refused before any engine starts, naming what to pass."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import sys
@@ -122,10 +123,21 @@ def test_bad_values_name_the_flag(model, host):
         ("512MiB", 512 * MiB),
         ("4G", 4 * GiB),
         ("1.5GiB", 3 * GiB // 2),
+        ("4096", 4096),
+        ("16K", 16384),
+        ("64KiB", 65536),
+        ("1M", MiB),
     ],
 )
 def test_sizes_accept_binary_units(text, nbytes):
-    assert sizing.parse_bytes(text) == nbytes
+    """The size flags of the examples and the benchmarks."""
+    assert host_guard.size_flag(text) == nbytes
+
+
+@pytest.mark.parametrize("text", ["0", "x", "4 apples"])
+def test_a_size_flag_refuses_what_is_not_a_size(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="size"):
+        host_guard.size_flag(text)
 
 
 def test_auto_is_the_packages_computation(model, host):

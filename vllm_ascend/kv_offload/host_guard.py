@@ -26,6 +26,7 @@ before the budget existed: its pool within 90 % of the memory available.
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import re
@@ -72,6 +73,18 @@ def parse_bytes(text: str) -> int:
             "(binary units), e.g. 512MiB or 4G"
         )
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def size_flag(text: str) -> int:
+    """``parse_bytes`` as an argparse ``type`` for a size > 0 (argparse
+    prints an ArgumentTypeError's message, not a ValueError's)."""
+    try:
+        value = parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a size must be > 0")
+    return value
 
 
 def budget_cap(environ: Mapping[str, str] = os.environ) -> int | None:

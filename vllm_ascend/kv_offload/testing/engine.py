@@ -22,6 +22,14 @@ from collections.abc import Iterable
 SHUTDOWN_TIMEOUT_S = 120.0
 WORKER_SHUTDOWN_TIMEOUT_S = "60"  # the engine core's wait, within the above
 
+# The user guide's kv_connector_extra_config, key for key.
+GUIDE_EXTRA_CONFIG = {
+    "num_cpu_blocks": 1000,
+    "block_size": 128,
+    "spec_name": "NPUOffloadingSpec",
+    "spec_module_path": "vllm_ascend.kv_offload.npu",
+}
+
 OFFLOAD_PREFIX = "vllm:kv_offload"
 STORE_BYTES = "vllm:kv_offload_store_bytes"
 
