@@ -1,6 +1,6 @@
 """Shared pieces of the end-to-end tests: prompts, engine configs, the
-scenario runner and its fixtures, the tiering config (the online tests'
-server: tests/e2e/serving.py)."""
+scenario runner and its fixtures, the tiering config, the shared tiering
+server's fixture (the online tests' server: tests/e2e/serving.py)."""
 
 from __future__ import annotations
 
@@ -150,6 +150,17 @@ def reference(scenario_dir) -> list[list[int]]:
         in_process({"offload": None, "phases": [{"prompts": ALL_PROMPTS}]}),
     )
     return token_ids(result["phases"][0])
+
+
+@pytest.fixture(scope="session")
+def tiering_server(tmp_path_factory):
+    """One ``vllm serve`` with tiering and KV events for the session, shared
+    by the online tiering and KV-events tests (serving.TieringServer); each
+    test resets what it needs and reads counters as deltas. Its clean stop on
+    SIGINT is checked at teardown."""
+    from tests.e2e.serving import serve_shared  # serving imports this module
+
+    yield from serve_shared(tmp_path_factory.mktemp("tiering_server"))
 
 
 @pytest.fixture(

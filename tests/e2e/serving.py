@@ -1,5 +1,6 @@
 """The online tests' OpenAI server (``examples/serve_kv_offload.sh`` or
-``vllm serve``'s API server module) and what they read of it."""
+``vllm serve``'s API server module) and what they read of it; the session's
+shared tiering server (``serve_shared``: the ``tiering_server`` fixture)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -18,8 +19,10 @@ import psutil
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.conftest import REPO
+from tests.e2e.conftest import REPO, load_subscriber, tiering
 from vllm_ascend.kv_offload.testing import server as driver
+from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model
+from vllm_ascend.kv_offload.tiering.block_file import HEADER_BYTES
 
 # The OpenAI server of examples/serve_kv_offload.sh, for the online tests.
 START_TIMEOUT_S = 300
@@ -61,8 +64,9 @@ class Server(driver.Server):
     driver, ``testing.server``): the example script
     ``examples/serve_kv_offload.sh`` (the guide's config, ``SERVE_FLAGS``),
     or, given ``transfer_config``, ``vllm serve``'s API server module with it
-    as its ``--kv-transfer-config`` (16 device blocks), started through
-    ``launcher`` (a command prefix, e.g. ``nsenter``) if given."""
+    as its ``--kv-transfer-config`` (16 device blocks) and ``flags``,
+    started through ``launcher`` (a command prefix, e.g. ``nsenter``) if
+    given."""
 
     def __init__(
         self,
@@ -70,6 +74,7 @@ class Server(driver.Server):
         log_path: Path,
         transfer_config: dict | None = None,
         launcher: Sequence[str] = (),
+        flags: Sequence[str] = (),
     ):
         self.model = model
         env = {"VLLM_SERVER_DEV_MODE": "1"}  # /reset_prefix_cache
@@ -90,6 +95,7 @@ class Server(driver.Server):
                 *serve_flags(16),
                 "--kv-transfer-config",
                 json.dumps(transfer_config),
+                *flags,
             ]
             command = driver.serve_command(model, flags)
         super().__init__([*launcher, *command], log_path, env, REPO)
@@ -139,9 +145,13 @@ class Server(driver.Server):
         }
 
 
-def reset_device_cache(server: Server) -> None:
+def reset_device_cache(server: Server, external: bool = False) -> None:
+    """Empties the device prefix cache (``external``: the CPU pool or tier
+    too; an fs tier keeps its files)."""
+    path = "/reset_prefix_cache" + ("?reset_external=true" if external else "")
     deadline = time.monotonic() + 60
-    while not server.post("/reset_prefix_cache")["success"]:
+    while not server.post(path)["success"]:
+        # Refused while transfers are in flight; they finish shortly.
         assert time.monotonic() < deadline, "reset_prefix_cache kept failing"
         time.sleep(0.5)
 
@@ -172,3 +182,142 @@ def complete(client: OpenAI, model: str, prompt: str) -> dict:
         "token_ids": resp["choices"][0]["token_ids"],
         "cached_tokens": details.get("cached_tokens") or 0,
     }
+
+
+ACTIVE_GAUGES = (
+    "vllm:kv_offload_tiering_active_promotion_jobs",
+    "vllm:kv_offload_tiering_active_cascade_jobs",
+)
+
+
+def quiesce(
+    server: Server, client: OpenAI, model: str, flushes: list | None = None
+) -> dict:
+    """Short requests (counted in ``flushes``) step the engine until no tier
+    job is active and the tier's written bytes stopped changing; returns
+    /metrics then."""
+    deadline = time.monotonic() + 120
+    last, steady = None, 0
+    while True:
+        client.completions.create(model=model, prompt="flush", max_tokens=2)
+        if flushes is not None:
+            flushes.append(1)
+        time.sleep(0.5)
+        metrics = server.metrics()
+        idle = all(metrics.get(g, 0.0) == 0 for g in ACTIVE_GAUGES)
+        written = metrics.get("vllm:kv_offload_tiering_write_bytes_total", 0.0)
+        steady = steady + 1 if idle and written == last else 0
+        last = written
+        if steady >= 3 or time.monotonic() > deadline:
+            return metrics
+
+
+def tiering_config(root: str, file_bytes: int) -> dict:
+    # 8 CPU blocks: two documents of the three; the third comes from the fs
+    # tier, bounded to 64 files.
+    extra = tiering(root, num_cpu_blocks=8)
+    extra["secondary_tiers"][0]["max_bytes"] = 64 * file_bytes
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
+
+
+EVENTS_TOPIC = "kv_events"
+
+
+class EventLog:
+    """Every KV-event message a server publishes on ``port``, decoded by
+    ``examples/kv_events_subscriber.py`` in a thread, in arrival order."""
+
+    def __init__(self, port: int, topic: str = EVENTS_TOPIC):
+        self.messages: list = []
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        endpoint = f"tcp://127.0.0.1:{port}"
+        self._thread = threading.Thread(
+            target=self._collect, args=(endpoint, topic), daemon=True
+        )
+        # Subscribed before the server binds: ZeroMQ connects once it does.
+        self._thread.start()
+
+    def _collect(self, endpoint: str, topic: str) -> None:
+        try:
+            for message in load_subscriber().subscribe(
+                endpoint, topic, stop=self._stop
+            ):
+                self.messages.append(message)
+        except BaseException as exc:  # reported by close()
+            self.errors.append(exc)
+
+    def settled(self, server: Server, quiet_s: float = 1.5) -> int:
+        """How many messages arrived once the server has published what it
+        had: a short request steps the engine (events go out on a step),
+        then nothing new for ``quiet_s``."""
+        server.post(
+            "/v1/completions",
+            {"model": server.model, "prompt": "flush", "max_tokens": 2},
+        )
+        deadline = time.monotonic() + 60
+        count, quiet_since = len(self.messages), time.monotonic()
+        while time.monotonic() - quiet_since < quiet_s:
+            assert time.monotonic() < deadline, "KV events kept coming"
+            time.sleep(0.1)
+            if len(self.messages) != count:
+                count, quiet_since = len(self.messages), time.monotonic()
+        return count
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        assert not self._thread.is_alive(), "subscriber thread did not stop"
+        assert not self.errors, f"subscriber failed: {self.errors!r}"
+
+
+class TieringServer(Server):
+    """``vllm serve`` with the tiering spec (``tiering_config``: a CPU tier of
+    8 blocks, smaller than the three documents, and an fs tier of 64 files
+    under ``root``) and the guide's KV events (``events``), with a client."""
+
+    def __init__(self, tmp: Path):
+        model = ensure_tiny_model()
+        self.root = str(tmp / "tier")
+        self.start_s: float | None = None  # set once ready
+        self.block_bytes = cpu_block_bytes(model)
+        events_port = driver.free_port()
+        events_config = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{events_port}",
+            "topic": EVENTS_TOPIC,
+        }
+        self.events = EventLog(events_port)
+        config = tiering_config(self.root, HEADER_BYTES + self.block_bytes)
+        flags = ["--kv-events-config", json.dumps(events_config)]
+        super().__init__(model, tmp / "server.log", config, flags=flags)
+        self.client = OpenAI(
+            base_url=self.base + "/v1",
+            api_key="unused",
+            timeout=REQUEST_TIMEOUT_S,
+            max_retries=0,
+        )
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def serve_shared(tmp: Path) -> Iterator[TieringServer]:
+    """The ``tiering_server`` fixture: one ``TieringServer`` for the session;
+    afterwards SIGINT must stop it and every engine process it started."""
+    server = TieringServer(tmp)
+    try:
+        server.start_s = server.wait_ready()
+        yield server
+    finally:
+        stop = server.stop()
+        server.events.close()
+        print(f"\n[tiering_server] start {server.start_s} s, stop {stop}")
+    assert stop["returncode"] is not None, "server did not exit after SIGINT"
+    assert stop["orphans"] == [], "engine processes outlived the server"

@@ -1,153 +1,85 @@
 """KV-cache events of the CPU pool, received by a real ZeroMQ subscriber.
 
-An offline ``LLM`` runs in its own process with the guide's ``KVEventsConfig``
-(``publisher="zmq"``, ``endpoint="tcp://*:<port>"``, ``topic="kv_events"``)
-and the guide's offloading config with a 6-block CPU pool; the test process
-subscribes on ``tcp://127.0.0.1:<port>`` with the decoding code of
-``examples/kv_events_subscriber.py``. Three prompts of 4 full 128-token blocks
-each are sent one at a time, so the pool stores 12 blocks and must evict 6.
-Then ``reset_prefix_cache(reset_connector=True)`` (the server's
-``POST /reset_prefix_cache?reset_external=true``) empties the pool: a CPU
-``BlockRemoved`` must announce exactly the blocks it held.
+The session's ``tiering_server`` (tests/e2e/serving.py: ``vllm serve`` with
+the guide's ``KVEventsConfig``, ``publisher="zmq"``,
+``endpoint="tcp://*:<port>"``, ``topic="kv_events"``, and the tiering spec,
+whose CPU tier is an 8-block pool) publishes; the test process subscribes on
+``tcp://127.0.0.1:<port>`` with the decoding code of
+``examples/kv_events_subscriber.py``. After ``POST
+/reset_prefix_cache?reset_external=true`` has emptied the pool, three prompts
+of 4 full 128-token blocks each, documents no other test sends, are sent one
+at a time, so the pool stores 12 blocks and must evict 4. Then the same reset
+empties the pool again: a CPU ``BlockRemoved`` must announce exactly the
+blocks it held.
 
 The events are published by the scheduler, in the engine-core process.
-
-    python -m tests.e2e.test_kv_events PORT   # the engine side, run by the test
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import threading
-import time
 from collections import Counter
 
 import pytest
 
-from tests.e2e.conftest import (
-    ENGINE,
-    GUIDE_OFFLOAD,
-    PROMPTS_BY_DOC,
-    REPO,
-    load_subscriber,
-    zmq_events_config,
+from tests.e2e.conftest import DOC_WORDS, load_subscriber
+from tests.e2e.serving import (
+    EVENTS_TOPIC,
+    complete,
+    quiesce,
+    reset_device_cache,
 )
-from vllm_ascend.kv_offload.testing.server import free_port
+from vllm_ascend.kv_offload.testing.tiny_model import make_prompt
 
 pytestmark = pytest.mark.e2e
 
-TOPIC = "kv_events"
-NUM_CPU_BLOCKS = 6
+TOPIC = EVENTS_TOPIC
+NUM_CPU_BLOCKS = 8  # the shared server's CPU tier (serving.tiering_config)
 BLOCKS_PER_PROMPT = 4  # 512-token document + 40-token question, 128-token blocks
-PROMPTS = [questions[0] for questions in PROMPTS_BY_DOC]
-ENGINE_TIMEOUT_S = 600
-# The device KV cache, given: vLLM's CPU backend would otherwise reserve 92 %
-# of the host's memory and refuse to start on a machine that has less free.
-KV_CACHE_BYTES = 2**30
-
-
-def run_engine(port: int) -> None:
-    """The engine side: the guide's events and offloading configs, 3 prompts."""
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
-
-    from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model
-
-    kv_events_config = zmq_events_config(port, TOPIC)
-    kv_transfer_config = KVTransferConfig(
-        kv_connector="OffloadingConnector",
-        kv_role="kv_both",
-        kv_connector_extra_config=dict(GUIDE_OFFLOAD, num_cpu_blocks=NUM_CPU_BLOCKS),
-    )
-    llm = LLM(
-        model=ensure_tiny_model(),
-        kv_transfer_config=kv_transfer_config,
-        kv_events_config=kv_events_config,
-        disable_log_stats=False,  # get_metrics(): the pool's gauge
-        kv_cache_memory_bytes=KV_CACHE_BYTES,
-        **ENGINE,
-    )
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    for prompt in PROMPTS:
-        llm.generate([prompt], params, use_tqdm=False)
-        # Stores complete asynchronously and their events are published on a
-        # later engine step: a short request provides those steps, so each
-        # prompt's blocks are in the pool before the next prompt evicts.
-        llm.generate(["flush"], SamplingParams(max_tokens=4), use_tqdm=False)
-    in_use = [
-        m.value
-        for m in llm.get_metrics()
-        if m.name == "vllm:kv_offload_cpu_pool_blocks_in_use"
-    ]
-    # What the test reads: when the reset began and the pool's gauge then.
-    print(json.dumps({"reset_at": time.time(), "blocks_in_use": in_use}), flush=True)
-    assert llm.reset_prefix_cache(reset_connector=True)
-    llm.generate(["flush"], SamplingParams(max_tokens=4), use_tqdm=False)
-    # The publisher sends from a background thread; give it time to drain.
-    time.sleep(3)
+# Documents of their own: blocks no other test stored in the fs tier, so
+# each one reaches the CPU pool by a store, never by a promotion.
+PROMPTS = [
+    f"{make_prompt(DOC_WORDS, seed=300 + d)} {make_prompt(40, seed=3000 + d)}"
+    for d in range(3)
+]
 
 
 @pytest.fixture(scope="module")
-def engine_run() -> dict:
-    """Every message the subscriber received while the engine ran, and
-    what the engine printed before its reset."""
-    subscriber = load_subscriber()
-    port = free_port()
-    received: list = []
-    errors: list[BaseException] = []
-    stop = threading.Event()
-
-    def collect() -> None:
-        try:
-            endpoint = f"tcp://127.0.0.1:{port}"
-            received.extend(subscriber.subscribe(endpoint, TOPIC, stop=stop))
-        except BaseException as exc:  # reported by the fixture
-            errors.append(exc)
-
-    # Subscribe first: ZeroMQ connects once the engine binds the port.
-    thread = threading.Thread(target=collect, name="kv-events-sub", daemon=True)
-    thread.start()
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    # As the serving doc runs the engine side: nothing sizes it but itself.
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "tests.e2e.test_kv_events", str(port)],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=ENGINE_TIMEOUT_S,
-        )
-    finally:
-        time.sleep(1)
-        stop.set()
-        thread.join(timeout=30)
-    if proc.returncode != 0:
-        raise AssertionError(
-            f"engine process failed (exit {proc.returncode}):\n"
-            f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-        )
-    assert not thread.is_alive(), "subscriber thread did not stop"
-    assert not errors, f"subscriber failed: {errors!r}"
-    lines = [line for line in proc.stdout.splitlines() if '"reset_at"' in line]
-    return {"messages": received, **json.loads(lines[-1])}
+def engine_run(tiering_server) -> dict:
+    """The messages the subscriber received from the emptied pool on, where
+    the second reset began among them, and the pool's gauge then."""
+    server, events = tiering_server, tiering_server.events
+    client, model = server.client, server.model
+    # Nothing in flight (earlier tests' cascades), then the pool emptied.
+    quiesce(server, client, model)
+    reset_device_cache(server, external=True)
+    first = events.settled(server)
+    for prompt in PROMPTS:
+        complete(client, model, prompt)
+        # Stores complete asynchronously and their events are published on a
+        # later engine step: short requests provide those steps, so each
+        # prompt's blocks are in the pool before the next prompt evicts.
+        quiesce(server, client, model)
+    metrics = server.metrics()
+    reset_at = events.settled(server)
+    reset_device_cache(server, external=True)
+    last = events.settled(server)
+    return {
+        "messages": events.messages[first:last],
+        "reset_at": reset_at - first,
+        "blocks_in_use": [metrics["vllm:kv_offload_cpu_pool_blocks_in_use"]],
+    }
 
 
 @pytest.fixture(scope="module")
 def messages(engine_run) -> list:
-    """The messages published before the reset."""
-    return [m for m in engine_run["messages"] if m.batch.ts < engine_run["reset_at"]]
+    """The messages published before the second reset."""
+    return engine_run["messages"][: engine_run["reset_at"]]
 
 
 @pytest.fixture(scope="module")
 def reset_messages(engine_run) -> list:
-    """The messages published from the reset on."""
-    return [m for m in engine_run["messages"] if m.batch.ts >= engine_run["reset_at"]]
+    """The messages published from the second reset on."""
+    return engine_run["messages"][engine_run["reset_at"] :]
 
 
 def events_of(messages: list, kind: str, medium: str) -> list[tuple[int, list]]:
@@ -187,7 +119,7 @@ def test_cpu_pool_evicts_only_blocks_it_stored(messages):
             stored_at.setdefault(h, seq)
     removed = events_of(messages, "BlockRemoved", "CPU")
     removed_hashes = [h for _, block_hashes in removed for h in block_hashes]
-    # 12 blocks through a 6-block pool: 6 evictions, each of a stored block,
+    # 12 blocks through an 8-block pool: 4 evictions, each of a stored block,
     # each once, and never before it was stored.
     total = BLOCKS_PER_PROMPT * len(PROMPTS)
     assert len(removed_hashes) == total - NUM_CPU_BLOCKS
@@ -243,7 +175,3 @@ def test_subscriber_example_formats_cpu_events(messages):
     assert any(line.startswith("BlockRemoved medium=CPU") for line in cpu_lines)
     # Device events are filtered out unless asked for.
     assert len(cpu_lines) < len(lines)
-
-
-if __name__ == "__main__":
-    run_engine(int(sys.argv[1]))

@@ -11,7 +11,11 @@ same engine, offloading off), ``/metrics`` must count exactly the blocks
 moved, and SIGINT must stop the server and all its processes.
 
 One server serves the whole module: the ``served`` fixture runs the scenario
-once and records what each test checks.
+once and records what each test checks. It is not the session's shared
+``tiering_server``: what is under test here is the example script, which
+serves the guide's ``NPUOffloadingSpec`` with 1000 CPU blocks, where the
+shared server needs the tiering spec with a CPU tier smaller than the
+working set (test_tiering_online.py, test_kv_events.py's evictions).
 """
 
 from __future__ import annotations
@@ -20,7 +24,6 @@ import os
 import re
 import signal
 import sys
-import time
 
 import pytest
 from openai import OpenAI
@@ -38,6 +41,7 @@ from tests.e2e.serving import (
     Server,
     complete,
     cpu_block_bytes,
+    reset_device_cache,
     wait_for_metric,
 )
 from tests.vllm_version import VLLM_VERSION
@@ -83,11 +87,7 @@ def served(tmp_path_factory) -> dict:
 
         # 3. Empty the device prefix cache (the CPU pool stays), then the
         # first question of each document: all three prefixes from the CPU.
-        deadline = time.monotonic() + 60
-        while not server.post("/reset_prefix_cache")["success"]:
-            # Refused while transfers are in flight; they finish shortly.
-            assert time.monotonic() < deadline, "reset_prefix_cache kept failing"
-            time.sleep(0.5)
+        reset_device_cache(server)
         record["after_reset"] = [complete(client, model, q[0]) for q in PROMPTS_BY_DOC]
         record["after_all"] = wait_for_metric(
             server,

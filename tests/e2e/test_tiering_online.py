@@ -9,8 +9,12 @@ off does (the ``reference`` fixture, greedy), ``/metrics`` must be
 consistent (counters only grow, no negative value, no transfer left
 active, bytes in whole blocks), and the server must not have leaked: its
 processes' threads and file descriptors back within a generous bound of
-before the burst, no temp file left in the tier directory. Loopback only;
-one server for the module.
+before the burst, no temp file left in the tier directory. Loopback only.
+
+The server is the session's ``tiering_server`` (tests/e2e/serving.py,
+shared with test_kv_events.py): this module empties its CPU tier first,
+reads counters as deltas from then on, and the fixture's teardown checks
+that SIGINT stops it and every engine process it started.
 """
 
 from __future__ import annotations
@@ -19,29 +23,22 @@ import contextlib
 import json
 import os
 import random
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from openai import OpenAI
 
-from tests.e2e.conftest import (
-    ALL_PROMPTS,
-    PROMPTS_BY_DOC,
-    tiering,
-)
+from tests.e2e.conftest import ALL_PROMPTS, PROMPTS_BY_DOC
 from tests.e2e.serving import (
+    ACTIVE_GAUGES,
     REQUEST_TIMEOUT_S,
     Server,
     complete,
-    cpu_block_bytes,
+    quiesce,
     reset_device_cache,
 )
-from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model
-from vllm_ascend.kv_offload.tiering.block_file import HEADER_BYTES
 
 pytestmark = pytest.mark.e2e
 
@@ -63,23 +60,6 @@ EARLY_BUCKET = ("50.0", "100.0")
 # Generous: a thread or an fd per in-flight request would exceed it.
 FD_SLACK = 16
 THREAD_SLACK = 8
-ACTIVE_GAUGES = (
-    "vllm:kv_offload_tiering_active_promotion_jobs",
-    "vllm:kv_offload_tiering_active_cascade_jobs",
-)
-
-
-def tiering_config(root: str, file_bytes: int) -> dict:
-    # 8 CPU blocks: two documents of the three; the third comes from the fs
-    # tier, bounded to 64 files.
-    extra = tiering(root, num_cpu_blocks=8)
-    extra["secondary_tiers"][0]["max_bytes"] = 64 * file_bytes
-    return {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": extra,
-    }
 
 
 def completion_calls(server: Server) -> float:
@@ -147,28 +127,6 @@ def stream(
     return out
 
 
-def quiesce(
-    server: Server, client: OpenAI, model: str, flushes: list | None = None
-) -> dict:
-    """Short requests (counted in ``flushes``) step the engine until no tier
-    job is active and the tier's written bytes stopped changing; returns
-    /metrics then."""
-    deadline = time.monotonic() + 120
-    last, steady = None, 0
-    while True:
-        client.completions.create(model=model, prompt="flush", max_tokens=2)
-        if flushes is not None:
-            flushes.append(1)
-        time.sleep(0.5)
-        metrics = server.metrics()
-        idle = all(metrics.get(g, 0.0) == 0 for g in ACTIVE_GAUGES)
-        written = metrics.get("vllm:kv_offload_tiering_write_bytes_total", 0.0)
-        steady = steady + 1 if idle and written == last else 0
-        last = written
-        if steady >= 3 or time.monotonic() > deadline:
-            return metrics
-
-
 def burst(server: Server, model: str) -> list[dict]:
     """The burst's streams, the early ones dropped while the engine is
     paused: each early request's call has ended in the API server (which
@@ -208,61 +166,45 @@ def temp_files(root: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory) -> dict:
-    model = ensure_tiny_model()
-    tmp = tmp_path_factory.mktemp("serve_tiering")
-    root = str(tmp / "tier")
-    block = cpu_block_bytes(model)
-    server = Server(
-        model, tmp / "server.log", tiering_config(root, HEADER_BYTES + block)
-    )
-    record: dict = {"block_bytes": block, "root": root}
-    try:
-        record["start_s"] = server.wait_ready()
-        client = OpenAI(
-            base_url=server.base + "/v1",
-            api_key="unused",
-            timeout=REQUEST_TIMEOUT_S,
-            max_retries=0,
-        )
-        # Warm: every document stored to the CPU tier and cascaded to fs.
-        record["warm"] = [complete(client, model, p) for p in ALL_PROMPTS]
-        record["before"] = quiesce(server, client, model)
-        record["usage_before"] = server.usage()
-        record["finished_before"] = server.finished()
+def served(tiering_server) -> dict:
+    server, client, model = tiering_server, tiering_server.client, tiering_server.model
+    root = server.root
+    record: dict = {"block_bytes": server.block_bytes, "root": root}
+    # The CPU tier emptied (what earlier tests left there), nothing in flight.
+    quiesce(server, client, model)
+    reset_device_cache(server, external=True)
+    record["start"] = server.metrics()
 
-        # The burst: every prefix loaded again (the device cache emptied),
-        # from the CPU or the fs tier, while clients drop out.
-        record["early_ran_before"] = generated_in(server, *EARLY_BUCKET)
-        reset_device_cache(server)
-        start = time.monotonic()
-        record["burst"] = burst(server, model)
-        record["burst_s"] = time.monotonic() - start
-        record["flushes"] = []
-        record["after_burst"] = quiesce(server, client, model, record["flushes"])
-        record["finished_after_burst"] = server.finished()
-        record["early_ran_after"] = generated_in(server, *EARLY_BUCKET)
+    # Warm: every document stored to the CPU tier and cascaded to fs.
+    record["warm"] = [complete(client, model, p) for p in ALL_PROMPTS]
+    record["before"] = quiesce(server, client, model)
+    record["usage_before"] = server.usage()
+    record["finished_before"] = server.finished()
 
-        # Afterwards: the fixed prompts, prefixes again from the tiers.
-        reset_device_cache(server)
-        record["after"] = [complete(client, model, p) for p in ALL_PROMPTS]
-        record["first_questions"] = [
-            complete(client, model, q[0]) for q in PROMPTS_BY_DOC
-        ]
-        record["end"] = quiesce(server, client, model)
-        record["usage_after"] = server.usage()
-        record["temp_files"] = temp_files(root)
-    except BaseException:
-        record["stop"] = server.stop()
-        print(server.log_tail(), file=sys.stderr)
-        raise
-    record["stop"] = server.stop()
-    record["log_text"] = server.log_path.read_text(errors="replace")
+    # The burst: every prefix loaded again (the device cache emptied),
+    # from the CPU or the fs tier, while clients drop out.
+    record["early_ran_before"] = generated_in(server, *EARLY_BUCKET)
+    reset_device_cache(server)
+    start = time.monotonic()
+    record["burst"] = burst(server, model)
+    record["burst_s"] = time.monotonic() - start
+    record["flushes"] = []
+    record["after_burst"] = quiesce(server, client, model, record["flushes"])
+    record["finished_after_burst"] = server.finished()
+    record["early_ran_after"] = generated_in(server, *EARLY_BUCKET)
+
+    # Afterwards: the fixed prompts, prefixes again from the tiers.
+    reset_device_cache(server)
+    record["after"] = [complete(client, model, p) for p in ALL_PROMPTS]
+    record["first_questions"] = [complete(client, model, q[0]) for q in PROMPTS_BY_DOC]
+    record["end"] = quiesce(server, client, model)
+    record["usage_after"] = server.usage()
+    record["temp_files"] = temp_files(root)
+    record["log_text"] = server.log_text()
     print(
-        f"\n[test_tiering_online] start {record['start_s']:.1f} s, burst "
-        f"{record['burst_s']:.1f} s, finished {record['finished_before']} -> "
-        f"{record['finished_after_burst']}, usage {record['usage_before']} -> "
-        f"{record['usage_after']}, stop {record['stop']}"
+        f"\n[test_tiering_online] burst {record['burst_s']:.1f} s, finished "
+        f"{record['finished_before']} -> {record['finished_after_burst']}, usage "
+        f"{record['usage_before']} -> {record['usage_after']}"
     )
     return record
 
@@ -352,7 +294,10 @@ def test_metrics_tell_a_router_the_cpu_tier_size_and_occupancy(served):
             == 8 * served["block_bytes"]
         )
         assert snapshot["vllm:kv_offload_cpu_pool_blocks_in_use"] == 8
-    assert served["before"]["vllm:kv_offload_cpu_pool_evictions_total"] >= 4
+    assert (
+        delta(served, "vllm:kv_offload_cpu_pool_evictions_total", "start", "before")
+        >= 4
+    )
     assert (
         delta(served, "vllm:kv_offload_cpu_pool_evictions_total", "before", "end") > 0
     )
@@ -363,9 +308,3 @@ def test_nothing_leaked(served):
     assert after["threads"] <= before["threads"] + THREAD_SLACK, (before, after)
     assert after["fds"] <= before["fds"] + FD_SLACK, (before, after)
     assert served["temp_files"] == []
-
-
-def test_the_server_stops_cleanly(served):
-    stop = served["stop"]
-    assert stop["returncode"] is not None, "server did not exit after SIGINT"
-    assert stop["orphans"] == [], "engine processes outlived the server"
