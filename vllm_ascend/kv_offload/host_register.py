@@ -5,7 +5,6 @@ simulated only, never run on an NPU), with CUDA through vLLM's own
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 
@@ -14,6 +13,7 @@ from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm_ascend.kv_offload.acl_host import (
     AclRegistrar,
     kernel_registers_pageable_memory,
+    kernel_release as running_kernel,
 )
 from vllm_ascend.kv_offload.config import TIERING_SPEC, OffloadConfigError
 from vllm_ascend.kv_offload.host_pieces import (
@@ -28,10 +28,6 @@ from vllm_ascend.kv_offload.logger import init_logger
 from vllm_ascend.kv_offload.region import RegionBlockPool
 
 logger = init_logger(__name__)
-
-
-def _kernel_release() -> str:
-    return os.uname().release
 
 
 class AclRegionRegistration:
@@ -69,7 +65,7 @@ class AclRegionRegistration:
         where = (
             f"the shared region {region.mmap_path} ({self.nbytes} bytes at {base:#x})"
         )
-        release = kernel_release or _kernel_release()
+        release = kernel_release or running_kernel()
         if not kernel_registers_pageable_memory(release):
             raise OffloadConfigError(
                 f"{TIERING_SPEC} on npu needs {where} registered with ACL as "
