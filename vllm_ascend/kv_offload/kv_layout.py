@@ -47,16 +47,6 @@ class KVLayoutError(ValueError):
     """A KV cache layout that offloading cannot copy block by block."""
 
 
-def _is_dense(shape: Sequence[int], strides: Sequence[int]) -> bool:
-    """Row-major contiguous, ignoring the (arbitrary) strides of size-1 dims."""
-    expected = 1
-    for size, stride in zip(reversed(shape), reversed(strides), strict=True):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
-
-
 def block_view(part: torch.Tensor, num_blocks: int, name: str) -> torch.Tensor:
     """Zero-copy int8 ``[num_blocks, page_bytes]`` view of one cache part.
 
@@ -71,7 +61,8 @@ def block_view(part: torch.Tensor, num_blocks: int, name: str) -> torch.Tensor:
             f"{num_blocks} blocks"
         )
     blocks = part.unflatten(0, (num_blocks, -1))  # a view, never a copy
-    if not _is_dense(blocks.shape[1:], blocks.stride()[1:]):
+    # torch ignores the (arbitrary) strides of size-1 dims here.
+    if not blocks[0].is_contiguous():
         raise KVLayoutError(
             f"KV cache part {name} with shape {tuple(part.shape)} and strides "
             f"{tuple(part.stride())} is not contiguous within a block; "
