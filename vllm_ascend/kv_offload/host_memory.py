@@ -82,22 +82,6 @@ class HostMemory:
     pieces: int = 1
     piece_bytes: tuple[int, ...] = ()
 
-    @property
-    def tensor(self) -> torch.Tensor | None:
-        """The memory as one tensor (one unit only); None once released."""
-        if not self.units:
-            return None
-        if len(self.units) > 1:
-            raise ValueError(
-                f"KV offload: host memory in {len(self.units)} units is not "
-                "one tensor; address it by unit (CpuBlockPool.row_addresses)"
-            )
-        return self.units[0]
-
-    @property
-    def base(self) -> int:
-        return self.units[0].data_ptr() if self.units else 0
-
     def release(self) -> None:
         """Gives the memory back (once); no copy may use it afterwards.
         Logs instead of raising: it runs at shutdown."""
