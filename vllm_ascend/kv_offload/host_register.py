@@ -34,17 +34,11 @@ class AclRegionRegistration:
     """The shared region registered with ACL as page-locked host memory, so
     that the npu copy backend accepts it (it refuses pageable memory).
 
-    Registers the whole mapping of this process (every rank's slots, as
-    vLLM's CUDA worker does) in pieces of whole rows of at most
-    ``piece_bytes`` (``host_pieces``: the pool's rule, a refused piece
-    retried at half its size; vLLM lays the rows out back to back, so no
-    gaps) through the native op ``kv_offload_host_register``
-    (``aclrtHostRegisterV2`` with MAPPED | PINNED, or MAPPED alone where
-    PINNED is refused, then a check that ACL reports it as page-locked host
-    memory); ``release`` unregisters every piece, which must happen after
-    the copies have stopped and before the region is unmapped. Compiled
-    against the torch-npu headers and tested against a simulated ACL
-    runtime only.
+    The whole mapping of this process (every rank's slots, as vLLM's CUDA
+    worker does), in pieces of whole rows (``host_pieces``' rule; vLLM lays
+    the rows out back to back, so no gaps), flags as ``AclRegistrar`` picks
+    them. ``release`` must run after the copies have stopped and before the
+    region is unmapped.
     """
 
     def __init__(
