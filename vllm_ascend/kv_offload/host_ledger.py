@@ -120,10 +120,6 @@ class Reservation:
         """The pool is gone; idempotent."""
         self._release()
 
-    @property
-    def released(self) -> bool:
-        return not self._release.alive
-
     def _write(self) -> None:
         data = json.dumps(self.entry).encode()
         os.ftruncate(self._fd, 0)
