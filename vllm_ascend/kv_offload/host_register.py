@@ -10,11 +10,7 @@ from collections.abc import Callable
 
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
-from vllm_ascend.kv_offload.acl_host import (
-    AclRegistrar,
-    kernel_registers_pageable_memory,
-    kernel_release as running_kernel,
-)
+from vllm_ascend.kv_offload import acl_host
 from vllm_ascend.kv_offload.config import TIERING_SPEC, OffloadConfigError
 from vllm_ascend.kv_offload.host_pieces import (
     DEFAULT_PIECE_BYTES,
@@ -59,8 +55,8 @@ class AclRegionRegistration:
         where = (
             f"the shared region {region.mmap_path} ({self.nbytes} bytes at {base:#x})"
         )
-        release = kernel_release or running_kernel()
-        if not kernel_registers_pageable_memory(release):
+        release = kernel_release or acl_host.kernel_release()
+        if not acl_host.kernel_registers_pageable_memory(release):
             raise OffloadConfigError(
                 f"{TIERING_SPEC} on npu needs {where} registered with ACL as "
                 "page-locked memory, which CANN supports for pageable memory "
@@ -75,7 +71,7 @@ class AclRegionRegistration:
             SVM_ALIGNMENT,
             gaps=False,
         )
-        registrar = AclRegistrar(lambda a, n, f: register(a, n, "npu", f))
+        registrar = acl_host.AclRegistrar(lambda a, n, f: register(a, n, "npu", f))
         t0 = time.perf_counter()
         try:
             pieces, failures = take_pieces(
