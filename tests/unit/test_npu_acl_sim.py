@@ -957,10 +957,12 @@ def test_sim_npu_pool_memory_is_acl_malloc_host_of_the_exact_size(sim) -> None:
         nbytes,
         1,
     )
-    assert memory.tensor.numel() == nbytes
-    base = memory.base
+    (unit,) = memory.units
+    assert unit.numel() == nbytes
+    base = unit.data_ptr()
     assert sim.location_of(base) == sim.location_of(base + nbytes - 1) == LOC_HOST
-    memory.tensor.fill_(3)  # it is ordinary host memory to the CPU
+    unit.fill_(3)  # it is ordinary host memory to the CPU
+    del unit
     assert sim.calls(MALLOC_HOST) == 1 and sim.calls(HOST_REGISTER) == 0
     memory.release()
     assert sim.calls(FREE_HOST) == 1  # freed at release, not at exit
@@ -974,7 +976,7 @@ def test_sim_npu_pool_memory_falls_back_to_a_registered_mmap(sim) -> None:
     memory = npu_memory(sim, 2, 4096)
     assert (memory.kind, memory.pinned) == (acl_host.ACL_REGISTERED, True)
     assert sim.lib.simacl_last_register_flag() == MAPPED_PINNED
-    base = memory.base
+    base = memory.units[0].data_ptr()
     assert base % SVM == 0  # Ascend SVM's alignment
     assert sim.location_of(base) == LOC_HOST
     memory.release()
@@ -1085,7 +1087,7 @@ def test_sim_on_a5_the_pool_is_registered_mapped_in_smaller_aligned_pieces(
 
 def test_sim_acl_malloc_host_is_freed_only_after_its_last_view(sim) -> None:
     memory = npu_memory(sim, 1, 4096)
-    view = memory.tensor[:10]
+    view = memory.units[0][:10]
     memory.release()
     assert sim.calls(FREE_HOST) == 0  # a view still reads it
     del view

@@ -18,10 +18,10 @@ from vllm.v1.kv_offload.config import (
 from tests.unit.conftest import TIERING, new_engine_id, payload
 from tests.unit.kv_helpers import make_config
 from tests.vllm_version import VLLM_VERSION
+from vllm_ascend.kv_offload.acl_host import kernel_registers_pageable_memory
 from vllm_ascend.kv_offload.config import OffloadConfigError, check_keys
 from vllm_ascend.kv_offload.host_register import (
     AclRegionRegistration,
-    kernel_registers_pageable_memory,
     register_with_cuda,
 )
 from vllm_ascend.kv_offload.npu import NPUOffloadingSpec

@@ -9,7 +9,7 @@ its slot; a shared region's row holds every rank's slot.
 
 Pool (``CpuBlockPool``): a layout over memory: ``private_pool`` (exact-size
 memory of our own, ``host_memory.py``) or a shared region's
-(``tiering/region.py``, memory another component owns). Whether the host
+(``region.py``, memory another component owns). Whether the host
 can hold a private pool is checked before it is allocated (``host_guard``,
 ``host_ledger``).
 """

@@ -133,8 +133,6 @@ def apply(
 # VLLM_CPU_NUM_OF_RESERVED_CPU=1 on two cores), or, where it left none, to all
 # the process's cores so the kernel can run a copy wherever compute is not.
 
-OMP_BINDING_ENVS = ("GOMP_CPU_AFFINITY", "OMP_PLACES", "KMP_AFFINITY")
-
 
 def omp_cores_from_env(environ: MutableMapping[str, str]) -> set[int] | None:
     """The cores of vLLM's OpenMP binding, from the variables vLLM sets for

@@ -17,6 +17,7 @@ import platform as py_platform
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import asdict
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ import vllm_ascend.kv_offload as kv_offload
 
 # Modules that import vLLM's platform are imported by the checks that need
 # them: a platform that fails to resolve is then one FAIL line, not a crash.
-from vllm_ascend.kv_offload import copy_bandwidth, ops, plugin, sizing
+from vllm_ascend.kv_offload import copy_bandwidth, host_fit, ops, plugin, sizing
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "FAIL", "skip"
 NOT_FOUND = "not found"
@@ -272,7 +273,7 @@ def check_sizing(report: Report, args: argparse.Namespace) -> list[int]:
         else:  # a config.json with a size out of bounds or missing
             report.add("sizing", FAIL, f"{args.model}: {e}")
         return []
-    report.fields["sizing"] = s.to_dict()
+    report.fields["sizing"] = asdict(s)  # tuples: JSON lists
     report.fields["bytes_per_cpu_block"] = s.bytes_per_cpu_block
     heads = f"{s.kv_heads_per_worker} KV heads/worker x head size {s.head_size}"
     heads = f"MLA latent {s.head_size}" if s.attention == "mla" else heads
@@ -284,15 +285,13 @@ def check_sizing(report: Report, args: argparse.Namespace) -> list[int]:
         f"block(s) of {s.device_block_size}) = {s.bytes_per_cpu_block:,} bytes "
         f"({s.bytes_per_cpu_block / 2**20:.2f} MiB){'' if s.exact else ' at least'}",
     ] + [f"note: {n}" for n in s.notes]
-    from vllm_ascend.kv_offload import host_fit
-
     reserve, reserve_note = _reserve(args, vllm_device)
     try:
         fit = host_fit.fit_host_memory(s, reserved_bytes=reserve)
     except sizing.SizingError as e:  # a host-budget setting that is not one
         report.add("sizing", FAIL, str(e), lines)
         return list(s.fragment_bytes)
-    report.fields["host"] = fit.to_dict()
+    report.fields["host"] = asdict(fit)
     lines.append(
         f"host: {fit.available_bytes / 2**30:.2f} GiB available"
         + (f", {reserve_note}" if reserve_note else "")

@@ -5,8 +5,8 @@ time, for the doctor."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from vllm_ascend.kv_offload import host_guard, host_ledger
 from vllm_ascend.kv_offload.config_sizes import SizingError
@@ -27,9 +27,6 @@ class HostFit:
     cpu_bytes_to_use: int  # max_num_cpu_blocks in cpu_bytes_to_use's unit
     other_pools_bytes: int = 0  # live pools of other engines on this host
     host_budget_bytes: int | None = None  # host_guard.HOST_BUDGET_ENV
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def fit_host_memory(

@@ -14,7 +14,7 @@ allocates; a worker checking later sees every pool recorded before it.
 * Its worker holds a ``flock`` on the file while the pool lives; releasing
   the pool removes it. A worker that dies (SIGKILL included) leaves an
   unheld file, removed by the next check on the host (``shm_marks``'s
-  sweep, which ``tiering/region.py`` uses for its marks too).
+  sweep, which ``region.py`` uses for its marks too).
 * Check + record run under ``shm_marks.dir_lock`` on the ledger directory;
   the allocation runs after, outside it (faulting in a large pool takes
   minutes), which is why a pool is recorded before it is allocated.
@@ -119,10 +119,6 @@ class Reservation:
     def release(self) -> None:
         """The pool is gone; idempotent."""
         self._release()
-
-    @property
-    def released(self) -> bool:
-        return not self._release.alive
 
     def _write(self) -> None:
         data = json.dumps(self.entry).encode()

@@ -82,22 +82,6 @@ class HostMemory:
     pieces: int = 1
     piece_bytes: tuple[int, ...] = ()
 
-    @property
-    def tensor(self) -> torch.Tensor | None:
-        """The memory as one tensor (one unit only); None once released."""
-        if not self.units:
-            return None
-        if len(self.units) > 1:
-            raise ValueError(
-                f"KV offload: host memory in {len(self.units)} units is not "
-                "one tensor; address it by unit (CpuBlockPool.row_addresses)"
-            )
-        return self.units[0]
-
-    @property
-    def base(self) -> int:
-        return self.units[0].data_ptr() if self.units else 0
-
     def release(self) -> None:
         """Gives the memory back (once); no copy may use it afterwards.
         Logs instead of raising: it runs at shutdown."""
@@ -153,7 +137,7 @@ def allocate_host_memory(
         if device_type == "cuda":
             register, unregister = _cuda_register_fns()
             refused = register_pieces(
-                memory, plan, _raising(register), unregister, "cudaHostRegister"
+                memory, plan, register, unregister, "cudaHostRegister"
             )
             if refused:
                 logger.warning(
@@ -259,37 +243,28 @@ def register_pieces(
     return []
 
 
-def _raising(register: Callable[[int, int], bool]) -> Callable[[int, int], int]:
-    """vLLM's ``host_register`` (False when refused) as ``register_pieces``
-    takes it."""
-
-    def piece(addr: int, size: int) -> int:
-        if not register(addr, size):
-            raise RuntimeError(f"cudaHostRegister of {size} bytes failed")
-        return addr
-
-    return piece
-
-
-def _cuda_register_fns() -> tuple[Callable[[int, int], bool], Callable[[int], None]]:
-    """vLLM's host_register / host_unregister where this vLLM has them."""
+def _cuda_register_fns() -> tuple[Callable[[int, int], int], Callable[[int], None]]:
+    """cudaHostRegister / cudaHostUnregister as ``register_pieces`` takes
+    them: vLLM's host_register (False when refused) where this vLLM has it."""
     try:
-        from vllm.v1.kv_offload.cpu.host_register import (
-            host_register,
-            host_unregister,
-        )
+        from vllm.v1.kv_offload.cpu import host_register as pin
 
-        return host_register, host_unregister
+        registered, unregister = pin.host_register, pin.host_unregister
     except ImportError:  # vLLM < 0.32
         cudart = torch.cuda.cudart()
 
-        def register(addr: int, size: int) -> bool:
+        def registered(addr: int, size: int) -> bool:
             return int(cudart.cudaHostRegister(addr, size, 0)) == 0
 
         def unregister(addr: int) -> None:
             cudart.cudaHostUnregister(addr)
 
-        return register, unregister
+    def register(addr: int, size: int) -> int:
+        if not registered(addr, size):
+            raise RuntimeError(f"cudaHostRegister of {size} bytes failed")
+        return addr
+
+    return register, unregister
 
 
 def _npu_memory(plan: PiecePlan, acl: AclHostApi, kernel: str | None) -> HostMemory:

@@ -5,16 +5,12 @@ simulated only, never run on an NPU), with CUDA through vLLM's own
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
-from vllm_ascend.kv_offload.acl_host import (
-    AclRegistrar,
-    kernel_registers_pageable_memory,
-)
+from vllm_ascend.kv_offload import acl_host
 from vllm_ascend.kv_offload.config import TIERING_SPEC, OffloadConfigError
 from vllm_ascend.kv_offload.host_pieces import (
     DEFAULT_PIECE_BYTES,
@@ -30,25 +26,15 @@ from vllm_ascend.kv_offload.region import RegionBlockPool
 logger = init_logger(__name__)
 
 
-def _kernel_release() -> str:
-    return os.uname().release
-
-
 class AclRegionRegistration:
     """The shared region registered with ACL as page-locked host memory, so
     that the npu copy backend accepts it (it refuses pageable memory).
 
-    Registers the whole mapping of this process (every rank's slots, as
-    vLLM's CUDA worker does) in pieces of whole rows of at most
-    ``piece_bytes`` (``host_pieces``: the pool's rule, a refused piece
-    retried at half its size; vLLM lays the rows out back to back, so no
-    gaps) through the native op ``kv_offload_host_register``
-    (``aclrtHostRegisterV2`` with MAPPED | PINNED, or MAPPED alone where
-    PINNED is refused, then a check that ACL reports it as page-locked host
-    memory); ``release`` unregisters every piece, which must happen after
-    the copies have stopped and before the region is unmapped. Compiled
-    against the torch-npu headers and tested against a simulated ACL
-    runtime only.
+    The whole mapping of this process (every rank's slots, as vLLM's CUDA
+    worker does), in pieces of whole rows (``host_pieces``' rule; vLLM lays
+    the rows out back to back, so no gaps), flags as ``AclRegistrar`` picks
+    them. ``release`` must run after the copies have stopped and before the
+    region is unmapped.
     """
 
     def __init__(
@@ -69,8 +55,8 @@ class AclRegionRegistration:
         where = (
             f"the shared region {region.mmap_path} ({self.nbytes} bytes at {base:#x})"
         )
-        release = kernel_release or _kernel_release()
-        if not kernel_registers_pageable_memory(release):
+        release = kernel_release or acl_host.kernel_release()
+        if not acl_host.kernel_registers_pageable_memory(release):
             raise OffloadConfigError(
                 f"{TIERING_SPEC} on npu needs {where} registered with ACL as "
                 "page-locked memory, which CANN supports for pageable memory "
@@ -85,7 +71,7 @@ class AclRegionRegistration:
             SVM_ALIGNMENT,
             gaps=False,
         )
-        registrar = AclRegistrar(lambda a, n, f: register(a, n, "npu", f))
+        registrar = acl_host.AclRegistrar(lambda a, n, f: register(a, n, "npu", f))
         t0 = time.perf_counter()
         try:
             pieces, failures = take_pieces(

@@ -47,16 +47,6 @@ class KVLayoutError(ValueError):
     """A KV cache layout that offloading cannot copy block by block."""
 
 
-def _is_dense(shape: Sequence[int], strides: Sequence[int]) -> bool:
-    """Row-major contiguous, ignoring the (arbitrary) strides of size-1 dims."""
-    expected = 1
-    for size, stride in zip(reversed(shape), reversed(strides), strict=True):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
-
-
 def block_view(part: torch.Tensor, num_blocks: int, name: str) -> torch.Tensor:
     """Zero-copy int8 ``[num_blocks, page_bytes]`` view of one cache part.
 
@@ -71,7 +61,8 @@ def block_view(part: torch.Tensor, num_blocks: int, name: str) -> torch.Tensor:
             f"{num_blocks} blocks"
         )
     blocks = part.unflatten(0, (num_blocks, -1))  # a view, never a copy
-    if not _is_dense(blocks.shape[1:], blocks.stride()[1:]):
+    # torch ignores the (arbitrary) strides of size-1 dims here.
+    if not blocks[0].is_contiguous():
         raise KVLayoutError(
             f"KV cache part {name} with shape {tuple(part.shape)} and strides "
             f"{tuple(part.stride())} is not contiguous within a block; "
@@ -85,11 +76,16 @@ def block_view(part: torch.Tensor, num_blocks: int, name: str) -> torch.Tensor:
             f"KV cache part {name}: blocks of {page_bytes} bytes overlap "
             f"(stride {block_stride} bytes)"
         )
-    return torch.tensor([], dtype=torch.int8, device=part.device).set_(
-        part.untyped_storage(),
-        part.storage_offset() * elem,
-        (num_blocks, page_bytes),
-        (block_stride, 1),
+    return _pages(part, num_blocks, page_bytes, block_stride)
+
+
+def _pages(of: torch.Tensor, n: int, page: int, stride: int, start=None):
+    """An int8 ``[n, page]`` view of ``of``'s storage, a block every
+    ``stride`` bytes from byte ``start`` (default: where ``of`` starts)."""
+    if start is None:
+        start = of.storage_offset() * of.element_size()
+    return torch.tensor([], dtype=torch.int8, device=of.device).set_(
+        of.untyped_storage(), start, (n, page), (stride, 1)
     )
 
 
@@ -120,9 +116,7 @@ def _tiled_page(parts: list[torch.Tensor], num_blocks: int) -> torch.Tensor | No
     stride = strides.pop() or size
     if stride < size:
         return None
-    return torch.tensor([], dtype=torch.int8, device=parts[0].device).set_(
-        storage, lo, (num_blocks, size), (stride, 1)
-    )
+    return _pages(parts[0], num_blocks, size, stride, start=lo)
 
 
 def _layer_views(
@@ -259,12 +253,7 @@ def _overlay_windows(
             lo = min(_window(v)[0] for v in views)
             hi = max(_window(v)[1] for v in views)
             first = min(views, key=lambda v: v.data_ptr())
-            window = torch.tensor([], dtype=torch.int8, device=first.device).set_(
-                first.untyped_storage(),
-                first.storage_offset() * first.element_size(),
-                (first.shape[0], hi - lo),
-                (first.stride(0), 1),
-            )
+            window = _pages(first, first.shape[0], hi - lo, first.stride(0))
             for m in window_of[i]:
                 where[m] = (len(out), tensors[m].tensor.data_ptr() - lo)
             out.append(CanonicalKVCacheTensor(window, hi - lo))

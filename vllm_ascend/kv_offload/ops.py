@@ -194,11 +194,6 @@ def _first(mask: np.ndarray) -> int:
     return int(np.flatnonzero(mask)[0])
 
 
-def _no_workspace() -> torch.Tensor:
-    # What the native op returns when nothing outlives the call.
-    return torch.empty(0, dtype=torch.uint8)
-
-
 def fallback_swap_blocks_batch(
     src_addrs: torch.Tensor,
     dst_addrs: torch.Tensor,
@@ -209,7 +204,11 @@ def fallback_swap_blocks_batch(
     """Pure-Python swap_blocks_batch for device "cpu" (same contract; the copy
     is synchronous, so the workspace is always empty; ``per_copy`` changes
     nothing there)."""
-    _check_device(device)
+    if device not in _KNOWN_DEVICES:
+        raise RuntimeError(
+            f"swap_blocks_batch: unknown device '{device}'; expected one of "
+            "'cpu', 'npu' (cuda copies with vLLM's own swap_blocks_batch)"
+        )
     if device != "cpu":
         raise RuntimeError(
             f"swap_blocks_batch: device '{device}' requires the native extension "
@@ -222,7 +221,7 @@ def fallback_swap_blocks_batch(
     check_disjoint(m_src, m_dst, m_size, first, device)
     for s, d, k in zip(m_src.tolist(), m_dst.tolist(), m_size.tolist(), strict=True):
         ctypes.memmove(d, s, k)
-    return len(m_size), _no_workspace()
+    return len(m_size), torch.empty(0, dtype=torch.uint8)  # no workspace
 
 
 def check_disjoint(
@@ -238,14 +237,6 @@ def check_disjoint(
             f"fragment {first[j]} (after merging adjacent fragments) overlap "
             f"(src_addrs={src[j]}, dst_addrs={dst[j]}, bytes={size[j]}); "
             "source and destination ranges must be disjoint"
-        )
-
-
-def _check_device(device: str) -> None:
-    if device not in _KNOWN_DEVICES:
-        raise RuntimeError(
-            f"swap_blocks_batch: unknown device '{device}'; expected one of "
-            "'cpu', 'npu' (cuda copies with vLLM's own swap_blocks_batch)"
         )
 
 

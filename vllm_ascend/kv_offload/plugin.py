@@ -81,10 +81,6 @@ def refuse_conflicting_upstream() -> None:
         )
 
 
-def _is_ours(loader: Callable[[], type]) -> bool:
-    return getattr(loader, _FOLLOWS_MARK, False)
-
-
 def _our_loader() -> type:
     module = importlib.import_module(_CONNECTOR_MODULE)
     return getattr(module, _CONNECTOR_CLASS)
@@ -97,7 +93,7 @@ def _claim_connector_name() -> None:
     """Files our class under CONNECTOR_NAME; remembers what it replaces."""
     global _fallback_loader
     previous = vllm_compat.replace_connector_loader(CONNECTOR_NAME, _our_loader)
-    if previous is not None and not _is_ours(previous):
+    if previous is not None and not getattr(previous, _FOLLOWS_MARK, False):
         _fallback_loader = previous
 
 

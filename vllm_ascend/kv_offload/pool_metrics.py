@@ -12,14 +12,11 @@ reported here in the same framework (docs/serving_events_metrics.md).
 
 For an operator, four more: failed stores and failed loads (counters; the
 failures are otherwise only in the log), CPU hits recomputed instead of
-waiting for their copies (``load_wait.py``, ``max_load_wait_ratio``), and
-an info series (a gauge of 1, Prometheus' ``_info`` convention) whose labels
-say what the pool's memory is and which copy path the start-up self-check
-chose. Those two facts live in
-the worker processes: each worker reports them in its own KV connector stats
-(``connector.AscendOffloadingConnector.get_kv_connector_stats``), which vLLM
-merges over workers and with the scheduler's; workers that differ show as
-one series each.
+waiting for their copies (``load_wait.py``), and an info series (a gauge of
+1, Prometheus' ``_info`` convention) saying what the pool's memory is and
+which copy path the self-check chose. Those facts live in the workers: each
+reports them in its own KV connector stats, which vLLM merges over workers
+and with the scheduler's; workers that differ show as one series each.
 """
 
 from __future__ import annotations

@@ -76,17 +76,14 @@ def mark_path(engine_id: str, shm_dir: str = SHM_DIR) -> str:
     return os.path.join(shm_dir, f"{MARK_PREFIX}{engine_id}{MARK_SUFFIX}")
 
 
-def sweep_dead_regions(shm_dir: str = SHM_DIR) -> list[str]:
+def sweep_dead_regions(shm_dir: str = SHM_DIR) -> None:
     """Removes every region of ours whose processes are all gone (its mark
-    unlocked) and the mark; returns the regions removed. Call it under
-    ``dir_lock``."""
-    removed = []
+    unlocked) and the mark. Call it under ``dir_lock``."""
 
     def remove_region(engine_id: str) -> None:
         region = region_path(engine_id, shm_dir)
         if is_users_file(region):
             os.unlink(region)
-            removed.append(region)
             logger.warning(
                 "KV offload: removed %s, a shared region left by a run that "
                 "ended without cleanup (killed while starting)",
@@ -94,7 +91,6 @@ def sweep_dead_regions(shm_dir: str = SHM_DIR) -> list[str]:
             )
 
     sweep_marks(shm_dir, MARK_PREFIX, MARK_SUFFIX, remove_region)
-    return removed
 
 
 class RegionMark:

