@@ -59,18 +59,20 @@ GUIDE_CPU_BLOCKS = 1000  # the guide's num_cpu_blocks, as is
 BLOCK_TOKENS = 128
 
 # Row of the split -> the probe's keys ("Class.method", exclusive time).
-CONN = "AscendOffloadingConnector."
+CONN = ("AscendOffloadingConnector.", "OffloadingConnector.")  # ours, vLLM's
 WORKER = "NPUOffloadingWorker."
 SPLIT = {
     "scheduling": ["Scheduler.schedule", "Scheduler.update_from_output"],
     "connector scheduler calls": [
-        CONN + m
+        c + m
+        for c in CONN
         for m in (
             "get_num_new_matched_tokens",
             "update_state_after_alloc",
             "build_connector_meta",
             "update_connector_output",
             "request_finished",
+            "request_finished_all_groups",
             "take_events",
         )
     ],
@@ -78,7 +80,8 @@ SPLIT = {
     "poll of finished jobs": [WORKER + "get_finished"],
     "waits for loads": [WORKER + "wait", WORKER + "wait_for_progress"],
     "connector worker calls, rest": [
-        CONN + m
+        c + m
+        for c in CONN
         for m in (
             "bind_connector_metadata",
             "handle_preemptions",
@@ -231,7 +234,7 @@ def run_one(args, model: str, variant: str, pythonpath: str, tmp: Path) -> dict:
                     stdout=subprocess.DEVNULL,
                     stderr=open(tmp / f"pyspy-{role}.log", "w"),
                 )  # fmt: skip
-        with LoadSampler() as load, (CpuHog(3600) if args.hog else nullcontext()):
+        with LoadSampler() as load, CpuHog(3600) if args.hog else nullcontext():
             bench = run_bench_serve(srv, model, workload(args), 0, tmp / "bench.log")
         for spy in spies.values():
             spy.send_signal(signal.SIGINT)
@@ -290,6 +293,22 @@ def report(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def connector_shares(rec: dict, top: int = 12) -> str:
+    """Connector methods by CPU per step: our subclass's share and vLLM's."""
+    per = collections.defaultdict(lambda: [0, 0])
+    for key, (_, _, cpu) in rec["detail"].items():
+        for i, prefix in enumerate(CONN):
+            if key.startswith(prefix):
+                per[key[len(prefix) :]][i] += cpu
+    rows = sorted(per.items(), key=lambda kv: -sum(kv[1]))[:top]
+    lines = ["| connector method | ours, µs CPU/step | vLLM's, µs CPU/step |",
+             "|---|---|---|"]  # fmt: skip
+    for name, (ours, vllm) in rows:
+        lines.append(f"| {name} | {ours / 1e3 / rec['steps']:.1f} | "
+                     f"{vllm / 1e3 / rec['steps']:.1f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=1)
@@ -304,8 +323,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--variants", nargs="+", default=["off", "on"],
                    choices=["off", "on"])  # fmt: skip
-    p.add_argument("--before", type=Path, default=None,
-                   help="also 'on' with this worktree's package first on the path")
+    p.add_argument(
+        "--before",
+        type=Path,
+        default=None,
+        help="also 'on' with this worktree's package first on the path",
+    )
     p.add_argument("--hog", action="store_true", help="one busy core beside it")
     p.add_argument("--py-spy", default=None, help="py-spy binary: profile 'on'")
     p.add_argument("--json", type=Path, default=None)
@@ -339,12 +362,17 @@ def main(argv=None) -> None:
         args.json.write_text(json.dumps(result, indent=1))
     print(report(records))
     for r in records:
+        if r["variant"] != "off":
+            print(f"\n{r['variant']} r{r['round']}:\n{connector_shares(r)}")
+    for r in records:
         for role in ROLES:
             spy = r.get(f"py_spy_{role}")
             if not spy:
                 continue
-            print(f"\npy-spy, {r['variant']} r{r['round']}, {role}: "
-                  f"{spy['samples']} samples; self, then offloading's inclusive")
+            print(
+                f"\npy-spy, {r['variant']} r{r['round']}, {role}: "
+                f"{spy['samples']} samples; self, then offloading's inclusive"
+            )
             for frame, n in spy["self"] + spy["inclusive"]:
                 print(f"  {n:6d}  {frame}")
 

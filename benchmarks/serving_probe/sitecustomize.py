@@ -28,37 +28,45 @@ import time
 
 OUT_DIR = os.environ.get("SERVING_PROBE_DIR")
 
-# module -> (class, method names); the method's stats key is "Class.method".
+CONNECTOR_METHODS = (
+    # scheduler side
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+    "request_finished_all_groups",
+    "take_events",
+    # worker side
+    "bind_connector_metadata",
+    "handle_preemptions",
+    "start_load_kv",
+    "wait_for_layer_load",
+    "save_kv_layer",
+    "wait_for_save",
+    "get_finished",
+    "get_transfer_results",
+    "get_block_ids_with_load_errors",
+    "get_kv_connector_stats",
+    "get_kv_connector_kv_cache_events",
+    "build_connector_worker_meta",
+    "clear_connector_metadata",
+)
+# module -> (class, method names); the stats key is "Class.method". A
+# connector method is wrapped where it is defined: vLLM's OffloadingConnector
+# and our subclass separately, so each one's exclusive time is its own share.
 TARGETS: dict[str, tuple[str, tuple[str, ...]]] = {
     "vllm.v1.engine.core": ("EngineCore", ("step", "step_with_batch_queue")),
     "vllm.v1.core.sched.scheduler": ("Scheduler", ("schedule", "update_from_output")),
     # The worker process (vLLM's CPU backend runs it beside the engine core).
     "vllm.v1.worker.gpu_worker": ("Worker", ("execute_model", "sample_tokens")),
+    "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector": (
+        "OffloadingConnector",
+        CONNECTOR_METHODS,
+    ),
     "vllm_ascend.kv_offload.connector": (
         "AscendOffloadingConnector",
-        (
-            # scheduler side
-            "get_num_new_matched_tokens",
-            "update_state_after_alloc",
-            "build_connector_meta",
-            "update_connector_output",
-            "request_finished",
-            "take_events",
-            # worker side
-            "bind_connector_metadata",
-            "handle_preemptions",
-            "start_load_kv",
-            "wait_for_layer_load",
-            "save_kv_layer",
-            "wait_for_save",
-            "get_finished",
-            "get_transfer_results",
-            "get_block_ids_with_load_errors",
-            "get_kv_connector_stats",
-            "get_kv_connector_kv_cache_events",
-            "build_connector_worker_meta",
-            "clear_connector_metadata",
-        ),
+        CONNECTOR_METHODS,
     ),
     "vllm_ascend.kv_offload.worker": (
         "NPUOffloadingWorker",
@@ -124,7 +132,7 @@ def _patch(module) -> None:
     cls_name, methods = TARGETS[module.__name__]
     cls = getattr(module, cls_name)
     for name in methods:
-        fn = getattr(cls, name, None)
+        fn = cls.__dict__.get(name)  # defined here, not inherited
         if fn is None or getattr(fn, "__wrapped_by_probe__", False):
             continue
         setattr(cls, name, _timed(f"{cls_name}.{name}", fn))
