@@ -87,7 +87,7 @@ def _add(key: str, wall: int, cpu: int) -> None:
         s[2] += cpu
 
 
-def _timed(key: str, fn):
+def timed(key: str, fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         stack = getattr(_local, "stack", None)
@@ -135,7 +135,7 @@ def _patch(module) -> None:
         fn = cls.__dict__.get(name)  # defined here, not inherited
         if fn is None or getattr(fn, "__wrapped_by_probe__", False):
             continue
-        setattr(cls, name, _timed(f"{cls_name}.{name}", fn))
+        setattr(cls, name, timed(f"{cls_name}.{name}", fn))
     if module.__name__ == "vllm_ascend.kv_offload.worker":
         _patch_copies(cls)
 
