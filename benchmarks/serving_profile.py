@@ -6,9 +6,9 @@
     python benchmarks/serving_profile.py --py-spy /tmp/pyspy/bin/py-spy
 
 Starts ``vllm serve`` (``testing.server``) with offloading off and on (the
-guide's ``--kv-transfer-config`` as is: ``bench_serving.offload_config``),
+guide's ``--kv-transfer-config`` as is: ``serving_server.offload_config``),
 alternating the order between rounds, and runs vLLM's own client
-(``bench_serving.run_bench_serve``) with ``--dataset-name
+(``serving_workloads.run_bench_serve``) with ``--dataset-name
 prefix_repetition`` against each. The servers load ``serving_probe/``
 (a ``sitecustomize`` on their ``PYTHONPATH`` only), which times the engine
 core's calls from outside the runtime package; this script diffs its
@@ -44,19 +44,17 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.bench_serving import (  # noqa: E402
-    CpuHog,
-    LoadSampler,
+from benchmarks.common import SMALL_MODEL, CpuHog, LoadSampler, loadavg  # noqa: E402
+from benchmarks.serving_server import offload_config  # noqa: E402
+from benchmarks.serving_workloads import (  # noqa: E402
+    BLOCK_TOKENS,
     Workload,
-    offload_config,
     run_bench_serve,
 )
-from benchmarks.common import SMALL_MODEL, loadavg  # noqa: E402
 from vllm_ascend.kv_offload.testing import server  # noqa: E402
 
 PROBE_DIR = Path(__file__).resolve().parent / "serving_probe"
 GUIDE_CPU_BLOCKS = 1000  # the guide's num_cpu_blocks, as is
-BLOCK_TOKENS = 128
 
 # Row of the split -> the probe's keys ("Class.method", exclusive time).
 CONN = ("AscendOffloadingConnector.", "OffloadingConnector.")  # ours, vLLM's
@@ -235,7 +233,9 @@ def run_one(args, model: str, variant: str, pythonpath: str, tmp: Path) -> dict:
                     stderr=open(tmp / f"pyspy-{role}.log", "w"),
                 )  # fmt: skip
         with LoadSampler() as load, CpuHog(3600) if args.hog else nullcontext():
-            bench = run_bench_serve(srv, model, workload(args), 0, tmp / "bench.log")
+            bench = run_bench_serve(
+                srv.base, model, workload(args), 0, tmp / "bench.log"
+            )
         for spy in spies.values():
             spy.send_signal(signal.SIGINT)
             spy.wait(timeout=120)
