@@ -45,6 +45,10 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.common import SMALL_MODEL, CpuHog, LoadSampler, loadavg  # noqa: E402
+from benchmarks.serving_probe.sitecustomize import (  # noqa: E402
+    SCHEDULER_HOOKS,
+    WORKER_HOOKS,
+)
 from benchmarks.serving_server import offload_config  # noqa: E402
 from benchmarks.serving_workloads import (  # noqa: E402
     BLOCK_TOKENS,
@@ -61,41 +65,11 @@ CONN = ("AscendOffloadingConnector.", "OffloadingConnector.")  # ours, vLLM's
 WORKER = "NPUOffloadingWorker."
 SPLIT = {
     "scheduling": ["Scheduler.schedule", "Scheduler.update_from_output"],
-    "connector scheduler calls": [
-        c + m
-        for c in CONN
-        for m in (
-            "get_num_new_matched_tokens",
-            "update_state_after_alloc",
-            "build_connector_meta",
-            "update_connector_output",
-            "request_finished",
-            "request_finished_all_groups",
-            "take_events",
-        )
-    ],
+    "connector scheduler calls": [c + m for c in CONN for m in SCHEDULER_HOOKS],
     "store/load submission": [WORKER + "submit_store", WORKER + "submit_load"],
     "poll of finished jobs": [WORKER + "get_finished"],
     "waits for loads": [WORKER + "wait", WORKER + "wait_for_progress"],
-    "connector worker calls, rest": [
-        c + m
-        for c in CONN
-        for m in (
-            "bind_connector_metadata",
-            "handle_preemptions",
-            "start_load_kv",
-            "wait_for_layer_load",
-            "save_kv_layer",
-            "wait_for_save",
-            "get_finished",
-            "get_transfer_results",
-            "get_block_ids_with_load_errors",
-            "get_kv_connector_stats",
-            "get_kv_connector_kv_cache_events",
-            "build_connector_worker_meta",
-            "clear_connector_metadata",
-        )
-    ],
+    "connector worker calls, rest": [c + m for c in CONN for m in WORKER_HOOKS],
     "model forward": ["Worker.execute_model", "Worker.sample_tokens"],
     "rest of the engine step": ["EngineCore.step", "EngineCore.step_with_batch_queue"],
     "copies (copy threads)": ["copy.store", "copy.load", "copy.job"],

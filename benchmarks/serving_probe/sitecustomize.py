@@ -28,8 +28,7 @@ import time
 
 OUT_DIR = os.environ.get("SERVING_PROBE_DIR")
 
-CONNECTOR_METHODS = (
-    # scheduler side
+SCHEDULER_HOOKS = (
     "get_num_new_matched_tokens",
     "update_state_after_alloc",
     "build_connector_meta",
@@ -37,7 +36,8 @@ CONNECTOR_METHODS = (
     "request_finished",
     "request_finished_all_groups",
     "take_events",
-    # worker side
+)
+WORKER_HOOKS = (  # get_kv_connector_stats: called on both sides
     "bind_connector_metadata",
     "handle_preemptions",
     "start_load_kv",
@@ -52,6 +52,7 @@ CONNECTOR_METHODS = (
     "build_connector_worker_meta",
     "clear_connector_metadata",
 )
+CONNECTOR_METHODS = SCHEDULER_HOOKS + WORKER_HOOKS
 # module -> (class, method names); the stats key is "Class.method". A
 # connector method is wrapped where it is defined: vLLM's OffloadingConnector
 # and our subclass separately, so each one's exclusive time is its own share.
