@@ -256,7 +256,6 @@ def report(records: list[dict]) -> str:
         "engine-core process CPU, s": lambda r: r["engine_cpu_s"],
         "worker process CPU, s (all threads)": lambda r: r["worker_cpu_s"],
         "copy threads CPU, s": lambda r: r["rows"]["copies (copy threads)"]["cpu_s"],
-        "run wall, s": lambda r: r["wall_s"],
         "request throughput, req/s": lambda r: r["bench"]["req_per_s"],
         "p99 TTFT, ms": lambda r: r["bench"]["ttft_p99_ms"],
         "load average (1 min), mean of samples": mean_load,
