@@ -1,0 +1,354 @@
+"""Where a serving step's time goes, offloading off vs on (issue 26).
+
+    python benchmarks/serving_profile.py                 # issue 26's shape
+    python benchmarks/serving_profile.py --num-prompts 24 --prefixes 8
+    python benchmarks/serving_profile.py --before /path/to/old/worktree
+    python benchmarks/serving_profile.py --py-spy /tmp/pyspy/bin/py-spy
+
+Starts ``vllm serve`` (``testing.server``) with offloading off and on (the
+guide's ``--kv-transfer-config`` as is: ``serving_server.offload_config``),
+alternating the order between rounds, and runs vLLM's own client
+(``serving_workloads.run_bench_serve``) with ``--dataset-name
+prefix_repetition`` against each. The servers load ``serving_probe/``
+(a ``sitecustomize`` on their ``PYTHONPATH`` only), which times the engine
+core's calls from outside the runtime package; this script diffs its
+totals around the workload and splits each engine step into scheduling,
+connector scheduler calls, worker-side submission, polls, waits for loads,
+copies (on the copy threads), model forward and the rest of the step, in
+wall time and in CPU time of the calling thread, as sums and per-step
+means, with the load average sampled during the run.
+
+``--before DIR``: a third server per round, offloading on with DIR (another
+worktree, e.g. of an older commit) first on its ``PYTHONPATH``: before/after
+figures of a fix in one run. ``--py-spy BIN``: a sampling profile of the
+"on" server's engine core (``py-spy record --native --idle -r 100``,
+collapsed stacks) and its hottest frames.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.common import SMALL_MODEL, CpuHog, LoadSampler, loadavg  # noqa: E402
+from benchmarks.serving_probe.sitecustomize import (  # noqa: E402
+    SCHEDULER_HOOKS,
+    WORKER_HOOKS,
+)
+from benchmarks.serving_server import offload_config  # noqa: E402
+from benchmarks.serving_workloads import (  # noqa: E402
+    BLOCK_TOKENS,
+    Workload,
+    run_bench_serve,
+)
+from vllm_ascend.kv_offload.testing import server  # noqa: E402
+
+PROBE_DIR = Path(__file__).resolve().parent / "serving_probe"
+GUIDE_CPU_BLOCKS = 1000  # the guide's num_cpu_blocks, as is
+
+# Row of the split -> the probe's keys ("Class.method", exclusive time).
+CONN = ("AscendOffloadingConnector.", "OffloadingConnector.")  # ours, vLLM's
+WORKER = "NPUOffloadingWorker."
+SPLIT = {
+    "scheduling": ["Scheduler.schedule", "Scheduler.update_from_output"],
+    "connector scheduler calls": [c + m for c in CONN for m in SCHEDULER_HOOKS],
+    "store/load submission": [WORKER + "submit_store", WORKER + "submit_load"],
+    "poll of finished jobs": [WORKER + "get_finished"],
+    "waits for loads": [WORKER + "wait", WORKER + "wait_for_progress"],
+    "connector worker calls, rest": [c + m for c in CONN for m in WORKER_HOOKS],
+    "model forward": ["Worker.execute_model", "Worker.sample_tokens"],
+    "rest of the engine step": ["EngineCore.step", "EngineCore.step_with_batch_queue"],
+    "copies (copy threads)": ["copy.store", "copy.load", "copy.job"],
+}
+ON_ENGINE_THREAD = [k for k in SPLIT if not k.startswith("copies")]
+
+
+def serve_flags(args, offload: bool) -> list[str]:
+    flags = ["--dtype", "float32", "--enforce-eager",
+             "--block-size", str(BLOCK_TOKENS),
+             "--max-model-len", str(args.max_model_len),
+             "--num-gpu-blocks-override", str(args.device_blocks),
+             "--max-num-seqs", str(args.concurrency), "--seed", "0"]  # fmt: skip
+    if offload:
+        flags += ["--kv-transfer-config", offload_config(GUIDE_CPU_BLOCKS)]
+    return flags
+
+
+def workload(args) -> Workload:
+    return Workload(
+        "prefix_repetition",
+        "prefix_repetition",
+        args.concurrency,
+        args.num_prompts,
+        ("--dataset-name", "prefix_repetition",
+         "--prefix-repetition-prefix-len", str(args.prefix_len),
+         "--prefix-repetition-suffix-len", str(args.suffix_len),
+         "--prefix-repetition-num-prefixes", str(args.prefixes),
+         "--prefix-repetition-output-len", str(args.output_len)),
+    )  # fmt: skip
+
+
+ROLES = {"engine": "EngineCore.step", "worker": "Worker.execute_model"}
+
+
+def snapshots(probe_dir: Path) -> dict:
+    """The latest probe totals of the engine core and of its worker."""
+    time.sleep(2.5)  # the probe writes every second
+    found = {}
+    for path in probe_dir.glob("probe-*.json"):
+        snap = json.loads(path.read_text())
+        for role, key in ROLES.items():
+            if key in snap["stats"]:
+                found[role] = snap
+    if set(found) != set(ROLES):
+        raise RuntimeError(f"probe files of {set(ROLES) - set(found)} missing")
+    return found
+
+
+def diff(before: dict, after: dict) -> dict:
+    """Totals during the workload, both processes' stats together."""
+    stats: dict = {}
+    out = {"stats": stats}
+    for role in ROLES:
+        b, a = before[role], after[role]
+        for key, vals in a["stats"].items():
+            old = b["stats"].get(key, [0, 0, 0])
+            s = stats.setdefault(key, [0, 0, 0])
+            for i in range(3):
+                s[i] += vals[i] - old[i]
+        out[f"{role}_cpu_s"] = (a["process_cpu_ns"] - b["process_cpu_ns"]) / 1e9
+        out["wall_s"] = (a["time_ns"] - b["time_ns"]) / 1e9
+        out[f"{role}_pid"] = a["pid"]
+    return out
+
+
+def split(d: dict) -> dict:
+    """Rows of SPLIT: calls, wall and thread-CPU seconds, and per step."""
+    stats = d["stats"]
+    steps = stats.get("Scheduler.schedule", [0])[0] or 1
+    rows = {}
+    for row, keys in SPLIT.items():
+        calls = sum(stats.get(k, [0, 0, 0])[0] for k in keys)
+        wall = sum(stats.get(k, [0, 0, 0])[1] for k in keys) / 1e9
+        cpu = sum(stats.get(k, [0, 0, 0])[2] for k in keys) / 1e9
+        rows[row] = {"calls": calls, "wall_s": wall, "cpu_s": cpu,
+                     "wall_ms_step": 1e3 * wall / steps,
+                     "cpu_ms_step": 1e3 * cpu / steps}  # fmt: skip
+    return {
+        "steps": steps,
+        "steps_with_forward": stats.get("steps_with_forward", [0])[0],
+        "rows": rows,
+        "engine_thread_cpu_s": sum(rows[r]["cpu_s"] for r in ON_ENGINE_THREAD),
+        "engine_cpu_s": d["engine_cpu_s"],
+        "worker_cpu_s": d["worker_cpu_s"],
+        "wall_s": d["wall_s"],
+    }
+
+
+def hot_frames(collapsed: Path, top: int = 15) -> dict:
+    """Self and inclusive sample counts per frame of py-spy's raw output
+    (all threads of the process)."""
+    own: collections.Counter = collections.Counter()
+    incl: collections.Counter = collections.Counter()
+    total = 0
+    for line in collapsed.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        n = int(count)
+        total += n
+        frames = stack.split(";")
+        own[frames[-1]] += n
+        for f in set(frames):
+            incl[f] += n
+    return {
+        "samples": total,
+        "self": own.most_common(top),
+        "inclusive": [(f, n) for f, n in incl.most_common(4 * top)
+                      if "kv_offload" in f or "offloading" in f][:top],
+    }  # fmt: skip
+
+
+def run_one(args, model: str, variant: str, pythonpath: str, tmp: Path) -> dict:
+    probe_dir = tmp / "probe"
+    probe_dir.mkdir(parents=True)
+    env = {"SERVING_PROBE_DIR": str(probe_dir),
+           "PYTHONPATH": os.pathsep.join([str(PROBE_DIR), pythonpath]),
+           "VLLM_CPU_KVCACHE_SPACE": "1"}  # fmt: skip
+    cmd = server.serve_command(model, serve_flags(args, variant != "off"))
+    srv = server.Server(cmd, tmp / "server.log", env, REPO)
+    spies = {}
+    try:
+        srv.wait_ready()
+        # One step, so both processes have totals to diff from (and warm-up).
+        srv.post("/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 1})
+        before = snapshots(probe_dir)
+        if args.py_spy and variant == "on":
+            for role in ROLES:
+                spies[role] = subprocess.Popen(
+                    [args.py_spy, "record", "--native", "--idle", "-r", "100",
+                     "--format", "raw", "-o", str(tmp / f"pyspy-{role}.txt"),
+                     "--pid", str(before[role]["pid"])],
+                    stdout=subprocess.DEVNULL,
+                    stderr=open(tmp / f"pyspy-{role}.log", "w"),
+                )  # fmt: skip
+        with LoadSampler() as load, CpuHog(3600) if args.hog else nullcontext():
+            bench = run_bench_serve(
+                srv.base, model, workload(args), 0, tmp / "bench.log"
+            )
+        for spy in spies.values():
+            spy.send_signal(signal.SIGINT)
+            spy.wait(timeout=120)
+        after = snapshots(probe_dir)
+    finally:
+        srv.stop()
+    rec = {"variant": variant, "bench": bench, "loadavg": load.samples}
+    d = diff(before, after)
+    rec.update(split(d))
+    rec["detail"] = d["stats"]
+    for role in spies:
+        if (tmp / f"pyspy-{role}.txt").exists():
+            rec[f"py_spy_{role}"] = hot_frames(tmp / f"pyspy-{role}.txt")
+    return rec
+
+
+def mean_load(rec: dict) -> float:
+    xs = [s[0] for s in rec["loadavg"]]
+    return sum(xs) / max(1, len(xs))
+
+
+def report(records: list[dict]) -> str:
+    by = collections.defaultdict(list)
+    for r in records:
+        by[r["variant"]].append(r)
+    variants = list(by)
+    lines = ["| per step, ms (CPU / wall) | " + " | ".join(variants) + " |",
+             "|---" * (len(variants) + 1) + "|"]  # fmt: skip
+
+    def avg(rs, f):
+        return sum(f(r) for r in rs) / len(rs)
+
+    for row in SPLIT:
+        cells = []
+        for v in variants:
+            cpu = avg(by[v], lambda r, row=row: r["rows"][row]["cpu_ms_step"])
+            wall = avg(by[v], lambda r, row=row: r["rows"][row]["wall_ms_step"])
+            cells.append(f"{cpu:.2f} / {wall:.2f}")
+        lines.append(f"| {row} | " + " | ".join(cells) + " |")
+    extra = {
+        "engine steps": lambda r: r["steps"],
+        "steps with a forward": lambda r: r["steps_with_forward"],
+        "engine + worker main threads CPU, s": lambda r: r["engine_thread_cpu_s"],
+        "engine-core process CPU, s": lambda r: r["engine_cpu_s"],
+        "worker process CPU, s (all threads)": lambda r: r["worker_cpu_s"],
+        "copy threads CPU, s": lambda r: r["rows"]["copies (copy threads)"]["cpu_s"],
+        "request throughput, req/s": lambda r: r["bench"]["req_per_s"],
+        "p99 TTFT, ms": lambda r: r["bench"]["ttft_p99_ms"],
+        "load average (1 min), mean of samples": mean_load,
+    }
+    for name, f in extra.items():
+        cells = [f"{avg(by[v], f):.2f}" for v in variants]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def connector_shares(rec: dict, top: int = 12) -> str:
+    """Connector methods by CPU per step: our subclass's share and vLLM's."""
+    per = collections.defaultdict(lambda: [0, 0])
+    for key, (_, _, cpu) in rec["detail"].items():
+        for i, prefix in enumerate(CONN):
+            if key.startswith(prefix):
+                per[key[len(prefix) :]][i] += cpu
+    rows = sorted(per.items(), key=lambda kv: -sum(kv[1]))[:top]
+    lines = ["| connector method | ours, µs CPU/step | vLLM's, µs CPU/step |",
+             "|---|---|---|"]  # fmt: skip
+    for name, (ours, vllm) in rows:
+        lines.append(f"| {name} | {ours / 1e3 / rec['steps']:.1f} | "
+                     f"{vllm / 1e3 / rec['steps']:.1f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--num-prompts", type=int, default=96)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--prefixes", type=int, default=32)
+    p.add_argument("--prefix-len", type=int, default=1024)
+    p.add_argument("--suffix-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--device-blocks", type=int, default=128)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--variants", nargs="+", default=["off", "on"],
+                   choices=["off", "on"])  # fmt: skip
+    p.add_argument(
+        "--before",
+        type=Path,
+        default=None,
+        help="also 'on' with this worktree's package first on the path",
+    )
+    p.add_argument("--hog", action="store_true", help="one busy core beside it")
+    p.add_argument("--py-spy", default=None, help="py-spy binary: profile 'on'")
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--log-dir", type=Path, default=None)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    spec = dataclasses.replace(SMALL_MODEL, layers=args.layers)
+    model = spec.ensure(max_positions=max(8192, 2 * args.max_model_len))
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="serving_profile."))
+    base_path = os.environ.get("PYTHONPATH", "")
+    paths = {v: base_path for v in args.variants}
+    if args.before:
+        paths["before"] = os.pathsep.join([str(args.before.resolve()), base_path])
+    records = []
+    print(f"[serving_profile] logs {log_dir}; load {loadavg()}", flush=True)
+    for rnd in range(args.rounds):
+        order = list(paths) if rnd % 2 == 0 else list(paths)[::-1]
+        for variant in order:
+            tmp = log_dir / f"r{rnd}-{variant}"
+            rec = run_one(args, model, variant, paths[variant], tmp)
+            rec["round"] = rnd
+            records.append(rec)
+            print(f"[serving_profile] {variant}: {rec['steps']} steps, engine "
+                  f"thread CPU {rec['engine_thread_cpu_s']:.1f} s, "
+                  f"load {mean_load(rec):.2f}", flush=True)  # fmt: skip
+    result = {"command": " ".join(sys.argv), "records": records}
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    print(report(records))
+    for r in records:
+        if r["variant"] != "off":
+            print(f"\n{r['variant']} r{r['round']}:\n{connector_shares(r)}")
+    for r in records:
+        for role in ROLES:
+            spy = r.get(f"py_spy_{role}")
+            if not spy:
+                continue
+            print(
+                f"\npy-spy, {r['variant']} r{r['round']}, {role}: "
+                f"{spy['samples']} samples; self, then offloading's inclusive"
+            )
+            for frame, n in spy["self"] + spy["inclusive"]:
+                print(f"  {n:6d}  {frame}")
+
+
+if __name__ == "__main__":
+    main()
