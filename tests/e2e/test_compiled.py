@@ -21,6 +21,7 @@ from tests.e2e.conftest import (
     GUIDE_OFFLOAD,
     PROMPTS_BY_DOC,
     cached,
+    in_process,
     run_scenario,
     scenario_log,
     token_ids,
@@ -41,32 +42,23 @@ FULL_DOC_TOKENS = 512
 # 'finalize_loading'"), so every engine compiled from scratch. Without AOT,
 # inductor's FX graph cache (TORCHINDUCTOR_CACHE_DIR, by default under /tmp)
 # serves the second engine, and later runs, the kernels compiled before:
-# the same Dynamo trace and inductor graph, compiled once.
+# the same Dynamo trace and inductor graph, compiled once. Each engine is
+# started anew in the sequence (``runs``), so each compiles (or loads) its
+# own graph.
 COMPILE_ENV = {"VLLM_USE_AOT_COMPILE": "0"}
 
 
 @pytest.fixture(scope="module")
-def compiled_reference(scenario_dir) -> dict:
-    return run_scenario(
-        scenario_dir,
-        "compiled_reference",
-        {
-            "env": COMPILE_ENV,
+def runs(scenario_dir) -> dict[str, dict]:
+    """Offloading off, then the guide's config (compiled with the cache
+    warm), in-process, one after the other in one process."""
+    scenarios = {
+        "compiled_reference": {
             "engine": COMPILED_ENGINE,
             "offload": None,
             "phases": [{"prompts": PROMPTS}],
         },
-    )
-
-
-@pytest.fixture(scope="module")
-def compiled_guide(scenario_dir, compiled_reference) -> dict:
-    # Depends on the reference so that it starts with the compile cache warm.
-    return run_scenario(
-        scenario_dir,
-        "compiled_guide",
-        {
-            "env": COMPILE_ENV,
+        "compiled_guide": {
             "engine": COMPILED_ENGINE,
             "offload": GUIDE_OFFLOAD,
             "phases": [
@@ -74,15 +66,35 @@ def compiled_guide(scenario_dir, compiled_reference) -> dict:
                 {"prompts": PROMPTS, "reset_prefix_cache": True},
             ],
         },
+    }
+    result = run_scenario(
+        scenario_dir,
+        "compiled",
+        {"env": COMPILE_ENV, "sequence": [in_process(s) for s in scenarios.values()]},
     )
+    return dict(zip(scenarios, result["runs"], strict=True))
+
+
+@pytest.fixture(scope="module")
+def compiled_reference(runs) -> dict:
+    return runs["compiled_reference"]
+
+
+@pytest.fixture(scope="module")
+def compiled_guide(runs) -> dict:
+    return runs["compiled_guide"]
 
 
 @pytest.mark.parametrize("name", ["compiled_reference", "compiled_guide"])
-def test_both_engines_run_a_compiled_forward(request, scenario_dir, name):
-    result = request.getfixturevalue(name)
-    assert result["compilation"] == {"mode": "DYNAMO_TRACE_ONCE", "backend": "inductor"}
-    # The CPU runner warms up (compiles) the model only when it is compiled.
-    assert "Warming up done." in scenario_log(scenario_dir, name)
+def test_both_engines_run_a_compiled_forward(runs, scenario_dir, name):
+    assert runs[name]["compilation"] == {
+        "mode": "DYNAMO_TRACE_ONCE",
+        "backend": "inductor",
+    }
+    # The CPU runner warms up (compiles) the model only when it is compiled:
+    # once per engine of the sequence.
+    log = scenario_log(scenario_dir, "compiled")
+    assert log.count("Warming up done.") == len(runs)
 
 
 def test_compiled_outputs_with_offloading_equal_outputs_without(

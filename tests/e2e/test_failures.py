@@ -7,10 +7,10 @@ would change the greedy output. Every scenario compares against the same
 prompts with offloading off (the ``reference`` fixture); two negative
 controls show that these comparisons do catch failures that are not handled.
 
-Most engines run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``uni``
-executor: three times faster to start), one after the other in one process
-(``runs``); one runs vLLM's default process layout, so the failure metadata
-also crosses the worker -> scheduler process boundary.
+The engines run one after the other in one process (``runs``), most of them
+in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``uni`` executor: three
+times faster to start); the first runs vLLM's default process layout, so the
+failure metadata also crosses the worker -> scheduler process boundary.
 """
 
 from __future__ import annotations
@@ -92,10 +92,32 @@ def in_process_scenarios(scenario_dir) -> dict[str, dict]:
     return {name: in_process(s) for name, s in scenarios.items()}
 
 
+MULTIPROCESS = "random_faults_multiprocess"
+
+
+def multiprocess_scenario(scenario_dir) -> dict:
+    """test_random_faults_with_eviction_in_a_multiprocess_engine's engine."""
+    return with_faults(
+        scenario_dir,
+        MULTIPROCESS,
+        "load:0.3,store:0.3,load_submit:0.1,store_submit:0.1,seed:5",
+        phases=[*TWICE, {"prompts": ALL_PROMPTS[::-1]}],
+        engine=dict(ENGINE, max_model_len=1024, num_gpu_blocks_override=10),
+        offload=dict(FAULTY_OFFLOAD, num_cpu_blocks=9),
+        kv_load_failure_policy="recompute",
+    )
+
+
 @pytest.fixture(scope="module")
 def runs(scenario_dir) -> dict[str, tuple[dict, list[str]]]:
-    """Each in-process scenario's result and the faults it injected."""
-    scenarios = in_process_scenarios(scenario_dir)
+    """Each scenario's result and the faults it injected: the default-layout
+    one first (an in-process engine core caches vLLM's environment
+    variables in this process, VLLM_ENABLE_V1_MULTIPROCESSING included),
+    then the in-process ones, all in one process."""
+    scenarios = {
+        MULTIPROCESS: multiprocess_scenario(scenario_dir),
+        **in_process_scenarios(scenario_dir),
+    }
     result = run_scenario(
         scenario_dir, "failures", {"sequence": list(scenarios.values())}
     )
@@ -149,21 +171,11 @@ def test_failed_stores_are_never_loaded(runs, reference):
     assert 3 <= result["counters"]["vllm:kv_offload_failed_stores"] <= len(injected)
 
 
-def test_random_faults_with_eviction_in_a_multiprocess_engine(scenario_dir, reference):
+def test_random_faults_with_eviction_in_a_multiprocess_engine(runs, reference):
     """vLLM's default process layout, a small device cache and a small CPU
     pool (constant eviction), and faults of every kind."""
-    name = "random_faults_multiprocess"
-    scenario = with_faults(
-        scenario_dir,
-        name,
-        "load:0.3,store:0.3,load_submit:0.1,store_submit:0.1,seed:5",
-        phases=[*TWICE, {"prompts": ALL_PROMPTS[::-1]}],
-        engine=dict(ENGINE, max_model_len=1024, num_gpu_blocks_override=10),
-        offload=dict(FAULTY_OFFLOAD, num_cpu_blocks=9),
-        kv_load_failure_policy="recompute",
-    )
-    result = run_scenario(scenario_dir, name, scenario)
-    assert len(injected_faults(scenario_dir, name)) >= 3
+    result, injected = runs[MULTIPROCESS]
+    assert len(injected) >= 3
     first, second, third = result["phases"]
     assert token_ids(first) == reference
     assert token_ids(second) == reference

@@ -11,6 +11,8 @@ served from the CPU with the bound on.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from tests.e2e.conftest import (
@@ -64,12 +66,16 @@ def engine(max_load_wait_ratio: float | None) -> dict:
 
 @pytest.fixture(scope="module")
 def bounded_and_unbounded(scenario_dir) -> tuple[dict, dict]:
-    result = run_scenario(
-        scenario_dir,
-        "load_wait",
-        {"env": ENV, "sequence": [engine(None), engine(0)]},
-    )
-    return result["runs"][0], result["runs"][1]
+    """Both engines at once, each in a process of its own: most of their
+    time is spent sleeping while the slowed stores land."""
+    names = {"load_wait_bounded": engine(None), "load_wait_unbounded": engine(0)}
+    with ThreadPoolExecutor(len(names)) as pool:
+        futures = [
+            pool.submit(run_scenario, scenario_dir, name, {**scenario, "env": ENV})
+            for name, scenario in names.items()
+        ]
+        bounded, unbounded = (f.result() for f in futures)
+    return bounded, unbounded
 
 
 def test_a_hit_waiting_behind_slow_stores_is_recomputed_with_the_same_output(

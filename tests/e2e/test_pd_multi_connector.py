@@ -5,8 +5,8 @@ one ``MultiConnector``. Here the P/D connector is vLLM's ``ExampleConnector``
 (KV files in a shared directory), which runs on vLLM's CPU backend; Mooncake
 itself needs NPUs and RDMA. Each engine's MultiConnector holds the P/D
 connector first and the guide's offloading connector second (spec
-``NPUOffloadingSpec``). Three engines run one after the other in one process
-(``pd_driver.py``): a producer; a consumer whose first CPU loads fail
+``NPUOffloadingSpec``). Three engines run in-process, one after the other in
+one process (``pd_driver.py``): a producer; a consumer whose first CPU loads fail
 (injected); a consumer whose P/D loads fail. What ran: vLLM 0.32's CPU
 backend; nothing on an NPU.
 """
@@ -21,6 +21,7 @@ from tests.e2e.conftest import (
     FAULTY_OFFLOAD,
     GUIDE_OFFLOAD,
     cached,
+    in_process,
     run_scenario,
     scenario_log,
 )
@@ -107,7 +108,7 @@ def pd_run(scenario_dir) -> dict:
             },
         ],
     }
-    result = run_scenario(scenario_dir, "pd_multi_connector", scenario)
+    result = run_scenario(scenario_dir, "pd_multi_connector", in_process(scenario))
     injected = faults_log.read_text().split("\n")[:-1] if faults_log.exists() else []
     result["injected"] = injected
     result["log"] = scenario_log(scenario_dir, "pd_multi_connector")

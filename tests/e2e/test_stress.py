@@ -9,8 +9,9 @@ A third run adds random transfer faults with ``kv_load_failure_policy=
 "recompute"``: still no difference.
 
 The engines run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the ``uni``
-executor) so that the run can also check, after shutdown, that the offloading
-worker left no thread and freed its CPU pool.
+executor), one after the other in one process, so that the run can also
+check, after each shutdown, that the offloading worker left no thread and
+freed its CPU pool.
 
 The driver (``drive``) runs inside ``tests.e2e.run_scenario``'s subprocess.
 """
@@ -131,7 +132,11 @@ def drive(scenario: dict) -> dict:
         if hasattr(metric, "value"):
             counters[metric.name] = counters.get(metric.name, 0.0) + metric.value
 
-    shutdown = _shut_down(engine) if scenario.get("offload") else {}
+    if scenario.get("offload"):
+        shutdown = _shut_down(engine)
+    else:  # the next engine of the sequence starts after this one is gone
+        engine.engine_core.shutdown()
+        shutdown = {}
     return {
         "outputs": {str(i): o for i, o in outputs.items()},
         "aborted": sorted(aborted),
@@ -159,20 +164,40 @@ def _shut_down(engine) -> dict:
     }
 
 
-def _run(scenario_dir, name: str, offload, env=None, **extra) -> dict:
-    scenario = {
+def _scenario(offload, env=None, **extra) -> dict:
+    return {
         "driver": "tests.e2e.test_stress:drive",
         "engine": ENGINE,
         "offload": offload,
-        "env": dict(IN_PROCESS, **(env or {})),
+        "env": env or {},
         **extra,
     }
-    return run_scenario(scenario_dir, name, scenario)
 
 
 @pytest.fixture(scope="module")
-def stress_reference(scenario_dir) -> dict:
-    return _run(scenario_dir, "stress_reference", None)
+def runs(scenario_dir) -> dict[str, dict]:
+    """Offloading off, on, and on with transfer faults: one engine after
+    the other in one process."""
+    scenarios = {
+        "reference": _scenario(None),
+        "offload": _scenario(OFFLOAD),
+        "faults": _scenario(
+            dict(FAULTY_OFFLOAD, num_cpu_blocks=OFFLOAD["num_cpu_blocks"]),
+            env={"VLLM_ASCEND_KV_OFFLOAD_FAULTS": FAULTS},
+            kv_load_failure_policy="recompute",
+        ),
+    }
+    result = run_scenario(
+        scenario_dir,
+        "stress",
+        {"env": IN_PROCESS, "sequence": list(scenarios.values())},
+    )
+    return dict(zip(scenarios, result["runs"], strict=True))
+
+
+@pytest.fixture(scope="module")
+def stress_reference(runs) -> dict:
+    return runs["reference"]
 
 
 def _compare(result: dict, reference: dict) -> list[int]:
@@ -197,8 +222,8 @@ def _check_clean_shutdown(result: dict) -> None:
     assert shutdown["seconds"] < 30
 
 
-def test_stress_offloading_changes_no_output(scenario_dir, stress_reference):
-    result = _run(scenario_dir, "stress_offload", OFFLOAD)
+def test_stress_offloading_changes_no_output(runs, stress_reference):
+    result = runs["offload"]
     assert result["aborted"] == stress_reference["aborted"]
     assert len(result["aborted"]) >= 10
     assert _compare(result, stress_reference) == []
@@ -211,14 +236,8 @@ def test_stress_offloading_changes_no_output(scenario_dir, stress_reference):
     _check_clean_shutdown(result)
 
 
-def test_stress_with_transfer_faults_changes_no_output(scenario_dir, stress_reference):
-    result = _run(
-        scenario_dir,
-        "stress_faults",
-        dict(FAULTY_OFFLOAD, num_cpu_blocks=OFFLOAD["num_cpu_blocks"]),
-        env={"VLLM_ASCEND_KV_OFFLOAD_FAULTS": FAULTS},
-        kv_load_failure_policy="recompute",
-    )
+def test_stress_with_transfer_faults_changes_no_output(runs, stress_reference):
+    result = runs["faults"]
     assert _compare(result, stress_reference) == []
     assert result["shutdown"]["faults_injected"] >= 10
     _check_clean_shutdown(result)

@@ -1,5 +1,6 @@
 """The fs tier's size bound end to end: two engine processes write one
-bounded directory at the same time.
+bounded directory at the same time (each engine in-process in its own
+scenario process).
 
 Engines A and B (separate processes, small CPU tiers) serve the same eight
 documents in opposite orders, twice, with the device prefix cache reset
@@ -17,7 +18,7 @@ import threading
 
 import pytest
 
-from tests.e2e.conftest import ENGINE, run_scenario, tiering, token_ids
+from tests.e2e.conftest import ENGINE, in_process, run_scenario, tiering, token_ids
 from vllm_ascend.kv_offload.testing.tiny_model import make_prompt
 from vllm_ascend.kv_offload.tiering.block_file import HEADER_BYTES
 from vllm_ascend.kv_offload.tiering.fs_budget import EVICTED_BLOCKS, TIER_BYTES
@@ -51,22 +52,20 @@ def test_two_engines_share_one_bounded_directory(scenario_dir):
     ready = {w: str(scenario_dir / f"bound-{w}.ready") for w in "ab"}
     prompts = {"a": PROMPTS, "b": PROMPTS[::-1]}
     scenarios = {
-        w: {
-            "driver": "tests.e2e.tiering_driver:run",
-            "engine": ENGINE,
-            "offload": bounded(root),
-            "root_dir": root,
-            "prompts": prompts[w],
-            "rounds": 2,
-            "barrier": {"mine": ready[w], "others": [ready["ab".replace(w, "")]]},
-        }
+        w: in_process(
+            {
+                "driver": "tests.e2e.tiering_driver:run",
+                "engine": ENGINE,
+                "offload": bounded(root),
+                "root_dir": root,
+                "prompts": prompts[w],
+                "rounds": 2,
+                "barrier": {"mine": ready[w], "others": [ready["ab".replace(w, "")]]},
+            }
+        )
         for w in "ab"
     }
-    scenarios["ref"] = {
-        "engine": ENGINE,
-        "offload": None,
-        "phases": [{"prompts": PROMPTS}],
-    }
+    scenarios["ref"] = in_process({"offload": None, "phases": [{"prompts": PROMPTS}]})
     results: dict[str, dict | BaseException] = {}
 
     def run(name: str) -> None:

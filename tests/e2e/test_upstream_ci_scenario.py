@@ -56,9 +56,9 @@ Differences, each on purpose:
   2-layer tiny model that control was faster in 7 of 10, so this test's
   model is larger (``MODEL_SPEC``).
 
-The engine runs in its own process (``run_scenario``'s driver hook,
-``drive`` below); the subscriber runs next to it there, as upstream's does
-next to its ``LLM``.
+The engines run in-process, one after the other in one process
+(``run_scenario``'s driver hook, ``drive`` below); the subscriber runs next
+to each there, as upstream's does next to its ``LLM``.
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ import time
 import pytest
 
 from tests.e2e.conftest import (
-    ENGINE,
     GUIDE_OFFLOAD,
+    in_process,
     load_subscriber,
     run_scenario,
     tiering,
@@ -237,21 +237,34 @@ def drive(scenario: dict) -> dict:
 SPECS = ["NPUOffloadingSpec", "NPUTieringOffloadingSpec"]
 
 
-@pytest.fixture(scope="module", params=SPECS)
-def upstream_run(request, scenario_dir, tmp_path_factory) -> dict:
-    """One engine per spec; both scenarios run on it, in upstream's order."""
-    if request.param == "NPUOffloadingSpec":
-        offload = GUIDE_OFFLOAD
-    else:
-        offload = tiering(str(tmp_path_factory.mktemp("native_kv_offload")))
-    scenario = {
-        "driver": "tests.e2e.test_upstream_ci_scenario:drive",
-        "model": model(),
-        "engine": ENGINE,
-        "offload": offload,
-        "port": free_port(),
+@pytest.fixture(scope="module")
+def runs(scenario_dir, tmp_path_factory) -> dict[str, dict]:
+    """One engine per spec (both scenarios run on it, in upstream's order),
+    in-process, one after the other in one process."""
+    offloads = {
+        "NPUOffloadingSpec": GUIDE_OFFLOAD,
+        "NPUTieringOffloadingSpec": tiering(
+            str(tmp_path_factory.mktemp("native_kv_offload"))
+        ),
     }
-    result = run_scenario(scenario_dir, f"upstream_ci_{request.param}", scenario)
+    sequence = [
+        in_process(
+            {
+                "driver": "tests.e2e.test_upstream_ci_scenario:drive",
+                "model": model(),
+                "offload": offloads[spec],
+                "port": free_port(),
+            }
+        )
+        for spec in SPECS
+    ]
+    result = run_scenario(scenario_dir, "upstream_ci", {"sequence": sequence})
+    return dict(zip(SPECS, result["runs"], strict=True))
+
+
+@pytest.fixture(params=SPECS)
+def upstream_run(request, runs) -> dict:
+    result = runs[request.param]
     acc = result["accuracy"]
     print(
         f"\n{request.param}: {summary(result['rounds'])}\n"

@@ -515,36 +515,32 @@ def test_guide_example_with_both_installed(venv, upstream_alone, tiny_model, tmp
     assert cpu_tokens > 0 and loaded > 0, out
     assert re.search(r"^Generated: '.+'$", out, re.M), out
 
-    # Offloading on vs off: run_scenario.py is run as a file too.
+    # Offloading on vs off: run_scenario.py is run as a file too, both
+    # engines in-process, one after the other in one process.
     long_prompt = [_prompt(venv, 1024, seed=1)]
-    results = {}
-    for name, offload in (("on", _GUIDE_OFFLOAD), ("off", None)):
-        spec, result = tmp_path / f"{name}.json", tmp_path / f"{name}.result.json"
-        spec.write_text(
-            json.dumps(
-                {
-                    "engine": _ENGINE,
-                    "offload": offload,
-                    "phases": [
-                        {"prompts": long_prompt, "max_tokens": 32},
-                        {
-                            "prompts": long_prompt,
-                            "max_tokens": 32,
-                            "reset_prefix_cache": True,
-                        },
-                    ],
-                }
-            )
+    phases = [
+        {"prompts": long_prompt, "max_tokens": 32},
+        {"prompts": long_prompt, "max_tokens": 32, "reset_prefix_cache": True},
+    ]
+    engine = dict(_ENGINE, distributed_executor_backend="uni")
+    spec, result = tmp_path / "on_off.json", tmp_path / "on_off.result.json"
+    spec.write_text(
+        json.dumps(
+            {
+                "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+                "sequence": [
+                    {"engine": engine, "offload": offload, "phases": phases}
+                    for offload in (_GUIDE_OFFLOAD, None)
+                ],
+            }
         )
-        proc = venv.run(
-            REPO / "tests" / "e2e" / "run_scenario.py",
-            spec,
-            result,
-            env=env,
-            cwd=tmp_path,
-        )
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
-        results[name] = json.loads(result.read_text())
+    )
+    proc = venv.run(
+        REPO / "tests" / "e2e" / "run_scenario.py", spec, result, env=env, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    runs = json.loads(result.read_text())["runs"]
+    results = dict(zip(("on", "off"), runs, strict=True))
     on, off = results["on"]["phases"], results["off"]["phases"]
     cold, hit, reference = on[0][0], on[1][0], off[0][0]
     assert hit["num_cached_tokens"] > 0, "the reset prompt was not served from the CPU"
