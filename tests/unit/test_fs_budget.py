@@ -149,7 +149,7 @@ def test_stores_trigger_the_scan_amortized(tmp_path):
     budget = bounded(root, 64)
     scans = []
     real_scan = budget.scan
-    budget.scan = lambda: scans.append(1) or real_scan()
+    budget.scan = lambda wait=False: scans.append(1) or real_scan(wait)
     for i in range(256):
         path = store(root, f"s{i:03d}")
         age(path, 1000 - i)
@@ -235,6 +235,31 @@ def test_a_directory_swapped_for_a_symlink_after_the_listing_is_not_followed(
     monkeypatch.setattr(budget.files, "entries", swap_after_listing)
     budget.scan()
     assert (outside / "b0" / "b0.bin").exists()
+
+
+def test_an_engine_that_stalls_holding_the_lock_does_not_let_others_pass_the_bound(
+    tmp_path,
+):
+    """Another engine holds the scan lock and stalls (a busy host): this
+    engine's stores skip the scan only until it has written an eighth of the
+    bound, then wait for the lock and make the room themselves."""
+    import fcntl
+    import threading
+
+    root = str(tmp_path)
+    budget = bounded(root, BOUND_FILES)
+    other = open(os.path.join(root, LOCK_FILE), "a+")  # noqa: SIM115
+    fcntl.flock(other.fileno(), fcntl.LOCK_EX)
+    stalled = threading.Timer(1.0, other.close)  # releases the flock
+    stalled.start()
+    try:
+        for i in range(4 * BOUND_FILES):
+            age(store(root, f"s{i:03d}"), 1000 - i)
+            budget.note_stored(FILE_BYTES)
+    finally:
+        stalled.join()
+    total = sum(os.path.getsize(p) for p in block_files(root))
+    assert total <= BOUND_FILES * FILE_BYTES + (BOUND_FILES // 8) * FILE_BYTES
 
 
 def test_a_scan_running_in_another_engine_is_not_repeated(tmp_path):

@@ -5,7 +5,10 @@ it, the least recently used ones are removed, down to ``EVICT_TO`` of it.
 Several engines may share the directory, so the state is on disk: a file's
 mtime is its LRU clock (set when written, touched on every read), a scan
 runs under an advisory lock (``flock`` on ``LOCK_FILE`` in the directory;
-an engine that finds it held skips its scan, the holder makes the room),
+an engine that finds it held skips its scan, the holder makes the room,
+unless it has written an eighth of the bound since its own last scan: then
+it waits for the lock, so a holder that stalls cannot let the others run
+past the bound),
 and only regular ``*.bin`` files, re-checked just before, are unlinked;
 nothing is followed (files there are untrusted). Removing a file another
 engine is reading is safe: its open descriptor still reads the whole file;
@@ -139,14 +142,15 @@ class FsTierBudget:
         scans when the estimate reaches the bound or is stale."""
         with self._count_lock:
             self._since_scan += nbytes
+            stale = self._since_scan >= self._rescan_bytes
             due = (
-                self._estimate is None
+                stale
+                or self._estimate is None
                 or self._estimate + self._since_scan >= self.max_bytes
-                or self._since_scan >= self._rescan_bytes
             )
         if due and self._scan_lock.acquire(blocking=False):
             try:
-                self.scan()
+                self.scan(wait=stale)
             finally:
                 self._scan_lock.release()
 
@@ -156,15 +160,13 @@ class FsTierBudget:
         with contextlib.suppress(OSError):
             os.utime(path, follow_symlinks=False)
 
-    def scan(self) -> None:
+    def scan(self, wait: bool = False) -> None:
         """Measures the directory and, above the bound, removes the least
         recently used block files down to ``low_bytes``; skipped while
-        another engine scans (it makes the room)."""
-        lock_fd = self._lock()
+        another engine scans (it makes the room) unless ``wait``."""
+        lock_fd = self._lock(wait)
         if lock_fd is None:
-            with self._count_lock:
-                self._since_scan = 0
-            return
+            return  # this engine's writes stay counted: the next store retries
         try:
             entries = self.files.entries()
             total = sum(e.size for e in entries)
@@ -224,7 +226,7 @@ class FsTierBudget:
             stats.set_gauge(TIER_BYTES, size)
         return stats
 
-    def _lock(self) -> int | None:
+    def _lock(self, wait: bool) -> int | None:
         path = os.path.join(self.root, LOCK_FILE)
         flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
         try:
@@ -240,7 +242,7 @@ class FsTierBudget:
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise OSError(errno.EINVAL, "not a regular file")
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:
             os.close(fd)  # another engine is scanning
             return None
