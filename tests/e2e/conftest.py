@@ -152,12 +152,13 @@ def reference(scenario_dir) -> list[list[int]]:
     return token_ids(result["phases"][0])
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def tiering_server(tmp_path_factory):
-    """One ``vllm serve`` with tiering and KV events for the session, shared
-    by the online tiering and KV-events tests (serving.TieringServer); each
-    test resets what it needs and reads counters as deltas. Its clean stop on
-    SIGINT is checked at teardown."""
+    """One ``vllm serve`` with tiering and KV events, shared by the online
+    tiering and KV-events tests (serving.TieringServer); each test resets
+    what it needs and reads counters as deltas. Package scope: it stops when
+    the e2e tests end, not after the unit and packaging tests. Its clean
+    stop on SIGINT is checked at teardown."""
     from tests.e2e.serving import serve_shared  # serving imports this module
 
     yield from serve_shared(tmp_path_factory.mktemp("tiering_server"))
