@@ -10,7 +10,8 @@ our mark, as a run killed while starting leaves them),
 ``remove_root_after_start`` (the fs directory disappears once the engine
 is up), ``rounds`` (the prompts again, device prefix cache
 reset in between), ``barrier`` (``{"mine": path, "others": [paths]}``:
-engines started together begin serving together).
+engines started together begin serving together, and each later round
+begins once every engine's previous round has reached the tier).
 """
 
 from __future__ import annotations
@@ -69,6 +70,12 @@ def run(scenario: dict) -> dict:
     for round_ in range(scenario.get("rounds", 1)):
         if round_:
             engine.settle(llm)
+            if barrier:  # every engine's round written to the tier first
+                engine.settle(llm, TIER_WRITE_BYTES, steady_rounds=3, pause_s=0.1)
+                _meet(
+                    f"{barrier['mine']}.{round_}",
+                    [f"{o}.{round_}" for o in barrier["others"]],
+                )
             engine.reset_prefix_cache(llm)
         for prompt in scenario["prompts"]:
             out = engine.generate(llm, prompt, 16, ignore_eos=True)
