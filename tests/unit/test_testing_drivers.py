@@ -7,6 +7,7 @@ from __future__ import annotations
 import signal
 import sys
 import textwrap
+import time
 from types import SimpleNamespace
 
 import psutil
@@ -42,8 +43,9 @@ def test_the_server_is_ready_once_v1_models_answers_and_stops_with_its_children(
     assert srv.wait_ready(timeout_s=60) >= 0
     assert srv.base == f"http://127.0.0.1:{srv.port}"
     (child,) = srv.children
-    result = srv.stop(signal.SIGINT, timeout_s=30)
-    # The stand-in's child ignores its parent's end: killed by pid, reported.
+    result = srv.stop(signal.SIGINT, timeout_s=30, grace_s=1)
+    # The stand-in's child ignores its parent's end: killed by pid once the
+    # grace period is over, reported.
     assert result["orphans"] == [child.pid]
     assert not psutil.pid_exists(child.pid) or child.status() == "zombie"
     assert not srv.proc.is_running() or srv.proc.status() == "zombie"
@@ -55,6 +57,24 @@ def test_a_server_that_exits_during_start_up_is_reported_with_its_log(tmp_path):
     with pytest.raises(RuntimeError, match="exited with 3(.|\n)*no such model"):
         srv.wait_ready(timeout_s=60)
     srv.stop()
+
+
+def test_an_exited_process_not_yet_reaped_counts_as_gone():
+    """A zombie is not waited for (an orphan's reaper may be late); a
+    running process is, until the timeout."""
+    exited = psutil.Popen([sys.executable, "-c", "pass"])
+    running = psutil.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        while exited.status() != psutil.STATUS_ZOMBIE:
+            time.sleep(0.05)
+        start = time.monotonic()
+        assert server.wait_gone([exited], timeout_s=30) == []
+        assert server.wait_gone([exited, running], timeout_s=0.2) == [running]
+        assert time.monotonic() - start < 10
+    finally:
+        running.kill()
+        running.wait()
+        exited.wait()
 
 
 def test_serve_command_runs_the_api_server_module_on_the_chosen_port():

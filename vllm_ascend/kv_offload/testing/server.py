@@ -28,6 +28,7 @@ import psutil
 SERVE_MODULE = "vllm.entrypoints.launchers.api_server.entry"
 START_TIMEOUT_S = 900.0  # an engine start on a loaded 2-core machine
 STOP_TIMEOUT_S = 120.0
+ORPHAN_GRACE_S = 15.0  # for the children once the server has exited
 
 
 def free_port() -> int:
@@ -35,6 +36,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_gone(procs: Sequence[psutil.Process], timeout_s: float):
+    """Waits up to ``timeout_s`` for ``procs`` to exit; returns those still
+    running. A zombie has exited: an orphan's is reaped by whoever adopted
+    it, maybe late (psutil's ``wait_procs`` waits for the reaping)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = []
+        for p in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.1)
 
 
 def serve_command(model: str, flags: Sequence[str] = ()) -> list[str]:
@@ -115,11 +132,17 @@ class Server:
             f"{self.log_tail()}"
         )
 
-    def stop(self, sig: int = signal.SIGINT, timeout_s: float = STOP_TIMEOUT_S):
+    def stop(
+        self,
+        sig: int = signal.SIGINT,
+        timeout_s: float = STOP_TIMEOUT_S,
+        grace_s: float = ORPHAN_GRACE_S,
+    ):
         """``sig`` to the server (SIGKILL: to its whole process group), then
-        waits; whatever is still alive after that is killed by pid. Returns
-        how it ended: ``returncode`` (None: it had to be killed), ``stop_s``
-        and ``orphans`` (children that outlived the grace period)."""
+        waits; whatever is still alive after that (its children: ``grace_s``
+        more) is killed by pid. Returns how it ended: ``returncode`` (None: it
+        had to be killed), ``stop_s`` and ``orphans`` (children that outlived
+        the grace period)."""
         result = {"returncode": self.proc.poll(), "stop_s": 0.0, "orphans": []}
         if result["returncode"] is None:
             start = time.monotonic()
@@ -133,7 +156,7 @@ class Server:
                 result["returncode"] = None
             result["stop_s"] = time.monotonic() - start
         # Children get a grace period to notice their parent is gone.
-        _, alive = psutil.wait_procs(self.children, timeout=15)
+        alive = wait_gone(self.children, grace_s)
         result["orphans"] = [p.pid for p in alive]
         if result["returncode"] is None:
             self.proc.kill()
@@ -142,7 +165,7 @@ class Server:
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
         # SIGKILL is delivered asynchronously: gone means waited for.
-        psutil.wait_procs(alive, timeout=30)
+        wait_gone(alive, 30)
         self._log.close()
         return result
 
