@@ -2,11 +2,12 @@
 
 For each fp8 ``kv_cache_dtype`` vLLM's CPU attention backend declares
 (``CPUAttentionBackend.supported_kv_cache_dtypes``; ``fp8`` is vLLM's name
-for ``fp8_e4m3``, the same bytes and kernel, so it stands for both), one
-subprocess runs the same prompts with offloading off, then on with the
-guide's config: greedy outputs must be equal, the device and CPU hits must
-be served, and sizing, the doctor, the pool's capacity gauge and the pool
-the worker allocated must agree on the quantised bytes per CPU block.
+for ``fp8_e4m3``, the same bytes and kernel, so it stands for both), the
+same prompts run with offloading off, then on with the guide's config
+(every dtype's two engines one after the other in one process): greedy
+outputs must be equal, the device and CPU hits must be served, and sizing,
+the doctor, the pool's capacity gauge and the pool the worker allocated
+must agree on the quantised bytes per CPU block.
 """
 
 from __future__ import annotations
@@ -40,46 +41,52 @@ STORE_BYTES = "vllm:kv_offload_store_bytes"
 POOL_LINE = re.compile(r"CPU block pool of (\d+) blocks x (\d+) bytes")
 
 
-@pytest.fixture(scope="module", params=["fp8", "fp8_e5m2"])
+KV_CACHE_DTYPES = ["fp8", "fp8_e5m2"]
+
+
+def dtype_engines(kv_cache_dtype: str) -> list[dict]:
+    """Offloading off, then on (cold; again: device hit; after a device
+    prefix-cache reset: CPU hit), in-process."""
+    engine = dict(ENGINE, kv_cache_dtype=kv_cache_dtype)
+    return [
+        in_process(
+            {"engine": engine, "offload": None, "phases": [{"prompts": PROMPTS}]}
+        ),
+        in_process(
+            {
+                "engine": engine,
+                "offload": GUIDE_OFFLOAD,
+                "phases": [
+                    {"prompts": PROMPTS},
+                    {"prompts": PROMPTS},
+                    {"prompts": PROMPTS, "reset_prefix_cache": True},
+                ],
+            }
+        ),
+    ]
+
+
+@pytest.fixture(scope="module")
+def all_runs(scenario_dir) -> dict:
+    """Every dtype's engines (``dtype_engines``) one after the other in one
+    process (one interpreter and vLLM import for all); its whole log."""
+    sequence = [e for dtype in KV_CACHE_DTYPES for e in dtype_engines(dtype)]
+    result = run_scenario(scenario_dir, "quantised", {"sequence": sequence})
+    return {"runs": result["runs"], "log": scenario_log(scenario_dir, "quantised")}
+
+
+@pytest.fixture(scope="module", params=KV_CACHE_DTYPES)
 def kv_cache_dtype(request) -> str:
     return request.param
 
 
 @pytest.fixture(scope="module")
-def runs(scenario_dir, kv_cache_dtype) -> dict:
-    """Offloading off, then on (cold; again: device hit; after a device
-    prefix-cache reset: CPU hit), one in-process engine after the other in
-    one process."""
-    engine = dict(ENGINE, kv_cache_dtype=kv_cache_dtype)
-    name = f"quantised_{kv_cache_dtype}"
-    result = run_scenario(
-        scenario_dir,
-        name,
-        {
-            "sequence": [
-                in_process(
-                    {
-                        "engine": engine,
-                        "offload": None,
-                        "phases": [{"prompts": PROMPTS}],
-                    }
-                ),
-                in_process(
-                    {
-                        "engine": engine,
-                        "offload": GUIDE_OFFLOAD,
-                        "phases": [
-                            {"prompts": PROMPTS},
-                            {"prompts": PROMPTS},
-                            {"prompts": PROMPTS, "reset_prefix_cache": True},
-                        ],
-                    }
-                ),
-            ]
-        },
-    )
-    off, on = result["runs"]
-    return {"off": off, "on": on, "log": scenario_log(scenario_dir, name)}
+def runs(all_runs, kv_cache_dtype) -> dict:
+    """This dtype's two engines: ``off``, ``on``; ``index``: its place in
+    the sequence."""
+    index = KV_CACHE_DTYPES.index(kv_cache_dtype)
+    off, on = all_runs["runs"][2 * index : 2 * index + 2]
+    return {"off": off, "on": on, "log": all_runs["log"], "index": index}
 
 
 def test_the_engine_ran_the_quantised_kv_cache(runs, kv_cache_dtype):
@@ -115,11 +122,14 @@ def test_sizing_doctor_gauge_and_pool_agree_on_quantised_bytes(
     model = ensure_tiny_model()
     dtype = ENGINE["dtype"]
     ours = size_model_dir(model, kv_cache_dtype=kv_cache_dtype, dtype=dtype)
-    # The pool the worker allocated, as it logs it.
+    # The pool the worker allocated, as it logs it: one per dtype, by its
+    # engine with offloading on (in the sequence's order).
     pools = POOL_LINE.findall(runs["log"])
-    assert pools == [
-        (str(GUIDE_OFFLOAD["num_cpu_blocks"]), str(ours.worker_bytes_per_cpu_block))
-    ]
+    assert len(pools) == len(KV_CACHE_DTYPES)
+    assert pools[runs["index"]] == (
+        str(GUIDE_OFFLOAD["num_cpu_blocks"]),
+        str(ours.worker_bytes_per_cpu_block),
+    )
     # The capacity gauge on /metrics (all workers, padded blocks).
     capacity = runs["on"]["counters"][CAPACITY_BYTES]
     assert capacity == GUIDE_OFFLOAD["num_cpu_blocks"] * ours.bytes_per_cpu_block
