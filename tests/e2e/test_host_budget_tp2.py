@@ -8,6 +8,10 @@ worker is refused at start-up naming the total and the fix, the other's
 pool is the only one allocated, and the engine does not start (instead of
 the host running out of memory). At 128 MiB both start and serve.
 
+Both engines run one after the other in one process (``refused_then_within``:
+one interpreter and vLLM import for the two), each one's output after a
+marker line (``split_log``).
+
 On 2 cores the two workers' OpenMP threads are bound one core each
 (``VLLM_CPU_OMP_THREADS_BIND=0|1``: our plugin's core reservation,
 ``cpu_threads.apply``, covers one worker per NUMA node only, and vLLM wants
@@ -16,9 +20,13 @@ one list per worker).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import sys
+import traceback
 
+import psutil
 import pytest
 
 from tests.e2e.conftest import (
@@ -30,6 +38,7 @@ from tests.e2e.conftest import (
 )
 from vllm_ascend.kv_offload import host_ledger
 from vllm_ascend.kv_offload.host_guard import HOST_BUDGET_ENV
+from vllm_ascend.kv_offload.testing import server
 
 pytestmark = pytest.mark.e2e
 
@@ -37,34 +46,98 @@ TP2 = {**ENGINE, "tensor_parallel_size": 2, "distributed_executor_backend": "mp"
 POOL_MIB = 62.5  # per worker: 1000 blocks x 64 KiB
 
 
-def tp2_scenario(budget: str) -> dict:
+BUDGETS = {"tp2-over-budget": "100MiB", "tp2-within-budget": "128MiB"}
+MARK = "### engine {} ###"
+MARK_LINE = re.compile(r"^### engine (\S+) ###$", re.M)
+
+
+def tp2_scenario(budget: str, ledger: str) -> dict:
+    """An engine with the host budget ``budget`` and the host's pool records
+    in ``ledger`` (this test's: no engine outside it counts)."""
+    env = {
+        HOST_BUDGET_ENV: budget,
+        host_ledger.LEDGER_DIR_ENV: ledger,
+        "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+        # The engine's shutdown: its CPU TP workers outwait vLLM's 5 s
+        # grace period and are terminated (as at the exit of a process).
+        "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "1",
+    }
     return {
         "engine": TP2,
         "offload": GUIDE_OFFLOAD,
-        "env": {HOST_BUDGET_ENV: budget, "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+        "env": env,
         "phases": [{"prompts": ["Hello, my name is"], "max_tokens": 4}],
     }
 
 
-def pools_of_dead_engines_are_gone() -> None:
+def refused_then_within(scenario: dict) -> dict:
+    """run_scenario's driver: each engine of ``BUDGETS`` in turn, its start
+    error (``error``) or its result; before each, a marker line on stdout
+    and stderr; after each, its processes gone (a late line of the refused
+    engine's other worker, or its pool's record, must not reach the next)."""
+    from tests.e2e.run_scenario import run
+
+    me = psutil.Process()
+    before = set(me.children(recursive=True))
+
+    def engine_processes() -> list[psutil.Process]:
+        procs = []
+        for p in set(me.children(recursive=True)) - before:
+            with contextlib.suppress(psutil.Error):
+                # multiprocessing's resource tracker lives as long as we do
+                if "resource_tracker" not in " ".join(p.cmdline()):
+                    procs.append(p)
+        return procs
+
+    results = {}
+    for name, budget in BUDGETS.items():
+        for stream in (sys.stdout, sys.stderr):
+            print(MARK.format(name), file=stream, flush=True)
+        try:
+            engine = tp2_scenario(budget, scenario["ledger"])
+            (results[name],) = run({"sequence": [engine]})["runs"]
+        except Exception as exc:
+            traceback.print_exc()
+            results[name] = {"error": repr(exc)}
+        left = server.wait_gone(engine_processes(), timeout_s=120)
+        assert not left, f"{name}: engine processes still running: {left}"
+    return results
+
+
+def split_log(log: str) -> dict[str, str]:
+    """Each engine's lines (stdout's, then stderr's) by its marker."""
+    parts = MARK_LINE.split(log)
+    logs: dict[str, str] = {}
+    for name, text in zip(parts[1::2], parts[2::2], strict=True):
+        logs[name] = logs.get(name, "") + text
+    return logs
+
+
+@pytest.fixture(scope="module")
+def runs(scenario_dir) -> dict[str, tuple[dict, str, str]]:
+    """Each engine's result and log, by name (``BUDGETS``), and the
+    ledger's directory."""
+    ledger = scenario_dir / "tp2-ledger"
+    ledger.mkdir()
+    scenario = {"driver": f"{__name__}:refused_then_within", "ledger": str(ledger)}
+    result = run_scenario(scenario_dir, "tp2-budget", scenario)
+    log = scenario_log(scenario_dir, "tp2-budget")
+    remove_vllm_tp_shm(log)  # vLLM's, not ours: see conftest
+    logs = split_log(log)
+    return {name: (result[name], logs[name], str(ledger)) for name in BUDGETS}
+
+
+def pools_of_dead_engines_are_gone(ledger: str) -> None:
     """The next check on the host removes the records of the engine's
     workers (they are gone: nothing holds them)."""
-    host_ledger.live_pools()
-    left = [
-        name
-        for name in os.listdir(host_ledger.ledger_dir())
-        if name.startswith(host_ledger.PREFIX)
-    ]
+    host_ledger.live_pools(ledger)
+    left = [name for name in os.listdir(ledger) if name.startswith(host_ledger.PREFIX)]
     assert left == []
 
 
-def test_two_pools_that_fit_alone_but_not_together_are_refused_by_name(
-    scenario_dir,
-):
-    with pytest.raises(AssertionError, match="scenario tp2-over-budget failed"):
-        run_scenario(scenario_dir, "tp2-over-budget", tp2_scenario("100MiB"))
-    log = scenario_log(scenario_dir, "tp2-over-budget")
-    remove_vllm_tp_shm(log)  # vLLM's, not ours: see conftest
+def test_two_pools_that_fit_alone_but_not_together_are_refused_by_name(runs):
+    result, log, ledger = runs["tp2-over-budget"]
+    assert "error" in result, "the engine started"
     assert log.count("KV offload: host memory check passed") == 1
     # The refused worker allocates no pool. The other one's pool line may
     # come after the refusal, or not at all if the engine stops first.
@@ -82,14 +155,12 @@ def test_two_pools_that_fit_alone_but_not_together_are_refused_by_name(
     # 800 blocks x 64 KiB x 2 workers = 100 MiB.
     assert "lower num_cpu_blocks to 800 (this engine's 2 workers" in log
     assert "MemoryError" not in log
-    pools_of_dead_engines_are_gone()
+    pools_of_dead_engines_are_gone(ledger)
 
 
-def test_two_pools_within_the_budget_both_start(scenario_dir):
-    result = run_scenario(scenario_dir, "tp2-within-budget", tp2_scenario("128MiB"))
+def test_two_pools_within_the_budget_both_start(runs):
+    result, log, ledger = runs["tp2-within-budget"]
     assert len(result["phases"][0][0]["token_ids"]) == 4
-    log = scenario_log(scenario_dir, "tp2-within-budget")
-    remove_vllm_tp_shm(log)  # vLLM's, not ours: see conftest
     assert log.count("CPU block pool of 1000 blocks x 65536 bytes") == 2
     assert "next to 1 other pool(s) of this host (62.50 MiB)" in log
-    pools_of_dead_engines_are_gone()
+    pools_of_dead_engines_are_gone(ledger)
