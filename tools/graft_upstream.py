@@ -109,22 +109,19 @@ def overlay_files(src_root: Path = ROOT) -> dict[str, Path]:
             rel = path.relative_to(base)
             if not path.is_file() or _is_build_or_hidden(rel):
                 continue
-            rel_posix = rel.as_posix()
-            if owned == "csrc/kv_offload" and any(
-                rel_posix == ex or rel_posix.startswith(ex) for ex in CSRC_EXCLUDED
-            ):
+            if owned == "csrc/kv_offload" and rel.as_posix().startswith(CSRC_EXCLUDED):
                 continue
-            files[f"{owned}/{rel_posix}"] = path
+            files[f"{owned}/{rel.as_posix()}"] = path
     return files
 
 
 def native_sources(files: dict[str, Path]) -> list[str]:
     """The .cpp files of the overlay that join upstream's library, in build order."""
     srcs = [p for p in files if p.startswith("csrc/kv_offload/") and p.endswith(".cpp")]
-    for required in ("csrc/kv_offload/dispatch.cpp",):
-        if required not in srcs:
-            raise GraftError(f"{required} is missing from this checkout")
-    return sorted(srcs, key=lambda p: (p != "csrc/kv_offload/dispatch.cpp", p))
+    first = "csrc/kv_offload/dispatch.cpp"
+    if first not in srcs:
+        raise GraftError(f"{first} is missing from this checkout")
+    return sorted(srcs, key=lambda p: (p != first, p))
 
 
 def our_entry_point(src_root: Path = ROOT) -> str:
