@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -126,18 +127,9 @@ def native_sources(files: dict[str, Path]) -> list[str]:
 
 def our_entry_point(src_root: Path = ROOT) -> str:
     """``name = module:function`` of our vllm.general_plugins entry point."""
-    text = (src_root / "pyproject.toml").read_text()
-    section = re.search(
-        r'^\[project\.entry-points\."vllm\.general_plugins"\]\n(?P<body>(?:(?!\[).*\n?)*)',
-        text,
-        re.MULTILINE,
-    )
-    entries = []
-    if section:
-        for line in section["body"].splitlines():
-            m = re.match(r'^\s*([\w.-]+)\s*=\s*"([^"]+)"', line)
-            if m:
-                entries.append(f"{m[1]} = {m[2]}")
+    with open(src_root / "pyproject.toml", "rb") as f:
+        eps = tomllib.load(f)["project"].get("entry-points", {})
+    entries = [f"{n} = {v}" for n, v in eps.get("vllm.general_plugins", {}).items()]
     if len(entries) != 1:
         raise GraftError(
             "pyproject.toml: expected exactly one vllm.general_plugins entry point, "

@@ -301,16 +301,12 @@ def _ours_ok(got: dict, *, editable_root: Path | None = None) -> None:
     assert got["ours"]["backends"] == ["cpu"]
     assert Path(got["ours"]["native"]).parent == npu.parent
     # One vLLM plugin (the connector) and one console script (the doctor).
-    plugin_eps = [e for e in mine["entry_points"] if e[0] == "vllm.general_plugins"]
-    (ours_ep,) = plugin_eps
+    (ours_ep,) = [e for e in mine["entry_points"] if e[0] == "vllm.general_plugins"]
     group, name, value = ours_ep
     assert got["groups"][group][name] == [value, None]
+    doctor = ("vllm-ascend-kv-offload-doctor", "vllm_ascend.kv_offload.doctor:main")
     assert {tuple(e) for e in mine["entry_points"]} - {tuple(ours_ep)} == {
-        (
-            "console_scripts",
-            "vllm-ascend-kv-offload-doctor",
-            "vllm_ascend.kv_offload.doctor:main",
-        )
+        ("console_scripts", *doctor)
     }
     # Only the subpackage: nothing of the namespace, nothing upstream owns
     # (an editable install: its .pth and finder module instead).

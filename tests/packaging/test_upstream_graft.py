@@ -114,12 +114,8 @@ def test_torch_binding_calls_registration_in_both_soc_blocks(trees):
     call = "vllm_ascend::register_kv_offload_ops(ops);"
     assert text.count(decl) == 1
     assert text.count(call) == 2
-    blocks = [
-        m.start()
-        for m in re.finditer(
-            r"^TORCH_LIBRARY_EXPAND\(CONCAT\(_C, _ascend\), ops\)", text, re.M
-        )
-    ]
+    block = re.compile(r"^TORCH_LIBRARY_EXPAND\(CONCAT\(_C, _ascend\), ops\)", re.M)
+    blocks = [m.start() for m in block.finditer(text)]
     assert len(blocks) == 2
     assert text.index(decl) < blocks[0]
     for start in blocks:

@@ -271,28 +271,24 @@ def coexistence_venv() -> Path:
 # wheel of this repo
 
 
-def _source_files() -> list[Path]:
-    """Files a fresh clone of this repo would have (tracked plus untracked,
-    not ignored), relative to REPO_ROOT; deleted ones are left out."""
+def _wheel_inputs() -> list[Path]:
+    """What the wheel is built from (the package, the C++ sources, the build
+    files) as a fresh clone of this repo would have it: tracked plus
+    untracked, not ignored; deleted ones are left out. Relative to REPO_ROOT."""
     proc = run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
         what="git ls-files",
         cwd=REPO_ROOT,
     )
-    names = sorted({n for n in proc.stdout.split("\0") if n})
-    return [Path(n) for n in names if (REPO_ROOT / n).is_file()]
-
-
-def _wheel_inputs(files: list[Path]) -> list[Path]:
-    """What the wheel is built from: the package, the C++ sources, the build files."""
-    roots = ("vllm_ascend/", "csrc/")
     top = {"setup.py", "pyproject.toml", "CMakeLists.txt", "README.md", "LICENSE"}
-    return [f for f in files if str(f) in top or str(f).startswith(roots)]
+    roots = ("vllm_ascend/", "csrc/")
+    names = {n for n in proc.stdout.split("\0") if n in top or n.startswith(roots)}
+    return [Path(n) for n in sorted(names) if (REPO_ROOT / n).is_file()]
 
 
 def copy_source_tree(dest: Path) -> Path:
     """Copies what the package is built from (see _wheel_inputs) to ``dest``."""
-    for f in _wheel_inputs(_source_files()):
+    for f in _wheel_inputs():
         (dest / f).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(REPO_ROOT / f, dest / f)
     return dest
@@ -300,7 +296,7 @@ def copy_source_tree(dest: Path) -> Path:
 
 def repo_wheel(python: str | os.PathLike = sys.executable) -> Path:
     """A wheel of this repo built with ``python``'s torch; cached by content."""
-    files = _wheel_inputs(_source_files())
+    files = _wheel_inputs()
     h = hashlib.sha256()
     torch_version = run(
         [python, "-c", "import torch; print(torch.__version__)"], what="torch version"
