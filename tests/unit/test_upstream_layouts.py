@@ -175,16 +175,11 @@ MLA_MODEL = {
     "architectures": ["DeepseekV2ForCausalLM"],
     "num_attention_heads": 4,
 }
+GQA_HEADS = {"num_attention_heads": 4, "num_key_value_heads": 2}
 SIZABLE = {
-    "bf16 (k, v)": ({"num_attention_heads": 4, "num_key_value_heads": 2}, "auto"),
-    "bf16 (k, v) interleaved in one allocation": (
-        {"num_attention_heads": 4, "num_key_value_heads": 2},
-        "auto",
-    ),
-    "C8 INT8 dense (k, v)": (
-        {"num_attention_heads": 4, "num_key_value_heads": 2},
-        "int8",
-    ),
+    "bf16 (k, v)": (GQA_HEADS, "auto"),
+    "bf16 (k, v) interleaved in one allocation": (GQA_HEADS, "auto"),
+    "C8 INT8 dense (k, v)": (GQA_HEADS, "int8"),
     "MLA (nope, rope)": ({"kv_lora_rank": 512, "qk_rope_head_dim": 64}, "auto"),
 }
 

@@ -36,67 +36,37 @@ from vllm.logger import logger
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionLayer
 from vllm.utils.torch_utils import get_dtype_size
-from vllm.v1.kv_cache_interface import (
-    AttentionSpec,
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheSpec,
-    MambaSpec,
-    UniformTypeKVCacheSpecs,
-)
+from vllm.v1 import kv_cache_interface
 
 RUNNER = "vllm_ascend/worker/model_runner_v1.py"
 # NPUModelRunner's methods that allocate and view the KV cache
 # (initialize_kv_cache, model_runner_v1.py:4591, calls
 # initialize_kv_cache_tensors and hands the result to the KV connector).
-RUNNER_METHODS = (
-    "initialize_kv_cache_tensors",
-    "_allocate_kv_cache_tensors",
-    "_allocate_sparse_c8_indexer_tensors",
-    "_allocate_int8_cache_tensor",
-    "_align_memory",
-    "_align_up",
-    "_reshape_kv_cache_tensors",
-    "_adjust_kv_layout",
-    "_get_layer_kv_cache_specs",
-    "_get_attention_kv_cache_dims",
-    "_uses_page_strided_kv_layout",
-    "_is_c8_mxfp_kv_cache",
-    "_fill_c8_mxfp_v_scale_caches",
+RUNNER_METHODS = tuple(
+    "initialize_kv_cache_tensors _allocate_kv_cache_tensors"
+    " _allocate_sparse_c8_indexer_tensors _allocate_int8_cache_tensor"
+    " _align_memory _align_up _reshape_kv_cache_tensors _adjust_kv_layout"
+    " _get_layer_kv_cache_specs _get_attention_kv_cache_dims"
+    " _uses_page_strided_kv_layout _is_c8_mxfp_kv_cache"
+    " _fill_c8_mxfp_v_scale_caches".split()
 )
 SPECS = "vllm_ascend/core/kv_cache_interface.py"  # imports vLLM only: loaded whole
 MXFP = "vllm_ascend/attention/attention_c8_mxfp.py"
-MXFP_NAMES = (
-    "MXFP_KV_SCALE_GROUP_SIZE",
-    "MXFP_KV_SCALE_VALUES_PER_GROUP",
-    "MXFP_KV_NZ_DIM_FRAG",
-    "MXFP_K_SCALE_NZ_TOKEN_FRAG",
-    "MXFP_V_SCALE_NZ_DIM_FRAG",
-    "MXFP8_GROUP_SIZE",
-    "MXFP_SCALE_DTYPE_SIZE",
-    "validate_mxfp_k_scale_head_dim",
-    "validate_mxfp_v_scale_block_size",
-    "mxfp_kv_scale_groups",
-    "mxfp_kv_block_scale_groups",
-    "mxfp_k_scale_page_bytes",
-    "mxfp_v_scale_page_bytes",
-    "mxfp_k_scale_cache_shape",
-    "mxfp_v_scale_cache_shape",
-    "mxfp_packet_section_sizes",
-    "mxfp_cache_spec",
-    "mxfp_paged_cache_views",
-    "mxfp_cache_views_for_spec",
-    "fill_mxfp_v_scale_cache",
+MXFP_NAMES = tuple(
+    "MXFP_KV_SCALE_GROUP_SIZE MXFP_KV_SCALE_VALUES_PER_GROUP"
+    " MXFP_KV_NZ_DIM_FRAG MXFP_K_SCALE_NZ_TOKEN_FRAG MXFP_V_SCALE_NZ_DIM_FRAG"
+    " MXFP8_GROUP_SIZE MXFP_SCALE_DTYPE_SIZE validate_mxfp_k_scale_head_dim"
+    " validate_mxfp_v_scale_block_size mxfp_kv_scale_groups"
+    " mxfp_kv_block_scale_groups mxfp_k_scale_page_bytes mxfp_v_scale_page_bytes"
+    " mxfp_k_scale_cache_shape mxfp_v_scale_cache_shape"
+    " mxfp_packet_section_sizes mxfp_cache_spec mxfp_paged_cache_views"
+    " mxfp_cache_views_for_spec fill_mxfp_v_scale_cache".split()
 )
 UTILS = "vllm_ascend/utils.py"
-UTILS_NAMES = (
-    "C8_MXFP_KV_CACHE_DTYPE",
-    "is_c8_mxfp_kv_quant",
-    "calc_split_factor",
-    "get_kv_cache_tensor_layers",
-    "is_hidden_state_cache_spec",
-    "kv_cache_spec_uses_packed_sfa_main_cache",
-    "kv_cache_spec_uses_sparse_sfa_c8",
+UTILS_NAMES = tuple(
+    "C8_MXFP_KV_CACHE_DTYPE is_c8_mxfp_kv_quant calc_split_factor"
+    " get_kv_cache_tensor_layers is_hidden_state_cache_spec"
+    " kv_cache_spec_uses_packed_sfa_main_cache kv_cache_spec_uses_sparse_sfa_c8".split()
 )
 QUANT = "vllm_ascend/quantization/configs/modelslim_config.py"
 QUANT_METHODS = ("is_fa_quant_layer", "get_kv_quant_dtype", "get_kv_quant_split_factor")
@@ -276,11 +246,6 @@ REPLACEMENTS = {
 }
 
 
-def _source(root: Path, rel: str) -> tuple[str, ast.Module]:
-    text = (root / rel).read_text()
-    return text, ast.parse(text)
-
-
 class _DropUpstreamImports(ast.NodeTransformer):
     """Removes function-local ``from vllm_ascend... import`` statements; the
     names they bound are supplied as globals (checked in :func:`_exec`)."""
@@ -295,9 +260,10 @@ class _DropUpstreamImports(ast.NodeTransformer):
         return node
 
 
-def _top_level(tree: ast.Module, names: Sequence[str], rel: str) -> list[ast.stmt]:
+def _top_level(root: Path, rel: str, names: Sequence[str]) -> list[ast.stmt]:
+    """The top-level definitions ``names`` of upstream's file ``rel``."""
     found: dict[str, ast.stmt] = {}
-    for node in tree.body:
+    for node in ast.parse((root / rel).read_text()).body:
         if isinstance(node, ast.FunctionDef | ast.ClassDef):
             found[node.name] = node
         elif isinstance(node, ast.Assign | ast.AnnAssign):
@@ -311,8 +277,9 @@ def _top_level(tree: ast.Module, names: Sequence[str], rel: str) -> list[ast.stm
     return [found[n] for n in names]
 
 
-def _methods(tree: ast.Module, cls: str, names: Sequence[str], rel: str):
-    for node in tree.body:
+def _methods(root: Path, rel: str, cls: str, names: Sequence[str]):
+    """The methods ``names`` of class ``cls`` in upstream's file ``rel``."""
+    for node in ast.parse((root / rel).read_text()).body:
         if isinstance(node, ast.ClassDef) and node.name == cls:
             by_name = {f.name: f for f in node.body if isinstance(f, ast.FunctionDef)}
             missing = [n for n in names if n not in by_name]
@@ -329,6 +296,12 @@ def _exec(nodes: list[ast.stmt], namespace: dict[str, Any], origin: str) -> None
     if unsupplied:
         raise LookupError(f"{origin} imports {unsupplied}, not supplied")
     exec(compile(module, origin, "exec"), namespace)
+
+
+def _class(name: str, body: list[ast.stmt], namespace: dict, origin: str) -> type:
+    """A class ``name`` of upstream's methods ``body``, exec-ed in ``namespace``."""
+    _exec([ast.ClassDef(name, [], [], body, [])], namespace, origin)
+    return namespace[name]
 
 
 def _load_module(root: Path, rel: str, name: str) -> ModuleType:
@@ -357,27 +330,21 @@ def load(root: Path) -> SimpleNamespace:
         "nullcontext": nullcontext,
         "replace": __import__("dataclasses").replace,
         "get_dtype_size": get_dtype_size,
-        "AttentionSpec": AttentionSpec,
-        "FullAttentionSpec": FullAttentionSpec,
-        "KVCacheConfig": KVCacheConfig,
-        "KVCacheSpec": KVCacheSpec,
-        "MambaSpec": MambaSpec,
-        "UniformTypeKVCacheSpecs": UniformTypeKVCacheSpecs,
+        **{
+            n: getattr(kv_cache_interface, n)
+            for n in "AttentionSpec FullAttentionSpec KVCacheConfig KVCacheSpec "
+            "MambaSpec UniformTypeKVCacheSpecs".split()
+        },
         "AttentionLayerBase": AttentionLayerBase,
         "CacheOnlyAttentionLayer": CacheOnlyAttentionLayer,
         "envs_vllm": vllm.envs,
         "VllmConfig": object,  # annotations only
         **{
             n: getattr(specs, n)
-            for n in (
-                "AscendMLAAttentionSpec",
-                "AscendSFAIndexerCacheSpec",
-                "AscendIndexerKPoolTailSpec",
-                "AscendSlidingWindowMLASpec",
-                "requires_padded_page_layout",
-                "get_kv_cache_compression_ratio",
-                "get_storage_block_size",
-            )
+            for n in "AscendMLAAttentionSpec AscendSFAIndexerCacheSpec "
+            "AscendIndexerKPoolTailSpec AscendSlidingWindowMLASpec "
+            "requires_padded_page_layout get_kv_cache_compression_ratio "
+            "get_storage_block_size".split()
         },
         # Replacements (REPLACEMENTS says what each stands for); the ones a
         # scenario answers are read from the runner instance (see Runner).
@@ -398,31 +365,24 @@ def load(root: Path) -> SimpleNamespace:
         "v41_cache_layer_type": type("NoV41Layer", (), {}),
         "extract_dsv4_layer_index": _NotOnCpu("extract_dsv4_layer_index"),
     }
-    for rel, names in ((UTILS, UTILS_NAMES), (ATTN_UTILS, ATTN_UTILS_NAMES)):
-        _exec(_top_level(_source(root, rel)[1], names, rel), ns, rel)
-    _exec(_top_level(_source(root, MXFP)[1], MXFP_NAMES, MXFP), ns, MXFP)
-
+    for rel, names in (
+        (UTILS, UTILS_NAMES),
+        (ATTN_UTILS, ATTN_UTILS_NAMES),
+        (MXFP, MXFP_NAMES),
+    ):
+        _exec(_top_level(root, rel, names), ns, rel)
     backends = {}
     for name, rel in BACKENDS.items():
-        (shape_fn,) = _methods(_source(root, rel)[1], name, ["get_kv_cache_shape"], rel)
-        sparse = name in SPARSE_BACKENDS
-        body = [shape_fn, *ast.parse(f"def is_sparse():\n    return {sparse}").body]
-        cls = ast.ClassDef(name, [], [], body, [])
-        _exec([cls], ns, rel)
-        backends[name] = ns[name]
-
-    quant = _methods(
-        _source(root, QUANT)[1], "AscendModelSlimConfig", QUANT_METHODS, QUANT
-    )
-    _exec([ast.ClassDef("ModelSlimKVQuant", [], [], quant, [])], ns, QUANT)
-
-    runner_tree = _source(root, RUNNER)[1]
-    methods = _methods(runner_tree, "NPUModelRunner", RUNNER_METHODS, RUNNER)
-    _exec([ast.ClassDef("UpstreamRunnerMethods", [], [], methods, [])], ns, RUNNER)
+        (shape_fn,) = _methods(root, rel, name, ["get_kv_cache_shape"])
+        is_sparse = ast.parse(f"def is_sparse():\n    return {name in SPARSE_BACKENDS}")
+        backends[name] = _class(name, [shape_fn, *is_sparse.body], ns, rel)
+    quant = _methods(root, QUANT, "AscendModelSlimConfig", QUANT_METHODS)
+    kv_quant = _class("ModelSlimKVQuant", quant, ns, QUANT)
+    runner = _methods(root, RUNNER, "NPUModelRunner", RUNNER_METHODS)
     return SimpleNamespace(
         specs=specs,
         backends=backends,
-        runner_methods=ns["UpstreamRunnerMethods"],
-        kv_quant=ns["ModelSlimKVQuant"],
+        runner_methods=_class("UpstreamRunnerMethods", runner, ns, RUNNER),
+        kv_quant=kv_quant,
         ns=ns,
     )
