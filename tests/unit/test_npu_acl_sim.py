@@ -127,28 +127,27 @@ class SimAcl:
     def register(self, buf: np.ndarray, location: int, device_id: int = 0) -> None:
         self.lib.simacl_register(buf.ctypes.data, buf.nbytes, location, device_id)
 
-    def host_register(self, addr: int, size: int, flags: int = MAPPED_PINNED) -> None:
-        """The core's register_host_range (acl_host_register.cpp)."""
+    def core(self, fn: str, *args) -> None:
+        """Calls the real core through simacl_core_<fn>; its error raises."""
         err = ctypes.create_string_buffer(4096)
-        if self.lib.simacl_core_host_register(addr, size, flags, err, len(err)):
+        if getattr(self.lib, f"simacl_core_{fn}")(*args, err, len(err)):
             raise RuntimeError(err.value.decode())
 
+    def host_register(self, addr: int, size: int, flags: int = MAPPED_PINNED) -> None:
+        """The core's register_host_range (acl_host_register.cpp)."""
+        self.core("host_register", addr, size, flags)
+
     def host_unregister(self, addr: int) -> None:
-        err = ctypes.create_string_buffer(4096)
-        if self.lib.simacl_core_host_unregister(addr, err, len(err)):
-            raise RuntimeError(err.value.decode())
+        self.core("host_unregister", addr)
 
     def host_alloc(self, size: int) -> int:
         """The core's allocate_host (aclrtMallocHost)."""
-        addr, err = ctypes.c_uint64(), ctypes.create_string_buffer(4096)
-        if self.lib.simacl_core_host_alloc(size, ctypes.byref(addr), err, len(err)):
-            raise RuntimeError(err.value.decode())
+        addr = ctypes.c_uint64()
+        self.core("host_alloc", size, ctypes.byref(addr))
         return addr.value
 
     def host_free(self, addr: int) -> None:
-        err = ctypes.create_string_buffer(4096)
-        if self.lib.simacl_core_host_free(addr, err, len(err)):
-            raise RuntimeError(err.value.decode())
+        self.core("host_free", addr)
 
     def limit_host_memory(
         self, max_bytes: int = 0, alignment: int = 4096, a5: bool = False
@@ -195,22 +194,13 @@ class SimAcl:
         frags = np.arange(n) if fragments is None else fragments
         cols = [np.ascontiguousarray(c, dtype=np.uint64) for c in (src, dst, sizes)]
         frag = np.ascontiguousarray(frags, dtype=np.int64)
-        u64p = ctypes.POINTER(ctypes.c_uint64)
-        report, err = _Report(), ctypes.create_string_buffer(4096)
-        rc = self.lib.simacl_core_copy(
-            *(c.ctypes.data_as(u64p) for c in cols),
-            frag.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)),
-            n,
-            STREAM,
-            workspace_bytes,
-            int(free_workspace_at_return),
-            int(per_copy),
-            ctypes.byref(report),
-            err,
-            len(err),
+        ptrs = [c.ctypes.data_as(ctypes.POINTER(ctypes.c_uint64)) for c in cols]
+        ptrs.append(frag.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)))
+        flags = (int(free_workspace_at_return), int(per_copy))
+        report = _Report()
+        self.core(
+            "copy", *ptrs, n, STREAM, workspace_bytes, *flags, ctypes.byref(report)
         )
-        if rc != 0:
-            raise RuntimeError(err.value.decode())
         if sync and (code := self.sync()) != 0:
             raise RuntimeError(f"aclrtSynchronizeStream failed with ACL error {code}")
         return {
@@ -242,17 +232,10 @@ def sim_libs() -> dict[str, SimAcl]:
             pytest.fail(reason + " -- CI must run the SIMULATION tests")
         pytest.skip(reason)
     cmake = shutil.which("cmake") or "cmake"
-    for cmd in (
-        [
-            cmake,
-            "-S",
-            str(SIM_SRC),
-            "-B",
-            str(SIM_BUILD),
-            f"-DSIM_ACL_TORCH_NPU_DIR={torch_npu_dir}",
-        ],
-        [cmake, "--build", str(SIM_BUILD), "-j", str(os.cpu_count() or 2)],
-    ):
+    configure = [cmake, "-S", str(SIM_SRC), "-B", str(SIM_BUILD)]
+    configure.append(f"-DSIM_ACL_TORCH_NPU_DIR={torch_npu_dir}")
+    jobs = str(os.cpu_count() or 2)
+    for cmd in (configure, [cmake, "--build", str(SIM_BUILD), "-j", jobs]):
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             pytest.fail(
