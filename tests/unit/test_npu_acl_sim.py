@@ -30,6 +30,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+from tests.unit.kv_helpers import make_kv_caches
+from vllm_ascend.kv_offload import acl_host, host_memory, ops
+from vllm_ascend.kv_offload.copy_engine import CopyEngine
+from vllm_ascend.kv_offload.cpu_pool import CpuBlockPool, PoolLayout
 
 ROOT = Path(__file__).resolve().parents[2]
 SIM_SRC = ROOT / "tests" / "sim_acl"
@@ -508,38 +514,19 @@ def test_sim_unsupported_batch_api_falls_back_to_per_copy_loop(
 @pytest.mark.parametrize(
     ("api", "nth", "fail_index", "expected"),
     [
-        (
-            ATTRS,
-            1,
-            SIZE_MAX,
-            r"aclrtPointerGetAttributes\(src_addrs\[0\]=0x[0-9a-f]+\) "
-            r"failed with ACL error 507000",
-        ),
-        (
-            ATTRS,
-            2,
-            SIZE_MAX,
-            r"aclrtPointerGetAttributes\(dst_addrs\[0\]=0x[0-9a-f]+\) "
-            r"failed with ACL error 507000",
-        ),
-        (
-            BATCH,
-            1,
-            SIZE_MAX,
-            r"aclrtMemcpyBatchAsync \(host-to-device\) failed with ACL "
-            r"error 507000 in call 1 of 1 .*\(failIndex=SIZE_MAX\)",
-        ),
+        (ATTRS, 1, SIZE_MAX, r"aclrtPointerGetAttributes\(src_addrs\[0\]=0x[0-9a-f]+\) "
+                             r"failed with ACL error 507000"),
+        (ATTRS, 2, SIZE_MAX, r"aclrtPointerGetAttributes\(dst_addrs\[0\]=0x[0-9a-f]+\) "
+                             r"failed with ACL error 507000"),
+        (BATCH, 1, SIZE_MAX, r"aclrtMemcpyBatchAsync \(host-to-device\) failed with "
+                             r"ACL error 507000 in call 1 of 1 .*"
+                             r"\(failIndex=SIZE_MAX\)"),
         (BATCH, 1, 99, r"at fragment 99 \(entry 99 of call 1 of 1"),
         (BATCH, 1, 123456, r"named no single entry \(failIndex=123456\)"),
-        (
-            SINGLE,
-            3,
-            SIZE_MAX,
-            r"aclrtMemcpyAsync \(host-to-device, per-copy fallback\) "
-            r"failed with ACL error 507000 at fragment 2 ",
-        ),
+        (SINGLE, 3, SIZE_MAX, r"aclrtMemcpyAsync \(host-to-device, per-copy fallback\) "
+                              r"failed with ACL error 507000 at fragment 2 "),
     ],
-)
+)  # fmt: skip
 def test_sim_every_acl_error_raises(sim, api, nth, fail_index, expected) -> None:
     _, job = pools_job(sim, 200, 64)
     if api == SINGLE:
@@ -863,15 +850,11 @@ def test_sim_constants_match_the_acl_headers(sim_libs) -> None:
     text = "".join(p.read_text() for p in include.rglob("*.h"))
     # This module's names of the header's constants are the header's names.
     for name in (
-        "ACL_ERROR_INVALID_PARAM",
-        "ACL_ERROR_RT_PARAM_INVALID",
-        "ACL_ERROR_RT_INVALID_MEMORY_TYPE",
-        "ACL_ERROR_RT_FEATURE_NOT_SUPPORT",
-        "ACL_ERROR_RT_INTERNAL_ERROR",
-        "ACL_ERROR_RT_ADDR_UNALIGNED",
-        "ACL_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
-        "ACL_ERROR_HOST_MEMORY_NOT_REGISTERED",
-    ):
+        "ACL_ERROR_INVALID_PARAM ACL_ERROR_RT_PARAM_INVALID "
+        "ACL_ERROR_RT_INVALID_MEMORY_TYPE ACL_ERROR_RT_FEATURE_NOT_SUPPORT "
+        "ACL_ERROR_RT_INTERNAL_ERROR ACL_ERROR_RT_ADDR_UNALIGNED "
+        "ACL_ERROR_HOST_MEMORY_ALREADY_REGISTERED ACL_ERROR_HOST_MEMORY_NOT_REGISTERED"
+    ).split():
         assert re.search(rf"\b{name}\b\s*=?\s*{globals()[name]}\b", text), name
     for name in ("ACL_HOST_REG_MAPPED", "ACL_HOST_REG_PINNED"):
         found = re.search(rf"#define\s+{name}\s+(0x[0-9A-Fa-f]+)UL", text)
@@ -903,12 +886,11 @@ def sim_host_api(sim: SimAcl, malloc: bool = True):
     """acl_host.AclHostApi over the core's calls, linked against the
     SIMULATED runtime (instead of the native op's); without ``malloc``,
     every aclrtMallocHost is refused (the registered mmap is what is left)."""
-    from vllm_ascend.kv_offload.acl_host import AclHostApi
 
     def refused(size: int) -> int:
         raise RuntimeError(f"aclrtMallocHost({size} bytes) refused by the test")
 
-    return AclHostApi(
+    return acl_host.AclHostApi(
         alloc=sim.host_alloc if malloc else refused,
         free=sim.host_free,
         register=sim.host_register,
@@ -917,8 +899,6 @@ def sim_host_api(sim: SimAcl, malloc: bool = True):
 
 
 def npu_memory(sim: SimAcl, rows: int, row_bytes: int, malloc=True, **kwargs):
-    from vllm_ascend.kv_offload import host_memory
-
     return host_memory.allocate_host_memory(
         rows,
         row_bytes,
@@ -930,8 +910,6 @@ def npu_memory(sim: SimAcl, rows: int, row_bytes: int, malloc=True, **kwargs):
 
 
 def test_sim_npu_pool_memory_is_acl_malloc_host_of_the_exact_size(sim) -> None:
-    from vllm_ascend.kv_offload import acl_host
-
     nbytes = 3 * 4096 + 100
     memory = npu_memory(sim, 1, nbytes)
     assert (memory.kind, memory.pinned, memory.nbytes, memory.pieces) == (
@@ -953,8 +931,6 @@ def test_sim_npu_pool_memory_is_acl_malloc_host_of_the_exact_size(sim) -> None:
 
 
 def test_sim_npu_pool_memory_falls_back_to_a_registered_mmap(sim) -> None:
-    from vllm_ascend.kv_offload import acl_host
-
     sim.inject(MALLOC_HOST, 1, ACL_ERROR_RT_INTERNAL_ERROR)
     memory = npu_memory(sim, 2, 4096)
     assert (memory.kind, memory.pinned) == (acl_host.ACL_REGISTERED, True)
@@ -968,8 +944,6 @@ def test_sim_npu_pool_memory_falls_back_to_a_registered_mmap(sim) -> None:
 
 
 def test_sim_npu_pool_memory_is_pageable_when_acl_refuses_both(sim, monkeypatch):
-    from vllm_ascend.kv_offload import host_memory
-
     warnings = []
     monkeypatch.setattr(host_memory.logger, "warning", lambda *a: warnings.append(a))
     sim.limit_host_memory(max_bytes=4096)  # less than the pool's one unit
@@ -986,8 +960,6 @@ def test_sim_npu_pool_memory_is_pageable_when_acl_refuses_both(sim, monkeypatch)
 
 
 def test_sim_npu_pool_memory_is_not_registered_on_old_kernels(sim) -> None:
-    from vllm_ascend.kv_offload import host_memory
-
     memory = npu_memory(sim, 2, 4096, malloc=False, kernel=OLD_KERNEL)
     assert memory.kind == host_memory.PAGEABLE
     assert sim.calls(HOST_REGISTER) == 0  # CANN: "causes exceptions" there
@@ -999,13 +971,6 @@ def round_trip(sim: SimAcl, memory, rows: int, row_bytes: int) -> None:
     SIMULATED runtime, loads them back into poisoned blocks: byte-exact, and
     no copy straddles two pieces (the runtime would refuse it). Releases
     ``memory``."""
-    from vllm.v1.kv_offload.base import GPULoadStoreSpec
-
-    from tests.unit.kv_helpers import make_kv_caches
-    from vllm_ascend.kv_offload import ops
-    from vllm_ascend.kv_offload.copy_engine import CopyEngine
-    from vllm_ascend.kv_offload.cpu_pool import CpuBlockPool, PoolLayout
-
     kv = make_kv_caches(rows, [row_bytes], seed=rows)
     device = kv.tensors[0].tensor
     sim.register(device.view(torch.uint8).numpy(), LOC_DEVICE, device_id=0)
@@ -1032,8 +997,6 @@ def test_sim_a_refused_malloc_host_piece_is_retried_smaller_and_stays_pinned(
     """A piece aclrtMallocHost refuses (more than the runtime's per-call
     limit, error 207001) is allocated as two of half the size; the pool is
     page-locked, every row of it, and byte-exact through the runtime."""
-    from vllm_ascend.kv_offload import acl_host
-
     sim.limit_host_memory(max_bytes=600 * 1024, alignment=SVM)
     # 1 MiB pieces: 16 units of one 4 KiB row, 64 KiB apart (SVM alignment).
     memory = npu_memory(sim, 64, 4096, piece_bytes=2**20)
@@ -1054,8 +1017,6 @@ def test_sim_on_a5_the_pool_is_registered_mapped_in_smaller_aligned_pieces(
     """A5: PINNED refused (107000), MAPPED alone accepted; pieces larger than
     the runtime takes are registered at half the size, each 64 KiB-aligned
     (the simulation refuses any other address)."""
-    from vllm_ascend.kv_offload import acl_host
-
     sim.limit_host_memory(max_bytes=600 * 1024, alignment=SVM, a5=True)
     memory = npu_memory(sim, 64, 4096, malloc=False, piece_bytes=2**20)
     assert (memory.kind, memory.pinned) == (acl_host.ACL_REGISTERED_MAPPED, True)
