@@ -347,15 +347,6 @@ def test_sim_copies_are_byte_exact(sim: SimAcl, direction: str) -> None:
     assert sim.lib.simacl_sync_copies() == 0  # pinned: queued, not synchronous
 
 
-def test_sim_10000_fragments_take_three_batch_calls(sim: SimAcl) -> None:
-    pools, job = pools_job(sim, 10_000, 8, seed=1)
-    report = job.run(sim)
-    assert (report["batch_calls"], report["single_calls"]) == (3, 0)
-    assert sim.calls(BATCH) == 3 and sim.calls(SINGLE) == 0
-    assert sim.lib.simacl_max_entries() == 4096  # 4096 + 4096 + 1808
-    np.testing.assert_array_equal(pools.device, job.want)
-
-
 def test_sim_bad_entry_in_second_batch_names_the_callers_fragment(sim: SimAcl) -> None:
     n, size, bad = 10_000, 8, 5000
     pools, job = pools_job(sim, n, size, seed=2)
@@ -385,17 +376,6 @@ def test_sim_bad_entry_in_second_batch_names_the_callers_fragment(sim: SimAcl) -
 # when it returns; the simulation reads them when the copy executes.
 
 
-def test_sim_queued_copies_run_when_the_stream_is_synchronized(sim: SimAcl) -> None:
-    """The simulation itself: a pinned job waits on the stream."""
-    pools, job = pools_job(sim, 100, 16)
-    before = pools.device.copy()
-    job.run(sim, sync=False)
-    assert sim.pending() == 1
-    np.testing.assert_array_equal(pools.device, before)  # nothing ran yet
-    assert sim.sync() == 0 and sim.pending() == 0
-    np.testing.assert_array_equal(pools.device, job.want)
-
-
 @pytest.mark.parametrize("direction", ["h2d", "d2h"])
 @pytest.mark.parametrize(
     "free_at_return", [False, True], ids=["kept_until_sync", "freed_at_return"]
@@ -403,17 +383,24 @@ def test_sim_queued_copies_run_when_the_stream_is_synchronized(sim: SimAcl) -> N
 def test_sim_descriptor_arrays_live_until_the_copies_have_run(
     sim: SimAcl, direction: str, free_at_return: bool
 ) -> None:
-    """Kept until the stream has run (what StreamTransferQueue does with the
+    """10,000 fragments take three batch calls, queued on the stream (a
+    pinned job waits for it: nothing is copied before it is synchronized).
+    Kept until the stream has run (what StreamTransferQueue does with the
     op's workspace: until the job's end event), every byte arrives. Freed
     when the op returns (what the op did while its arrays were locals), the
     runtime finds garbage when the copies execute: wrong bytes, and the
     synchronize reports the fault."""
     n, size = 10_000, 8  # three batch calls, each reading its own slice
     _, job = pools_job(sim, n, size, direction, seed=3)
+    before = job.dst_buf.copy()
     report = job.run(sim, sync=False, free_workspace_at_return=free_at_return)
-    assert report["batch_calls"] == 3 and sim.pending() == 3
+    assert (report["batch_calls"], report["single_calls"]) == (3, 0)
+    assert sim.calls(BATCH) == 3 and sim.calls(SINGLE) == 0 and sim.pending() == 3
+    assert sim.lib.simacl_max_entries() == 4096  # 4096 + 4096 + 1808
     assert report["workspace_bytes"] == batch_workspace_bytes(n)
+    np.testing.assert_array_equal(job.dst_buf, before)  # nothing ran yet
     rc = sim.sync()
+    assert sim.pending() == 0
     dst_buf, want = job.dst_buf, job.want
     wrong = sum(
         not np.array_equal(dst_buf[d : d + size], want[d : d + size])
