@@ -21,7 +21,6 @@ import gc
 import importlib.util
 import mmap
 import os
-import random
 import re
 import shutil
 import subprocess
@@ -281,11 +280,8 @@ class Pools:
 def scattered(n: int, size: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Source and destination offsets of n disjoint, non-adjacent slots of
     `size` bytes (stride 2 * size), in shuffled order on each side."""
-    rng = random.Random(seed)
-    src, dst = list(range(n)), list(range(n))
-    rng.shuffle(src)
-    rng.shuffle(dst)
-    return np.array(src) * 2 * size, np.array(dst) * 2 * size
+    rng = np.random.default_rng(seed)
+    return rng.permutation(n) * 2 * size, rng.permutation(n) * 2 * size
 
 
 def batch_workspace_bytes(n: int) -> int:
@@ -569,17 +565,9 @@ def _raw_batch(sim, dsts, dmax, srcs, sizes, attrs, idx):
         (ctypes.c_size_t * k)(*idx),
     )
     sim.keep_alive.append(arrays)  # read again when the copy runs
-    fail = ctypes.c_size_t(0)
-    rc = sim.lib.aclrtMemcpyBatchAsync(
-        *arrays[:4],
-        ctypes.c_size_t(n),
-        arrays[4],
-        arrays[5],
-        ctypes.c_size_t(k),
-        ctypes.byref(fail),
-        ctypes.c_void_p(STREAM),
-    )
-    return rc, fail.value
+    fail, size = ctypes.c_size_t(0), ctypes.c_size_t
+    args = (*arrays[:4], size(n), *arrays[4:], size(k), ctypes.byref(fail))
+    return sim.lib.aclrtMemcpyBatchAsync(*args, ctypes.c_void_p(STREAM)), fail.value
 
 
 def test_sim_runtime_follows_the_documented_rules(sim: SimAcl) -> None:
@@ -617,11 +605,8 @@ def test_sim_runtime_follows_the_documented_rules(sim: SimAcl) -> None:
     assert sim.pending() == 0
     np.testing.assert_array_equal(pools.device[:8], pools.pageable[:8])
 
-    memcpy = sim.lib.aclrtMemcpyAsync
-    memcpy.argtypes = [ctypes.c_void_p, ctypes.c_size_t] * 2 + [
-        ctypes.c_int,
-        ctypes.c_void_p,
-    ]
+    memcpy, ptr = sim.lib.aclrtMemcpyAsync, ctypes.c_void_p
+    memcpy.argtypes = [ptr, ctypes.c_size_t] * 2 + [ctypes.c_int, ptr]
     # Host-to-host is documented to return "feature not supported".
     assert memcpy(pin + 64, 8, pin, 8, H2H, STREAM) == ACL_ERROR_RT_FEATURE_NOT_SUPPORT
     assert memcpy(dev, 8, pin, 8, D2H, STREAM) == ACL_ERROR_RT_INVALID_MEMORY_TYPE
