@@ -560,14 +560,12 @@ void simacl_register(const void* ptr, size_t size, int location_type,
 }
 
 void simacl_set_batch_unsupported(int on) {
-  auto [lock, s] = Locked{};
-  s.batch_unsupported = on != 0;
+  Locked{}.s.batch_unsupported = on != 0;
 }
 
 void simacl_inject_failure(const char* api, size_t nth_call, int code,
                            size_t fail_index) {
-  auto [lock, s] = Locked{};
-  s.injections[api] = Injection{api, nth_call, code, fail_index};
+  Locked{}.s.injections[api] = Injection{api, nth_call, code, fail_index};
 }
 
 size_t simacl_calls(const char* api) {
