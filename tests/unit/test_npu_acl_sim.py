@@ -854,31 +854,21 @@ MALLOC_HOST, FREE_HOST = "aclrtMallocHost", "aclrtFreeHost"
 NEW_KERNEL, OLD_KERNEL = "6.8.0-generic", "5.10.0-60.18.0.50.oe2203.aarch64"
 
 
-def sim_host_api(sim: SimAcl, malloc: bool = True):
-    """acl_host.AclHostApi over the core's calls, linked against the
-    SIMULATED runtime (instead of the native op's); without ``malloc``,
-    every aclrtMallocHost is refused (the registered mmap is what is left)."""
+def npu_memory(sim: SimAcl, rows: int, row_bytes: int, malloc=True, **kwargs):
+    """host_memory's npu pool memory through acl_host.AclHostApi over the
+    core's calls, linked against the SIMULATED runtime (instead of the native
+    op's); without ``malloc``, every aclrtMallocHost is refused (the
+    registered mmap is what is left)."""
 
     def refused(size: int) -> int:
         raise RuntimeError(f"aclrtMallocHost({size} bytes) refused by the test")
 
-    return acl_host.AclHostApi(
-        alloc=sim.host_alloc if malloc else refused,
-        free=sim.host_free,
-        register=sim.host_register,
-        unregister=sim.host_unregister,
+    alloc = sim.host_alloc if malloc else refused
+    api = acl_host.AclHostApi(
+        alloc, sim.host_free, sim.host_register, sim.host_unregister
     )
-
-
-def npu_memory(sim: SimAcl, rows: int, row_bytes: int, malloc=True, **kwargs):
-    return host_memory.allocate_host_memory(
-        rows,
-        row_bytes,
-        "npu",
-        acl=sim_host_api(sim, malloc),
-        kernel=kwargs.pop("kernel", NEW_KERNEL),
-        **kwargs,
-    )
+    kwargs.setdefault("kernel", NEW_KERNEL)
+    return host_memory.allocate_host_memory(rows, row_bytes, "npu", acl=api, **kwargs)
 
 
 def test_sim_npu_pool_memory_is_acl_malloc_host_of_the_exact_size(sim) -> None:
