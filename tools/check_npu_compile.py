@@ -57,18 +57,9 @@ def fetch_headers(cache_dir: Path = CACHE / "torch_npu_headers") -> Path:
     cache_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
         _log(f"downloading torch-npu=={TORCH_NPU_VERSION} (~43 MB, headers only kept)")
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--only-binary=:all:",
-            *WHEEL_PLATFORM,
-            f"torch-npu=={TORCH_NPU_VERSION}",
-            "-d",
-            tmp,
-        ]
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps"]
+        cmd += ["--only-binary=:all:", *WHEEL_PLATFORM]
+        cmd += [f"torch-npu=={TORCH_NPU_VERSION}", "-d", tmp]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         except (OSError, subprocess.TimeoutExpired) as e:

@@ -43,19 +43,23 @@ std::string compiled_list() {
   return out;
 }
 
+// Raises: `op` needs backend `device`, which this build lacks.
+[[noreturn]] void not_compiled(std::string_view op, std::string_view device) {
+  std::string upper(device);
+  for (char& c : upper) c = static_cast<char>(std::toupper(c));
+  TORCH_CHECK(false, op, ": backend '", device,
+              "' was not compiled into this build (compiled backends: ",
+              compiled_list(), "); rebuild vllm-ascend on a machine with ",
+              "that backend's toolchain (CMake option VLLM_ASCEND_WITH_", upper,
+              "=ON, see setup.py)");
+}
+
 SwapBlocksBackend resolve_backend(std::string_view device) {
   for (const BackendEntry& b : kBackends) {
     if (b.name == device) return b.fn;
   }
   for (std::string_view known : kKnownDevices) {
-    if (known != device) continue;
-    std::string upper(device);
-    for (char& c : upper) c = static_cast<char>(std::toupper(c));
-    TORCH_CHECK(false, "swap_blocks_batch: backend '", device,
-                "' was not compiled into this build (compiled backends: ",
-                compiled_list(), "); rebuild vllm-ascend on a machine with ",
-                "that backend's toolchain (CMake option VLLM_ASCEND_WITH_",
-                upper, "=ON, see setup.py)");
+    if (known == device) not_compiled("swap_blocks_batch", device);
   }
   TORCH_CHECK(false, "swap_blocks_batch: unknown device '", device,
               "'; expected one of 'cpu', 'npu' (cuda copies with vLLM's ",
@@ -119,10 +123,6 @@ std::vector<CopyRegion> coalesce(const int64_t* src, const int64_t* dst,
   return regions;
 }
 
-}  // namespace
-
-namespace {
-
 // The workspace of a job that has none (see ops.h, Returns).
 at::Tensor no_workspace() { return at::empty({0}, at::kByte); }
 
@@ -167,8 +167,8 @@ uint64_t total_bytes_of_disjoint_copies(const std::vector<CopyRegion>& regions,
   return total;
 }
 
-void host_register(int64_t addr, int64_t size, std::string_view device,
-                   int64_t flags) {
+void host_register([[maybe_unused]] int64_t addr, [[maybe_unused]] int64_t size,
+                   std::string_view device, [[maybe_unused]] int64_t flags) {
   TORCH_CHECK(device == "npu" || device == "cuda" || device == "cpu",
               "kv_offload_host_register: unknown device '", device,
               "'; expected 'npu'");
@@ -185,29 +185,17 @@ void host_register(int64_t addr, int64_t size, std::string_view device,
   host_register_npu(static_cast<uint64_t>(addr), static_cast<uint64_t>(size),
                     static_cast<uint32_t>(flags));
 #else
-  (void)addr;
-  (void)size;
-  (void)flags;
-  TORCH_CHECK(false,
-              "kv_offload_host_register: backend 'npu' was not compiled into "
-              "this build (compiled backends: ",
-              compiled_list(),
-              "); rebuild vllm-ascend on a machine with torch_npu "
-              "(CMake option VLLM_ASCEND_WITH_NPU=ON, see setup.py)");
+  not_compiled("kv_offload_host_register", device);
 #endif
 }
 
-void host_unregister(int64_t addr, std::string_view device) {
+void host_unregister([[maybe_unused]] int64_t addr, std::string_view device) {
   TORCH_CHECK(device == "npu", "kv_offload_host_unregister: device '", device,
               "' is not supported; only 'npu' is implemented");
 #ifdef VLLM_ASCEND_WITH_NPU
   host_unregister_npu(static_cast<uint64_t>(addr));
 #else
-  (void)addr;
-  TORCH_CHECK(false,
-              "kv_offload_host_unregister: backend 'npu' was not compiled "
-              "into this build (compiled backends: ",
-              compiled_list(), ")");
+  not_compiled("kv_offload_host_unregister", device);
 #endif
 }
 
@@ -219,24 +207,17 @@ int64_t host_alloc(int64_t size, std::string_view device) {
 #ifdef VLLM_ASCEND_WITH_NPU
   return static_cast<int64_t>(host_alloc_npu(static_cast<uint64_t>(size)));
 #else
-  TORCH_CHECK(false,
-              "kv_offload_host_alloc: backend 'npu' was not compiled into "
-              "this build (compiled backends: ",
-              compiled_list(), ")");
+  not_compiled("kv_offload_host_alloc", device);
 #endif
 }
 
-void host_free(int64_t addr, std::string_view device) {
+void host_free([[maybe_unused]] int64_t addr, std::string_view device) {
   TORCH_CHECK(device == "npu", "kv_offload_host_free: device '", device,
               "' is not supported; only 'npu' is implemented");
 #ifdef VLLM_ASCEND_WITH_NPU
   host_free_npu(static_cast<uint64_t>(addr));
 #else
-  (void)addr;
-  TORCH_CHECK(false,
-              "kv_offload_host_free: backend 'npu' was not compiled into "
-              "this build (compiled backends: ",
-              compiled_list(), ")");
+  not_compiled("kv_offload_host_free", device);
 #endif
 }
 
@@ -251,30 +232,23 @@ void register_kv_offload_ops(torch::Library& m) {
   // backend, so one CompositeExplicitAutograd kernel serves every dispatch
   // key. The names carry a kv_offload_ prefix: the namespace is shared with
   // upstream vllm-ascend's library (which has its own swap_blocks_batch).
-  m.def(
-      "kv_offload_swap_blocks(Tensor src_addrs, Tensor dst_addrs, "
+  auto def = [&m](const char* schema, auto fn) {
+    m.def(schema, torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd,
+                                  std::move(fn)));
+  };
+  def("kv_offload_swap_blocks(Tensor src_addrs, Tensor dst_addrs, "
       "Tensor sizes, str device, bool per_copy=False) -> "
-      "(int copies, Tensor workspace)");
-  m.impl("kv_offload_swap_blocks", c10::DispatchKey::CompositeExplicitAutograd,
-         TORCH_FN(swap_blocks_batch));
-  m.def(
-      "kv_offload_host_register(int addr, int size, str device, "
-      "int flags=268435458) -> ()");
-  m.impl("kv_offload_host_register",
-         c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(host_register));
-  m.def("kv_offload_host_unregister(int addr, str device) -> ()");
-  m.impl("kv_offload_host_unregister",
-         c10::DispatchKey::CompositeExplicitAutograd,
-         TORCH_FN(host_unregister));
-  m.def("kv_offload_host_alloc(int size, str device) -> int");
-  m.impl("kv_offload_host_alloc", c10::DispatchKey::CompositeExplicitAutograd,
-         TORCH_FN(host_alloc));
-  m.def("kv_offload_host_free(int addr, str device) -> ()");
-  m.impl("kv_offload_host_free", c10::DispatchKey::CompositeExplicitAutograd,
-         TORCH_FN(host_free));
-  m.def("kv_offload_backends() -> str[]");
-  m.impl("kv_offload_backends", c10::DispatchKey::CompositeExplicitAutograd,
-         TORCH_FN(compiled_backends));
+      "(int copies, Tensor workspace)",
+      TORCH_FN(swap_blocks_batch));
+  def("kv_offload_host_register(int addr, int size, str device, "
+      "int flags=268435458) -> ()",
+      TORCH_FN(host_register));
+  def("kv_offload_host_unregister(int addr, str device) -> ()",
+      TORCH_FN(host_unregister));
+  def("kv_offload_host_alloc(int size, str device) -> int",
+      TORCH_FN(host_alloc));
+  def("kv_offload_host_free(int addr, str device) -> ()", TORCH_FN(host_free));
+  def("kv_offload_backends() -> str[]", TORCH_FN(compiled_backends));
 }
 
 }  // namespace vllm_ascend::kv_offload

@@ -83,6 +83,9 @@ struct Injection {
 // the caller's array POINTERS (read at execution, see the header comment); a
 // single copy's arguments are scalars, kept by value.
 struct Task {
+  void* dst = nullptr;  // single copy
+  const void* src = nullptr;
+  size_t count = 0;
   bool batch = false;
   void** dsts = nullptr;
   size_t* destMaxs = nullptr;
@@ -92,13 +95,10 @@ struct Task {
   aclrtMemcpyBatchAttr* attrs = nullptr;
   size_t* attrsIndexes = nullptr;
   size_t numAttrs = 0;
-  void* dst = nullptr;  // single copy
-  const void* src = nullptr;
-  size_t count = 0;
 };
 
+// Everything simacl_reset forgets: its default values are the reset state.
 struct State {
-  std::mutex mu;
   std::map<uintptr_t, Range> ranges;                // keyed by start address
   std::map<aclrtStream, std::deque<Task>> streams;  // queued, not yet run
   size_t faulted_entries = 0;  // entries skipped when they executed
@@ -122,10 +122,14 @@ struct State {
   bool a5 = false;
 };
 
-State& state() {
-  static State s;
-  return s;
-}
+std::mutex g_mu;
+State g_state;
+
+// The state, locked while this lives: `auto [lock, s] = Locked{};`.
+struct Locked {
+  std::lock_guard<std::mutex> lock{g_mu};
+  State& s = g_state;
+};
 
 // Records the message aclGetRecentErrMsg returns and passes `code` through.
 aclError error(State& s, aclError code, const std::string& msg) {
@@ -186,31 +190,37 @@ bool is_device(const aclrtMemLocation& loc) {
          (!is_device(declared) || declared.id == actual.id);
 }
 
-// Entry i of a batch, read from the caller's arrays NOW: "" when it names
-// registered memory as attrs declare (and may be copied), else why not.
-// Only reads the arrays and the registry, so it is safe on any contents.
-std::string check_entry(const State& s, void** dsts, size_t* destMaxs,
-                        void** srcs, size_t* sizes, size_t i,
-                        const aclrtMemcpyBatchAttr& attr) {
-  const std::string entry = "entry " + std::to_string(i) + ": ";
-  if (srcs[i] == nullptr || dsts[i] == nullptr || sizes[i] == 0 ||
-      sizes[i] > destMaxs[i]) {
-    return entry + "null address, zero size or size > destMax";
-  }
-  aclrtMemLocation src, dst;
-  if (!locate(s, srcs[i], sizes[i], &src) ||
-      !locate(s, dsts[i], sizes[i], &dst) || !same_location(attr.srcLoc, src) ||
-      !same_location(attr.dstLoc, dst)) {
-    return entry + "memory location differs from its attrs";
-  }
-  return "";
-}
-
 // Index k of the attribute set that applies to entry i.
 size_t attr_of(const size_t* attrsIndexes, size_t numAttrs, size_t i) {
   size_t k = 0;
   while (k + 1 < numAttrs && attrsIndexes[k + 1] <= i) ++k;
   return k;
+}
+
+// Entry i of a batch, read from the caller's arrays NOW: ACL_SUCCESS when it
+// names registered memory as its attrs declare (and may be copied), else the
+// error (SIM CHOICE) with why not in *why. Only reads the arrays and the
+// registry, so it is safe on any contents.
+aclError check_entry(const State& s, void** dsts, size_t* destMaxs, void** srcs,
+                     size_t* sizes, size_t i, const aclrtMemcpyBatchAttr* attrs,
+                     const size_t* attrsIndexes, size_t numAttrs,
+                     std::string* why) {
+  const size_t k = attr_of(attrsIndexes, numAttrs, i);
+  *why = "entry " + std::to_string(i) + ": ";
+  if (srcs[i] == nullptr || dsts[i] == nullptr || sizes[i] == 0 ||
+      sizes[i] > destMaxs[i]) {
+    *why += "null address, zero size or size > destMax";
+    return ACL_ERROR_INVALID_PARAM;
+  }
+  aclrtMemLocation src, dst;
+  if (!locate(s, srcs[i], sizes[i], &src) ||
+      !locate(s, dsts[i], sizes[i], &dst) ||
+      !same_location(attrs[k].srcLoc, src) ||
+      !same_location(attrs[k].dstLoc, dst)) {
+    *why += "memory location differs from attrs[" + std::to_string(k) + "]";
+    return ACL_ERROR_RT_INVALID_MEMORY_TYPE;
+  }
+  return ACL_SUCCESS;
 }
 
 // Runs one queued task, reading a batch's arrays as they are now. Entries
@@ -222,10 +232,9 @@ size_t execute(State& s, const Task& t) {
   }
   size_t faults = 0;
   for (size_t i = 0; i < t.numBatches; ++i) {
-    const size_t k = attr_of(t.attrsIndexes, t.numAttrs, i);
-    const std::string why =
-        check_entry(s, t.dsts, t.destMaxs, t.srcs, t.sizes, i, t.attrs[k]);
-    if (!why.empty()) {
+    std::string why;
+    if (check_entry(s, t.dsts, t.destMaxs, t.srcs, t.sizes, i, t.attrs,
+                    t.attrsIndexes, t.numAttrs, &why) != ACL_SUCCESS) {
       ++faults;
       s.last_error = "SIMULATED ACL: batch copy faulted at execution, " + why +
                      " (were its arrays freed or reused before the copy ran?)";
@@ -236,14 +245,29 @@ size_t execute(State& s, const Task& t) {
   return faults;
 }
 
+// Runs the tasks queued on `stream`, in order; returns the entries skipped.
+size_t drain(State& s, aclrtStream stream) {
+  size_t faults = 0;
+  for (const Task& t : s.streams[stream]) faults += execute(s, t);
+  s.streams.erase(stream);
+  s.faulted_entries += faults;
+  return faults;
+}
+
+// Documented: a copy with a pageable host side is synchronous, i.e. runs now
+// (after the work queued before it, which a synchronous copy waits for).
+void run_synchronously(State& s, aclrtStream stream, const Task& task) {
+  drain(s, stream);
+  s.faulted_entries += execute(s, task);
+}
+
 }  // namespace
 
 extern "C" {
 
 aclError aclrtPointerGetAttributes(const void* ptr,
                                    aclrtPtrAttributes* attributes) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
+  auto [lock, s] = Locked{};
   aclError code;
   if (count_call(s, "aclrtPointerGetAttributes", &code)) return code;
   if (ptr == nullptr || attributes == nullptr) {
@@ -257,8 +281,7 @@ aclError aclrtPointerGetAttributes(const void* ptr,
 
 #ifndef SIMACL_OMIT_BATCH_API  // the variant that models CANN < 8.3
 aclError aclrtHostRegisterV2(void* ptr, uint64_t size, uint32_t flag) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
+  auto [lock, s] = Locked{};
   s.last_register_flag = flag;
   aclError code;
   if (count_call(s, "aclrtHostRegisterV2", &code)) return code;
@@ -304,8 +327,7 @@ aclError aclrtHostRegisterV2(void* ptr, uint64_t size, uint32_t flag) {
 // aclrtMallocHost / aclrtFreeHost: page-locked host memory from the
 // runtime (SIM CHOICE: 4 KiB-aligned, reported as ACL_MEM_LOCATION_TYPE_HOST).
 aclError aclrtMallocHost(void** hostPtr, size_t size) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
+  auto [lock, s] = Locked{};
   aclError code;
   if (count_call(s, "aclrtMallocHost", &code)) return code;
   if (hostPtr == nullptr || size == 0) {
@@ -326,8 +348,7 @@ aclError aclrtMallocHost(void** hostPtr, size_t size) {
 }
 
 aclError aclrtFreeHost(void* hostPtr) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
+  auto [lock, s] = Locked{};
   aclError code;
   if (count_call(s, "aclrtFreeHost", &code)) return code;
   const auto it = s.ranges.find(reinterpret_cast<uintptr_t>(hostPtr));
@@ -341,8 +362,7 @@ aclError aclrtFreeHost(void* hostPtr) {
 }
 
 aclError aclrtHostUnregister(void* ptr) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
+  auto [lock, s] = Locked{};
   aclError code;
   if (count_call(s, "aclrtHostUnregister", &code)) return code;
   const auto it = s.ranges.find(reinterpret_cast<uintptr_t>(ptr));
@@ -360,8 +380,7 @@ aclError aclrtMemcpyBatchAsync(void** dsts, size_t* destMaxs, void** srcs,
                                aclrtMemcpyBatchAttr* attrs,
                                size_t* attrsIndexes, size_t numAttrs,
                                size_t* failIndex, aclrtStream stream) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
+  auto [lock, s] = Locked{};
   s.last_stream = stream;
   s.max_entries = std::max(s.max_entries, numBatches);
   aclError code;
@@ -414,43 +433,23 @@ aclError aclrtMemcpyBatchAsync(void** dsts, size_t* destMaxs, void** srcs,
   }
   // Check every entry before copying any (SIM CHOICE: all or nothing).
   for (size_t i = 0; i < numBatches; ++i) {
-    const size_t k = attr_of(attrsIndexes, numAttrs, i);
-    if (srcs[i] == nullptr || dsts[i] == nullptr || sizes[i] == 0 ||
-        sizes[i] > destMaxs[i]) {
+    std::string why;
+    code = check_entry(s, dsts, destMaxs, srcs, sizes, i, attrs, attrsIndexes,
+                       numAttrs, &why);
+    if (code != ACL_SUCCESS) {
       *failIndex = i;
-      return error(s, ACL_ERROR_INVALID_PARAM,
-                   "entry " + std::to_string(i) +
-                       ": null address, zero size or size > destMax");
-    }
-    if (!check_entry(s, dsts, destMaxs, srcs, sizes, i, attrs[k]).empty()) {
-      *failIndex = i;
-      return error(s, ACL_ERROR_RT_INVALID_MEMORY_TYPE,  // SIM CHOICE
-                   "entry " + std::to_string(i) +
-                       ": memory location differs from attrs[" +
-                       std::to_string(k) + "]");
+      return error(s, code, why);
     }
   }
-  Task task;
-  task.batch = true;
-  task.dsts = dsts;
-  task.destMaxs = destMaxs;
-  task.srcs = srcs;
-  task.sizes = sizes;
-  task.numBatches = numBatches;
-  task.attrs = attrs;
-  task.attrsIndexes = attrsIndexes;
-  task.numAttrs = numAttrs;
+  const Task task{nullptr, nullptr, 0,          true,  dsts,         destMaxs,
+                  srcs,    sizes,   numBatches, attrs, attrsIndexes, numAttrs};
   const aclrtMemLocation& host = first_d2h ? attrs[0].dstLoc : attrs[0].srcLoc;
   if (host.type == ACL_MEM_LOCATION_TYPE_UNREGISTERED) {
-    // Documented: pageable memory is copied synchronously, i.e. now (after
-    // the work queued before it, which a synchronous copy waits for).
-    for (const Task& t : s.streams[stream]) s.faulted_entries += execute(s, t);
-    s.streams[stream].clear();
-    s.faulted_entries += execute(s, task);
+    run_synchronously(s, stream, task);
     s.sync_copies += numBatches;
-    return ACL_SUCCESS;
+  } else {
+    s.streams[stream].push_back(task);
   }
-  s.streams[stream].push_back(task);
   return ACL_SUCCESS;
 }
 #endif
@@ -458,8 +457,7 @@ aclError aclrtMemcpyBatchAsync(void** dsts, size_t* destMaxs, void** srcs,
 aclError aclrtMemcpyAsync(void* dst, size_t destMax, const void* src,
                           size_t count, aclrtMemcpyKind kind,
                           aclrtStream stream) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
+  auto [lock, s] = Locked{};
   s.last_stream = stream;
   s.last_kind = kind;
   aclError code;
@@ -497,93 +495,56 @@ aclError aclrtMemcpyAsync(void* dst, size_t destMax, const void* src,
     return error(s, ACL_ERROR_RT_INVALID_MEMORY_TYPE,  // SIM CHOICE
                  "memory locations do not match kind " + std::to_string(kind));
   }
-  Task task;
-  task.dst = dst;
-  task.src = src;
-  task.count = count;
+  const Task task{dst, src, count};
   if (from.type == ACL_MEM_LOCATION_TYPE_UNREGISTERED ||
       to.type == ACL_MEM_LOCATION_TYPE_UNREGISTERED) {
-    for (const Task& t : s.streams[stream]) s.faulted_entries += execute(s, t);
-    s.streams[stream].clear();
-    execute(s, task);  // pageable: synchronous, as for the batch API
+    run_synchronously(s, stream, task);  // pageable, as for the batch API
     ++s.sync_copies;
-    return ACL_SUCCESS;
+  } else {
+    s.streams[stream].push_back(task);
   }
-  s.streams[stream].push_back(task);
   return ACL_SUCCESS;
 }
 
 aclError aclrtSynchronizeStream(aclrtStream stream) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
+  auto [lock, s] = Locked{};
   aclError code;
   if (count_call(s, "aclrtSynchronizeStream", &code)) return code;
-  size_t faults = 0;
-  const auto it = s.streams.find(stream);
-  if (it != s.streams.end()) {
-    for (const Task& t : it->second) faults += execute(s, t);
-    s.streams.erase(it);
-  }
-  s.faulted_entries += faults;
-  if (faults != 0) {
-    return ACL_ERROR_RT_COPY_DATA;  // SIM CHOICE; last_error set by execute
-  }
-  return ACL_SUCCESS;
+  // SIM CHOICE: ACL_ERROR_RT_COPY_DATA; last_error is set by execute.
+  return drain(s, stream) == 0 ? ACL_SUCCESS : ACL_ERROR_RT_COPY_DATA;
 }
 
 const char* aclGetRecentErrMsg() {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
+  auto [lock, s] = Locked{};
   thread_local std::string copy;  // stays valid after the lock is released
   copy = s.last_error;
   return copy.c_str();
 }
 
 void simacl_reset(void) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
-  s.ranges.clear();
-  s.streams.clear();  // queued copies are dropped, never run
-  s.faulted_entries = 0;
-  s.calls.clear();
-  s.injections.clear();
-  s.batch_unsupported = false;
-  s.max_entries = 0;
-  s.sync_copies = 0;
-  s.last_stream = nullptr;
-  s.last_kind = -1;
-  s.last_error.clear();
-  s.host_register_location = ACL_MEM_LOCATION_TYPE_HOST;
-  s.last_register_flag = -1;
-  s.max_host_bytes = 0;
-  s.host_alignment = 4096;
-  s.a5 = false;
+  auto [lock, s] = Locked{};
+  s = State{};  // queued copies are dropped, never run
 }
 
 void simacl_set_host_limits(uint64_t max_bytes_per_call, uint64_t alignment,
                             int a5) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
+  auto [lock, s] = Locked{};
   s.max_host_bytes = max_bytes_per_call;
   s.host_alignment = alignment == 0 ? 4096 : alignment;
   s.a5 = a5 != 0;
 }
 
 void simacl_set_host_register_location(int location_type) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
+  auto [lock, s] = Locked{};
   s.host_register_location = static_cast<aclrtMemLocationType>(location_type);
 }
 
 int64_t simacl_last_register_flag(void) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
-  return s.last_register_flag;
+  return Locked{}.s.last_register_flag;
 }
 
 int simacl_location_of(const void* ptr) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
+  auto [lock, s] = Locked{};
   aclrtMemLocation loc;
   locate(s, ptr, 1, &loc);
   return loc.type;
@@ -591,8 +552,7 @@ int simacl_location_of(const void* ptr) {
 
 void simacl_register(const void* ptr, size_t size, int location_type,
                      uint32_t id) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
+  auto [lock, s] = Locked{};
   const auto p = reinterpret_cast<uintptr_t>(ptr);
   s.ranges[p] = Range{
       p + size,
@@ -600,60 +560,34 @@ void simacl_register(const void* ptr, size_t size, int location_type,
 }
 
 void simacl_set_batch_unsupported(int on) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
-  s.batch_unsupported = on != 0;
+  Locked{}.s.batch_unsupported = on != 0;
 }
 
 void simacl_inject_failure(const char* api, size_t nth_call, int code,
                            size_t fail_index) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
-  s.injections[api] = Injection{api, nth_call, code, fail_index};
+  Locked{}.s.injections[api] = Injection{api, nth_call, code, fail_index};
 }
 
 size_t simacl_calls(const char* api) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
+  auto [lock, s] = Locked{};
   const auto it = s.calls.find(api);
   return it == s.calls.end() ? 0 : it->second;
 }
 
-size_t simacl_max_entries(void) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
-  return s.max_entries;
-}
+size_t simacl_max_entries(void) { return Locked{}.s.max_entries; }
 
-size_t simacl_sync_copies(void) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
-  return s.sync_copies;
-}
+size_t simacl_sync_copies(void) { return Locked{}.s.sync_copies; }
 
 size_t simacl_pending(void* stream) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
+  auto [lock, s] = Locked{};
   const auto it = s.streams.find(stream);
   return it == s.streams.end() ? 0 : it->second.size();
 }
 
-size_t simacl_faulted_entries(void) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
-  return s.faulted_entries;
-}
+size_t simacl_faulted_entries(void) { return Locked{}.s.faulted_entries; }
 
-int simacl_last_kind(void) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
-  return s.last_kind;
-}
+int simacl_last_kind(void) { return Locked{}.s.last_kind; }
 
-void* simacl_last_stream(void) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
-  return s.last_stream;
-}
+void* simacl_last_stream(void) { return Locked{}.s.last_stream; }
 
 }  // extern "C"

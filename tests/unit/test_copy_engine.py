@@ -15,11 +15,12 @@ from vllm_ascend.kv_offload.cpu_pool import private_pool
 PAGES = [256, 256, 512]  # e.g. K, V and a larger third part
 
 
-def engine_for(kv, bpc, num_cpu_blocks=8):
-    pool = private_pool(
-        [t.page_size_bytes for t in kv.tensors], bpc, num_cpu_blocks, "cpu"
-    )
-    return CopyEngine(kv, pool), pool
+def engine_for(bpc, pages=PAGES, **kv_kwargs):
+    """Caches of 16 device blocks of ``pages``, and an engine between them and
+    a private pool of 8 CPU blocks of ``bpc`` device blocks each."""
+    kv = make_kv_caches(16, pages, **kv_kwargs)
+    pool = private_pool([t.page_size_bytes for t in kv.tensors], bpc, 8, "cpu")
+    return kv, CopyEngine(kv, pool), pool
 
 
 def cpu_page_addr(pool, tensor_idx, cpu_block, slot):
@@ -32,8 +33,7 @@ def cpu_page_addr(pool, tensor_idx, cpu_block, slot):
 
 
 def test_one_fragment_per_block_and_tensor_with_exact_addresses():
-    kv = make_kv_caches(16, PAGES)
-    engine, pool = engine_for(kv, bpc=1)
+    kv, engine, pool = engine_for(bpc=1)
     spec = GPULoadStoreSpec([5, 9], group_sizes=[2], block_indices=[0])
     desc = engine.build(spec, np.array([3, 1]), to_cpu=True)
 
@@ -50,8 +50,7 @@ def test_one_fragment_per_block_and_tensor_with_exact_addresses():
 
 
 def test_load_swaps_source_and_destination():
-    kv = make_kv_caches(16, PAGES)
-    engine, _ = engine_for(kv, bpc=1)
+    _, engine, _ = engine_for(bpc=1)
     spec = GPULoadStoreSpec([5, 9], group_sizes=[2], block_indices=[0])
     store = engine.build(spec, np.array([3, 1]), to_cpu=True)
     load = engine.build(spec, np.array([3, 1]), to_cpu=False)
@@ -71,8 +70,7 @@ def test_load_swaps_source_and_destination():
     ids=["consecutive-blocks-share-a-cpu-block", "partial-first-cpu-block"],
 )
 def test_block_size_factor_packs_device_blocks_into_cpu_block_slots(bpc, first, slots):
-    kv = make_kv_caches(16, PAGES)
-    engine, pool = engine_for(kv, bpc=bpc)
+    _, engine, pool = engine_for(bpc)
     n, rows = len(slots), list(dict.fromkeys(row for row, _ in slots))
     spec = GPULoadStoreSpec(list(range(n)), group_sizes=[n], block_indices=[first])
     desc = engine.build(spec, np.array(rows), to_cpu=True)
@@ -82,8 +80,7 @@ def test_block_size_factor_packs_device_blocks_into_cpu_block_slots(bpc, first, 
 
 
 def test_groups_use_their_own_tensors_and_blocks():
-    kv = make_kv_caches(16, PAGES, groups=[[0, 1], [2]])
-    engine, pool = engine_for(kv, bpc=1)
+    kv, engine, pool = engine_for(bpc=1, groups=[[0, 1], [2]])
     spec = GPULoadStoreSpec([3, 4, 10], group_sizes=[2, 1], block_indices=[0, 0])
     desc = engine.build(spec, np.array([0, 1, 5]), to_cpu=True)
     assert desc.num_fragments == 2 * 2 + 1
@@ -92,15 +89,13 @@ def test_groups_use_their_own_tensors_and_blocks():
 
 
 def test_aliased_layers_are_copied_once():
-    kv = make_kv_caches(16, PAGES[:1], groups=[[0, 0]])
-    engine, _ = engine_for(kv, bpc=1)
+    _, engine, _ = engine_for(bpc=1, pages=PAGES[:1], groups=[[0, 0]])
     spec = GPULoadStoreSpec([1, 2], group_sizes=[2], block_indices=[0])
     assert engine.build(spec, np.array([0, 1]), to_cpu=True).num_fragments == 2
 
 
 def test_inconsistent_job_is_rejected():
-    kv = make_kv_caches(16, PAGES)
-    engine, _ = engine_for(kv, bpc=1)
+    _, engine, _ = engine_for(bpc=1)
     spec = GPULoadStoreSpec([1, 2, 3], group_sizes=[3], block_indices=[0])
     with pytest.raises(ValueError, match="too few"):
         engine.build(spec, np.array([0, 1]), to_cpu=True)
@@ -109,8 +104,7 @@ def test_inconsistent_job_is_rejected():
 
 
 def test_build_on_a_released_pool_raises():
-    kv = make_kv_caches(16, PAGES)
-    engine, pool = engine_for(kv, bpc=1)
+    _, engine, pool = engine_for(bpc=1)
     spec = GPULoadStoreSpec([5, 9], group_sizes=[2], block_indices=[0])
     engine.build(spec, np.array([3, 1]), to_cpu=True)  # fine while it lives
     pool.release()
@@ -120,8 +114,7 @@ def test_build_on_a_released_pool_raises():
 
 
 def test_submit_returns_the_copy_count_and_the_workspace():
-    kv = make_kv_caches(16, PAGES[:1], seed=4)
-    engine, pool = engine_for(kv, bpc=1)
+    kv, engine, pool = engine_for(bpc=1, pages=PAGES[:1], seed=4)
     # Two adjacent device blocks into two adjacent CPU rows: one merged copy.
     spec = GPULoadStoreSpec([2, 3], group_sizes=[2], block_indices=[0])
     desc = engine.build(spec, np.array([4, 5]), to_cpu=True)

@@ -21,7 +21,6 @@ import gc
 import importlib.util
 import mmap
 import os
-import random
 import re
 import shutil
 import subprocess
@@ -30,6 +29,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+from tests.unit.kv_helpers import make_kv_caches
+from vllm_ascend.kv_offload import acl_host, host_memory, ops
+from vllm_ascend.kv_offload.copy_engine import CopyEngine
+from vllm_ascend.kv_offload.cpu_pool import CpuBlockPool, PoolLayout
 
 ROOT = Path(__file__).resolve().parents[2]
 SIM_SRC = ROOT / "tests" / "sim_acl"
@@ -127,28 +132,27 @@ class SimAcl:
     def register(self, buf: np.ndarray, location: int, device_id: int = 0) -> None:
         self.lib.simacl_register(buf.ctypes.data, buf.nbytes, location, device_id)
 
-    def host_register(self, addr: int, size: int, flags: int = MAPPED_PINNED) -> None:
-        """The core's register_host_range (acl_host_register.cpp)."""
+    def core(self, fn: str, *args) -> None:
+        """Calls the real core through simacl_core_<fn>; its error raises."""
         err = ctypes.create_string_buffer(4096)
-        if self.lib.simacl_core_host_register(addr, size, flags, err, len(err)):
+        if getattr(self.lib, f"simacl_core_{fn}")(*args, err, len(err)):
             raise RuntimeError(err.value.decode())
 
+    def host_register(self, addr: int, size: int, flags: int = MAPPED_PINNED) -> None:
+        """The core's register_host_range (acl_host_register.cpp)."""
+        self.core("host_register", addr, size, flags)
+
     def host_unregister(self, addr: int) -> None:
-        err = ctypes.create_string_buffer(4096)
-        if self.lib.simacl_core_host_unregister(addr, err, len(err)):
-            raise RuntimeError(err.value.decode())
+        self.core("host_unregister", addr)
 
     def host_alloc(self, size: int) -> int:
         """The core's allocate_host (aclrtMallocHost)."""
-        addr, err = ctypes.c_uint64(), ctypes.create_string_buffer(4096)
-        if self.lib.simacl_core_host_alloc(size, ctypes.byref(addr), err, len(err)):
-            raise RuntimeError(err.value.decode())
+        addr = ctypes.c_uint64()
+        self.core("host_alloc", size, ctypes.byref(addr))
         return addr.value
 
     def host_free(self, addr: int) -> None:
-        err = ctypes.create_string_buffer(4096)
-        if self.lib.simacl_core_host_free(addr, err, len(err)):
-            raise RuntimeError(err.value.decode())
+        self.core("host_free", addr)
 
     def limit_host_memory(
         self, max_bytes: int = 0, alignment: int = 4096, a5: bool = False
@@ -195,22 +199,13 @@ class SimAcl:
         frags = np.arange(n) if fragments is None else fragments
         cols = [np.ascontiguousarray(c, dtype=np.uint64) for c in (src, dst, sizes)]
         frag = np.ascontiguousarray(frags, dtype=np.int64)
-        u64p = ctypes.POINTER(ctypes.c_uint64)
-        report, err = _Report(), ctypes.create_string_buffer(4096)
-        rc = self.lib.simacl_core_copy(
-            *(c.ctypes.data_as(u64p) for c in cols),
-            frag.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)),
-            n,
-            STREAM,
-            workspace_bytes,
-            int(free_workspace_at_return),
-            int(per_copy),
-            ctypes.byref(report),
-            err,
-            len(err),
+        ptrs = [c.ctypes.data_as(ctypes.POINTER(ctypes.c_uint64)) for c in cols]
+        ptrs.append(frag.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)))
+        flags = (int(free_workspace_at_return), int(per_copy))
+        report = _Report()
+        self.core(
+            "copy", *ptrs, n, STREAM, workspace_bytes, *flags, ctypes.byref(report)
         )
-        if rc != 0:
-            raise RuntimeError(err.value.decode())
         if sync and (code := self.sync()) != 0:
             raise RuntimeError(f"aclrtSynchronizeStream failed with ACL error {code}")
         return {
@@ -242,17 +237,10 @@ def sim_libs() -> dict[str, SimAcl]:
             pytest.fail(reason + " -- CI must run the SIMULATION tests")
         pytest.skip(reason)
     cmake = shutil.which("cmake") or "cmake"
-    for cmd in (
-        [
-            cmake,
-            "-S",
-            str(SIM_SRC),
-            "-B",
-            str(SIM_BUILD),
-            f"-DSIM_ACL_TORCH_NPU_DIR={torch_npu_dir}",
-        ],
-        [cmake, "--build", str(SIM_BUILD), "-j", str(os.cpu_count() or 2)],
-    ):
+    configure = [cmake, "-S", str(SIM_SRC), "-B", str(SIM_BUILD)]
+    configure.append(f"-DSIM_ACL_TORCH_NPU_DIR={torch_npu_dir}")
+    jobs = str(os.cpu_count() or 2)
+    for cmd in (configure, [cmake, "--build", str(SIM_BUILD), "-j", jobs]):
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             pytest.fail(
@@ -292,11 +280,8 @@ class Pools:
 def scattered(n: int, size: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Source and destination offsets of n disjoint, non-adjacent slots of
     `size` bytes (stride 2 * size), in shuffled order on each side."""
-    rng = random.Random(seed)
-    src, dst = list(range(n)), list(range(n))
-    rng.shuffle(src)
-    rng.shuffle(dst)
-    return np.array(src) * 2 * size, np.array(dst) * 2 * size
+    rng = np.random.default_rng(seed)
+    return rng.permutation(n) * 2 * size, rng.permutation(n) * 2 * size
 
 
 def batch_workspace_bytes(n: int) -> int:
@@ -358,15 +343,6 @@ def test_sim_copies_are_byte_exact(sim: SimAcl, direction: str) -> None:
     assert sim.lib.simacl_sync_copies() == 0  # pinned: queued, not synchronous
 
 
-def test_sim_10000_fragments_take_three_batch_calls(sim: SimAcl) -> None:
-    pools, job = pools_job(sim, 10_000, 8, seed=1)
-    report = job.run(sim)
-    assert (report["batch_calls"], report["single_calls"]) == (3, 0)
-    assert sim.calls(BATCH) == 3 and sim.calls(SINGLE) == 0
-    assert sim.lib.simacl_max_entries() == 4096  # 4096 + 4096 + 1808
-    np.testing.assert_array_equal(pools.device, job.want)
-
-
 def test_sim_bad_entry_in_second_batch_names_the_callers_fragment(sim: SimAcl) -> None:
     n, size, bad = 10_000, 8, 5000
     pools, job = pools_job(sim, n, size, seed=2)
@@ -396,17 +372,6 @@ def test_sim_bad_entry_in_second_batch_names_the_callers_fragment(sim: SimAcl) -
 # when it returns; the simulation reads them when the copy executes.
 
 
-def test_sim_queued_copies_run_when_the_stream_is_synchronized(sim: SimAcl) -> None:
-    """The simulation itself: a pinned job waits on the stream."""
-    pools, job = pools_job(sim, 100, 16)
-    before = pools.device.copy()
-    job.run(sim, sync=False)
-    assert sim.pending() == 1
-    np.testing.assert_array_equal(pools.device, before)  # nothing ran yet
-    assert sim.sync() == 0 and sim.pending() == 0
-    np.testing.assert_array_equal(pools.device, job.want)
-
-
 @pytest.mark.parametrize("direction", ["h2d", "d2h"])
 @pytest.mark.parametrize(
     "free_at_return", [False, True], ids=["kept_until_sync", "freed_at_return"]
@@ -414,17 +379,24 @@ def test_sim_queued_copies_run_when_the_stream_is_synchronized(sim: SimAcl) -> N
 def test_sim_descriptor_arrays_live_until_the_copies_have_run(
     sim: SimAcl, direction: str, free_at_return: bool
 ) -> None:
-    """Kept until the stream has run (what StreamTransferQueue does with the
+    """10,000 fragments take three batch calls, queued on the stream (a
+    pinned job waits for it: nothing is copied before it is synchronized).
+    Kept until the stream has run (what StreamTransferQueue does with the
     op's workspace: until the job's end event), every byte arrives. Freed
     when the op returns (what the op did while its arrays were locals), the
     runtime finds garbage when the copies execute: wrong bytes, and the
     synchronize reports the fault."""
     n, size = 10_000, 8  # three batch calls, each reading its own slice
     _, job = pools_job(sim, n, size, direction, seed=3)
+    before = job.dst_buf.copy()
     report = job.run(sim, sync=False, free_workspace_at_return=free_at_return)
-    assert report["batch_calls"] == 3 and sim.pending() == 3
+    assert (report["batch_calls"], report["single_calls"]) == (3, 0)
+    assert sim.calls(BATCH) == 3 and sim.calls(SINGLE) == 0 and sim.pending() == 3
+    assert sim.lib.simacl_max_entries() == 4096  # 4096 + 4096 + 1808
     assert report["workspace_bytes"] == batch_workspace_bytes(n)
+    np.testing.assert_array_equal(job.dst_buf, before)  # nothing ran yet
     rc = sim.sync()
+    assert sim.pending() == 0
     dst_buf, want = job.dst_buf, job.want
     wrong = sum(
         not np.array_equal(dst_buf[d : d + size], want[d : d + size])
@@ -525,38 +497,19 @@ def test_sim_unsupported_batch_api_falls_back_to_per_copy_loop(
 @pytest.mark.parametrize(
     ("api", "nth", "fail_index", "expected"),
     [
-        (
-            ATTRS,
-            1,
-            SIZE_MAX,
-            r"aclrtPointerGetAttributes\(src_addrs\[0\]=0x[0-9a-f]+\) "
-            r"failed with ACL error 507000",
-        ),
-        (
-            ATTRS,
-            2,
-            SIZE_MAX,
-            r"aclrtPointerGetAttributes\(dst_addrs\[0\]=0x[0-9a-f]+\) "
-            r"failed with ACL error 507000",
-        ),
-        (
-            BATCH,
-            1,
-            SIZE_MAX,
-            r"aclrtMemcpyBatchAsync \(host-to-device\) failed with ACL "
-            r"error 507000 in call 1 of 1 .*\(failIndex=SIZE_MAX\)",
-        ),
+        (ATTRS, 1, SIZE_MAX, r"aclrtPointerGetAttributes\(src_addrs\[0\]=0x[0-9a-f]+\) "
+                             r"failed with ACL error 507000"),
+        (ATTRS, 2, SIZE_MAX, r"aclrtPointerGetAttributes\(dst_addrs\[0\]=0x[0-9a-f]+\) "
+                             r"failed with ACL error 507000"),
+        (BATCH, 1, SIZE_MAX, r"aclrtMemcpyBatchAsync \(host-to-device\) failed with "
+                             r"ACL error 507000 in call 1 of 1 .*"
+                             r"\(failIndex=SIZE_MAX\)"),
         (BATCH, 1, 99, r"at fragment 99 \(entry 99 of call 1 of 1"),
         (BATCH, 1, 123456, r"named no single entry \(failIndex=123456\)"),
-        (
-            SINGLE,
-            3,
-            SIZE_MAX,
-            r"aclrtMemcpyAsync \(host-to-device, per-copy fallback\) "
-            r"failed with ACL error 507000 at fragment 2 ",
-        ),
+        (SINGLE, 3, SIZE_MAX, r"aclrtMemcpyAsync \(host-to-device, per-copy fallback\) "
+                              r"failed with ACL error 507000 at fragment 2 "),
     ],
-)
+)  # fmt: skip
 def test_sim_every_acl_error_raises(sim, api, nth, fail_index, expected) -> None:
     _, job = pools_job(sim, 200, 64)
     if api == SINGLE:
@@ -612,17 +565,9 @@ def _raw_batch(sim, dsts, dmax, srcs, sizes, attrs, idx):
         (ctypes.c_size_t * k)(*idx),
     )
     sim.keep_alive.append(arrays)  # read again when the copy runs
-    fail = ctypes.c_size_t(0)
-    rc = sim.lib.aclrtMemcpyBatchAsync(
-        *arrays[:4],
-        ctypes.c_size_t(n),
-        arrays[4],
-        arrays[5],
-        ctypes.c_size_t(k),
-        ctypes.byref(fail),
-        ctypes.c_void_p(STREAM),
-    )
-    return rc, fail.value
+    fail, size = ctypes.c_size_t(0), ctypes.c_size_t
+    args = (*arrays[:4], size(n), *arrays[4:], size(k), ctypes.byref(fail))
+    return sim.lib.aclrtMemcpyBatchAsync(*args, ctypes.c_void_p(STREAM)), fail.value
 
 
 def test_sim_runtime_follows_the_documented_rules(sim: SimAcl) -> None:
@@ -660,11 +605,8 @@ def test_sim_runtime_follows_the_documented_rules(sim: SimAcl) -> None:
     assert sim.pending() == 0
     np.testing.assert_array_equal(pools.device[:8], pools.pageable[:8])
 
-    memcpy = sim.lib.aclrtMemcpyAsync
-    memcpy.argtypes = [ctypes.c_void_p, ctypes.c_size_t] * 2 + [
-        ctypes.c_int,
-        ctypes.c_void_p,
-    ]
+    memcpy, ptr = sim.lib.aclrtMemcpyAsync, ctypes.c_void_p
+    memcpy.argtypes = [ptr, ctypes.c_size_t] * 2 + [ctypes.c_int, ptr]
     # Host-to-host is documented to return "feature not supported".
     assert memcpy(pin + 64, 8, pin, 8, H2H, STREAM) == ACL_ERROR_RT_FEATURE_NOT_SUPPORT
     assert memcpy(dev, 8, pin, 8, D2H, STREAM) == ACL_ERROR_RT_INVALID_MEMORY_TYPE
@@ -880,15 +822,11 @@ def test_sim_constants_match_the_acl_headers(sim_libs) -> None:
     text = "".join(p.read_text() for p in include.rglob("*.h"))
     # This module's names of the header's constants are the header's names.
     for name in (
-        "ACL_ERROR_INVALID_PARAM",
-        "ACL_ERROR_RT_PARAM_INVALID",
-        "ACL_ERROR_RT_INVALID_MEMORY_TYPE",
-        "ACL_ERROR_RT_FEATURE_NOT_SUPPORT",
-        "ACL_ERROR_RT_INTERNAL_ERROR",
-        "ACL_ERROR_RT_ADDR_UNALIGNED",
-        "ACL_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
-        "ACL_ERROR_HOST_MEMORY_NOT_REGISTERED",
-    ):
+        "ACL_ERROR_INVALID_PARAM ACL_ERROR_RT_PARAM_INVALID "
+        "ACL_ERROR_RT_INVALID_MEMORY_TYPE ACL_ERROR_RT_FEATURE_NOT_SUPPORT "
+        "ACL_ERROR_RT_INTERNAL_ERROR ACL_ERROR_RT_ADDR_UNALIGNED "
+        "ACL_ERROR_HOST_MEMORY_ALREADY_REGISTERED ACL_ERROR_HOST_MEMORY_NOT_REGISTERED"
+    ).split():
         assert re.search(rf"\b{name}\b\s*=?\s*{globals()[name]}\b", text), name
     for name in ("ACL_HOST_REG_MAPPED", "ACL_HOST_REG_PINNED"):
         found = re.search(rf"#define\s+{name}\s+(0x[0-9A-Fa-f]+)UL", text)
@@ -916,39 +854,24 @@ MALLOC_HOST, FREE_HOST = "aclrtMallocHost", "aclrtFreeHost"
 NEW_KERNEL, OLD_KERNEL = "6.8.0-generic", "5.10.0-60.18.0.50.oe2203.aarch64"
 
 
-def sim_host_api(sim: SimAcl, malloc: bool = True):
-    """acl_host.AclHostApi over the core's calls, linked against the
-    SIMULATED runtime (instead of the native op's); without ``malloc``,
-    every aclrtMallocHost is refused (the registered mmap is what is left)."""
-    from vllm_ascend.kv_offload.acl_host import AclHostApi
+def npu_memory(sim: SimAcl, rows: int, row_bytes: int, malloc=True, **kwargs):
+    """host_memory's npu pool memory through acl_host.AclHostApi over the
+    core's calls, linked against the SIMULATED runtime (instead of the native
+    op's); without ``malloc``, every aclrtMallocHost is refused (the
+    registered mmap is what is left)."""
 
     def refused(size: int) -> int:
         raise RuntimeError(f"aclrtMallocHost({size} bytes) refused by the test")
 
-    return AclHostApi(
-        alloc=sim.host_alloc if malloc else refused,
-        free=sim.host_free,
-        register=sim.host_register,
-        unregister=sim.host_unregister,
+    alloc = sim.host_alloc if malloc else refused
+    api = acl_host.AclHostApi(
+        alloc, sim.host_free, sim.host_register, sim.host_unregister
     )
-
-
-def npu_memory(sim: SimAcl, rows: int, row_bytes: int, malloc=True, **kwargs):
-    from vllm_ascend.kv_offload import host_memory
-
-    return host_memory.allocate_host_memory(
-        rows,
-        row_bytes,
-        "npu",
-        acl=sim_host_api(sim, malloc),
-        kernel=kwargs.pop("kernel", NEW_KERNEL),
-        **kwargs,
-    )
+    kwargs.setdefault("kernel", NEW_KERNEL)
+    return host_memory.allocate_host_memory(rows, row_bytes, "npu", acl=api, **kwargs)
 
 
 def test_sim_npu_pool_memory_is_acl_malloc_host_of_the_exact_size(sim) -> None:
-    from vllm_ascend.kv_offload import acl_host
-
     nbytes = 3 * 4096 + 100
     memory = npu_memory(sim, 1, nbytes)
     assert (memory.kind, memory.pinned, memory.nbytes, memory.pieces) == (
@@ -970,8 +893,6 @@ def test_sim_npu_pool_memory_is_acl_malloc_host_of_the_exact_size(sim) -> None:
 
 
 def test_sim_npu_pool_memory_falls_back_to_a_registered_mmap(sim) -> None:
-    from vllm_ascend.kv_offload import acl_host
-
     sim.inject(MALLOC_HOST, 1, ACL_ERROR_RT_INTERNAL_ERROR)
     memory = npu_memory(sim, 2, 4096)
     assert (memory.kind, memory.pinned) == (acl_host.ACL_REGISTERED, True)
@@ -985,8 +906,6 @@ def test_sim_npu_pool_memory_falls_back_to_a_registered_mmap(sim) -> None:
 
 
 def test_sim_npu_pool_memory_is_pageable_when_acl_refuses_both(sim, monkeypatch):
-    from vllm_ascend.kv_offload import host_memory
-
     warnings = []
     monkeypatch.setattr(host_memory.logger, "warning", lambda *a: warnings.append(a))
     sim.limit_host_memory(max_bytes=4096)  # less than the pool's one unit
@@ -1003,8 +922,6 @@ def test_sim_npu_pool_memory_is_pageable_when_acl_refuses_both(sim, monkeypatch)
 
 
 def test_sim_npu_pool_memory_is_not_registered_on_old_kernels(sim) -> None:
-    from vllm_ascend.kv_offload import host_memory
-
     memory = npu_memory(sim, 2, 4096, malloc=False, kernel=OLD_KERNEL)
     assert memory.kind == host_memory.PAGEABLE
     assert sim.calls(HOST_REGISTER) == 0  # CANN: "causes exceptions" there
@@ -1016,13 +933,6 @@ def round_trip(sim: SimAcl, memory, rows: int, row_bytes: int) -> None:
     SIMULATED runtime, loads them back into poisoned blocks: byte-exact, and
     no copy straddles two pieces (the runtime would refuse it). Releases
     ``memory``."""
-    from vllm.v1.kv_offload.base import GPULoadStoreSpec
-
-    from tests.unit.kv_helpers import make_kv_caches
-    from vllm_ascend.kv_offload import ops
-    from vllm_ascend.kv_offload.copy_engine import CopyEngine
-    from vllm_ascend.kv_offload.cpu_pool import CpuBlockPool, PoolLayout
-
     kv = make_kv_caches(rows, [row_bytes], seed=rows)
     device = kv.tensors[0].tensor
     sim.register(device.view(torch.uint8).numpy(), LOC_DEVICE, device_id=0)
@@ -1049,8 +959,6 @@ def test_sim_a_refused_malloc_host_piece_is_retried_smaller_and_stays_pinned(
     """A piece aclrtMallocHost refuses (more than the runtime's per-call
     limit, error 207001) is allocated as two of half the size; the pool is
     page-locked, every row of it, and byte-exact through the runtime."""
-    from vllm_ascend.kv_offload import acl_host
-
     sim.limit_host_memory(max_bytes=600 * 1024, alignment=SVM)
     # 1 MiB pieces: 16 units of one 4 KiB row, 64 KiB apart (SVM alignment).
     memory = npu_memory(sim, 64, 4096, piece_bytes=2**20)
@@ -1071,8 +979,6 @@ def test_sim_on_a5_the_pool_is_registered_mapped_in_smaller_aligned_pieces(
     """A5: PINNED refused (107000), MAPPED alone accepted; pieces larger than
     the runtime takes are registered at half the size, each 64 KiB-aligned
     (the simulation refuses any other address)."""
-    from vllm_ascend.kv_offload import acl_host
-
     sim.limit_host_memory(max_bytes=600 * 1024, alignment=SVM, a5=True)
     memory = npu_memory(sim, 64, 4096, malloc=False, piece_bytes=2**20)
     assert (memory.kind, memory.pinned) == (acl_host.ACL_REGISTERED_MAPPED, True)

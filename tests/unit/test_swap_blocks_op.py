@@ -247,37 +247,27 @@ def _bad_descriptors(
     # A valid first fragment: a failing batch must not copy even that one.
     ok = [(s, d, 16)]
     srcs, dsts, sizes = descriptors(ok + [(s + 100, d + 100, 16)])
-    if case == "dtype":
-        return srcs.to(torch.int32), dsts, sizes
-    if case == "device":
-        return srcs, dsts, sizes.to("meta")
-    if case == "dim":
-        return srcs, dsts.view(1, 2), sizes
-    if case == "contiguity":
-        return srcs, dsts, torch.tensor([16, 0, 16, 0])[::2]
-    if case == "length":
-        return srcs, dsts[:1], sizes
-    if case == "zero-size":
-        return descriptors(ok + [(s + 100, d + 100, 0)])
-    if case == "negative-size":
-        return descriptors(ok + [(s + 100, d + 100, -5)])
-    if case == "null-src":
-        return descriptors(ok + [(0, d + 100, 16)])
-    if case == "null-dst":
-        return descriptors(ok + [(s + 100, 0, 16)])
-    if case == "wraps":
-        return descriptors(ok + [(s + 100, -8, 16)])
-    if case == "overlap":
-        return descriptors(ok + [(s + 100, s + 108, 16)])
-    if case == "sizes-overflow":
+    huge = 2**63 - 1
+    return {
+        "dtype": (srcs.to(torch.int32), dsts, sizes),
+        "device": (srcs, dsts, sizes.to("meta")),
+        "dim": (srcs, dsts.view(1, 2), sizes),
+        "contiguity": (srcs, dsts, torch.tensor([16, 0, 16, 0])[::2]),
+        "length": (srcs, dsts[:1], sizes),
+        "zero-size": descriptors(ok + [(s + 100, d + 100, 0)]),
+        "negative-size": descriptors(ok + [(s + 100, d + 100, -5)]),
+        "null-src": descriptors(ok + [(0, d + 100, 16)]),
+        "null-dst": descriptors(ok + [(s + 100, 0, 16)]),
+        "wraps": descriptors(ok + [(s + 100, -8, 16)]),
+        "overlap": descriptors(ok + [(s + 100, s + 108, 16)]),
         # Each fragment alone is valid (no wrap, source and destination
         # disjoint), but the batch adds up to 2^64 + 14 bytes.
-        huge = 2**63 - 1
-        return descriptors(ok + [(1, -(2**63), huge), (1, -(2**63), huge)])
-    if case == "overlap-after-merge":
+        "sizes-overflow": descriptors(ok + [(1, -(2**63), huge), (1, -(2**63), huge)]),
         # each fragment alone is disjoint, but the merged copy is not
-        return descriptors(ok + [(s + 100, s + 110, 10), (s + 110, s + 120, 10)])
-    raise AssertionError(case)
+        "overlap-after-merge": descriptors(
+            ok + [(s + 100, s + 110, 10), (s + 110, s + 120, 10)]
+        ),
+    }[case]
 
 
 @pytest.mark.parametrize(
@@ -293,10 +283,7 @@ def _bad_descriptors(
         ("null-src", r"src_addrs\[1\] is a null address"),
         ("null-dst", r"dst_addrs\[1\] is a null address"),
         ("wraps", r"fragment 1 wraps around the end of the address space"),
-        (
-            "sizes-overflow",
-            r"sizes add up to more than 2\^64 - 1 bytes at fragment 2",
-        ),
+        ("sizes-overflow", r"sizes add up to more than 2\^64 - 1 bytes at fragment 2"),
         ("overlap", r"fragment 1 \(after merging adjacent fragments\) overlap"),
         ("overlap-after-merge", r"fragment 1 \(after merging .*\) overlap"),
     ],
@@ -318,25 +305,30 @@ def test_unknown_device_raises(swap: Swap) -> None:
         swap(*descriptors([]), "tpu")
 
 
-@needs_native
-def test_native_rejects_a_backend_it_was_built_without() -> None:
-    if "npu" in NATIVE_BACKENDS:
-        pytest.skip("this build includes the npu backend")
-    with pytest.raises(RuntimeError, match="backend 'npu' was not compiled"):
-        NATIVE(*descriptors([]), "npu")
-
-
-def test_fallback_refuses_device_copies() -> None:
-    with pytest.raises(RuntimeError, match="'npu' requires the native extension"):
-        ops.fallback_swap_blocks_batch(*descriptors([]), "npu")
+NPU_LACKING = pytest.mark.skipif(
+    "npu" in NATIVE_BACKENDS, reason="this build includes the npu backend"
+)
 
 
 @pytest.mark.parametrize(
-    "op", [pytest.param(NATIVE, marks=needs_native), ops.fallback_swap_blocks_batch]
-)
-def test_cuda_is_not_a_device_of_this_op_but_of_vllms(op: Swap) -> None:
-    with pytest.raises(RuntimeError, match="unknown device 'cuda'.*vLLM's own"):
-        op(*descriptors([]), "cuda")
+    "op, device, message",
+    [
+        # cuda is not a device of this op but of vLLM's own
+        pytest.param(NATIVE, "cuda", "unknown device 'cuda'.*vLLM's own",
+                     marks=needs_native, id="native-cuda"),
+        pytest.param(ops.fallback_swap_blocks_batch, "cuda",
+                     "unknown device 'cuda'.*vLLM's own", id="fallback-cuda"),
+        pytest.param(NATIVE, "npu", "backend 'npu' was not compiled",
+                     marks=[needs_native, NPU_LACKING], id="native-built-without-npu"),
+        pytest.param(ops.fallback_swap_blocks_batch, "npu",
+                     "'npu' requires the native extension", id="fallback-npu"),
+    ],
+)  # fmt: skip
+def test_a_device_this_op_cannot_copy_on_raises(
+    op: Swap, device: str, message: str
+) -> None:
+    with pytest.raises(RuntimeError, match=message):
+        op(*descriptors([]), device)
 
 
 @needs_native

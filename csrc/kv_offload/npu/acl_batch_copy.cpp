@@ -37,12 +37,6 @@ bool is_not_supported(aclError e) {
          e == ACL_ERROR_FEATURE_UNSUPPORTED || e == ACL_ERROR_API_NOT_SUPPORT;
 }
 
-std::string hex(uint64_t v) {
-  std::ostringstream out;
-  out << "0x" << std::hex << v;
-  return out.str();
-}
-
 std::string describe(const CopyRegion& r) {
   return "src_addrs=" + hex(r.src) + ", dst_addrs=" + hex(r.dst) +
          ", bytes=" + std::to_string(r.size);
@@ -50,13 +44,6 @@ std::string describe(const CopyRegion& r) {
 
 [[noreturn]] void fail(const std::string& what) {
   throw std::runtime_error("swap_blocks_batch(device='npu'): " + what);
-}
-
-// The runtime's own text for its most recent error, if it has one.
-std::string acl_detail() {
-  const char* msg = aclGetRecentErrMsg();
-  return msg != nullptr && *msg != '\0' ? std::string("; ACL reports: ") + msg
-                                        : std::string();
 }
 
 aclrtMemLocation location_of(uint64_t addr, const char* name,
@@ -170,6 +157,18 @@ void check_workspace(const void* workspace, size_t bytes, size_t needed) {
 }
 
 }  // namespace
+
+std::string hex(uint64_t v) {
+  std::ostringstream out;
+  out << "0x" << std::hex << v;
+  return out.str();
+}
+
+std::string acl_detail() {
+  const char* msg = aclGetRecentErrMsg();
+  return msg != nullptr && *msg != '\0' ? std::string("; ACL reports: ") + msg
+                                        : std::string();
+}
 
 size_t AclBatchCopier::workspace_bytes(size_t num_regions,
                                        bool per_copy) const {

@@ -8,6 +8,8 @@
 
 #include <atomic>
 #include <cstddef>
+#include <cstdint>
+#include <string>
 #include <vector>
 
 #include "copy_region.h"
@@ -31,6 +33,12 @@ struct BatchCopyReport {
   // unsupported and switched this copier to the per-copy loop for good.
   bool fallback_started = false;
 };
+
+// "0x..." of `v`, for messages (also acl_host_register.cpp).
+std::string hex(uint64_t v);
+// "; ACL reports: " and aclGetRecentErrMsg(), or "" when the runtime has no
+// message for its most recent error.
+std::string acl_detail();
 
 // Thread-safe; the only state is whether the batch API was found unsupported.
 class AclBatchCopier {

@@ -1,9 +1,10 @@
 // ACL-facing core of host-memory registration; see acl_host_register.h.
 #include "acl_host_register.h"
 
-#include <sstream>
 #include <stdexcept>
 #include <string>
+
+#include "acl_batch_copy.h"  // hex, acl_detail
 
 // Newer than some CANN releases torch_npu still runs on: a weak reference
 // keeps the extension importable there (registration then fails clearly).
@@ -12,12 +13,6 @@
 
 namespace vllm_ascend::kv_offload::npu {
 namespace {
-
-std::string hex(uint64_t v) {
-  std::ostringstream out;
-  out << "0x" << std::hex << v;
-  return out.str();
-}
 
 std::string range(uint64_t addr, uint64_t size) {
   return "[" + hex(addr) + ", " + hex(addr + size) + ") (" +
@@ -28,29 +23,32 @@ std::string range(uint64_t addr, uint64_t size) {
   throw std::runtime_error(std::string(op) + "(device='npu'): " + what);
 }
 
-std::string acl_detail() {
-  const char* msg = aclGetRecentErrMsg();
-  return msg != nullptr && *msg != '\0' ? std::string("; ACL reports: ") + msg
-                                        : std::string();
-}
-
 constexpr const char* kRegister = "kv_offload_host_register";
 constexpr const char* kUnregister = "kv_offload_host_unregister";
 constexpr const char* kAlloc = "kv_offload_host_alloc";
 constexpr const char* kFree = "kv_offload_host_free";
 
-// The location type ACL reports for `addr`, or a description of why none.
-bool location_of(uint64_t addr, aclrtMemLocationType* type, std::string* why) {
-  aclrtPtrAttributes attrs{};
-  const aclError e =
-      aclrtPointerGetAttributes(reinterpret_cast<const void*>(addr), &attrs);
-  if (e != ACL_SUCCESS) {
-    *why = "aclrtPointerGetAttributes(" + hex(addr) +
-           ") failed with ACL error " + std::to_string(e) + acl_detail();
-    return false;
+// "" when ACL reports the first and the last byte of [addr, addr + size) as
+// page-locked host memory, which the npu copy backend requires; else why not.
+std::string not_page_locked_host(uint64_t addr, uint64_t size) {
+  for (const uint64_t b : {addr, addr + size - 1}) {
+    aclrtPtrAttributes attrs{};
+    const aclError e =
+        aclrtPointerGetAttributes(reinterpret_cast<const void*>(b), &attrs);
+    if (e != ACL_SUCCESS) {
+      return "aclrtPointerGetAttributes(" + hex(b) +
+             ") failed with ACL error " + std::to_string(e) + acl_detail();
+    }
+    const aclrtMemLocationType t = attrs.location.type;
+    if (t != ACL_MEM_LOCATION_TYPE_HOST &&
+        t != ACL_MEM_LOCATION_TYPE_HOST_NUMA) {
+      return "aclrtPointerGetAttributes reports location type " +
+             std::to_string(t) + " for byte " + hex(b) +
+             ", not page-locked host memory (ACL_MEM_LOCATION_TYPE_HOST), so "
+             "the npu copy backend would refuse it";
+    }
   }
-  *type = attrs.location.type;
-  return true;
+  return "";
 }
 
 std::string flag_names(uint32_t flags) {
@@ -60,11 +58,6 @@ std::string flag_names(uint32_t flags) {
     out += out.empty() ? "ACL_HOST_REG_PINNED" : "|ACL_HOST_REG_PINNED";
   }
   return out;
-}
-
-bool is_page_locked_host(aclrtMemLocationType t) {
-  return t == ACL_MEM_LOCATION_TYPE_HOST ||
-         t == ACL_MEM_LOCATION_TYPE_HOST_NUMA;
 }
 
 }  // namespace
@@ -105,17 +98,8 @@ void register_host_range(uint64_t addr, uint64_t size, uint32_t flags) {
   // The copy backend accepts only memory ACL reports as page-locked host
   // memory; a registration it would refuse is undone here, at start-up,
   // rather than failing every copy later.
-  const uint64_t bytes[] = {addr, addr + size - 1};
-  for (const uint64_t b : bytes) {
-    aclrtMemLocationType type{};
-    std::string why;
-    if (location_of(b, &type, &why) && is_page_locked_host(type)) continue;
-    if (why.empty()) {
-      why = "aclrtPointerGetAttributes reports location type " +
-            std::to_string(type) + " for byte " + hex(b) +
-            ", not page-locked host memory (ACL_MEM_LOCATION_TYPE_HOST), so "
-            "the npu copy backend would refuse it";
-    }
+  const std::string why = not_page_locked_host(addr, size);
+  if (!why.empty()) {
     const aclError u = aclrtHostUnregister(reinterpret_cast<void*>(addr));
     fail(kRegister,
          "range " + range(addr, size) +
@@ -149,16 +133,8 @@ uint64_t allocate_host(uint64_t size) {
   }
   const auto addr = reinterpret_cast<uint64_t>(ptr);
   if (&aclrtPointerGetAttributes == nullptr) return addr;  // nothing to ask
-  const uint64_t bytes[] = {addr, addr + size - 1};
-  for (const uint64_t b : bytes) {
-    aclrtMemLocationType type{};
-    std::string why;
-    if (location_of(b, &type, &why) && is_page_locked_host(type)) continue;
-    if (why.empty()) {
-      why = "aclrtPointerGetAttributes reports location type " +
-            std::to_string(type) + " for byte " + hex(b) +
-            ", not page-locked host memory";
-    }
+  const std::string why = not_page_locked_host(addr, size);
+  if (!why.empty()) {
     aclrtFreeHost(ptr);
     fail(kAlloc, "aclrtMallocHost returned " + range(addr, size) + ", but " +
                      why + "; it was freed again");

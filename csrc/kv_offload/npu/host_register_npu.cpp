@@ -11,37 +11,34 @@
 #include "ops.h"
 
 namespace vllm_ascend::kv_offload {
+namespace {
 
-void host_register_npu(uint64_t addr, uint64_t size, uint32_t flags) {
+// f(), its std::exception rethrown as c10::Error.
+template <typename F>
+auto as_c10_error(F&& f) -> decltype(f()) {
   try {
-    npu::register_host_range(addr, size, flags);
+    return f();
   } catch (const std::exception& e) {
     TORCH_CHECK(false, e.what());
   }
+}
+
+}  // namespace
+
+void host_register_npu(uint64_t addr, uint64_t size, uint32_t flags) {
+  as_c10_error([&] { npu::register_host_range(addr, size, flags); });
 }
 
 void host_unregister_npu(uint64_t addr) {
-  try {
-    npu::unregister_host_range(addr);
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, e.what());
-  }
+  as_c10_error([&] { npu::unregister_host_range(addr); });
 }
 
 uint64_t host_alloc_npu(uint64_t size) {
-  try {
-    return npu::allocate_host(size);
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, e.what());
-  }
+  return as_c10_error([&] { return npu::allocate_host(size); });
 }
 
 void host_free_npu(uint64_t addr) {
-  try {
-    npu::free_host(addr);
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, e.what());
-  }
+  as_c10_error([&] { npu::free_host(addr); });
 }
 
 }  // namespace vllm_ascend::kv_offload
