@@ -1,0 +1,57 @@
+"""Shared helpers of the tiering tests (block files, fs tiers, key files,
+tiering specs) without an engine."""
+
+from __future__ import annotations
+
+import dataclasses
+import mmap
+
+from vllm.v1.kv_offload.base import make_offload_key
+
+from tests.unit.conftest import TIERING
+from tests.unit.kv_helpers import make_config
+from vllm_ascend.kv_offload.tiering.block_file import key_digest
+from vllm_ascend.kv_offload.tiering.fs import VerifiedFileSystemTier
+from vllm_ascend.kv_offload.tiering.spec import NPUTieringOffloadingSpec
+
+# A block file's storage identity and key digest.
+IDENTITY = bytes(range(32))
+KEY_ID = key_digest(make_offload_key(b"\x01" * 32, 0))
+# What `openssl rand -base64 32` writes (without its newline).
+AUTH_KEY = b"q3Zk9Vx0bT7mLwR2sYc8nHfJ4pGd1aUeKiXoN6vQ5yM="
+
+
+def key_file(tmp_path, data: bytes = AUTH_KEY + b"\n", name="kv.key", mode=0o600):
+    """The path of a key file ``name`` in ``tmp_path`` holding ``data``."""
+    path = tmp_path / name
+    path.write_bytes(data)
+    path.chmod(mode)
+    return str(path)
+
+
+def row_view(rows: int = 4, row_bytes: int = 4096) -> memoryview:
+    """A primary tier's view: ``rows`` rows of an anonymous mapping."""
+    buf = mmap.mmap(-1, rows * row_bytes)
+    return memoryview(buf).cast("B", shape=(rows, row_bytes))
+
+
+def fs_tier(spec, root, view: memoryview | None = None, **kwargs):
+    """A verified fs tier at ``root`` (one read and one write thread) on
+    ``view`` (default: a fresh ``row_view()``)."""
+    return VerifiedFileSystemTier(
+        spec, row_view() if view is None else view, "ascend_fs", str(root),
+        n_read_threads=1, n_write_threads=1, **kwargs,
+    )  # fmt: skip
+
+
+def tiering_spec(
+    engine_id: str, row_bytes: int, num_chunks: int = 4, **extra
+) -> NPUTieringOffloadingSpec:
+    """A tiering spec built as vLLM builds it: a region of ``num_chunks``
+    rows of one block of ``row_bytes`` (one rank), no secondary tier;
+    ``extra``: more extra-config keys."""
+    keys = {**TIERING, "num_cpu_blocks": num_chunks, "secondary_tiers": [], **extra}
+    config = make_config(keys, worker_kv_bytes_per_block=row_bytes)
+    spec = NPUTieringOffloadingSpec(dataclasses.replace(config, engine_id=engine_id))
+    assert (spec.num_chunks, spec.kv_bytes_per_chunk) == (num_chunks, row_bytes)
+    return spec
