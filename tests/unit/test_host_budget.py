@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.unit.kv_helpers import make_config, make_kv_caches
+from tests.unit.tier_helpers import refusal
 from vllm_ascend.kv_offload import host_guard, host_ledger
 from vllm_ascend.kv_offload.host_guard import HOST_BUDGET_ENV, HostBudget, Reserved
 from vllm_ascend.kv_offload.npu import NPUOffloadingSpec, OffloadConfigError
@@ -54,9 +55,7 @@ def test_two_workers_whose_pools_fit_alone_but_not_together(host_ledger_dir, ava
     num_cpu_blocks both ranks fit with."""
     available(GiB)  # 90 % of it: 14745 blocks of 64 KiB in all
     first = spec(10_000, world_size=2).reserve_host_memory(kv())
-    with pytest.raises(OffloadConfigError) as error:
-        spec(10_000, world_size=2).reserve_host_memory(kv())
-    message = str(error.value)
+    message = refusal(lambda: spec(10_000, world_size=2).reserve_host_memory(kv()))
     assert "['num_cpu_blocks']=10000 asks for a CPU pool of 625.00 MiB" in message
     assert "with the 1 other CPU pool of this host (625.00 MiB" in message
     assert "the pools would take 1.22 GiB, more than 90% of the 1.00 GiB" in message
@@ -100,9 +99,7 @@ def test_the_host_budget_setting_caps_all_pools_and_names_its_fix(
 ):
     monkeypatch.setenv(HOST_BUDGET_ENV, "100MiB")
     first = spec(1000).reserve_host_memory(kv())  # 62.5 MiB
-    with pytest.raises(OffloadConfigError) as error:
-        spec(1000).reserve_host_memory(kv())
-    message = str(error.value)
+    message = refusal(lambda: spec(1000).reserve_host_memory(kv()))
     assert "the pools would take 125.00 MiB, more than the host budget" in message
     assert f"{HOST_BUDGET_ENV}=100.00 MiB" in message
     assert "lower num_cpu_blocks to 800 (this engine's 2 workers" in message

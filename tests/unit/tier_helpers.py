@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import mmap
+from collections.abc import Callable
 
+import pytest
 from vllm.v1.kv_offload.base import make_offload_key
 
 from tests.unit.conftest import TIERING
 from tests.unit.kv_helpers import make_config
+from vllm_ascend.kv_offload.config import OffloadConfigError
 from vllm_ascend.kv_offload.tiering.block_file import key_digest
 from vllm_ascend.kv_offload.tiering.fs import VerifiedFileSystemTier
 from vllm_ascend.kv_offload.tiering.spec import NPUTieringOffloadingSpec
@@ -55,3 +58,10 @@ def tiering_spec(
     spec = NPUTieringOffloadingSpec(dataclasses.replace(config, engine_id=engine_id))
     assert (spec.num_chunks, spec.kv_bytes_per_chunk) == (num_chunks, row_bytes)
     return spec
+
+
+def refusal(start: Callable[[], object], error: type = OffloadConfigError) -> str:
+    """The message of the ``error`` that ``start()`` must raise."""
+    with pytest.raises(error) as info:
+        start()
+    return str(info.value)
