@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import fcntl
 import mmap
-import multiprocessing
 import os
-import signal
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +15,7 @@ import pytest
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
 from tests.unit.conftest import new_engine_id
-from tests.unit.tier_helpers import tiering_spec
+from tests.unit.tier_helpers import forked, tiering_spec
 from vllm_ascend.kv_offload.config import OffloadConfigError
 from vllm_ascend.kv_offload.region import (
     RegionBlockPool,
@@ -29,7 +27,6 @@ from vllm_ascend.kv_offload.region import (
 )
 
 PAGE = mmap.PAGESIZE
-FORK = multiprocessing.get_context("fork")
 
 
 def leftovers(engine_id: str) -> list[str]:
@@ -61,23 +58,6 @@ def engine_ids():
         for path in (region_path(engine_id), mark_path(engine_id)):
             if os.path.exists(path):
                 os.unlink(path)
-
-
-def _hold(hold, ready) -> None:
-    held = hold()  # kept until the process is killed
-    ready.set()
-    signal.pause()
-    del held
-
-
-def start(hold) -> multiprocessing.Process:
-    """Another process (forked) that runs ``hold()``, keeps what it
-    returned and waits to be killed."""
-    ready = FORK.Event()
-    proc = FORK.Process(target=_hold, args=(hold, ready), daemon=True)
-    proc.start()
-    assert ready.wait(60)
-    return proc
 
 
 def test_region_pool_addresses_this_ranks_slot_of_each_row(shared_region):
@@ -180,7 +160,7 @@ def test_a_live_region_is_kept_until_its_holder_dies(engine_ids, shared_region):
     live = engine_ids()
     write_leftovers(live)
     # The holder's descriptor (never closed) holds the lock until it dies.
-    holder = start(lambda: fcntl.flock(os.open(mark_path(live), 0), fcntl.LOCK_SH))
+    holder = forked(lambda: fcntl.flock(os.open(mark_path(live), 0), fcntl.LOCK_SH))
     try:
         shared_region(2, PAGE, PAGE)
         assert len(leftovers(live)) == 2
@@ -214,7 +194,7 @@ def test_a_killed_processs_region_is_gone_after_the_next_opening(
     engine_ids, shared_region
 ):
     killed = engine_ids()
-    proc = start(
+    proc = forked(
         lambda: open_region(
             engine_id=killed,
             num_chunks=2,

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import mmap
+import multiprocessing
+import signal
 from collections.abc import Callable
 
 import pytest
@@ -17,6 +19,7 @@ from vllm_ascend.kv_offload.tiering.block_file import key_digest
 from vllm_ascend.kv_offload.tiering.fs import VerifiedFileSystemTier
 from vllm_ascend.kv_offload.tiering.spec import NPUTieringOffloadingSpec
 
+FORK = multiprocessing.get_context("fork")
 # A block file's storage identity and key digest.
 IDENTITY = bytes(range(32))
 KEY_ID = key_digest(make_offload_key(b"\x01" * 32, 0))
@@ -65,3 +68,20 @@ def refusal(start: Callable[[], object], error: type = OffloadConfigError) -> st
     with pytest.raises(error) as info:
         start()
     return str(info.value)
+
+
+def _hold(hold, ready) -> None:
+    held = hold()  # kept until the process is killed
+    ready.set()
+    signal.pause()
+    del held
+
+
+def forked(hold: Callable[[], object]) -> multiprocessing.Process:
+    """Another process (forked: this one's imports and environment) that
+    runs ``hold()``, keeps what it returned and waits to be killed."""
+    ready = FORK.Event()
+    proc = FORK.Process(target=_hold, args=(hold, ready), daemon=True)
+    proc.start()
+    assert ready.wait(120)
+    return proc
