@@ -36,6 +36,10 @@ from vllm_ascend.kv_offload.npu import NPUOffloadingSpec
 from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
 
 PAGE = mmap.PAGESIZE
+PAGES = [4096, 2048]  # a row of 6 KiB per device block
+SMALL = 64 * 2**10  # the smallest host_piece_bytes: 1 row per unit here
+GiB, TiB = 2**30, 2**40
+MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
 
 
 def mapping_of(addr: int) -> dict[str, int] | None:
@@ -105,16 +109,17 @@ def test_released_pool_is_unmapped():
 
 def test_the_guard_counts_exactly_what_is_allocated(host_ledger_dir):
     """What the host-memory guard checked and recorded in the host's ledger
-    is the pool's size, byte for byte."""
+    is the pool's size, byte for byte; the spec passes host_piece_bytes to
+    the pool."""
     kv = make_kv_caches(4, [4096, 12288])
-    spec = NPUOffloadingSpec(
-        make_config({"num_cpu_blocks": 10}, worker_kv_bytes_per_block=16384)
-    )
+    extra = {"num_cpu_blocks": 10, "host_piece_bytes": SMALL}
+    spec = NPUOffloadingSpec(make_config(extra, worker_kv_bytes_per_block=16384))
     reservation = spec.reserve_host_memory(kv)
     pool = spec.allocate_pool(kv)
     try:
         recorded = [p.nbytes for p in live_pools(host_ledger_dir)]
         assert recorded == [pool.memory.nbytes] == [10 * (4096 + 12288)]
+        assert len(pool.tensors) == 10  # a row a unit: 64 KiB / 16 is less
     finally:
         pool.release()
         reservation.release()
@@ -153,11 +158,6 @@ def test_a_pool_over_borrowed_memory_leaves_it_to_its_owner():
 
 # -- a pool in pieces ---------------------------------------------------------
 
-PAGES = [4096, 2048]  # a row of 6 KiB per device block
-SMALL = 64 * 2**10  # the smallest host_piece_bytes: 1 row per unit here
-GiB, TiB = 2**30, 2**40
-MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
-
 
 def units_of(pool: CpuBlockPool) -> list[tuple[int, int]]:
     """(first address, end) of each unit of the pool's rows."""
@@ -178,17 +178,6 @@ def test_a_small_piece_limit_cuts_the_pool_into_units_of_whole_rows():
     finally:
         pool.release()
     assert pool.released and pool.tensors == []
-
-
-def test_the_spec_passes_host_piece_bytes_to_the_pool():
-    kv = make_kv_caches(4, PAGES)
-    extra = {"num_cpu_blocks": 24, "host_piece_bytes": SMALL}
-    spec = NPUOffloadingSpec(make_config(extra, worker_kv_bytes_per_block=6144))
-    pool = spec.allocate_pool(kv)
-    try:
-        assert len(pool.tensors) == 24
-    finally:
-        pool.release()
 
 
 def test_merged_copies_stop_at_unit_boundaries():
