@@ -1,8 +1,7 @@
 """The fs tier's directory is shared, so untrusted: what anyone who can
 write it may put there (symlinks, FIFOs, sockets, directories, forged
 files, leftovers) never redirects a write, hangs a read, or gets loaded; a
-directory the tier cannot use is dropped at start; subclasses of our specs
-are ours everywhere names are checked."""
+directory the tier cannot use is dropped at start."""
 
 from __future__ import annotations
 
@@ -23,8 +22,6 @@ from vllm.v1.kv_offload.base import make_offload_key
 from tests.unit.conftest import finished_job, fs_job, payload
 from tests.unit.tier_helpers import AUTH_KEY, IDENTITY, fs_tier, key_file, row_view
 from tests.unit.tier_helpers import KEY_ID as KEY
-from vllm_ascend.kv_offload.config import OffloadConfigError, check_keys
-from vllm_ascend.kv_offload.connector import our_spec_class
 from vllm_ascend.kv_offload.tiering.block_file import (
     HEADER_BYTES,
     HEADER_STRUCT,
@@ -34,9 +31,6 @@ from vllm_ascend.kv_offload.tiering.block_file import (
     write_block,
 )
 from vllm_ascend.kv_offload.tiering.fs import tier_dir_usable
-from vllm_ascend.kv_offload.tiering.spec import (
-    NPUTieringOffloadingSpec,
-)
 from vllm_ascend.kv_offload.tiering.tier_paths import BadEntryError, StoredBlockError
 
 # Long enough that anything still blocked is stuck, not slow (2 loaded cores).
@@ -312,27 +306,3 @@ def test_stale_temp_files_are_removed_live_ones_kept(tmp_path):
     finally:
         os.close(holder)
     assert not stale.exists() and live.exists() and fresh.exists()
-
-
-# -- subclasses of our specs ---------------------------------------------------
-
-
-class CustomTieringSpec(NPUTieringOffloadingSpec):
-    """A deployment's own subclass of the tiering spec."""
-
-
-def test_a_subclass_of_the_tiering_spec_may_have_secondary_tiers():
-    extra = {
-        "spec_name": "CustomTieringSpec",
-        "spec_module_path": __name__,
-        "secondary_tiers": [{"type": "fs", "root_dir": "/x"}],
-    }
-    assert our_spec_class(extra) is CustomTieringSpec
-    check_keys(extra, CustomTieringSpec.extra_config_keys)
-    not_tiering = {
-        **extra,
-        "spec_name": "NPUOffloadingSpec",
-        "spec_module_path": "vllm_ascend.kv_offload.npu",
-    }
-    with pytest.raises(OffloadConfigError, match="or a subclass"):
-        check_keys(not_tiering, our_spec_class(not_tiering).extra_config_keys)

@@ -21,6 +21,7 @@ from tests.unit.tier_helpers import IDENTITY, KEY_ID, refusal, tiering_spec
 from tests.vllm_version import VLLM_VERSION
 from vllm_ascend.kv_offload.acl_host import kernel_registers_pageable_memory
 from vllm_ascend.kv_offload.config import OffloadConfigError, check_keys
+from vllm_ascend.kv_offload.connector import our_spec_class
 from vllm_ascend.kv_offload.host_register import (
     AclRegionRegistration,
     register_with_cuda,
@@ -158,23 +159,33 @@ def test_what_the_spec_cannot_do_is_refused(extra, message):
         check_tiering_config(config)
 
 
-def test_tiering_keys_need_the_tiering_spec():
+class CustomTieringSpec(NPUTieringOffloadingSpec):
+    """A deployment's own subclass of the tiering spec."""
+
+
+def test_tiering_keys_need_the_tiering_spec_or_a_subclass():
+    """Our connector serves both; subclasses of our specs are ours
+    everywhere names are checked."""
     tiers = [{"type": "fs", "root_dir": "/x"}]
-    tiering_keys = NPUTieringOffloadingSpec.extra_config_keys
-    check_keys({**TIERING, "secondary_tiers": tiers}, tiering_keys)
-    with pytest.raises(OffloadConfigError, match="NPUTieringOffloadingSpec only"):
-        check_keys(
-            {"spec_name": "NPUOffloadingSpec", "secondary_tiers": tiers},
-            NPUOffloadingSpec.extra_config_keys,
-        )
-    with pytest.raises(OffloadConfigError, match="must be a list"):
-        check_keys({**TIERING, "secondary_tiers": "fs"}, tiering_keys)
-
-
-def test_our_connector_serves_the_tiering_spec():
-    from vllm_ascend.kv_offload.connector import our_spec_class
-
+    custom = {"spec_name": "CustomTieringSpec", "spec_module_path": __name__}
+    npu = {
+        "spec_name": "NPUOffloadingSpec",
+        "spec_module_path": "vllm_ascend.kv_offload.npu",
+    }
     assert our_spec_class(TIERING) is NPUTieringOffloadingSpec
+    assert our_spec_class(custom) is CustomTieringSpec
+    assert our_spec_class(npu) is NPUOffloadingSpec
+    for spec in (TIERING, custom):
+        check_keys({**spec, "secondary_tiers": tiers}, spec_keys(spec))
+    with pytest.raises(OffloadConfigError, match=r"Spec only \(or a subclass"):
+        check_keys({**npu, "secondary_tiers": tiers}, spec_keys(npu))
+    with pytest.raises(OffloadConfigError, match="must be a list"):
+        check_keys({**TIERING, "secondary_tiers": "fs"}, spec_keys(TIERING))
+
+
+def spec_keys(extra: dict) -> frozenset:
+    """The extra-config keys the spec ``extra`` names accepts."""
+    return our_spec_class(extra).extra_config_keys
 
 
 # -- registering the region: npu (ACL, through our op) and cuda (vLLM's) ----
@@ -188,17 +199,11 @@ def _kv_caches(device_type: str, page: int):
 
 
 def _passed_self_check(device, page_sizes, pool, paths, **kwargs) -> SelfCheckResult:
+    # Device, memory kind, path, passed, failure, GB/s, bytes, seconds.
     return SelfCheckResult(
-        device=str(device),
-        memory_kind=pool.memory.kind,
-        path=paths[0].name,
-        passed=True,
-        failure=None,
-        bandwidth_gbps=0.0,
-        bytes_per_direction=0,
-        seconds=0.0,
+        str(device), pool.memory.kind, paths[0].name, True, None, 0.0, 0, 0.0,
         swap=lambda src, dst, sizes: (0, None),  # never called: no copies here
-    )
+    )  # fmt: skip
 
 
 def test_the_tiering_worker_copies_by_the_copy_path_setting():
