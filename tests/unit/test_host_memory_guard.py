@@ -53,6 +53,11 @@ def kv() -> CanonicalKVCaches:
     return make_kv_caches(4, [BLOCK])
 
 
+def reserve(num_cpu_blocks: int = 16, world_size: int = 1) -> host_ledger.Reservation:
+    """The real check of a worker's pool, recorded in the host's ledger."""
+    return spec(num_cpu_blocks, world_size).reserve_host_memory(kv())
+
+
 class PoolRecorder:
     """Stands in for the worker: records the pools it was built on."""
 
@@ -80,6 +85,13 @@ def no_pools_yet(host_ledger_dir):
     PoolRecorder.built = []
 
 
+def recording_worker(extra: dict, kv_cache=None, **config):
+    """The worker of a ``RecordingSpec`` of ``extra`` (``config``: more of
+    ``make_config``) on ``kv_cache`` (default: ``kv()``)."""
+    spec = RecordingSpec(make_config(extra, **config))
+    return spec.get_worker(kv() if kv_cache is None else kv_cache)
+
+
 def unwritten_kv(blocks: int, page: int, device: str = "cpu") -> CanonicalKVCaches:
     """A KV cache of one ``[blocks, page]`` tensor never written (no memory
     used for it on "cpu"; "meta": not host memory, as on an NPU or GPU)."""
@@ -103,9 +115,7 @@ def test_the_largest_pool_that_fits_is_allocated_and_one_block_more_is_not(
     available,
 ):
     available(GiB)  # 90 % of it holds 14745 blocks of 64 KiB
-    message = refusal(
-        lambda: RecordingSpec(make_config({"num_cpu_blocks": 14746})).get_worker(kv())
-    )
+    message = refusal(lambda: recording_worker({"num_cpu_blocks": 14746}))
     assert "['num_cpu_blocks']=14746" in message
     assert "lower num_cpu_blocks to 14745" in message
     assert "1.00 GiB of host memory available" in message
@@ -120,11 +130,7 @@ def test_the_largest_pool_that_fits_is_allocated_and_one_block_more_is_not(
 
 def test_cpu_bytes_to_use_is_checked_in_its_own_terms(available):
     available(GiB)
-    message = refusal(
-        lambda: RecordingSpec(make_config({"cpu_bytes_to_use": 2 * GiB})).get_worker(
-            kv()
-        )
-    )
+    message = refusal(lambda: recording_worker({"cpu_bytes_to_use": 2 * GiB}))
     assert f"['cpu_bytes_to_use']={2 * GiB}" in message
     assert f"lower cpu_bytes_to_use to {14745 * BLOCK}" in message
 
@@ -153,8 +159,10 @@ def test_the_fix_for_vllm_cpu_kvcache_space_is_in_its_unit(available, monkeypatc
     page = 64 * MiB
     kv_cache = unwritten_kv(128, page)  # 8 GiB of KV cache
     available(12 * GiB)  # what the KV cache left
-    spec = RecordingSpec(make_config({"num_cpu_blocks": 240}, page))  # 15 GiB
-    message = refusal(lambda: spec.get_worker(kv_cache))
+    pool = {"num_cpu_blocks": 240}  # 15 GiB
+    message = refusal(
+        lambda: recording_worker(pool, kv_cache, worker_kv_bytes_per_block=page)
+    )
     assert "lower num_cpu_blocks to 172" in message  # 90 % of 12 GiB
     # 15 GiB fit in 90 % of 12 + 4.67 GiB: 3 of the 8 GiB may stay.
     assert "lower VLLM_CPU_KVCACHE_SPACE from 8 to 3" in message
@@ -163,8 +171,8 @@ def test_the_fix_for_vllm_cpu_kvcache_space_is_in_its_unit(available, monkeypatc
 
 def test_a_kv_cache_outside_host_memory_is_not_offered_as_the_fix(available):
     available(GiB)
-    spec = RecordingSpec(make_config({"num_cpu_blocks": 20000}))
-    message = refusal(lambda: spec.get_worker(unwritten_kv(4, BLOCK, "meta")))
+    meta = unwritten_kv(4, BLOCK, "meta")
+    message = refusal(lambda: recording_worker({"num_cpu_blocks": 20000}, meta))
     assert "lower num_cpu_blocks to 14745" in message
     assert "VLLM_CPU_KVCACHE_SPACE" not in message
 
@@ -182,10 +190,8 @@ def test_a_block_larger_than_the_limit_says_what_makes_blocks_smaller(
 ):
     bpc = 2 if chunk else 1
     available(bpc * BLOCK)  # 90 % of it holds no block
-    spec = RecordingSpec(
-        make_config({"num_cpu_blocks": 1, **chunk}, blocks_per_chunk=bpc)
-    )
-    message = refusal(lambda: spec.get_worker(kv()))
+    pool = {"num_cpu_blocks": 1, **chunk}
+    message = refusal(lambda: recording_worker(pool, blocks_per_chunk=bpc))
     assert f"one CPU block ({bpc * BLOCK} bytes)" in message
     assert fix in message
     assert "num_cpu_blocks to 0" not in message
@@ -207,8 +213,8 @@ def test_two_workers_whose_pools_fit_alone_but_not_together(host_ledger_dir, ava
     second sees the first's, is refused naming the total, and is told the
     num_cpu_blocks both ranks fit with."""
     available(GiB)  # 90 % of it: 14745 blocks of 64 KiB in all
-    first = spec(10_000, world_size=2).reserve_host_memory(kv())
-    message = refusal(lambda: spec(10_000, world_size=2).reserve_host_memory(kv()))
+    first = reserve(10_000, world_size=2)
+    message = refusal(lambda: reserve(10_000, world_size=2))
     assert "['num_cpu_blocks']=10000 asks for a CPU pool of 625.00 MiB" in message
     assert "with the 1 other CPU pool of this host (625.00 MiB" in message
     assert "the pools would take 1.22 GiB, more than 90% of the 1.00 GiB" in message
@@ -217,7 +223,7 @@ def test_two_workers_whose_pools_fit_alone_but_not_together(host_ledger_dir, ava
     assert len(ledger_files(host_ledger_dir)) == 1  # the refused one left none
     first.release()
     assert ledger_files(host_ledger_dir) == []
-    spec(10_000, world_size=2).reserve_host_memory(kv()).release()
+    reserve(10_000, world_size=2).release()
 
 
 def test_a_pool_is_counted_once_whether_allocated_or_being_allocated():
@@ -251,8 +257,8 @@ def test_the_host_budget_setting_caps_all_pools_and_names_its_fix(
     host_ledger_dir, monkeypatch
 ):
     monkeypatch.setenv(HOST_BUDGET_ENV, "100MiB")
-    first = spec(1000).reserve_host_memory(kv())  # 62.5 MiB
-    message = refusal(lambda: spec(1000).reserve_host_memory(kv()))
+    first = reserve(1000)  # 62.5 MiB
+    message = refusal(lambda: reserve(1000))
     assert "the pools would take 125.00 MiB, more than the host budget" in message
     assert f"{HOST_BUDGET_ENV}=100.00 MiB" in message
     assert "lower num_cpu_blocks to 800 (this engine's 2 workers" in message
@@ -260,21 +266,18 @@ def test_the_host_budget_setting_caps_all_pools_and_names_its_fix(
     first.release()
 
 
-def test_a_host_budget_that_is_not_a_size_is_refused_naming_it(
-    host_ledger_dir, monkeypatch
+@pytest.mark.parametrize(
+    "name, value", [(HOST_BUDGET_ENV, "lots"), (host_ledger.LEDGER_DIR_ENV, "/missing")]
+)
+def test_a_bad_budget_or_ledger_directory_is_refused_naming_it(
+    host_ledger_dir, monkeypatch, name, value
 ):
-    monkeypatch.setenv(HOST_BUDGET_ENV, "lots")
-    with pytest.raises(OffloadConfigError, match=f"{HOST_BUDGET_ENV}='lots'"):
-        spec(10).reserve_host_memory(kv())
+    """A host budget that is not a size, a ledger directory that does not
+    exist."""
+    monkeypatch.setenv(name, value)
+    with pytest.raises(OffloadConfigError, match=f"{name}='?{value}"):
+        reserve(10)
     assert ledger_files(host_ledger_dir) == []
-
-
-def test_a_ledger_directory_that_does_not_exist_is_refused_naming_it(
-    tmp_path, monkeypatch
-):
-    monkeypatch.setenv(host_ledger.LEDGER_DIR_ENV, str(tmp_path / "missing"))
-    with pytest.raises(OffloadConfigError, match=f"{host_ledger.LEDGER_DIR_ENV}="):
-        spec(10).reserve_host_memory(kv())
 
 
 def _reserve_and_hold(ledger: str, budget: str, go, results, done) -> None:
@@ -322,10 +325,6 @@ def test_workers_checking_at_once_never_take_more_than_the_budget(host_ledger_di
             w.join(timeout=60)
     assert host_ledger.live_pools() == []  # the next check removes their records
     assert ledger_files(host_ledger_dir) == []
-
-
-def reserve() -> host_ledger.Reservation:
-    return spec(16).reserve_host_memory(kv())
 
 
 def test_a_killed_workers_pool_is_swept_by_the_next_check(host_ledger_dir):
