@@ -20,6 +20,7 @@ import torch
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
 from tests.unit.kv_helpers import make_config, make_kv_caches, store_then_load
+from tests.unit.tier_helpers import smaps
 from vllm_ascend.kv_offload import cpu_pool, host_memory, ops
 from vllm_ascend.kv_offload.copy_engine import CopyEngine
 from vllm_ascend.kv_offload.cpu_pool import CpuBlockPool, PoolLayout, private_pool
@@ -40,23 +41,6 @@ PAGES = [4096, 2048]  # a row of 6 KiB per device block
 SMALL = 64 * 2**10  # the smallest host_piece_bytes: 1 row per unit here
 GiB, TiB = 2**30, 2**40
 MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
-
-
-def mapping_of(addr: int) -> dict[str, int] | None:
-    """Size, Rss (bytes) of this process's mapping that starts at ``addr``,
-    from /proc/self/smaps; None if there is none."""
-    found = None
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                start = int(head.split("-")[0], 16)
-                found = {} if start == addr else None
-            elif found is not None and head in ("Size:", "Rss:"):
-                found[head[:-1]] = int(line.split()[1]) * 1024
-                if len(found) == 2:
-                    return found
-    return None
 
 
 def process_memory() -> tuple[int, int]:
@@ -91,8 +75,9 @@ def test_cpu_pool_is_mapped_and_resident_at_exactly_its_size(pages, num_blocks):
     # resident from the start (faulted in, not at the first store).
     assert asked <= mapped1 - mapped0 < asked + SLACK
     assert asked - SLACK < resident1 - resident0 < asked + SLACK
-    seen = mapping_of(pool.base)  # may be merged with a neighbouring mapping
-    assert seen is not None and seen["Size"] >= asked and seen["Rss"] >= asked
+    seen = smaps(pool.base, starting=True)  # may be merged with a neighbour
+    assert seen is not None
+    assert int(seen["Size"]) * 1024 >= asked and int(seen["Rss"]) * 1024 >= asked
     assert pool.memory.kind == host_memory.PAGEABLE and not pool.pinned
     pool.release()
     assert pool.released and pool.tensor is None
@@ -101,9 +86,9 @@ def test_cpu_pool_is_mapped_and_resident_at_exactly_its_size(pages, num_blocks):
 def test_released_pool_is_unmapped():
     pool = private_pool([PAGE], 1, 32, "cpu")
     base = pool.base
-    assert mapping_of(base) is not None
+    assert smaps(base, starting=True) is not None
     pool.release()
-    assert mapping_of(base) is None
+    assert smaps(base, starting=True) is None
     pool.release()  # idempotent
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.unit.tier_helpers import smaps
 from vllm_ascend.kv_offload import host_memory, populate
 from vllm_ascend.kv_offload.populate import (
     CHUNK_BYTES,
@@ -209,20 +210,6 @@ def thp_mode() -> str | None:
         return None
 
 
-def thp_eligible(addr: int) -> bool:
-    """smaps' THPeligible of the mapping holding ``addr``."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= addr < hi
-            elif inside and head == "THPeligible:":
-                return line.split()[1] == "1"
-    raise LookupError(f"no mapping at {addr:#x}")
-
-
 @pytest.mark.skipif(thp_mode() != "madvise", reason="THP must be madvise-only")
 @pytest.mark.parametrize("huge", [False, True])
 def test_huge_pages_are_asked_for_only_when_wanted(fresh_mapping, huge):
@@ -230,7 +217,7 @@ def test_huge_pages_are_asked_for_only_when_wanted(fresh_mapping, huge):
     calls: list = []
     done = populate.populate(addr, nbytes, 1, huge_pages=huge, advise=recording(calls))
     assert done.huge_pages == huge
-    assert thp_eligible(addr) == huge
+    assert (smaps(addr)["THPeligible"] == "1") == huge
     assert ((addr, nbytes, MADV_HUGEPAGE) in [c[:3] for c in calls]) == huge
     assert all_resident_and_zero(addr, nbytes)
 

@@ -85,3 +85,21 @@ def forked(hold: Callable[[], object]) -> multiprocessing.Process:
     proc.start()
     assert ready.wait(120)
     return proc
+
+
+def smaps(addr: int, starting: bool = False) -> dict[str, str] | None:
+    """The fields (name: first value; sizes in kB) of this process's mapping
+    holding ``addr`` (``starting``: starting at it), from /proc/self/smaps;
+    None if there is none."""
+    found = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head, *values = line.split()
+            if "-" in head and not head.endswith(":"):
+                if found is not None:
+                    return found
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                found = {} if (lo == addr if starting else lo <= addr < hi) else None
+            elif found is not None:
+                found[head.rstrip(":")] = values[0] if values else ""
+    return found
