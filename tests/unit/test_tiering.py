@@ -139,6 +139,8 @@ def test_an_uncreatable_tier_directory_is_dropped_with_a_log_line(
 
 # -- configuration ------------------------------------------------------------
 
+FS_TIER = {"type": "fs", "root_dir": "/x"}
+
 
 @pytest.mark.parametrize(
     "extra, message",
@@ -149,6 +151,12 @@ def test_an_uncreatable_tier_directory_is_dropped_with_a_log_line(
         ({"secondary_tiers": [{"root_dir": "/x"}]}, "with a 'type'"),
         ({"secondary_tiers": [{"type": "fs"}]}, "needs 'root_dir'"),
         ({"backpressure": 1}, "must be a dict"),
+        # The fs tier's size bound: a positive integer, on the fs tier only.
+        *[
+            ({"secondary_tiers": [{**FS_TIER, "max_bytes": v}]}, r"\['max_bytes'\]")
+            for v in (0, -1, 1.5, "10GiB", True, None)
+        ],
+        ({"secondary_tiers": [{"type": "obj", "max_bytes": 2**30}]}, "fs tier"),
     ],
 )
 def test_what_the_spec_cannot_do_is_refused(extra, message):
@@ -166,7 +174,7 @@ class CustomTieringSpec(NPUTieringOffloadingSpec):
 def test_tiering_keys_need_the_tiering_spec_or_a_subclass():
     """Our connector serves both; subclasses of our specs are ours
     everywhere names are checked."""
-    tiers = [{"type": "fs", "root_dir": "/x"}]
+    tiers = [FS_TIER]
     custom = {"spec_name": "CustomTieringSpec", "spec_module_path": __name__}
     npu = {
         "spec_name": "NPUOffloadingSpec",
