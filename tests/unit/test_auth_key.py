@@ -8,28 +8,19 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import mmap
 import os
 import subprocess
 
 import pytest
 
+from tests.unit.tier_helpers import AUTH_KEY, fs_tier, key_file
 from vllm_ascend.kv_offload.config import OffloadConfigError
 from vllm_ascend.kv_offload.tiering.auth_key import read_auth_key
-from vllm_ascend.kv_offload.tiering.fs import VerifiedFileSystemTier, tier_dir_usable
+from vllm_ascend.kv_offload.tiering.fs import tier_dir_usable
 from vllm_ascend.kv_offload.tiering.identity import IDENTITY_FILE
 from vllm_ascend.kv_offload.tiering.spec import check_tiering_config
 
 SETTING = "['auth_key_file']"
-# What `openssl rand -base64 32` writes (without its newline).
-GOOD_KEY = b"q3Zk9Vx0bT7mLwR2sYc8nHfJ4pGd1aUeKiXoN6vQ5yM="
-
-
-def key_file(tmp_path, data: bytes, name: str = "kv.key") -> str:
-    path = tmp_path / name
-    path.write_bytes(data)
-    path.chmod(0o600)
-    return str(path)
 
 
 def refusal(tmp_path, path: str) -> str:
@@ -40,12 +31,19 @@ def refusal(tmp_path, path: str) -> str:
     return str(info.value)
 
 
-def big_sparse_file(tmp_path, size: int) -> str:
-    path = tmp_path / "blob.key"
-    with open(path, "wb") as f:
-        f.truncate(size)  # NUL bytes, no disk
-    path.chmod(0o600)
-    return str(path)
+@pytest.mark.parametrize(
+    "make, wrong",
+    [
+        (lambda t: key_file(t, mode=0o644), "accessible to every user"),
+        (lambda t: str(t / "missing.key"), "cannot be read"),
+        (lambda t: key_file(t, data=b"short\n"), "at least 16"),
+        (lambda t: str(t), "not a regular file"),
+    ],
+)
+def test_an_unusable_key_file_is_refused_naming_the_setting(tmp_path, make, wrong):
+    message = refusal(tmp_path, make(tmp_path))
+    assert wrong in message and SETTING in message
+    assert AUTH_KEY.decode() not in message
 
 
 @pytest.mark.parametrize(
@@ -72,7 +70,8 @@ def test_a_key_with_too_little_entropy_is_refused(tmp_path, data, wrong):
 def test_a_key_file_over_4_kib_is_refused_without_being_read(
     tmp_path, size, opened_paths
 ):
-    path = big_sparse_file(tmp_path, size)
+    path = key_file(tmp_path, b"", name="blob.key")
+    os.truncate(path, size)  # NUL bytes, no disk
     opened_paths.clear()
     message = refusal(tmp_path, path)
     assert f"holds {size} bytes; a key file holds at most 4096" in message
@@ -88,7 +87,7 @@ def test_a_random_key_made_as_the_docs_say_is_accepted(tmp_path):
     )
     key = read_auth_key(str(path), "setting")
     assert key == path.read_bytes().strip() and len(key) == 44
-    assert read_auth_key(key_file(tmp_path, GOOD_KEY + b"\n"), "setting") == GOOD_KEY
+    assert read_auth_key(key_file(tmp_path), "setting") == AUTH_KEY
 
 
 @pytest.mark.parametrize(
@@ -117,23 +116,15 @@ def test_random_keys_of_one_generator_are_all_accepted_or_all_refused(
 
 
 def test_a_changed_key_file_is_read_again(tmp_path):
-    path = key_file(tmp_path, GOOD_KEY)
-    assert read_auth_key(path, "setting") == GOOD_KEY
+    path = key_file(tmp_path, AUTH_KEY)
+    assert read_auth_key(path, "setting") == AUTH_KEY
     other = base64.b64encode(bytes(range(7, 71)))
     key_file(tmp_path, other)
     assert read_auth_key(path, "setting") == other
 
 
-@pytest.fixture
-def primary_view():
-    buf = mmap.mmap(-1, 4 * 4096)
-    return memoryview(buf).cast("B", shape=(4, 4096))
-
-
-def test_the_key_is_read_once_per_process(
-    tmp_path, fs_tier_spec, primary_view, opened_paths
-):
-    path = key_file(tmp_path, GOOD_KEY, name="once.key")
+def test_the_key_is_read_once_per_process(tmp_path, fs_tier_spec, opened_paths):
+    path = key_file(tmp_path, AUTH_KEY, name="once.key")
     root = str(tmp_path / "kv")
     tier = {"type": "fs", "root_dir": root, "auth_key_file": path}
     opened_paths.clear()
@@ -142,11 +133,7 @@ def test_the_key_is_read_once_per_process(
     check_tiering_config({"secondary_tiers": [tier]})
     spec = fs_tier_spec()
     assert tier_dir_usable(tier, spec)
-    fs_tier = VerifiedFileSystemTier(
-        spec, primary_view, "ascend_fs", root, auth_key_file=path,
-        n_read_threads=1, n_write_threads=1,
-    )  # fmt: skip
-    fs_tier.shutdown()
+    fs_tier(spec, root, auth_key_file=path).shutdown()
     assert opened_paths.count(path) == 1
 
 
@@ -166,7 +153,7 @@ def test_identity_json_holds_no_key_id_a_guess_can_check_cheaply(
 ):
     spec = fs_tier_spec()
     _, plain = published_identity(tmp_path, spec, None)
-    name, keyed = published_identity(tmp_path, spec, GOOD_KEY)
+    name, keyed = published_identity(tmp_path, spec, AUTH_KEY)
     other_key = base64.b64encode(bytes(range(100, 132)))
     other_name, other = published_identity(tmp_path, spec, other_key)
     # The key id is the only key-derived value, and it differs by key, so
@@ -183,7 +170,7 @@ def test_identity_json_holds_no_key_id_a_guess_can_check_cheaply(
     plain_text = json.dumps(plain, sort_keys=True, separators=(",", ":"))
     assert kid["salt"] == hashlib.sha256(plain_text.encode()).hexdigest()
     guess = hashlib.scrypt(
-        GOOD_KEY,
+        AUTH_KEY,
         salt=b"vllm-ascend-kv-offload key id:" + kid["salt"].encode(),
         n=kid["n"], r=kid["r"], p=kid["p"], dklen=kid["dklen"],
         maxmem=2 * 128 * kid["r"] * kid["n"],

@@ -7,9 +7,11 @@ files."""
 
 from __future__ import annotations
 
+import fcntl
 import multiprocessing
 import os
 import random
+import threading
 import time
 
 import pytest
@@ -39,6 +41,7 @@ from vllm_ascend.kv_offload.tiering.tier_paths import StoredBlockError
 IDENTITY = bytes(32)
 PAYLOAD_BYTES = 2 * 4096
 FILE_BYTES = HEADER_BYTES + PAYLOAD_BYTES
+BOUND_FILES = 24  # the bound of the tests of several writers
 
 
 def key_of(name: str) -> bytes:
@@ -87,30 +90,18 @@ def counter(stats, name: str) -> float:
 # -- configuration ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("value", [0, -1, 1.5, "10GiB", True, None])
-def test_max_bytes_must_be_a_positive_integer(value):
-    tier = {"type": "fs", "root_dir": "/x", "max_bytes": value}
-    with pytest.raises(OffloadConfigError, match=r"\['max_bytes'\]"):
-        check_tiering_config({**TIERING, "secondary_tiers": [tier]})
-
-
-def test_max_bytes_is_accepted_on_the_fs_tier_only():
-    tier = {"type": "fs", "root_dir": "/x", "max_bytes": 2**30}
-    check_tiering_config({**TIERING, "secondary_tiers": [tier]})
-    other = {"type": "obj", "max_bytes": 2**30}
-    with pytest.raises(OffloadConfigError, match="fs tier"):
-        check_tiering_config({**TIERING, "secondary_tiers": [other]})
-
-
 def test_a_bound_too_small_for_a_few_blocks_is_refused(tmp_path):
     with pytest.raises(OffloadConfigError, match="max_bytes.*block files"):
         FsTierBudget(str(tmp_path), max_bytes=2 * FILE_BYTES, file_bytes=FILE_BYTES)
 
 
 def test_the_spec_defines_the_eviction_metrics_for_an_fs_tier():
-    # vLLM registers a Prometheus metric only for names the spec defines.
+    """``max_bytes`` (on the fs tier only, a positive integer: the spec's
+    refusals, test_tiering.py) is accepted; vLLM registers a Prometheus
+    metric only for names the spec defines."""
     tiers = [{"type": "fs", "root_dir": "/x", "max_bytes": 2**30}]
     extra = {**TIERING, "secondary_tiers": tiers}
+    check_tiering_config(extra)
     definitions = NPUTieringOffloadingSpec.build_metric_definitions(extra)
     assert set(budget_metric_definitions()) <= set(definitions)
     assert {EVICTED_BLOCKS, EVICTED_BYTES, TIER_BYTES} <= set(definitions)
@@ -199,19 +190,20 @@ def test_a_file_removed_by_another_evictor_is_tolerated(tmp_path, monkeypatch):
     assert counter(budget.take_stats(), EVICTED_BLOCKS) == 4  # ours only
 
 
-def test_a_file_used_again_during_the_scan_is_kept(tmp_path, monkeypatch):
-    root = str(tmp_path)
-    paths = aged_blocks(root)
-    budget = FsTierBudget(root, max_bytes=6 * FILE_BYTES, file_bytes=FILE_BYTES)
+def scan_with(budget, monkeypatch, after_listing) -> None:
+    """``budget.scan()`` with ``after_listing()`` run right after the scan
+    listed the directory (what another engine does meanwhile)."""
     real_list = budget.files.entries
-
-    def read_meanwhile():
-        entries = real_list()
-        budget.touch(paths[0])  # another engine reads it after the listing
-        return entries
-
-    monkeypatch.setattr(budget.files, "entries", read_meanwhile)
+    monkeypatch.setattr(
+        budget.files, "entries", lambda: (real_list(), after_listing())[0]
+    )
     budget.scan()
+
+
+def test_a_file_used_again_during_the_scan_is_kept(tmp_path, monkeypatch):
+    paths = aged_blocks(tmp_path)
+    budget = bounded(tmp_path)
+    scan_with(budget, monkeypatch, lambda: budget.touch(paths[0]))  # a read
     assert os.path.exists(paths[0])
 
 
@@ -222,18 +214,13 @@ def test_a_directory_swapped_for_a_symlink_after_the_listing_is_not_followed(
     outside = tmp_path / "outside"
     outside.mkdir()
     aged_blocks(root, name="b{}")  # one file in each of root/b0 ... root/b9
-    budget = FsTierBudget(str(root), max_bytes=6 * FILE_BYTES, file_bytes=FILE_BYTES)
-    real_list = budget.files.entries
 
-    def swap_after_listing():
-        entries = real_list()
+    def swap():
         # Same files (same inodes, same mtimes), now reached through a link.
         os.rename(root / "b0", outside / "b0")
         (root / "b0").symlink_to(outside / "b0", target_is_directory=True)
-        return entries
 
-    monkeypatch.setattr(budget.files, "entries", swap_after_listing)
-    budget.scan()
+    scan_with(bounded(root), monkeypatch, swap)
     assert (outside / "b0" / "b0.bin").exists()
 
 
@@ -243,14 +230,11 @@ def test_an_engine_that_stalls_holding_the_lock_does_not_let_others_pass_the_bou
     """Another engine holds the scan lock and stalls (a busy host): this
     engine's stores skip the scan only until it has written an eighth of the
     bound, then wait for the lock and make the room themselves."""
-    import fcntl
-    import threading
-
     root = str(tmp_path)
     budget = bounded(root, BOUND_FILES)
     other = open(os.path.join(root, LOCK_FILE), "a+")  # noqa: SIM115
     fcntl.flock(other.fileno(), fcntl.LOCK_EX)
-    stalled = threading.Timer(1.0, other.close)  # releases the flock
+    stalled = threading.Timer(0.5, other.close)  # releases the flock
     stalled.start()
     try:
         for i in range(4 * BOUND_FILES):
@@ -263,8 +247,6 @@ def test_an_engine_that_stalls_holding_the_lock_does_not_let_others_pass_the_bou
 
 
 def test_a_scan_running_in_another_engine_is_not_repeated(tmp_path):
-    import fcntl
-
     root = str(tmp_path)
     aged_blocks(root)
     budget = bounded(root)
@@ -291,7 +273,6 @@ def test_a_symlink_in_place_of_the_lock_file_is_refused(tmp_path, caplog):
 
 # -- several engines at once --------------------------------------------------
 
-BOUND_FILES = 24
 WRITES = 80
 
 

@@ -22,8 +22,9 @@ from vllm.v1.kv_offload.tiering.manager import (
 )
 
 from tests.unit.conftest import FS_JOB_TIMEOUT_S, finished_job, fs_job
+from tests.unit.tier_helpers import fs_tier
 from vllm_ascend.kv_offload.region import close_region
-from vllm_ascend.kv_offload.tiering.fs import VerifiedFileSystemTier, tier_dir_usable
+from vllm_ascend.kv_offload.tiering.fs import tier_dir_usable
 from vllm_ascend.kv_offload.tiering.fs_budget import FsTierBudget
 
 
@@ -38,16 +39,9 @@ def test_shutting_the_tiers_down_unmaps_the_region_without_an_error(
     spec = fs_tier_spec()
     root = str(tmp_path / "kv")
     assert tier_dir_usable({"root_dir": root}, spec)
-    fs_tier = VerifiedFileSystemTier(
-        spec,
-        primary.get_kv_memoryview(),
-        "ascend_fs",
-        root,
-        n_read_threads=1,
-        n_write_threads=1,
-    )
+    fs = fs_tier(spec, root, primary.get_kv_memoryview())
     mapping = region.mmap_obj
-    TieringOffloadingManager(primary, [fs_tier]).shutdown()
+    TieringOffloadingManager(primary, [fs]).shutdown()
     assert "Failed to close" not in caplog.text
     assert "BufferError" not in caplog.text
     assert mapping.closed

@@ -1,15 +1,14 @@
 """The fs tier's directory is shared, so untrusted: what anyone who can
 write it may put there (symlinks, FIFOs, sockets, directories, forged
 files, leftovers) never redirects a write, hangs a read, or gets loaded; a
-directory the tier cannot use is dropped at start; subclasses of our specs
-are ours everywhere names are checked."""
+directory the tier cannot use is dropped at start."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import fnmatch
 import logging
-import mmap
 import os
 import socket
 import subprocess
@@ -21,28 +20,19 @@ import pytest
 from vllm.v1.kv_offload.base import make_offload_key
 
 from tests.unit.conftest import finished_job, fs_job, payload
-from vllm_ascend.kv_offload.config import OffloadConfigError, check_keys
-from vllm_ascend.kv_offload.connector import our_spec_class
-from vllm_ascend.kv_offload.tiering.auth_key import read_auth_key
+from tests.unit.tier_helpers import AUTH_KEY, IDENTITY, fs_tier, key_file, row_view
+from tests.unit.tier_helpers import KEY_ID as KEY
 from vllm_ascend.kv_offload.tiering.block_file import (
     HEADER_BYTES,
     HEADER_STRUCT,
-    key_digest,
     read_block,
     remove_stale_temp_files,
     temp_name,
     write_block,
 )
-from vllm_ascend.kv_offload.tiering.fs import VerifiedFileSystemTier, tier_dir_usable
-from vllm_ascend.kv_offload.tiering.spec import (
-    NPUTieringOffloadingSpec,
-    check_tiering_config,
-)
+from vllm_ascend.kv_offload.tiering.fs import tier_dir_usable
 from vllm_ascend.kv_offload.tiering.tier_paths import BadEntryError, StoredBlockError
 
-IDENTITY = bytes(range(32))
-KEY = key_digest(make_offload_key(b"\x01" * 32, 0))
-AUTH_KEY = b"Xq7cN2vLp9sD4kHw8tRb1mZe6yGu3aJf0oQi5nVx="  # openssl rand -base64 32
 # Long enough that anything still blocked is stuck, not slow (2 loaded cores).
 STUCK_S = 30.0
 
@@ -72,71 +62,47 @@ def release_fifo(path: str) -> None:
 # -- no symlink followed, nothing but regular files opened ------------------
 
 
-def test_a_symlinked_directory_does_not_redirect_writes(tmp_path):
+@pytest.mark.parametrize("written_through_link", [True, False])
+def test_a_symlinked_directory_neither_redirects_writes_nor_is_read_through(
+    tmp_path, written_through_link
+):
     root, outside = tmp_path / "tier", tmp_path / "outside"
     root.mkdir()
     outside.mkdir()
     (root / "sub").symlink_to(outside)
-    seen = []
-    path = str(root / "sub" / "b.bin")
-    assert write_block(
-        path, payload(), IDENTITY, KEY, 0, root=str(root),
-        on_bad_entry=lambda p, found: seen.append(found),
-    )  # fmt: skip
-    assert os.listdir(outside) == []
-    assert (root / "sub").is_dir() and not (root / "sub").is_symlink()
-    assert seen == ["a symlink in place of a directory"]
-    read_block(path, payload(fill=0), IDENTITY, KEY, 0, root=str(root))
-
-
-def test_a_symlinked_directory_is_not_read_through(tmp_path):
-    root, outside = tmp_path / "tier", tmp_path / "outside"
-    root.mkdir()
-    outside.mkdir()
+    path, seen = str(root / "sub" / "b.bin"), []
+    if written_through_link:
+        assert write_block(
+            path, payload(), IDENTITY, KEY, 0, root=str(root),
+            on_bad_entry=lambda p, found: seen.append(found),
+        )  # fmt: skip
+        assert os.listdir(outside) == []
+        assert (root / "sub").is_dir() and not (root / "sub").is_symlink()
+        assert seen == ["a symlink in place of a directory"]
+        read_block(path, payload(fill=0), IDENTITY, KEY, 0, root=str(root))
+        return
     write_block(str(outside / "b.bin"), payload(), IDENTITY, KEY, 0)
-    (root / "sub").symlink_to(outside)
     with pytest.raises(BadEntryError, match="symlink in place of a directory"):
-        read_block(
-            str(root / "sub" / "b.bin"),
-            payload(fill=0),
-            IDENTITY,
-            KEY,
-            0,
-            root=str(root),
-        )
+        read_block(path, payload(fill=0), IDENTITY, KEY, 0, root=str(root))
     assert not (root / "sub").exists() and (outside / "b.bin").exists()
 
 
 def _make_symlink_to_file(path, tmp_path):
-    target = tmp_path / "elsewhere.bin"
-    write_block(str(target), payload(), IDENTITY, KEY, 0)
-    path.symlink_to(target)
-
-
-def _make_fifo(path, tmp_path):
-    os.mkfifo(path)
+    write_block(str(tmp_path / "elsewhere.bin"), payload(), IDENTITY, KEY, 0)
+    path.symlink_to(tmp_path / "elsewhere.bin")
 
 
 def _make_socket(path, tmp_path):
-    sock = socket.socket(socket.AF_UNIX)
-    sock.bind(str(path))
-    sock.close()
-
-
-def _make_directory(path, tmp_path):
-    path.mkdir()
-
-
-def _make_symlink_to_device(path, tmp_path):
-    path.symlink_to("/dev/zero")
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(path))
 
 
 BAD_ENTRIES = {
     "symlink to a valid block file": _make_symlink_to_file,
-    "FIFO": _make_fifo,
+    "FIFO": lambda path, _: os.mkfifo(path),
     "socket": _make_socket,
-    "directory": _make_directory,
-    "symlink to a device": _make_symlink_to_device,
+    "directory": lambda path, _: path.mkdir(),
+    "symlink to a device": lambda path, _: path.symlink_to("/dev/zero"),
 }
 
 
@@ -242,38 +208,10 @@ def test_with_a_key_a_forged_or_unkeyed_file_is_a_miss(tmp_path):
         read_block(path, payload(fill=0), IDENTITY, KEY, 0, auth_key=b"k" * 32)
 
 
-def _key_file(tmp_path, data=AUTH_KEY, mode=0o600):
-    path = tmp_path / "kv.key"
-    path.write_bytes(data + b"\n")
-    path.chmod(mode)
-    return str(path)
-
-
-@pytest.mark.parametrize(
-    "make, message",
-    [
-        (lambda t: _key_file(t, mode=0o644), "accessible to every user"),
-        (lambda t: str(t / "missing.key"), "cannot be read"),
-        (lambda t: _key_file(t, data=b"short"), "at least 16"),
-        (lambda t: str(t), "not a regular file"),
-    ],
-)
-def test_an_unusable_key_file_is_refused_naming_the_setting(tmp_path, make, message):
-    tiers = [{"type": "fs", "root_dir": str(tmp_path), "auth_key_file": make(tmp_path)}]
-    with pytest.raises(OffloadConfigError, match=message) as info:
-        check_tiering_config({"secondary_tiers": tiers})
-    assert "['auth_key_file']" in str(info.value)
-    assert AUTH_KEY.decode() not in str(info.value)
-
-
-def test_a_key_file_is_read_and_its_key_kept_out_of_messages(tmp_path):
-    assert read_auth_key(_key_file(tmp_path), "setting") == AUTH_KEY
-
-
 def test_keyed_tiers_use_their_own_identity_directory(tmp_path, fs_tier_spec):
     spec = fs_tier_spec()
     plain = {"root_dir": str(tmp_path)}
-    keyed = {**plain, "auth_key_file": _key_file(tmp_path)}
+    keyed = {**plain, "auth_key_file": key_file(tmp_path)}
     assert tier_dir_usable(plain, spec) and tier_dir_usable(keyed, spec)
     assert len([p for p in os.listdir(tmp_path) if p.startswith("ascend-kv-")]) == 2
 
@@ -298,13 +236,8 @@ def read_only_mount(tmp_path):
     ignores permission bits, so only a read-only mount stops a write)."""
     mount = tmp_path / "ro"
     mount.mkdir()
-    if (
-        subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)],
-            capture_output=True,
-        ).returncode
-        != 0
-    ):
+    command = ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)]
+    if subprocess.run(command, capture_output=True).returncode != 0:
         pytest.skip("cannot mount a tmpfs here (needs CAP_SYS_ADMIN)")
 
     def freeze() -> None:
@@ -329,11 +262,9 @@ def test_a_read_only_root_with_them_is_read_and_its_stores_fail(
     mount, freeze = read_only_mount
     spec = fs_tier_spec()
     assert tier_dir_usable({"root_dir": str(mount)}, spec)
-    buf = mmap.mmap(-1, 4 * 4096)
-    view = memoryview(buf).cast("B", shape=(4, 4096))
-    writer = VerifiedFileSystemTier(
-        spec, view, "ascend_fs", str(mount), n_read_threads=1, n_write_threads=1
-    )
+    view = row_view()
+    buf = view.obj  # the mapping under the view's rows
+    writer = fs_tier(spec, mount, view)
     stored, fresh = make_offload_key(b"\x06" * 32, 0), make_offload_key(b"\x07" * 32, 0)
     buf[:4096] = b"\x03" * 4096
     writer.submit_store(fs_job(1, stored, False))
@@ -341,9 +272,7 @@ def test_a_read_only_root_with_them_is_read_and_its_stores_fail(
     writer.shutdown()
     freeze()
     assert tier_dir_usable({"root_dir": str(mount)}, spec)  # a reader
-    reader = VerifiedFileSystemTier(
-        spec, view, "ascend_fs", str(mount), n_read_threads=1, n_write_threads=1
-    )
+    reader = fs_tier(spec, mount, view)
     try:
         buf[:4096] = bytes(4096)
         reader.submit_load(fs_job(2, stored, True))
@@ -370,8 +299,6 @@ def test_stale_temp_files_are_removed_live_ones_kept(tmp_path):
         path.write_bytes(b"partial")
     for path in (stale, live):
         os.utime(path, (old, old))
-    import fcntl
-
     holder = os.open(live, os.O_RDONLY)
     try:
         fcntl.flock(holder, fcntl.LOCK_EX)  # its writer is still writing
@@ -379,27 +306,3 @@ def test_stale_temp_files_are_removed_live_ones_kept(tmp_path):
     finally:
         os.close(holder)
     assert not stale.exists() and live.exists() and fresh.exists()
-
-
-# -- subclasses of our specs ---------------------------------------------------
-
-
-class CustomTieringSpec(NPUTieringOffloadingSpec):
-    """A deployment's own subclass of the tiering spec."""
-
-
-def test_a_subclass_of_the_tiering_spec_may_have_secondary_tiers():
-    extra = {
-        "spec_name": "CustomTieringSpec",
-        "spec_module_path": __name__,
-        "secondary_tiers": [{"type": "fs", "root_dir": "/x"}],
-    }
-    assert our_spec_class(extra) is CustomTieringSpec
-    check_keys(extra, CustomTieringSpec.extra_config_keys)
-    not_tiering = {
-        **extra,
-        "spec_name": "NPUOffloadingSpec",
-        "spec_module_path": "vllm_ascend.kv_offload.npu",
-    }
-    with pytest.raises(OffloadConfigError, match="or a subclass"):
-        check_keys(not_tiering, our_spec_class(not_tiering).extra_config_keys)

@@ -1,15 +1,27 @@
-"""The host-memory guard: the CPU block pool is checked once, by the worker
-that allocates it, right before it does, against the host memory available
-then (after vLLM's own allocations: on its CPU backend the KV cache is host
-memory too). The scheduler side allocates nothing and checks nothing.
+"""The host-memory guard. A worker checks its CPU block pool once, right
+before it allocates it, against the host memory available then (after
+vLLM's own allocations: on its CPU backend the KV cache is host memory
+too); the scheduler side allocates nothing and checks nothing.
 
-Host memory is faked (``host_guard.host_available_bytes``); the worker is a
-recorder, so no test allocates a pool; each test has a host ledger of its
-own (``host_ledger_dir``), empty: no other worker on the host.
+One budget for all workers of a host: a worker checks its pool next to the
+pools the host's other workers recorded in the host's ledger, and records
+its own in the same step (``host_ledger``), so that workers starting
+together cannot take more than the guard allows between them. A pool is
+counted once whether or not it is allocated yet; a dead worker's record is
+removed by the next check.
+
+Host memory is faked (``host_guard.host_available_bytes``) where a test
+says so; ``RecordingSpec``'s worker is a recorder, so those tests allocate
+no pool. Other workers are specs of this package in separate processes
+(the real check, ``NPUOffloadingSpec.reserve_host_memory``). Each test has
+a ledger of its own (``host_ledger_dir``), empty: no other worker on the
+host; except the one that checks /dev/shm is left clean.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -21,10 +33,29 @@ from vllm.v1.kv_offload.base import (
 )
 
 from tests.unit.kv_helpers import make_config, make_kv_caches
+from tests.unit.tier_helpers import FORK, forked, refusal
+from vllm_ascend.kv_offload import host_guard, host_ledger
+from vllm_ascend.kv_offload.host_guard import HOST_BUDGET_ENV, HostBudget, Reserved
 from vllm_ascend.kv_offload.npu import NPUOffloadingSpec, OffloadConfigError
 
 GiB, MiB = 2**30, 2**20
-BLOCK = 65536  # bytes of one CPU block: make_config's default, one 64 KiB page
+BLOCK = 65536  # one CPU block of make_config's worker: one 64 KiB page
+
+
+def spec(num_cpu_blocks: int, world_size: int = 1) -> NPUOffloadingSpec:
+    return NPUOffloadingSpec(
+        make_config({"num_cpu_blocks": num_cpu_blocks}, world_size=world_size)
+    )
+
+
+def kv() -> CanonicalKVCaches:
+    """A small KV cache in host memory (as on vLLM's CPU backend)."""
+    return make_kv_caches(4, [BLOCK])
+
+
+def reserve(num_cpu_blocks: int = 16, world_size: int = 1) -> host_ledger.Reservation:
+    """The real check of a worker's pool, recorded in the host's ledger."""
+    return spec(num_cpu_blocks, world_size).reserve_host_memory(kv())
 
 
 class PoolRecorder:
@@ -54,9 +85,11 @@ def no_pools_yet(host_ledger_dir):
     PoolRecorder.built = []
 
 
-def kv() -> CanonicalKVCaches:
-    """A small KV cache in host memory (as on vLLM's CPU backend)."""
-    return make_kv_caches(4, [BLOCK])
+def recording_worker(extra: dict, kv_cache=None, **config):
+    """The worker of a ``RecordingSpec`` of ``extra`` (``config``: more of
+    ``make_config``) on ``kv_cache`` (default: ``kv()``)."""
+    spec = RecordingSpec(make_config(extra, **config))
+    return spec.get_worker(kv() if kv_cache is None else kv_cache)
 
 
 def unwritten_kv(blocks: int, page: int, device: str = "cpu") -> CanonicalKVCaches:
@@ -82,9 +115,7 @@ def test_the_largest_pool_that_fits_is_allocated_and_one_block_more_is_not(
     available,
 ):
     available(GiB)  # 90 % of it holds 14745 blocks of 64 KiB
-    with pytest.raises(OffloadConfigError) as error:
-        RecordingSpec(make_config({"num_cpu_blocks": 14746})).get_worker(kv())
-    message = str(error.value)
+    message = refusal(lambda: recording_worker({"num_cpu_blocks": 14746}))
     assert "['num_cpu_blocks']=14746" in message
     assert "lower num_cpu_blocks to 14745" in message
     assert "1.00 GiB of host memory available" in message
@@ -99,9 +130,7 @@ def test_the_largest_pool_that_fits_is_allocated_and_one_block_more_is_not(
 
 def test_cpu_bytes_to_use_is_checked_in_its_own_terms(available):
     available(GiB)
-    with pytest.raises(OffloadConfigError) as error:
-        RecordingSpec(make_config({"cpu_bytes_to_use": 2 * GiB})).get_worker(kv())
-    message = str(error.value)
+    message = refusal(lambda: recording_worker({"cpu_bytes_to_use": 2 * GiB}))
     assert f"['cpu_bytes_to_use']={2 * GiB}" in message
     assert f"lower cpu_bytes_to_use to {14745 * BLOCK}" in message
 
@@ -116,9 +145,7 @@ def test_memory_vllm_allocated_after_start_up_counts_and_the_fix_names_it(
     spec = RecordingSpec(make_config({"num_cpu_blocks": 2400}))  # 150 MiB
     kv_cache = make_kv_caches(1024, [BLOCK])  # 64 MiB of host memory
     available(136 * MiB)  # what the KV cache left
-    with pytest.raises(OffloadConfigError) as error:
-        spec.get_worker(kv_cache)
-    message = str(error.value)
+    message = refusal(lambda: spec.get_worker(kv_cache))
     assert "lower num_cpu_blocks to 1958" in message  # 90 % of 136 MiB
     # 150 MiB fit in 90 % of 136 + 30.67 MiB: the KV cache may keep 33.33 MiB.
     assert "takes 64.00 MiB of host memory" in message
@@ -132,10 +159,10 @@ def test_the_fix_for_vllm_cpu_kvcache_space_is_in_its_unit(available, monkeypatc
     page = 64 * MiB
     kv_cache = unwritten_kv(128, page)  # 8 GiB of KV cache
     available(12 * GiB)  # what the KV cache left
-    spec = RecordingSpec(make_config({"num_cpu_blocks": 240}, page))  # 15 GiB
-    with pytest.raises(OffloadConfigError) as error:
-        spec.get_worker(kv_cache)
-    message = str(error.value)
+    pool = {"num_cpu_blocks": 240}  # 15 GiB
+    message = refusal(
+        lambda: recording_worker(pool, kv_cache, worker_kv_bytes_per_block=page)
+    )
     assert "lower num_cpu_blocks to 172" in message  # 90 % of 12 GiB
     # 15 GiB fit in 90 % of 12 + 4.67 GiB: 3 of the 8 GiB may stay.
     assert "lower VLLM_CPU_KVCACHE_SPACE from 8 to 3" in message
@@ -144,10 +171,8 @@ def test_the_fix_for_vllm_cpu_kvcache_space_is_in_its_unit(available, monkeypatc
 
 def test_a_kv_cache_outside_host_memory_is_not_offered_as_the_fix(available):
     available(GiB)
-    spec = RecordingSpec(make_config({"num_cpu_blocks": 20000}))
-    with pytest.raises(OffloadConfigError) as error:
-        spec.get_worker(unwritten_kv(4, BLOCK, "meta"))
-    message = str(error.value)
+    meta = unwritten_kv(4, BLOCK, "meta")
+    message = refusal(lambda: recording_worker({"num_cpu_blocks": 20000}, meta))
     assert "lower num_cpu_blocks to 14745" in message
     assert "VLLM_CPU_KVCACHE_SPACE" not in message
 
@@ -165,12 +190,206 @@ def test_a_block_larger_than_the_limit_says_what_makes_blocks_smaller(
 ):
     bpc = 2 if chunk else 1
     available(bpc * BLOCK)  # 90 % of it holds no block
-    spec = RecordingSpec(
-        make_config({"num_cpu_blocks": 1, **chunk}, blocks_per_chunk=bpc)
-    )
-    with pytest.raises(OffloadConfigError) as error:
-        spec.get_worker(kv())
-    message = str(error.value)
+    pool = {"num_cpu_blocks": 1, **chunk}
+    message = refusal(lambda: recording_worker(pool, blocks_per_chunk=bpc))
     assert f"one CPU block ({bpc * BLOCK} bytes)" in message
     assert fix in message
     assert "num_cpu_blocks to 0" not in message
+
+
+# -- one budget for the workers of a host ----------------------------------
+
+
+def ledger_files(directory: str) -> list[str]:
+    return sorted(
+        name
+        for name in os.listdir(directory)
+        if name.startswith(host_ledger.PREFIX) and name.endswith(host_ledger.SUFFIX)
+    )
+
+
+def test_two_workers_whose_pools_fit_alone_but_not_together(host_ledger_dir, available):
+    """Tensor-parallel ranks of one engine, each checking its own pool: the
+    second sees the first's, is refused naming the total, and is told the
+    num_cpu_blocks both ranks fit with."""
+    available(GiB)  # 90 % of it: 14745 blocks of 64 KiB in all
+    first = reserve(10_000, world_size=2)
+    message = refusal(lambda: reserve(10_000, world_size=2))
+    assert "['num_cpu_blocks']=10000 asks for a CPU pool of 625.00 MiB" in message
+    assert "with the 1 other CPU pool of this host (625.00 MiB" in message
+    assert "the pools would take 1.22 GiB, more than 90% of the 1.00 GiB" in message
+    # Both ranks shrink: 2 x 7372 blocks of 64 KiB fit in 90 % of 1 GiB.
+    assert "lower num_cpu_blocks to 7372 (this engine's 2 workers" in message
+    assert len(ledger_files(host_ledger_dir)) == 1  # the refused one left none
+    first.release()
+    assert ledger_files(host_ledger_dir) == []
+    reserve(10_000, world_size=2).release()
+
+
+def test_a_pool_is_counted_once_whether_allocated_or_being_allocated():
+    """An allocated pool is gone from MemAvailable already: its bytes are
+    given back to the budget and counted among the pools; one still being
+    allocated is only counted among the pools."""
+    allocated = Reserved(4 * GiB, allocated=True, engine_id="other", pid=1)
+    pending = Reserved(4 * GiB, allocated=False, engine_id="other", pid=1)
+    # 10 GiB available now next to an allocated 4 GiB pool: 90 % of 14 GiB.
+    assert HostBudget(10 * GiB, [allocated]).limit == int(14 * GiB * 0.9)
+    assert HostBudget(10 * GiB, [pending]).limit == int(10 * GiB * 0.9)
+    request = host_guard.PoolRequest(
+        num_blocks=8 * GiB // BLOCK,
+        row_bytes=BLOCK,
+        key="num_cpu_blocks",
+        setting="num_cpu_blocks=131072",
+        all_workers_block_bytes=BLOCK,
+        blocks_per_chunk=1,
+        chunk_key="block_size",
+        device_block_tokens=128,
+    )
+    # 4 + 8 GiB: within 12.6 GiB, over 9 GiB; what the other leaves of
+    # 9 GiB: 5 GiB, 81920 blocks of 64 KiB.
+    assert host_guard.check_pool(request, HostBudget(10 * GiB, [allocated])) is None
+    assert "lower num_cpu_blocks to 81920" in host_guard.check_pool(
+        request, HostBudget(10 * GiB, [pending])
+    )
+
+
+def test_the_host_budget_setting_caps_all_pools_and_names_its_fix(
+    host_ledger_dir, monkeypatch
+):
+    monkeypatch.setenv(HOST_BUDGET_ENV, "100MiB")
+    first = reserve(1000)  # 62.5 MiB
+    message = refusal(lambda: reserve(1000))
+    assert "the pools would take 125.00 MiB, more than the host budget" in message
+    assert f"{HOST_BUDGET_ENV}=100.00 MiB" in message
+    assert "lower num_cpu_blocks to 800 (this engine's 2 workers" in message
+    assert f"raise {HOST_BUDGET_ENV} to at least {125 * MiB}" in message
+    first.release()
+
+
+@pytest.mark.parametrize(
+    "name, value", [(HOST_BUDGET_ENV, "lots"), (host_ledger.LEDGER_DIR_ENV, "/missing")]
+)
+def test_a_bad_budget_or_ledger_directory_is_refused_naming_it(
+    host_ledger_dir, monkeypatch, name, value
+):
+    """A host budget that is not a size, a ledger directory that does not
+    exist."""
+    monkeypatch.setenv(name, value)
+    with pytest.raises(OffloadConfigError, match=f"{name}='?{value}"):
+        reserve(10)
+    assert ledger_files(host_ledger_dir) == []
+
+
+def _reserve_and_hold(ledger: str, budget: str, go, results, done) -> None:
+    """A worker process: checks and records a pool of 16 blocks (1 MiB)
+    when ``go`` is set, reports, and holds its record until ``done``."""
+    os.environ[host_ledger.LEDGER_DIR_ENV] = ledger
+    os.environ[HOST_BUDGET_ENV] = budget
+    # Reading host memory takes a while (as on a loaded host): without one
+    # lock around check + record, every worker would check before any
+    # recorded its pool.
+    host_guard.host_available_bytes = lambda: time.sleep(0.05) or 64 * GiB
+    worker_spec = spec(16)
+    go.wait()
+    try:
+        reservation = worker_spec.reserve_host_memory(kv())
+        results.put("fit")
+    except OffloadConfigError:
+        reservation = None
+        results.put("refused")
+    done.wait()
+    del reservation  # held until here
+
+
+def test_workers_checking_at_once_never_take_more_than_the_budget(host_ledger_dir):
+    """Eight workers start at the same moment; a budget of 3.5 pools lets
+    exactly three of them have one."""
+    go, done, results = FORK.Event(), FORK.Event(), FORK.Queue()
+    workers = [
+        FORK.Process(
+            target=_reserve_and_hold,
+            args=(host_ledger_dir, str(7 * MiB // 2), go, results, done),
+        )
+        for _ in range(8)
+    ]
+    for w in workers:
+        w.start()
+    go.set()
+    outcomes = sorted(results.get(timeout=120) for _ in workers)
+    try:
+        assert outcomes == ["fit"] * 3 + ["refused"] * 5
+        assert sum(p.nbytes for p in host_ledger.live_pools()) == 3 * MiB
+    finally:
+        done.set()
+        for w in workers:
+            w.join(timeout=60)
+    assert host_ledger.live_pools() == []  # the next check removes their records
+    assert ledger_files(host_ledger_dir) == []
+
+
+def test_a_killed_workers_pool_is_swept_by_the_next_check(host_ledger_dir):
+    holder = forked(reserve)  # a worker holding its pool's record
+    assert [p.pid for p in host_ledger.live_pools()] == [holder.pid]
+    holder.kill()  # SIGKILL
+    holder.join(timeout=60)
+    assert len(ledger_files(host_ledger_dir)) == 1  # SIGKILL cleans nothing up
+    assert host_ledger.live_pools() == []
+    assert ledger_files(host_ledger_dir) == []
+
+
+def test_nothing_is_left_in_dev_shm(monkeypatch):
+    """On the real ledger: a pool released, one whose process exited, one
+    whose process was killed; after the next check none of them is there."""
+    monkeypatch.delenv(host_ledger.LEDGER_DIR_ENV, raising=False)
+    assert host_ledger.ledger_dir() == "/dev/shm"
+    reserve().release()
+    # As a worker process ends: no clean-up of ours runs.
+    exited = FORK.Process(target=lambda: (reserve(), os._exit(0)))
+    exited.start()
+    exited.join(timeout=120)
+    killed = forked(reserve)
+    killed.kill()
+    killed.join(timeout=60)
+    host_ledger.live_pools()
+    ours = {os.getpid(), exited.pid, killed.pid}
+    left = [n for n in ledger_files("/dev/shm") if int(n.split("_")[4]) in ours]
+    assert left == []
+
+
+def test_a_released_pool_leaves_the_ledger_and_a_failed_allocation_too(
+    host_ledger_dir, monkeypatch
+):
+    worker = spec(16).get_worker(kv())
+    (entry,) = host_ledger.live_pools()
+    assert entry == Reserved(
+        MiB, allocated=True, engine_id="test-engine", pid=os.getpid()
+    )
+    worker.shutdown()
+    assert ledger_files(host_ledger_dir) == []
+
+    def no_memory(self, kv_caches):
+        raise MemoryError("mmap: Cannot allocate memory")
+
+    monkeypatch.setattr(NPUOffloadingSpec, "allocate_pool", no_memory)
+    with pytest.raises(MemoryError):
+        spec(16).get_worker(kv())
+    assert ledger_files(host_ledger_dir) == []
+
+
+def test_the_doctors_fit_leaves_room_for_the_hosts_live_pools():
+    """What the doctor says fits is what the worker's check accepts next to
+    the pools already on the host."""
+    from vllm_ascend.kv_offload.host_fit import fit_host_memory
+
+    sizing = SimpleNamespace(
+        worker_bytes_per_cpu_block=BLOCK,
+        bytes_per_cpu_block=BLOCK,
+        tensor_parallel_size=1,
+        stored_copies=1,
+    )
+    others = [Reserved(300 * MiB, allocated=True, engine_id="other", pid=1)]
+    fit = fit_host_memory(sizing, available_bytes=GiB, other_pools=others)
+    # 90 % of (1 GiB + 300 MiB) less 300 MiB: 14,265 blocks of 64 KiB.
+    assert fit.max_num_cpu_blocks == (int(1324 * MiB * 0.9) - 300 * MiB) // BLOCK
+    assert fit.max_num_cpu_blocks == 14_265
+    assert fit.other_pools_bytes == 300 * MiB

@@ -1,40 +1,46 @@
 """The CPU block pool's memory: exactly the asked size, resident from the
 start (on the CPU: a faulted-in anonymous mmap), given back at release; the
 host-memory guard counts exactly what is allocated; the pool is a layout
-over memory, private or borrowed. (npu memory: test_npu_acl_sim.py.)"""
+over memory, private or borrowed.
+
+In pieces (``host_pieces.py``): rows never straddle two pieces, no merged
+copy runs from one into another, a job over rows of many pieces is
+byte-exact through the worker on every copy path, and a 1 TiB pool's
+arithmetic holds in address space reserved, never touched. (npu memory and
+pieces, against the simulated ACL runtime: test_npu_acl_sim.py.)"""
 
 from __future__ import annotations
 
 import mmap
+import warnings
 
+import numpy as np
 import pytest
 import torch
+from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
-from tests.unit.kv_helpers import make_config, make_kv_caches
-from vllm_ascend.kv_offload import cpu_pool, host_memory
+from tests.unit.kv_helpers import make_config, make_kv_caches, store_then_load
+from tests.unit.tier_helpers import smaps
+from vllm_ascend.kv_offload import cpu_pool, host_memory, ops
+from vllm_ascend.kv_offload.copy_engine import CopyEngine
 from vllm_ascend.kv_offload.cpu_pool import CpuBlockPool, PoolLayout, private_pool
 from vllm_ascend.kv_offload.host_ledger import live_pools
-from vllm_ascend.kv_offload.host_memory import BORROWED, borrowed
+from vllm_ascend.kv_offload.host_memory import BORROWED, HostMemory, borrowed
+from vllm_ascend.kv_offload.host_pieces import (
+    DEFAULT_PIECE_BYTES,
+    SVM_ALIGNMENT,
+    PiecePlan,
+    PiecesRefused,
+    take_pieces,
+)
 from vllm_ascend.kv_offload.npu import NPUOffloadingSpec
+from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
 
 PAGE = mmap.PAGESIZE
-
-
-def mapping_of(addr: int) -> dict[str, int] | None:
-    """Size, Rss (bytes) of this process's mapping that starts at ``addr``,
-    from /proc/self/smaps; None if there is none."""
-    found = None
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                start = int(head.split("-")[0], 16)
-                found = {} if start == addr else None
-            elif found is not None and head in ("Size:", "Rss:"):
-                found[head[:-1]] = int(line.split()[1]) * 1024
-                if len(found) == 2:
-                    return found
-    return None
+PAGES = [4096, 2048]  # a row of 6 KiB per device block
+SMALL = 64 * 2**10  # the smallest host_piece_bytes: 1 row per unit here
+GiB, TiB = 2**30, 2**40
+MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
 
 
 def process_memory() -> tuple[int, int]:
@@ -69,8 +75,9 @@ def test_cpu_pool_is_mapped_and_resident_at_exactly_its_size(pages, num_blocks):
     # resident from the start (faulted in, not at the first store).
     assert asked <= mapped1 - mapped0 < asked + SLACK
     assert asked - SLACK < resident1 - resident0 < asked + SLACK
-    seen = mapping_of(pool.base)  # may be merged with a neighbouring mapping
-    assert seen is not None and seen["Size"] >= asked and seen["Rss"] >= asked
+    seen = smaps(pool.base, starting=True)  # may be merged with a neighbour
+    assert seen is not None
+    assert int(seen["Size"]) * 1024 >= asked and int(seen["Rss"]) * 1024 >= asked
     assert pool.memory.kind == host_memory.PAGEABLE and not pool.pinned
     pool.release()
     assert pool.released and pool.tensor is None
@@ -79,24 +86,25 @@ def test_cpu_pool_is_mapped_and_resident_at_exactly_its_size(pages, num_blocks):
 def test_released_pool_is_unmapped():
     pool = private_pool([PAGE], 1, 32, "cpu")
     base = pool.base
-    assert mapping_of(base) is not None
+    assert smaps(base, starting=True) is not None
     pool.release()
-    assert mapping_of(base) is None
+    assert smaps(base, starting=True) is None
     pool.release()  # idempotent
 
 
 def test_the_guard_counts_exactly_what_is_allocated(host_ledger_dir):
     """What the host-memory guard checked and recorded in the host's ledger
-    is the pool's size, byte for byte."""
+    is the pool's size, byte for byte; the spec passes host_piece_bytes to
+    the pool."""
     kv = make_kv_caches(4, [4096, 12288])
-    spec = NPUOffloadingSpec(
-        make_config({"num_cpu_blocks": 10}, worker_kv_bytes_per_block=16384)
-    )
+    extra = {"num_cpu_blocks": 10, "host_piece_bytes": SMALL}
+    spec = NPUOffloadingSpec(make_config(extra, worker_kv_bytes_per_block=16384))
     reservation = spec.reserve_host_memory(kv)
     pool = spec.allocate_pool(kv)
     try:
         recorded = [p.nbytes for p in live_pools(host_ledger_dir)]
         assert recorded == [pool.memory.nbytes] == [10 * (4096 + 12288)]
+        assert len(pool.tensors) == 10  # a row a unit: 64 KiB / 16 is less
     finally:
         pool.release()
         reservation.release()
@@ -131,3 +139,194 @@ def test_a_pool_over_borrowed_memory_leaves_it_to_its_owner():
     pool.release()
     pool.release()
     assert base.untyped_storage().nbytes() == 8 * 4096  # not ours to free
+
+
+# -- a pool in pieces ---------------------------------------------------------
+
+
+def units_of(pool: CpuBlockPool) -> list[tuple[int, int]]:
+    """(first address, end) of each unit of the pool's rows."""
+    return [(t.data_ptr(), t.data_ptr() + t.numel()) for t in pool.tensors]
+
+
+def test_a_small_piece_limit_cuts_the_pool_into_units_of_whole_rows():
+    pool = private_pool(PAGES, 1, 40, "cpu", piece_bytes=SMALL)
+    try:
+        row = sum(PAGES)
+        assert len(pool.tensors) == 40  # 64 KiB / 16 is less than a row
+        addresses = pool.row_addresses(np.arange(40))
+        for i, (start, end) in enumerate(units_of(pool)):
+            assert (start, end) == (addresses[i], addresses[i] + row)
+        # Never adjacent: a copy the op merges cannot run into the next unit.
+        assert (np.diff(addresses) > row).all()
+        assert pool.memory.nbytes == 40 * row == pool.nbytes
+    finally:
+        pool.release()
+    assert pool.released and pool.tensors == []
+
+
+def test_merged_copies_stop_at_unit_boundaries():
+    """One tensor fills a row, so consecutive rows merge into one copy;
+    they do so within a unit, never across the gap to the next."""
+    kv = make_kv_caches(64, [8192])
+    # 512 KiB less the gaps, / 16: units of 3 rows of 8 KiB.
+    pool = private_pool([8192], 1, 16, "cpu", piece_bytes=8 * SMALL)
+    try:
+        assert pool.tensors[0].shape == (3, 8192)
+        engine = CopyEngine(kv, pool)
+        spec = GPULoadStoreSpec(list(range(10)), group_sizes=[10], block_indices=[0])
+        desc = engine.build(spec, np.arange(3, 13), to_cpu=True)
+        copies = ops.coalesce(desc.src, desc.dst, desc.sizes)[2]
+        # Rows 3..12: units 1, 2, 3 whole, then row 12 of unit 4.
+        assert copies.tolist() == [3 * 8192] * 3 + [8192]
+    finally:
+        pool.release()
+
+
+@pytest.mark.parametrize("copy_path", ["auto", "torch"])
+@pytest.mark.parametrize("bpc, first", [(1, 0), (2, 1)])
+def test_a_pool_of_many_pieces_is_byte_exact_through_the_worker(copy_path, bpc, first):
+    kv = make_kv_caches(48, PAGES, seed=bpc)
+    original = [t.tensor.clone() for t in kv.tensors]
+    pool = private_pool(PAGES, bpc, 40, "cpu", piece_bytes=SMALL)
+    worker = NPUOffloadingWorker(kv, pool=pool, copy_path=copy_path)
+    try:
+        assert len(pool.tensors) > 8
+        dev_blocks = list(range(3, 3 + 2 * 9, 2)) + [40, 41, 42]  # 12 blocks
+        n_cpu = -(-(first + len(dev_blocks)) // bpc)
+        # CPU blocks in every corner of the pool, not in order.
+        cpu_blocks = np.random.default_rng(bpc).permutation(40)[:n_cpu].tolist()
+        spec = GPULoadStoreSpec(dev_blocks, group_sizes=[12], block_indices=[first])
+        results = store_then_load(worker, kv, spec, cpu_blocks)
+        assert all(r.success for r in results.values()) and len(results) == 2
+        # The rows hold the device pages where the addressing says.
+        for k, dev in enumerate(dev_blocks):
+            slot = first + k
+            row = pool.row(cpu_blocks[slot // bpc])
+            at = (slot % bpc) * PAGES[0]
+            assert torch.equal(row[at : at + PAGES[0]], original[0][dev])
+        assert worker.pool_info().pieces == pool.memory.pieces
+    finally:
+        worker.shutdown()
+
+
+# -- a 1 TiB pool ---------------------------------------------------------
+
+
+def refusing_above(limit: int, plan: PiecePlan, taken: list):
+    """A runtime that refuses one call of more than ``limit`` bytes."""
+
+    def take(first_unit: int, units: int) -> int:
+        size = plan.piece_span(first_unit, units)
+        if size > limit:
+            raise RuntimeError(f"ACL error 207001 ({size} bytes)")
+        taken.append((first_unit, units, size))
+        return first_unit
+
+    return take
+
+
+# Rows of a DeepSeek-V3 block at TP16 (8.99 MB) and of a 32 MiB block.
+@pytest.mark.parametrize("row_bytes", [9_428_992, 32 * 2**20])
+def test_a_1_tib_pool_is_planned_in_pieces_of_whole_rows(row_bytes):
+    rows = TiB // row_bytes
+    plan = PiecePlan.of(rows, row_bytes, DEFAULT_PIECE_BYTES, SVM_ALIGNMENT)
+    taken: list = []
+    pieces, failures = take_pieces(
+        plan, refusing_above(DEFAULT_PIECE_BYTES, plan, taken), lambda h: None
+    )
+    assert failures == []
+    # 16 units a piece (the floor a refused piece halves down to is one),
+    # each piece at most 64 GiB: 16 or 17 pieces for 1 TiB of whole rows.
+    assert plan.units_per_piece == 16
+    assert len(pieces) == -(-plan.num_units // 16) in (16, 17)
+    assert all(p.nbytes <= 64 * GiB for p in pieces)
+    assert sum(plan.rows_of_unit(u) for u in range(plan.num_units)) == rows
+    assert plan.unit_rows * row_bytes <= 4 * GiB
+    assert plan.stride % SVM_ALIGNMENT == 0  # every unit 64 KiB-aligned
+    assert plan.stride > plan.unit_rows * row_bytes  # and a gap after each
+    units = [u for p in pieces for u in range(p.first_unit, p.first_unit + p.units)]
+    assert units == list(range(plan.num_units))
+
+
+def test_a_refused_piece_is_retried_at_half_its_size_down_to_one_unit():
+    plan = PiecePlan.of(TiB // 2**25, 2**25, DEFAULT_PIECE_BYTES, SVM_ALIGNMENT)
+    taken: list = []
+    # Refused above 40 GiB (vLLM's fork saw failures above 96-128 GiB).
+    pieces, failures = take_pieces(
+        plan, refusing_above(40 * GiB, plan, taken), lambda h: None
+    )
+    assert len(failures) == 1 and "207001" in failures[0]  # once, then smaller
+    assert len(pieces) == -(-plan.num_units // 8)  # 16 units refused, 8 taken
+    assert all(p.nbytes <= 40 * GiB for p in pieces)
+    given_back: list = []
+    with pytest.raises(PiecesRefused) as refused:  # not even one unit: 4 GiB
+        take_pieces(plan, refusing_above(3 * GiB, plan, []), given_back.append)
+    assert len(refused.value.failures) == 5  # 64 -> 32 -> 16 -> 8 -> 4 GiB
+
+
+def test_a_1_tib_pool_addresses_reserved_untouched_memory():
+    """The pool over 1 TiB of address space, reserved (PROT_NONE,
+    MAP_NORESERVE), never touched: every row's address is inside its unit,
+    and rows of different units are never adjacent."""
+    row_bytes = 9_428_992
+    rows = TiB // row_bytes
+    plan = PiecePlan.of(rows, row_bytes, DEFAULT_PIECE_BYTES, SVM_ALIGNMENT)
+    reserved = mmap.mmap(
+        -1,
+        plan.span + SVM_ALIGNMENT,
+        flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE,
+        prot=0,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # not writable: nothing writes it
+        whole = torch.frombuffer(reserved, dtype=torch.int8)
+    first = -whole.data_ptr() % SVM_ALIGNMENT
+    units = [
+        whole[first + o : first + o + plan.rows_of_unit(u) * row_bytes]
+        for u, o in enumerate(plan.unit_offsets().tolist())
+    ]
+    memory = HostMemory(units, plan.row_span, "reserved", False)
+    pool = CpuBlockPool(PoolLayout.of([row_bytes], 1, rows), memory)
+    addresses = pool.row_addresses(np.arange(rows))
+    unit = np.arange(rows) // plan.unit_rows
+    starts = np.asarray([t.data_ptr() for t in pool.tensors])
+    ends = starts + np.asarray([t.numel() for t in pool.tensors])
+    assert (addresses >= starts[unit]).all()
+    assert (addresses + row_bytes <= ends[unit]).all()  # no row straddles
+    assert (starts % SVM_ALIGNMENT == 0).all()
+    boundary = np.flatnonzero(np.diff(unit))  # last row of each unit
+    assert (addresses[boundary + 1] > addresses[boundary] + row_bytes).all()
+    del pool, memory, units, whole
+    reserved.close()
+
+
+def test_on_cuda_each_piece_is_registered_through_vllms_host_register(monkeypatch):
+    """cudaHostRegister per piece (vLLM's host_register, False when
+    refused): a refused piece halved, every piece unregistered at release
+    before the mapping goes."""
+    from vllm.v1.kv_offload.cpu import host_register
+
+    calls, limit = [], 300 * 2**10  # what the runtime takes at most
+
+    def register(addr: int, size: int) -> bool:
+        calls.append(("register", addr, size))
+        return size <= limit
+
+    monkeypatch.setattr(host_register, "host_register", register)
+    monkeypatch.setattr(
+        host_register, "host_unregister", lambda a: calls.append(("unregister", a))
+    )
+    memory = host_memory.allocate_host_memory(128, 4096, "cuda", piece_bytes=2**20)
+    assert (memory.kind, memory.pinned) == (host_memory.CUDA_REGISTERED, True)
+    taken = [(a, n) for op, a, n in calls if n <= limit]
+    refused = [n for op, a, n in calls if n > limit]
+    assert len(refused) == 1  # the pieces after it keep the smaller size
+    assert memory.pieces == len(taken) >= 2
+    # Every unit of rows inside exactly one registered piece.
+    for unit in memory.units:
+        start, end = unit.data_ptr(), unit.data_ptr() + unit.numel()
+        assert sum(a <= start and end <= a + n for a, n in taken) == 1
+    calls.clear()
+    memory.release()
+    assert calls == [("unregister", a) for a, _ in reversed(taken)]

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.unit.tier_helpers import smaps
 from vllm_ascend.kv_offload import host_memory, populate
 from vllm_ascend.kv_offload.populate import (
     CHUNK_BYTES,
@@ -57,9 +58,9 @@ def fresh_mapping():
         region.close()
 
 
-def reads_zero(addr: int, nbytes: int) -> bool:
+def all_resident_and_zero(addr: int, nbytes: int) -> bool:
     data = np.frombuffer((ctypes.c_uint8 * nbytes).from_address(addr), np.uint8)
-    return not data.any()
+    return resident_pages(addr, nbytes) == nbytes // PAGE_BYTES and not data.any()
 
 
 # Two and a half chunks: whole chunks and a partial one, for two threads.
@@ -97,17 +98,6 @@ def test_an_empty_range_has_no_chunks():
 # -- populating ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_every_page_is_resident_and_zero_afterwards(fresh_mapping, threads):
-    addr, nbytes = fresh_mapping(SIZE)
-    assert resident_pages(addr, nbytes) == 0
-    done = populate.populate(addr, nbytes, threads)
-    assert resident_pages(addr, nbytes) == nbytes // PAGE_BYTES
-    assert reads_zero(addr, nbytes)
-    assert done.threads == threads and done.nbytes == nbytes
-    assert not done.page_writes
-
-
 def recording(calls: list, fail: dict[int, int] | None = None):
     """An ``advise`` that records (start, nbytes, advice, thread, CPUs) and
     then raises OSError(fail[advice]) or calls madvise."""
@@ -121,6 +111,32 @@ def recording(calls: list, fail: dict[int, int] | None = None):
         populate.libc_madvise(start, nbytes, advice)
 
     return advise
+
+
+@pytest.mark.parametrize(
+    "size, threads, huge, fail, page_writes",
+    [
+        (SIZE, 1, None, None, False),
+        (SIZE, 2, None, None, False),
+        # An unsupported madvise: one write per page instead.
+        (SIZE, 2, False, {MADV_POPULATE_WRITE: errno.EINVAL}, True),
+        # A kernel without huge pages: 4 KiB pages.
+        (CHUNK_BYTES, 1, True, {MADV_HUGEPAGE: errno.EINVAL}, False),
+    ],
+    ids=["1-thread", "2-threads", "no-madvise-populate", "no-huge-pages"],
+)
+def test_every_page_is_resident_and_zero_afterwards(
+    fresh_mapping, size, threads, huge, fail, page_writes
+):
+    addr, nbytes = fresh_mapping(size)
+    assert resident_pages(addr, nbytes) == 0
+    advise = recording([], fail)
+    done = populate.populate(addr, nbytes, threads, huge_pages=huge, advise=advise)
+    assert all_resident_and_zero(addr, nbytes)
+    assert done.threads == threads and done.nbytes == nbytes
+    assert done.page_writes == page_writes
+    if huge is not None:
+        assert not done.huge_pages
 
 
 def test_each_chunk_is_faulted_in_once_on_the_threads_asked_for(fresh_mapping):
@@ -156,16 +172,6 @@ def test_threads_run_outside_the_openmp_binding(fresh_mapping, monkeypatch):
     calls: list = []
     populate.populate(addr, nbytes, 2, huge_pages=False, advise=recording(calls))
     assert calls and all(first not in c[4] for c in calls)
-
-
-def test_unsupported_madvise_falls_back_to_one_write_per_page(fresh_mapping):
-    addr, nbytes = fresh_mapping(SIZE)
-    calls: list = []
-    advise = recording(calls, fail={MADV_POPULATE_WRITE: errno.EINVAL})
-    done = populate.populate(addr, nbytes, 2, huge_pages=False, advise=advise)
-    assert done.page_writes
-    assert resident_pages(addr, nbytes) == nbytes // PAGE_BYTES
-    assert reads_zero(addr, nbytes)
 
 
 def test_no_memory_left_is_a_memory_error_naming_the_size(fresh_mapping):
@@ -204,20 +210,6 @@ def thp_mode() -> str | None:
         return None
 
 
-def thp_eligible(addr: int) -> bool:
-    """smaps' THPeligible of the mapping holding ``addr``."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= addr < hi
-            elif inside and head == "THPeligible:":
-                return line.split()[1] == "1"
-    raise LookupError(f"no mapping at {addr:#x}")
-
-
 @pytest.mark.skipif(thp_mode() != "madvise", reason="THP must be madvise-only")
 @pytest.mark.parametrize("huge", [False, True])
 def test_huge_pages_are_asked_for_only_when_wanted(fresh_mapping, huge):
@@ -225,17 +217,9 @@ def test_huge_pages_are_asked_for_only_when_wanted(fresh_mapping, huge):
     calls: list = []
     done = populate.populate(addr, nbytes, 1, huge_pages=huge, advise=recording(calls))
     assert done.huge_pages == huge
-    assert thp_eligible(addr) == huge
+    assert (smaps(addr)["THPeligible"] == "1") == huge
     assert ((addr, nbytes, MADV_HUGEPAGE) in [c[:3] for c in calls]) == huge
-    assert resident_pages(addr, nbytes) == nbytes // PAGE_BYTES
-
-
-def test_a_kernel_without_huge_pages_gets_4_kib_pages(fresh_mapping):
-    addr, nbytes = fresh_mapping(CHUNK_BYTES)
-    advise = recording([], fail={MADV_HUGEPAGE: errno.EINVAL})
-    done = populate.populate(addr, nbytes, 1, huge_pages=True, advise=advise)
-    assert not done.huge_pages
-    assert resident_pages(addr, nbytes) == nbytes // PAGE_BYTES
+    assert all_resident_and_zero(addr, nbytes)
 
 
 # -- settings -----------------------------------------------------------------
@@ -258,9 +242,9 @@ def test_a_bad_thread_count_names_the_setting(value):
 
 
 def test_huge_pages_setting():
-    assert populate.huge_pages_setting({}) is False
-    assert populate.huge_pages_setting({populate.HUGE_PAGES_ENV: "1"}) is True
-    assert populate.huge_pages_setting({populate.HUGE_PAGES_ENV: "0"}) is False
+    for value, setting in ((None, False), ("1", True), ("0", False)):
+        env = {} if value is None else {populate.HUGE_PAGES_ENV: value}
+        assert populate.huge_pages_setting(env) is setting
     with pytest.raises(ValueError, match=f"{populate.HUGE_PAGES_ENV}='yes'"):
         populate.huge_pages_setting({populate.HUGE_PAGES_ENV: "yes"})
 

@@ -5,32 +5,28 @@ opening, and files that are not ours left alone."""
 
 from __future__ import annotations
 
-import dataclasses
+import fcntl
 import mmap
 import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
-from tests.unit.conftest import TIERING, new_engine_id
-from tests.unit.kv_helpers import make_config
+from tests.unit.conftest import new_engine_id
+from tests.unit.tier_helpers import forked, tiering_spec
 from vllm_ascend.kv_offload.config import OffloadConfigError
 from vllm_ascend.kv_offload.region import (
     RegionBlockPool,
     close_region,
     hold_mark,
     mark_path,
+    open_region,
     region_path,
 )
-from vllm_ascend.kv_offload.tiering.spec import NPUTieringOffloadingSpec
 
 PAGE = mmap.PAGESIZE
-REPO = Path(__file__).resolve().parents[2]
 
 
 def leftovers(engine_id: str) -> list[str]:
@@ -64,29 +60,13 @@ def engine_ids():
                 os.unlink(path)
 
 
-def start(code: str) -> subprocess.Popen:
-    """A Python process that runs ``code``, says "ready" and waits."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code + "\nprint('ready', flush=True)\nsleep(600)"],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-    return proc
-
-
 def test_region_pool_addresses_this_ranks_slot_of_each_row(shared_region):
     region, mark = shared_region(
         3, kv_bytes_per_chunk=4 * PAGE, cpu_page_size=2 * PAGE, rank=1
     )
+    # Pages; blocks per chunk; slot offset, capacity; row stride.
     pool = RegionBlockPool(
-        region,
-        page_bytes=[PAGE // 2, PAGE // 2, PAGE],
-        blocks_per_chunk=1,
-        slot_offset=2 * PAGE,
-        slot_capacity=2 * PAGE,
-        row_stride=4 * PAGE,
+        region, [PAGE // 2] * 2 + [PAGE], 1, 2 * PAGE, 2 * PAGE, 4 * PAGE
     )
     assert pool.row_bytes == 4 * PAGE  # the stride CopyEngine uses
     assert pool.slot_bytes == 2 * PAGE
@@ -136,17 +116,11 @@ def test_the_name_goes_once_the_scheduler_mapped_the_region(shared_region, caplo
     assert "Failed to unlink" not in caplog.text
 
 
-def tiering_spec(engine_id: str) -> NPUTieringOffloadingSpec:
-    extra = {**TIERING, "num_cpu_blocks": 2, "secondary_tiers": []}
-    config = make_config(extra, worker_kv_bytes_per_block=PAGE)
-    return NPUTieringOffloadingSpec(dataclasses.replace(config, engine_id=engine_id))
-
-
 def test_the_specs_manager_releases_the_name_its_workers_mapped(shared_region):
     """The spec's scheduler side (``get_manager``), after the worker opened
     the region as ``get_worker`` does: the name is gone, the memory shared."""
     engine_id = new_engine_id()
-    spec = tiering_spec(engine_id)
+    spec = tiering_spec(engine_id, PAGE, 2)
     region, _ = shared_region(
         spec.num_chunks,
         spec.kv_bytes_per_chunk,
@@ -166,7 +140,7 @@ def test_a_scheduler_that_created_the_region_leaves_nothing_at_shutdown():
     manager (a scheduler on a host without its workers): the manager's
     shutdown removes the region and our mark, not only the next start."""
     engine_id = new_engine_id()
-    manager = tiering_spec(engine_id).get_manager()
+    manager = tiering_spec(engine_id, PAGE, 2).get_manager()
     assert leftovers(engine_id) != []  # the workers still have to join
     manager.shutdown()
     assert leftovers(engine_id) == []
@@ -185,17 +159,14 @@ def test_a_dead_region_of_another_engine_is_removed_at_the_next_opening(
 def test_a_live_region_is_kept_until_its_holder_dies(engine_ids, shared_region):
     live = engine_ids()
     write_leftovers(live)
-    holder = start(
-        "import fcntl, os\nfrom time import sleep\n"
-        f"fd = os.open({mark_path(live)!r}, os.O_RDONLY)\n"
-        "fcntl.flock(fd, fcntl.LOCK_SH)"
-    )
+    # The holder's descriptor (never closed) holds the lock until it dies.
+    holder = forked(lambda: fcntl.flock(os.open(mark_path(live), 0), fcntl.LOCK_SH))
     try:
         shared_region(2, PAGE, PAGE)
         assert len(leftovers(live)) == 2
     finally:
         holder.kill()
-        holder.wait()
+        holder.join()
     shared_region(2, PAGE, PAGE)
     assert leftovers(live) == []
 
@@ -223,15 +194,18 @@ def test_a_killed_processs_region_is_gone_after_the_next_opening(
     engine_ids, shared_region
 ):
     killed = engine_ids()
-    proc = start(
-        "from time import sleep\n"
-        "from vllm_ascend.kv_offload.region import open_region\n"
-        f"region = open_region(engine_id={killed!r}, num_chunks=2, rank=0, "
-        f"kv_bytes_per_chunk={PAGE}, cpu_page_size={PAGE})"
+    proc = forked(
+        lambda: open_region(
+            engine_id=killed,
+            num_chunks=2,
+            rank=0,
+            kv_bytes_per_chunk=PAGE,
+            cpu_page_size=PAGE,
+        )  # fmt: skip
     )
     assert len(leftovers(killed)) == 2
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    proc.kill()  # SIGKILL
+    proc.join()
     assert len(leftovers(killed)) == 2  # nobody removed them at the kill
     shared_region(2, PAGE, PAGE)
     assert leftovers(killed) == []

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -31,9 +31,10 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
 from tests.unit.conftest import new_engine_id
 from tests.unit.kv_helpers import make_config, make_kv_caches
+from tests.unit.tier_helpers import refusal
 from vllm_ascend.kv_offload import host_guard, host_ledger, vllm_compat
 from vllm_ascend.kv_offload.host_memory import BORROWED
-from vllm_ascend.kv_offload.npu import NPUOffloadingSpec, OffloadConfigError
+from vllm_ascend.kv_offload.npu import NPUOffloadingSpec
 from vllm_ascend.kv_offload.pool_metrics import PoolCapacity
 from vllm_ascend.kv_offload.region import mark_path, region_path
 from vllm_ascend.kv_offload.region_worker import taking_turns
@@ -79,11 +80,15 @@ def all_workers_barrier(monkeypatch) -> threading.Barrier:
     return barrier
 
 
-def on_every_rank(build: Callable[[int], object]) -> list:
-    """``build(rank)`` for each rank at once (as vLLM's workers start)."""
+def on_every_rank(engine_id: str, start=None) -> tuple[list, list]:
+    """Each rank's KV cache and what ``start(rank, kv)`` returned (default:
+    the rank's worker), run for each rank at once (as vLLM's workers
+    start)."""
+    kv = [make_kv_caches(4, [PAGE], seed=rank) for rank in range(TP)]
+    start = start or (lambda rank, kv: spec_of(rank, engine_id).get_worker(kv[rank]))
     with ThreadPoolExecutor(TP) as pool:
-        futures = [pool.submit(build, rank) for rank in range(TP)]
-        return [f.result(timeout=120) for f in futures]
+        futures = [pool.submit(start, rank, kv) for rank in range(TP)]
+        return kv, [f.result(timeout=120) for f in futures]
 
 
 def test_a_replicated_layout_is_sized_as_one_copy_for_all_workers():
@@ -97,8 +102,7 @@ def test_a_replicated_layout_is_sized_as_one_copy_for_all_workers():
 def test_the_workers_share_one_copy_that_rank_0_writes_and_every_rank_loads(
     engine_id, all_workers_barrier, ledger
 ):
-    kv = [make_kv_caches(4, [PAGE], seed=rank) for rank in range(TP)]
-    workers = on_every_rank(lambda r: spec_of(r, engine_id).get_worker(kv[r]))
+    kv, workers = on_every_rank(engine_id)
     try:
         # One region of BLOCKS rows of one copy, every rank on slot 0; its
         # name was removed once both had mapped it; the host's ledger holds
@@ -131,21 +135,15 @@ def test_the_workers_share_one_copy_that_rank_0_writes_and_every_rank_loads(
     assert host_ledger.live_pools(ledger) == []
 
 
-class RecordingWorker:
-    def __init__(self):
-        self.stored: list[int] = []
-
-    def submit_store(self, job_id, src, dst) -> bool:
-        self.stored.append(job_id)
-        return True
-
-
 @pytest.mark.parametrize("rank, stores", [(0, [7]), (1, [])])
 def test_rank_0_alone_stores_and_every_rank_acknowledges(rank, stores):
     """vLLM's connector worker gates stores on the spec's replicated_layout:
     our spec sets it, so rank 1 acknowledges rank 0's store without one."""
     connector_worker = OffloadingConnectorWorker(spec_of(rank, "gate"), None, None)
-    connector_worker.worker = RecordingWorker()
+    stored: list[int] = []  # the job ids of the stores submitted
+    connector_worker.worker = SimpleNamespace(
+        submit_store=lambda job_id, src, dst: stored.append(job_id) or True
+    )
     job = TransferJob(
         "request",
         GPULoadStoreSpec([0], group_sizes=[1], block_indices=[0]),
@@ -153,7 +151,7 @@ def test_rank_0_alone_stores_and_every_rank_acknowledges(rank, stores):
     )
     connector_worker.prepare_store_kv(OffloadingConnectorMetadata({}, {7: job}))
     connector_worker.start_kv_transfers(OffloadingConnectorMetadata({}, {}))
-    assert connector_worker.worker.stored == stores
+    assert stored == stores
     acked = connector_worker.build_connector_worker_meta()
     assert (acked.completed_jobs if acked else {}) == ({} if stores else {7: 1})
 
@@ -170,9 +168,7 @@ def test_host_memory_is_checked_once_for_the_one_copy(
         return int(BLOCKS * PAGE * 1.5)  # 90 % of it: one copy, not two
 
     monkeypatch.setattr(host_guard, "host_available_bytes", available)
-    kv = [make_kv_caches(4, [PAGE], seed=rank) for rank in range(TP)]
-    workers = on_every_rank(lambda r: spec_of(r, engine_id).get_worker(kv[r]))
-    for w in workers:
+    for w in on_every_rank(engine_id)[1]:
         w.shutdown()
     assert len(checks) == 1
 
@@ -183,14 +179,11 @@ def test_a_copy_the_host_cannot_hold_is_refused_on_every_rank(
     """Rank 0 names the setting and the fix; rank 1 points to rank 0 (and
     waits for it, instead of creating the region itself)."""
     monkeypatch.setattr(host_guard, "host_available_bytes", lambda: BLOCKS * PAGE)
-    kv = [make_kv_caches(4, [PAGE], seed=rank) for rank in range(TP)]
 
-    def start(rank: int) -> str:
-        with pytest.raises(OffloadConfigError) as error:
-            spec_of(rank, engine_id).get_worker(kv[rank])
-        return str(error.value)
+    def start(rank: int, kv) -> str:
+        return refusal(lambda: spec_of(rank, engine_id).get_worker(kv[rank]))
 
-    rank_0, rank_1 = on_every_rank(start)
+    rank_0, rank_1 = on_every_rank(engine_id, start)[1]
     assert f"({BLOCKS} blocks of {PAGE} bytes)" in rank_0
     assert f"lower num_cpu_blocks to {int(BLOCKS * 0.9)}" in rank_0
     assert "rank 0 did not create it" in rank_1
@@ -221,16 +214,6 @@ def test_ranks_on_one_slot_take_turns_at_their_self_check(
             pool.submit(lambda r: spec_of(r, engine_id).get_worker(kv[r]), rank)
             for rank in range(TP)
         ]
-        done = [f for f in futures if _finishes(f, 1.0)]
-        assert done == []
-    workers = [f.result(timeout=120) for f in futures]
-    for w in workers:
-        w.shutdown()
-
-
-def _finishes(future, seconds: float) -> bool:
-    try:
-        future.result(timeout=seconds)
-    except TimeoutError:
-        return False
-    return True
+        assert not wait(futures, timeout=0.5).done
+    for f in futures:
+        f.result(timeout=120).shutdown()

@@ -4,9 +4,9 @@ files, configuration errors, the region's registration."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import mmap
 import os
+from types import SimpleNamespace
 
 import pytest
 from vllm.v1.kv_offload.base import make_offload_key
@@ -16,10 +16,12 @@ from vllm.v1.kv_offload.config import (
 )
 
 from tests.unit.conftest import TIERING, new_engine_id, payload
-from tests.unit.kv_helpers import make_config
+from tests.unit.kv_helpers import cpu_queues, make_config, make_kv_caches
+from tests.unit.tier_helpers import IDENTITY, KEY_ID, refusal, tiering_spec
 from tests.vllm_version import VLLM_VERSION
 from vllm_ascend.kv_offload.acl_host import kernel_registers_pageable_memory
 from vllm_ascend.kv_offload.config import OffloadConfigError, check_keys
+from vllm_ascend.kv_offload.connector import our_spec_class
 from vllm_ascend.kv_offload.host_register import (
     AclRegionRegistration,
     register_with_cuda,
@@ -45,13 +47,12 @@ from vllm_ascend.kv_offload.tiering.spec import (
     check_tiering_config,
 )
 from vllm_ascend.kv_offload.tiering.tier_paths import StoredBlockError
-from vllm_ascend.kv_offload.transfer_queue import TransferQueue
 
 
 def offloading_config(tp: int = 1, dtype: str = "float32", **changes):
     config = make_config({}, worker_kv_bytes_per_block=65536 // tp, world_size=tp)
-    model = OffloadingModelConfig(name="/nonexistent/model", dtype=dtype)
-    return dataclasses.replace(config, model=model, **changes)
+    changes.setdefault("model", OffloadingModelConfig("/nonexistent/model", dtype))
+    return dataclasses.replace(config, **changes)
 
 
 def digest(config, device="cpu") -> str:
@@ -63,25 +64,18 @@ def test_identity_separates_what_makes_bytes_incompatible():
     between TP 1 and TP 2, wherever vLLM's fs tier would put the files."""
     base = digest(offloading_config())
     assert digest(offloading_config()) == base  # deterministic
-    assert digest(offloading_config(tp=2)) != base
-    assert digest(offloading_config(dtype="bfloat16")) != base
     assert digest(offloading_config(), device="npu") != base
-    assert digest(offloading_config(kv_cache_layout="HND")) != base
-    other_model = dataclasses.replace(
-        offloading_config(), model=OffloadingModelConfig("/other", "float32")
-    )
-    assert digest(other_model) != base
-    other_blocks = dataclasses.replace(
-        offloading_config(), cache=OffloadingCacheConfig(128, 2)
-    )
-    assert digest(other_blocks) != base
+    for changed in (
+        {"tp": 2},
+        {"dtype": "bfloat16"},
+        {"kv_cache_layout": "HND"},
+        {"model": OffloadingModelConfig("/other", "float32")},
+        {"cache": OffloadingCacheConfig(128, 2)},
+    ):
+        assert digest(offloading_config(**changed)) != base, changed
 
 
 # -- verified files -----------------------------------------------------------
-
-IDENTITY = bytes(range(32))
-KEY = make_offload_key(b"\x01" * 32, 0)
-KEY_ID = key_digest(KEY)
 
 
 def test_a_written_block_reads_back(tmp_path):
@@ -95,32 +89,30 @@ def test_a_written_block_reads_back(tmp_path):
     assert bytes(out) == bytes(data)
 
 
+OTHER_KEY_ID = key_digest(make_offload_key(b"\x02" * 32, 0))
+
+
 @pytest.mark.parametrize(
-    "damage, reason",
+    "damage, read_as, reason",
     [
-        (lambda f, n: f.truncate(n - 1), "size"),
-        (lambda f, n: f.truncate(n + 1), "size"),
-        (lambda f, n: (f.seek(n - 1), f.write(b"\xff")), "checksum mismatch"),
-        (lambda f, n: (f.seek(0), f.write(b"X")), "not a KV block file"),
+        (lambda f, n: f.truncate(n - 1), None, "size"),
+        (lambda f, n: f.truncate(n + 1), None, "size"),
+        (lambda f, n: (f.seek(n - 1), f.write(b"\xff")), None, "checksum mismatch"),
+        (lambda f, n: (f.seek(0), f.write(b"X")), None, "not a KV block file"),
+        (None, (bytes(32), KEY_ID), "another identity"),
+        (None, (IDENTITY, OTHER_KEY_ID), "another block"),
     ],
 )
-def test_damaged_files_are_refused(tmp_path, damage, reason):
+def test_damaged_files_and_files_of_another_identity_or_key_are_refused(
+    tmp_path, damage, read_as, reason
+):
     path = str(tmp_path / "b.bin")
     write_block(path, payload(), IDENTITY, KEY_ID, 0)
-    with open(path, "r+b") as f:
-        damage(f, os.path.getsize(path))
+    if damage:
+        with open(path, "r+b") as f:
+            damage(f, os.path.getsize(path))
     with pytest.raises(StoredBlockError, match=reason):
-        read_block(path, payload(fill=0), IDENTITY, KEY_ID, 0)
-
-
-def test_files_of_another_identity_or_key_are_refused(tmp_path):
-    path = str(tmp_path / "b.bin")
-    write_block(path, payload(), IDENTITY, KEY_ID, 0)
-    with pytest.raises(StoredBlockError, match="another identity"):
-        read_block(path, payload(), bytes(32), KEY_ID, 0)
-    other = key_digest(make_offload_key(b"\x02" * 32, 0))
-    with pytest.raises(StoredBlockError, match="another block"):
-        read_block(path, payload(), IDENTITY, other, 0)
+        read_block(path, payload(fill=0), *(read_as or (IDENTITY, KEY_ID)), 0)
 
 
 def test_a_failed_write_leaves_no_file(tmp_path, monkeypatch):
@@ -147,6 +139,8 @@ def test_an_uncreatable_tier_directory_is_dropped_with_a_log_line(
 
 # -- configuration ------------------------------------------------------------
 
+FS_TIER = {"type": "fs", "root_dir": "/x"}
+
 
 @pytest.mark.parametrize(
     "extra, message",
@@ -157,6 +151,12 @@ def test_an_uncreatable_tier_directory_is_dropped_with_a_log_line(
         ({"secondary_tiers": [{"root_dir": "/x"}]}, "with a 'type'"),
         ({"secondary_tiers": [{"type": "fs"}]}, "needs 'root_dir'"),
         ({"backpressure": 1}, "must be a dict"),
+        # The fs tier's size bound: a positive integer, on the fs tier only.
+        *[
+            ({"secondary_tiers": [{**FS_TIER, "max_bytes": v}]}, r"\['max_bytes'\]")
+            for v in (0, -1, 1.5, "10GiB", True, None)
+        ],
+        ({"secondary_tiers": [{"type": "obj", "max_bytes": 2**30}]}, "fs tier"),
     ],
 )
 def test_what_the_spec_cannot_do_is_refused(extra, message):
@@ -167,96 +167,59 @@ def test_what_the_spec_cannot_do_is_refused(extra, message):
         check_tiering_config(config)
 
 
-def test_tiering_keys_need_the_tiering_spec():
-    tiers = [{"type": "fs", "root_dir": "/x"}]
-    tiering_keys = NPUTieringOffloadingSpec.extra_config_keys
-    check_keys({**TIERING, "secondary_tiers": tiers}, tiering_keys)
-    with pytest.raises(OffloadConfigError, match="NPUTieringOffloadingSpec only"):
-        check_keys(
-            {"spec_name": "NPUOffloadingSpec", "secondary_tiers": tiers},
-            NPUOffloadingSpec.extra_config_keys,
-        )
-    with pytest.raises(OffloadConfigError, match="must be a list"):
-        check_keys({**TIERING, "secondary_tiers": "fs"}, tiering_keys)
+class CustomTieringSpec(NPUTieringOffloadingSpec):
+    """A deployment's own subclass of the tiering spec."""
 
 
-def test_our_connector_serves_the_tiering_spec():
-    from vllm_ascend.kv_offload.connector import our_spec_class
-
+def test_tiering_keys_need_the_tiering_spec_or_a_subclass():
+    """Our connector serves both; subclasses of our specs are ours
+    everywhere names are checked."""
+    tiers = [FS_TIER]
+    custom = {"spec_name": "CustomTieringSpec", "spec_module_path": __name__}
+    npu = {
+        "spec_name": "NPUOffloadingSpec",
+        "spec_module_path": "vllm_ascend.kv_offload.npu",
+    }
     assert our_spec_class(TIERING) is NPUTieringOffloadingSpec
+    assert our_spec_class(custom) is CustomTieringSpec
+    assert our_spec_class(npu) is NPUOffloadingSpec
+    for spec in (TIERING, custom):
+        check_keys({**spec, "secondary_tiers": tiers}, spec_keys(spec))
+    with pytest.raises(OffloadConfigError, match=r"Spec only \(or a subclass"):
+        check_keys({**npu, "secondary_tiers": tiers}, spec_keys(npu))
+    with pytest.raises(OffloadConfigError, match="must be a list"):
+        check_keys({**TIERING, "secondary_tiers": "fs"}, spec_keys(TIERING))
+
+
+def spec_keys(extra: dict) -> frozenset:
+    """The extra-config keys the spec ``extra`` names accepts."""
+    return our_spec_class(extra).extra_config_keys
 
 
 # -- registering the region: npu (ACL, through our op) and cuda (vLLM's) ----
 
 
-def _spec_for_worker(
-    engine_id: str, page: int, num_chunks: int = 4, extra: dict | None = None
-) -> NPUTieringOffloadingSpec:
-    """A tiering spec built as vLLM builds it: a region of ``num_chunks``
-    rows of one block of ``2 * page`` bytes (one rank); ``extra``: more
-    extra-config keys."""
-    extra = {
-        **TIERING,
-        "num_cpu_blocks": num_chunks,
-        "secondary_tiers": [],
-        **(extra or {}),
-    }
-    config = make_config(extra, worker_kv_bytes_per_block=2 * page)
-    spec = NPUTieringOffloadingSpec(dataclasses.replace(config, engine_id=engine_id))
-    assert (spec.num_chunks, spec.kv_bytes_per_chunk) == (num_chunks, 2 * page)
-    return spec
-
-
 def _kv_caches(device_type: str, page: int):
-    from types import SimpleNamespace
-
     tensor = SimpleNamespace(device=SimpleNamespace(type=device_type))
     return SimpleNamespace(
         tensors=[SimpleNamespace(tensor=tensor, page_size_bytes=page)]
     )
 
 
-class _NoCopies(TransferQueue):
-    """A worker's queue on a device this machine lacks: nothing is copied."""
-
-    def submit(self, job_id, copy):
-        raise RuntimeError("no copies in this test")
-
-    def poll(self):
-        return []
-
-    def wait(self, job_ids):
-        pass
-
-    def wait_any(self, timeout_s):
-        return False
-
-    def shutdown(self):
-        return True
-
-
 def _passed_self_check(device, page_sizes, pool, paths, **kwargs) -> SelfCheckResult:
+    # Device, memory kind, path, passed, failure, GB/s, bytes, seconds.
     return SelfCheckResult(
-        device=str(device),
-        memory_kind=pool.memory.kind,
-        path=paths[0].name,
-        passed=True,
-        failure=None,
-        bandwidth_gbps=0.0,
-        bytes_per_direction=0,
-        seconds=0.0,
+        str(device), pool.memory.kind, paths[0].name, True, None, 0.0, 0, 0.0,
         swap=lambda src, dst, sizes: (0, None),  # never called: no copies here
-    )
+    )  # fmt: skip
 
 
 def test_the_tiering_worker_copies_by_the_copy_path_setting():
     """copy_path applies to the tiering spec's worker as to the guide's (it
     was ignored: the worker always chose as for "auto")."""
-    from tests.unit.kv_helpers import make_kv_caches
-
     page = mmap.PAGESIZE
     engine_id = new_engine_id("unit-cpu")
-    spec = _spec_for_worker(engine_id, page, extra={"copy_path": "torch"})
+    spec = tiering_spec(engine_id, 2 * page, copy_path="torch")
     worker = spec.get_worker(make_kv_caches(4, [page]))
     try:
         assert worker.copy_path == "torch"
@@ -280,10 +243,8 @@ def kernel_release(monkeypatch):
 @pytest.fixture
 def acl_calls(monkeypatch, kernel_release):
     """ops.host_register / host_unregister replaced by recorders (no NPU
-    here); the tiering worker built with no copy engine, queues or
+    here); the tiering worker built with no copy engine, CPU queues and no
     self-check (no npu streams here), through its constructor's arguments."""
-    from types import SimpleNamespace
-
     from vllm_ascend.kv_offload import ops, region_worker
 
     calls = []
@@ -295,12 +256,11 @@ def acl_calls(monkeypatch, kernel_release):
         path = calls[0][4] if len(calls[0]) > 4 else None
         calls.append(("unregister", addr, device, os.path.exists(path or "")))
 
-    worker = functools.partial(
-        region_worker.RegionWorker,
-        engine=SimpleNamespace(use=lambda swap: None, buffers=lambda: []),
-        queues=(_NoCopies(), _NoCopies(), _NoCopies()),
-        self_check=_passed_self_check,
-    )
+    def worker(*args, real=region_worker.RegionWorker, **kwargs):
+        engine = SimpleNamespace(use=lambda swap: None, buffers=lambda: [])
+        queues, check = cpu_queues(), _passed_self_check
+        return real(*args, engine=engine, queues=queues, self_check=check, **kwargs)
+
     monkeypatch.setattr(ops, "host_register", register)
     monkeypatch.setattr(ops, "host_unregister", unregister)
     monkeypatch.setattr(region_worker, "RegionWorker", worker)
@@ -312,7 +272,7 @@ def test_npu_worker_registers_the_region_and_unregisters_it_before_unmapping(
     acl_calls,
 ):
     page = mmap.PAGESIZE
-    spec = _spec_for_worker(new_engine_id("unit-npu"), page)
+    spec = tiering_spec(new_engine_id("unit-npu"), 2 * page)
     worker = spec.get_worker(_kv_caches("npu", page))
     region = worker.region
     base, size = region.base_tensor.data_ptr(), region.total_size_bytes
@@ -348,12 +308,7 @@ def test_npu_region_is_registered_in_pieces_smaller_where_refused_mapped_on_a5(
 
     monkeypatch.setattr(ops, "host_register", register)
     page = 8192
-    spec = _spec_for_worker(
-        new_engine_id("unit-npu"),
-        page // 2,
-        num_chunks=64,
-        extra={"host_piece_bytes": 2 * limit},
-    )
+    spec = tiering_spec(new_engine_id("unit-npu"), page, 64, host_piece_bytes=2 * limit)
     worker = spec.get_worker(_kv_caches("npu", page // 2))
     region = worker.region
     base = region.base_tensor.data_ptr()
@@ -382,10 +337,8 @@ def test_npu_registration_failure_is_a_clear_error_and_leaves_nothing(
     monkeypatch.setattr(ops, "host_register", refuse)
     page = mmap.PAGESIZE
     engine_id = new_engine_id("unit-npu")
-    spec = _spec_for_worker(engine_id, page)
-    with pytest.raises(OffloadConfigError) as info:
-        spec.get_worker(_kv_caches("npu", page))
-    msg = str(info.value)
+    spec = tiering_spec(engine_id, 2 * page)
+    msg = refusal(lambda: spec.get_worker(_kv_caches("npu", page)))
     assert "registering the shared region" in msg and "ACL error 507899" in msg
     assert "aclrtHostRegisterV2" in msg and "spec_name='NPUOffloadingSpec'" in msg
     assert not os.path.exists(region_path(engine_id))
@@ -399,7 +352,7 @@ def test_npu_registration_is_refused_on_kernels_that_cannot_lock_pageable_memory
     page = mmap.PAGESIZE
     engine_id = new_engine_id("unit-npu")
     with pytest.raises(OffloadConfigError, match="newer than 5.10 only"):
-        _spec_for_worker(engine_id, page).get_worker(_kv_caches("npu", page))
+        tiering_spec(engine_id, 2 * page).get_worker(_kv_caches("npu", page))
     assert acl_calls == [] and not os.path.exists(region_path(engine_id))
     assert kernel_registers_pageable_memory("5.15.0-91-generic")
     assert kernel_registers_pageable_memory("6.1.0")
