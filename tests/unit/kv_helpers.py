@@ -16,6 +16,14 @@ from vllm.v1.kv_offload.config import (
     OffloadingParallelConfig,
 )
 
+# The guide's kv_connector_extra_config (docs/user_guide.md) and its spec.
+OUR_SPEC = {
+    "spec_name": "NPUOffloadingSpec",
+    "spec_module_path": "vllm_ascend.kv_offload.npu",
+}
+GUIDE_EXTRA = {"num_cpu_blocks": 1000, "block_size": 128, **OUR_SPEC}
+BLOCK = 65536  # bytes of one CPU block in make_config's default
+
 
 def make_config(
     extra: dict,

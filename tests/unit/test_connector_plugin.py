@@ -17,12 +17,7 @@ from pathlib import Path
 
 import pytest
 
-GUIDE_EXTRA = {
-    "num_cpu_blocks": 1000,
-    "block_size": 128,
-    "spec_name": "NPUOffloadingSpec",
-    "spec_module_path": "vllm_ascend.kv_offload.npu",
-}
+from tests.unit.kv_helpers import GUIDE_EXTRA
 
 # What upstream vllm-ascend 0.30's vllm_ascend/distributed/kv_transfer does
 # to OffloadingConnector, reduced to that.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.unit.kv_helpers import make_config
+from tests.unit.kv_helpers import BLOCK, GUIDE_EXTRA, make_config
 from vllm_ascend.kv_offload import connector as connector_module
 from vllm_ascend.kv_offload.config import KEYS
 from vllm_ascend.kv_offload.connector import AscendOffloadingConnector
@@ -21,13 +21,7 @@ from vllm_ascend.kv_offload.npu import (
     validate_connector_config,
 )
 
-BLOCK = 65536  # bytes of one CPU block in make_config's default
-GUIDE = {
-    "num_cpu_blocks": 8,
-    "block_size": 128,
-    "spec_name": "NPUOffloadingSpec",
-    "spec_module_path": "vllm_ascend.kv_offload.npu",
-}
+GUIDE = {**GUIDE_EXTRA, "num_cpu_blocks": 8}
 
 
 def refusals(extra: dict) -> list[str]:

@@ -22,7 +22,7 @@ from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
 from tests.fault_injection import FaultInjectingWorker
 from tests.unit.conftest import make_connector
-from tests.unit.kv_helpers import make_kv_caches, make_worker
+from tests.unit.kv_helpers import OUR_SPEC, make_kv_caches, make_worker
 from vllm_ascend.kv_offload import pool_metrics
 from vllm_ascend.kv_offload.connector import AscendOffloadingConnectorMetadata
 from vllm_ascend.kv_offload.failures import AscendOffloadingWorkerMetadata
@@ -192,11 +192,7 @@ def test_the_manager_answers_a_lookup_by_the_wait_it_estimates(
 
 @pytest.mark.parametrize("ratio, bounded", [(None, True), (2.5, True), (0, False)])
 def test_the_setting_bounds_the_managers_wait_and_0_turns_it_off(ratio, bounded):
-    extra = {
-        "num_cpu_blocks": 8,
-        "spec_name": "NPUOffloadingSpec",
-        "spec_module_path": "vllm_ascend.kv_offload.npu",
-    }
+    extra = {"num_cpu_blocks": 8, **OUR_SPEC}
     if ratio is not None:
         extra["max_load_wait_ratio"] = ratio
     c = make_connector("scheduler", extra)

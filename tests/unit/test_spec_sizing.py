@@ -3,17 +3,10 @@
 import pytest
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
-from tests.unit.kv_helpers import make_config, make_kv_caches
+from tests.unit.kv_helpers import GUIDE_EXTRA, make_config, make_kv_caches
 from vllm_ascend.kv_offload.config import OffloadConfigError, cpu_block_bytes
 from vllm_ascend.kv_offload.manager import FailureAwareManager
 from vllm_ascend.kv_offload.npu import NPUOffloadingSpec
-
-GUIDE_EXTRA = {
-    "num_cpu_blocks": 1000,
-    "block_size": 128,
-    "spec_name": "NPUOffloadingSpec",
-    "spec_module_path": "vllm_ascend.kv_offload.npu",
-}
 
 
 def test_guide_num_cpu_blocks_is_the_number_of_cpu_blocks():
