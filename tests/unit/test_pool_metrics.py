@@ -99,16 +99,21 @@ POOL_SERIES = (
 )
 
 
-@pytest.fixture(params=[NPUOffloadingSpec, NPUTieringOffloadingSpec])
-def spec_manager(request):
-    """The scheduler-side manager of each of our specs: 4 CPU blocks of
-    64 KiB, KV events on (the tiering one on its own shared region)."""
+def four_block_manager(spec_cls, events: bool = False):
+    """The scheduler-side manager of ``spec_cls``: 4 CPU blocks of 64 KiB
+    (the tiering one on its own shared region)."""
     config = dataclasses.replace(
         make_config({"num_cpu_blocks": 4, "block_size": 128}),
-        enable_kv_cache_events=True,
+        enable_kv_cache_events=events,
         engine_id=new_engine_id(),
     )
-    manager = request.param(config).get_manager()
+    return spec_cls(config).get_manager()
+
+
+@pytest.fixture(params=[NPUOffloadingSpec, NPUTieringOffloadingSpec])
+def spec_manager(request):
+    """Each of our specs' manager, KV events on."""
+    manager = four_block_manager(request.param, events=True)
     yield manager
     manager.shutdown()
 
@@ -128,12 +133,7 @@ def test_both_specs_report_the_same_pool_series_for_the_same_workload():
     """The tiering spec's CPU tier is the pool: same series, same values."""
     results = []
     for spec_cls in (NPUOffloadingSpec, NPUTieringOffloadingSpec):
-        config = dataclasses.replace(
-            make_config({"num_cpu_blocks": 4, "block_size": 128}),
-            engine_id=new_engine_id(),
-        )
-        assert set(POOL_SERIES) <= set(spec_cls.build_metric_definitions({}))
-        manager = spec_cls(config).get_manager()
+        manager = four_block_manager(spec_cls)
         try:
             results.append(workload(manager))
         finally:
@@ -146,11 +146,7 @@ def test_both_specs_report_the_same_pool_series_for_the_same_workload():
 
 
 def test_promotions_into_the_cpu_tier_count_their_evictions():
-    config = dataclasses.replace(
-        make_config({"num_cpu_blocks": 4, "block_size": 128}),
-        engine_id=new_engine_id(),
-    )
-    manager = NPUTieringOffloadingSpec(config).get_manager()
+    manager = four_block_manager(NPUTieringOffloadingSpec)
     try:
         store(manager, "a", "b", "c", "d")
         reduced(manager)
@@ -182,8 +178,10 @@ def test_a_reset_publishes_the_removal_of_every_block_the_pool_held(spec_manager
             resident -= keys
         else:
             resident |= keys
-    in_use = reduced(m)[pool_metrics.BLOCKS_IN_USE]
-    assert len(resident) == in_use == 4
+    stats = reduced(m)
+    assert len(resident) == stats[pool_metrics.BLOCKS_IN_USE] == 4
+    # Good transfers count no failures.
+    assert stats[pool_metrics.FAILED_STORES] == stats[pool_metrics.FAILED_LOADS] == 0
 
     m.reset_cache()
     assert cpu_events(m) == [(True, resident)]
@@ -240,12 +238,6 @@ def test_failed_stores_and_loads_are_counted_once_per_job(spec_manager):
     # A counter's increase is per interval.
     again = reduced(m)
     assert again[pool_metrics.FAILED_STORES] == again[pool_metrics.FAILED_LOADS] == 0
-
-
-def test_good_transfers_count_no_failures(spec_manager):
-    store(spec_manager, "a", "b")
-    stats = reduced(spec_manager)
-    assert stats[pool_metrics.FAILED_STORES] == stats[pool_metrics.FAILED_LOADS] == 0
 
 
 # -- the worker's pool info ------------------------------------------------------
