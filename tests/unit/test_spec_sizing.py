@@ -9,17 +9,8 @@ from vllm_ascend.kv_offload.manager import FailureAwareManager
 from vllm_ascend.kv_offload.npu import NPUOffloadingSpec
 
 
-def test_guide_num_cpu_blocks_is_the_number_of_cpu_blocks():
-    spec = NPUOffloadingSpec(make_config(GUIDE_EXTRA))
-    assert spec.num_chunks == 1000
-    manager = spec.get_manager()
-    # vLLM's manager, wrapped to hear about failed transfers.
-    assert isinstance(manager, FailureAwareManager)
-    assert isinstance(manager.inner, CPUOffloadingManager)
-
-
 @pytest.mark.parametrize("bpc", [1, 2, 4])
-def test_num_cpu_blocks_counts_blocks_of_block_size_tokens(bpc):
+def test_guide_num_cpu_blocks_counts_blocks_of_block_size_tokens(bpc):
     spec = NPUOffloadingSpec(make_config(GUIDE_EXTRA, blocks_per_chunk=bpc))
     assert spec.num_chunks == 1000
     assert spec.blocks_per_chunk == bpc
@@ -54,7 +45,10 @@ def test_vllm_eviction_policies_are_reused(policy):
         make_config({"num_cpu_blocks": 8, "eviction_policy": policy})
     )
     assert spec.eviction_policy == policy
-    assert isinstance(spec.get_manager().inner, CPUOffloadingManager)
+    manager = spec.get_manager()
+    # vLLM's manager, wrapped to hear about failed transfers.
+    assert isinstance(manager, FailureAwareManager)
+    assert isinstance(manager.inner, CPUOffloadingManager)
 
 
 def test_worker_pool_is_exactly_num_cpu_blocks_times_one_cpu_block():
