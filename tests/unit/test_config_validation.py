@@ -47,6 +47,11 @@ SPEC_CASES = [
      ["'store_threshold'", "=-1", ">= 0", "store_threshold=2"]),
     ({"num_cpu_blocks": 8, "store_threshold": "2"},
      ["'store_threshold'", "='2'", "non-negative integer"]),
+    # Huge numbers are shown in scientific notation (in a short message).
+    ({"num_cpu_blocks": 1e300}, ["1e+300"]),
+    ({"num_cpu_blocks": 10**400}, ["1.00e+400"]),
+    ({"cpu_bytes_to_use": 1e300}, ["1e+300"]),
+    ({"cpu_bytes_to_use": -(10**30)}, ["-1.00e+30"]),
 ]  # fmt: skip
 
 # (kv_role, extra_config, device block sizes, fragments). Checked by the
@@ -78,6 +83,7 @@ CONNECTOR_CASES = [
 
 def _assert_names(error: OffloadConfigError, fragments: list[str]) -> None:
     message = str(error)
+    assert len(message) < 400, message
     for fragment in fragments:
         assert fragment in message, f"{fragment!r} not in {message!r}"
 
