@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from vllm.v1.kv_offload.base import (
     CanonicalKVCacheRef,
@@ -128,6 +131,15 @@ def make_worker(
     device = kv_caches.tensors[0].tensor.device.type if pages else "cpu"
     pool = private_pool(pages, blocks_per_chunk, num_cpu_blocks, device)
     return (worker_cls or NPUOffloadingWorker)(kv_caches, pool, **kwargs)
+
+
+@contextlib.contextmanager
+def running(worker) -> Iterator:
+    """``worker``, shut down however the block ends."""
+    try:
+        yield worker
+    finally:
+        worker.shutdown()
 
 
 def store_then_load(worker, kv: CanonicalKVCaches, spec, cpu_blocks: list[int]):

@@ -36,7 +36,7 @@ from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
 from tests.fault_injection import FaultInjectingWorker, FaultInjector
 from tests.unit.conftest import CONNECTOR_BLOCK_SIZE, make_connector
-from tests.unit.kv_helpers import cpu_queues, make_kv_caches, make_worker
+from tests.unit.kv_helpers import cpu_queues, make_kv_caches, make_worker, running
 from vllm_ascend.kv_offload.connector import AscendOffloadingConnectorMetadata
 from vllm_ascend.kv_offload.failures import (
     AscendOffloadingWorkerMetadata,
@@ -182,14 +182,9 @@ def test_loads_that_do_not_fail_cost_no_work_per_block():
 
 
 def test_without_diversion_the_worker_reports_failures_to_vllm_truthfully():
-    worker = make_worker(
-        make_kv_caches(NUM_DEVICE_BLOCKS, PAGES),
-        1,
-        NUM_CPU_BLOCKS,
-        FaultInjectingWorker,
-    )
-    worker.faults = FaultInjector.parse("load:1,store_submit:1")
-    try:
+    kv = make_kv_caches(NUM_DEVICE_BLOCKS, PAGES)
+    with running(make_worker(kv, 1, NUM_CPU_BLOCKS, FaultInjectingWorker)) as worker:
+        worker.faults = FaultInjector.parse("load:1,store_submit:1")
         # A connector that does not collect failures gets vLLM's contract.
         assert not worker.submit_store(1, gpu(1), CPULoadStoreSpec([1]))
         assert worker.submit_load(2, CPULoadStoreSpec([1]), gpu(3))
@@ -197,8 +192,6 @@ def test_without_diversion_the_worker_reports_failures_to_vllm_truthfully():
         [result] = worker.get_finished()
         assert (result.job_id, result.success) == (2, False)
         assert worker.take_failed_jobs() == []
-    finally:
-        worker.shutdown()
 
 
 def test_worker_metadata_merges_failures_across_workers():
@@ -236,8 +229,7 @@ def test_an_expedited_load_does_not_wait_behind_regular_loads():
 
 def test_an_expedited_load_copies_the_same_bytes():
     kv = make_kv_caches(NUM_DEVICE_BLOCKS, PAGES, seed=3)
-    worker = make_worker(kv, 1, NUM_CPU_BLOCKS)
-    try:
+    with running(make_worker(kv, 1, NUM_CPU_BLOCKS)) as worker:
         want = [t.tensor[7].clone() for t in kv.tensors]
         assert worker.submit_store(1, gpu(7), CPULoadStoreSpec([5]))
         worker.wait({1})
@@ -246,8 +238,6 @@ def test_an_expedited_load_copies_the_same_bytes():
         assert {r.job_id for r in worker.get_finished()} == {1, 2}
         for t, w in zip(kv.tensors, want, strict=True):
             assert torch.equal(t.tensor[8], w)
-    finally:
-        worker.shutdown()
 
 
 # -- scheduler side -------------------------------------------------------------

@@ -3,7 +3,7 @@
 import pytest
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
-from tests.unit.kv_helpers import GUIDE_EXTRA, make_config, make_kv_caches
+from tests.unit.kv_helpers import GUIDE_EXTRA, make_config, make_kv_caches, running
 from vllm_ascend.kv_offload.config import OffloadConfigError, cpu_block_bytes
 from vllm_ascend.kv_offload.manager import FailureAwareManager
 from vllm_ascend.kv_offload.npu import NPUOffloadingSpec
@@ -60,10 +60,7 @@ def test_worker_pool_is_exactly_num_cpu_blocks_times_one_cpu_block():
             blocks_per_chunk=bpc,
         )
         spec = NPUOffloadingSpec(config)
-        worker = spec.get_worker(make_kv_caches(4, page_bytes))
-        try:
+        with running(spec.get_worker(make_kv_caches(4, page_bytes))) as worker:
             # One CPU block = bpc device blocks of every cached tensor.
             assert worker.pool.nbytes == 7 * bpc * sum(page_bytes)
             assert worker.pool.tensor.shape == (7, bpc * sum(page_bytes))
-        finally:
-            worker.shutdown()
