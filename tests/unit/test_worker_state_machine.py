@@ -162,13 +162,8 @@ class WorkerMachine(RuleBasedStateMachine):
         cpu = rng.sample(free_cpu, n_cpu)
         job_id, self.next_job = self.next_job, self.next_job + 1
         spec = GPULoadStoreSpec(dev, group_sizes=[n], block_indices=[skip])
-        job = Job(
-            True,
-            dev,
-            cpu,
-            self._layout(skip, n, cpu),
-            [self._device_page(b) for b in dev],
-        )
+        pages = [self._device_page(b) for b in dev]
+        job = Job(True, dev, cpu, self._layout(skip, n, cpu), pages)
         ok = self.worker.submit_store(job_id, spec, CPULoadStoreSpec(cpu))
         self._submitted(job_id, ok, job)
         if ok:
