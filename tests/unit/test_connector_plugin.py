@@ -10,6 +10,7 @@ a fresh interpreter: the registry is process state.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -77,8 +78,6 @@ print(json.dumps({
 
 
 def _run(order: str, tmp_path: Path, with_upstream: bool) -> dict:
-    import json
-
     path = [str(Path(__file__).resolve().parents[2])]
     if with_upstream:
         pkg = tmp_path / "vllm_ascend" / "distributed" / "kv_transfer"
