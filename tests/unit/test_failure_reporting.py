@@ -140,9 +140,7 @@ def test_a_good_load_reports_nothing_but_its_bytes(side_factory):
     assert meta.transfer_stats.load.bytes == 2 * (2 * CONNECTOR_BLOCK_SIZE * 2 * 32 * 4)
 
 
-def test_with_several_kv_cache_groups_a_failed_load_fails_its_request(
-    side_factory,
-):
+def test_with_several_kv_cache_groups_a_failed_load_fails_its_request(side_factory):
     side = side_factory(faults="load:1", num_groups=2)
     results, errors, meta = side.step(metadata(load_jobs={1: load("a", 4)}))
     assert errors == set()  # vLLM cannot map block ids to requests here

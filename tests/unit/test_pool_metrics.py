@@ -250,9 +250,7 @@ def worker_connector():
     connector.shutdown()
 
 
-def test_each_worker_reports_its_pool_and_copy_path_as_an_info_series(
-    worker_connector,
-):
+def test_each_worker_reports_its_pool_and_copy_path_as_an_info_series(worker_connector):
     worker = worker_connector.connector_worker.worker
     stats = worker_connector.get_kv_connector_stats()
     labels = (
