@@ -253,10 +253,7 @@ def test_groups_that_overlay_the_same_pages_copy_one_page_each_its_own_prefix():
     # Attention copies its whole page, Mamba the 2048 bytes holding its states.
     assert [
         [r.page_size_bytes for r in refs] for refs in canonical.group_data_refs
-    ] == [
-        [4096, 4096],
-        [2048, 2048],
-    ]
+    ] == [[4096, 4096], [2048, 2048]]
     # A block id belongs to one group at a time: here 5 to attention, 4 to Mamba.
     round_trip(kv, groups, bpc=1, group_sizes=[1, 1], block_indices=[0, 0])
 

@@ -22,9 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
-    TransferJob,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import TransferJob
 from vllm.v1.kv_offload.base import (
     GPULoadStoreSpec,
     LookupResult,

@@ -19,10 +19,7 @@ from tests.unit.model_configs import (
 )
 from vllm_ascend.kv_offload import host_guard
 from vllm_ascend.kv_offload.host_fit import fit_host_memory
-from vllm_ascend.kv_offload.host_guard import (
-    AUTO_POOL_SHARE,
-    auto_num_cpu_blocks,
-)
+from vllm_ascend.kv_offload.host_guard import AUTO_POOL_SHARE, auto_num_cpu_blocks
 from vllm_ascend.kv_offload.sizing import (
     CPU_BLOCK_ALIGNMENT,
     SizingError,

@@ -60,9 +60,7 @@ class Job:
 
 class WorkerMachine(RuleBasedStateMachine):
     @initialize(
-        bpc=st.sampled_from([1, 2, 3]),
-        faults=st.booleans(),
-        seed=st.integers(0, 2**16),
+        bpc=st.sampled_from([1, 2, 3]), faults=st.booleans(), seed=st.integers(0, 2**16)
     )
     def start(self, bpc, faults, seed):
         self.threads_before = set(kv_offload_threads())
