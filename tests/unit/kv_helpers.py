@@ -133,6 +133,16 @@ def make_worker(
     return (worker_cls or NPUOffloadingWorker)(kv_caches, pool, **kwargs)
 
 
+def worker_report(completed_jobs: dict, failed=()):
+    """One worker's metadata of a step (``AscendOffloadingWorkerMetadata``):
+    the jobs it finished, ``failed`` among them."""
+    from vllm_ascend.kv_offload.failures import AscendOffloadingWorkerMetadata
+
+    meta = AscendOffloadingWorkerMetadata(failed_jobs=set(failed))
+    meta.completed_jobs.update(completed_jobs)
+    return meta
+
+
 @contextlib.contextmanager
 def running(worker) -> Iterator:
     """``worker``, shut down however the block ends."""

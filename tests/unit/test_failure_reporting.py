@@ -34,7 +34,13 @@ from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
 from tests.fault_injection import FaultInjectingWorker, FaultInjector
 from tests.unit.conftest import CONNECTOR_BLOCK_SIZE, make_connector
-from tests.unit.kv_helpers import cpu_queues, make_kv_caches, make_worker, running
+from tests.unit.kv_helpers import (
+    cpu_queues,
+    make_kv_caches,
+    make_worker,
+    running,
+    worker_report,
+)
 from vllm_ascend.kv_offload.connector import AscendOffloadingConnectorMetadata
 from vllm_ascend.kv_offload.failures import (
     AscendOffloadingWorkerMetadata,
@@ -249,13 +255,6 @@ def manager() -> FailureAwareManager:
 
 def keys(*names: str) -> list[bytes]:
     return [n.encode() for n in names]
-
-
-def worker_report(completed_jobs: dict, failed=()) -> AscendOffloadingWorkerMetadata:
-    """One worker's metadata: the jobs it finished, ``failed`` among them."""
-    meta = AscendOffloadingWorkerMetadata(failed_jobs=set(failed))
-    meta.completed_jobs.update(completed_jobs)
-    return meta
 
 
 def test_a_failed_store_frees_its_cpu_blocks_instead_of_recording_them():

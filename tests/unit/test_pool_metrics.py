@@ -31,10 +31,9 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
 from tests.unit.conftest import make_connector, new_engine_id
-from tests.unit.kv_helpers import make_config
+from tests.unit.kv_helpers import make_config, worker_report
 from vllm_ascend.kv_offload import pool_metrics
 from vllm_ascend.kv_offload.failures import (
-    AscendOffloadingWorkerMetadata,
     FailureRouter,
 )
 from vllm_ascend.kv_offload.manager import FailureAwareManager
@@ -204,13 +203,6 @@ def test_a_block_still_being_written_at_a_reset_is_not_announced(spec_manager):
 # -- failed transfers ----------------------------------------------------------
 
 
-def worker_report(router: FailureRouter, completed: dict, failed: set) -> None:
-    """One worker's metadata of a step, as the connector routes it."""
-    meta = AscendOffloadingWorkerMetadata(failed_jobs=failed)
-    meta.completed_jobs.update(completed)
-    router.route(meta)
-
-
 def test_failed_stores_and_loads_are_counted_once_per_job(spec_manager):
     """Two workers each report the same failed store and load, in different
     steps: one failed store, one failed load."""
@@ -228,8 +220,8 @@ def test_failed_stores_and_loads_are_counted_once_per_job(spec_manager):
             store_jobs={7: TransferJob("a", device, out.store_spec)},
         )
     )
-    worker_report(router, {7: 1, 8: 1}, failed={7, 8})  # worker 0
-    worker_report(router, {7: 1, 8: 1}, failed={7, 8})  # worker 1, a step later
+    router.route(worker_report({7: 1, 8: 1}, failed={7, 8}))  # worker 0
+    router.route(worker_report({7: 1, 8: 1}, failed={7, 8}))  # worker 1, later
     m.complete_store(list(out.keys_to_store), ctx)  # vLLM completes job 7
     first = reduced(m)
     assert first[pool_metrics.FAILED_STORES] == 1
