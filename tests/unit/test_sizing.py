@@ -243,14 +243,25 @@ def _guard_accepts(available, sizing, num_blocks) -> bool:
     return host_guard.check_pool(request, host_guard.HostBudget(available)) is None
 
 
-@pytest.mark.parametrize("config", [QWEN3_0_6B, DEEPSEEK_V2_LITE, LLAMA3_8B])
-def test_max_num_cpu_blocks_is_the_largest_the_guard_accepts(config, size_kv):
-    available = 24 * 2**30 + 12345
+@pytest.mark.parametrize(
+    ("config", "available", "reserved", "workers"),
+    [(QWEN3_0_6B, 24 * 2**30 + 12345, 0, None),
+     (DEEPSEEK_V2_LITE, 24 * 2**30 + 12345, 0, None),
+     (LLAMA3_8B, 24 * 2**30 + 12345, 0, None),
+     (QWEN3_0_6B, 16 * 2**30 + 999, 3 * 2**30, 1)],  # memory reserved beside
+)  # fmt: skip
+def test_max_num_cpu_blocks_is_the_largest_the_guard_accepts(
+    config, available, reserved, workers, size_kv
+):
     s = size_kv(config)
-    fit = fit_host_memory(s, available_bytes=available)
+    fit = fit_host_memory(
+        s, available_bytes=available, reserved_bytes=reserved, workers_on_host=workers
+    )
     assert fit.max_num_cpu_blocks > 0
-    assert _guard_accepts(available, s, fit.max_num_cpu_blocks)
-    assert not _guard_accepts(available, s, fit.max_num_cpu_blocks + 1)
+    # The guard runs after the reserved memory is allocated.
+    after = available - reserved
+    assert _guard_accepts(after, s, fit.max_num_cpu_blocks)
+    assert not _guard_accepts(after, s, fit.max_num_cpu_blocks + 1)
     # cpu_bytes_to_use holds exactly that many blocks (vLLM divides by the
     # padded CPU block).
     assert fit.cpu_bytes_to_use // s.bytes_per_cpu_block == fit.max_num_cpu_blocks
@@ -282,18 +293,6 @@ def test_fit_reads_host_memory_now_by_default(monkeypatch, host_ledger_dir, size
     fit = fit_host_memory(size_kv(QWEN3_0_6B))
     assert fit.available_bytes == 10 * 14_680_064
     assert fit.max_num_cpu_blocks == 9  # 90% of 10 blocks
-
-
-def test_the_fit_next_to_reserved_memory_is_what_the_guard_accepts(size_kv):
-    s = size_kv(QWEN3_0_6B)
-    available, reserved = 16 * 2**30 + 999, 3 * 2**30
-    blocks = fit_host_memory(
-        s, available_bytes=available, reserved_bytes=reserved, workers_on_host=1
-    ).max_num_cpu_blocks
-    # The guard runs after the reserved memory is allocated.
-    after = available - reserved
-    assert _guard_accepts(after, s, blocks)
-    assert not _guard_accepts(after, s, blocks + 1)
 
 
 def test_auto_takes_a_share_of_what_the_guard_accepts_next_to_the_engine():
