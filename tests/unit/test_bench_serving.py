@@ -23,6 +23,7 @@ from benchmarks.serving_server import (
     serve_flags,
     server_env,
 )
+from tests.unit.kv_helpers import GUIDE_EXTRA
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -55,18 +56,13 @@ def test_counter_deltas_treat_missing_counters_as_zero():
 
 
 def bench_json(**over):
+    """A ``vllm bench serve`` result file, with ``over`` changed."""
     base = {
-        "completed": 10,
-        "failed": 0,
-        "request_throughput": 2.0,
-        "output_throughput": 32.0,
-        "mean_ttft_ms": 300.0,
-        "median_ttft_ms": 250.0,
-        "p99_ttft_ms": 900.0,
-        "p100_ttft_ms": 1000.0,
-        "mean_tpot_ms": 40.0,
+        "completed": 10, "failed": 0, "request_throughput": 2.0,
+        "output_throughput": 32.0, "mean_ttft_ms": 300.0, "median_ttft_ms": 250.0,
+        "p99_ttft_ms": 900.0, "p100_ttft_ms": 1000.0, "mean_tpot_ms": 40.0,
         "median_tpot_ms": 39.0,
-    }
+    }  # fmt: skip
     return {**base, **over}
 
 
@@ -310,12 +306,7 @@ def test_the_issue26_preset_serves_the_guides_config_as_is():
     assert config == {
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "num_cpu_blocks": 1000,
-            "block_size": 128,
-            "spec_name": "NPUOffloadingSpec",
-            "spec_module_path": "vllm_ascend.kv_offload.npu",
-        },
+        "kv_connector_extra_config": GUIDE_EXTRA,
     }
     assert not [k for k in server_env() if "CPU_NUM" in k or "OMP" in k]
 
