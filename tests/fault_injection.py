@@ -112,9 +112,7 @@ class FaultInjector:
             return None
         faults = cls.parse(spec, os.environ.get(FAULTS_LOG_ENV))
         logger.warning(
-            "KV offload: TEST fault injection is on: %s=%s",
-            FAULTS_ENV,
-            spec,
+            "KV offload: TEST fault injection is on: %s=%s", FAULTS_ENV, spec
         )
         return faults
 
@@ -189,11 +187,7 @@ def inject_faults(worker: NPUOffloadingWorker, faults: FaultInjector | None) -> 
 
 
 def _faulty(
-    worker: NPUOffloadingWorker,
-    kind: str,
-    job_id: int,
-    desc: Descriptors,
-    copy: CopyFn,
+    worker: NPUOffloadingWorker, kind: str, job_id: int, desc: Descriptors, copy: CopyFn
 ) -> CopyFn:
     faults: FaultInjector | None = getattr(worker, "faults", None)
     if faults is None:

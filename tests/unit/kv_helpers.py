@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from vllm.v1.kv_offload.base import (
     CanonicalKVCacheRef,
@@ -15,6 +18,14 @@ from vllm.v1.kv_offload.config import (
     OffloadingModelConfig,
     OffloadingParallelConfig,
 )
+
+# The guide's kv_connector_extra_config (docs/user_guide.md) and its spec.
+OUR_SPEC = {
+    "spec_name": "NPUOffloadingSpec",
+    "spec_module_path": "vllm_ascend.kv_offload.npu",
+}
+GUIDE_EXTRA = {"num_cpu_blocks": 1000, "block_size": 128, **OUR_SPEC}
+BLOCK = 65536  # bytes of one CPU block in make_config's default
 
 
 def make_config(
@@ -120,6 +131,25 @@ def make_worker(
     device = kv_caches.tensors[0].tensor.device.type if pages else "cpu"
     pool = private_pool(pages, blocks_per_chunk, num_cpu_blocks, device)
     return (worker_cls or NPUOffloadingWorker)(kv_caches, pool, **kwargs)
+
+
+def worker_report(completed_jobs: dict, failed=()):
+    """One worker's metadata of a step (``AscendOffloadingWorkerMetadata``):
+    the jobs it finished, ``failed`` among them."""
+    from vllm_ascend.kv_offload.failures import AscendOffloadingWorkerMetadata
+
+    meta = AscendOffloadingWorkerMetadata(failed_jobs=set(failed))
+    meta.completed_jobs.update(completed_jobs)
+    return meta
+
+
+@contextlib.contextmanager
+def running(worker) -> Iterator:
+    """``worker``, shut down however the block ends."""
+    try:
+        yield worker
+    finally:
+        worker.shutdown()
 
 
 def store_then_load(worker, kv: CanonicalKVCaches, spec, cpu_blocks: list[int]):

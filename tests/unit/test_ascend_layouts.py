@@ -12,7 +12,7 @@ import torch
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
-from tests.unit.kv_helpers import make_worker, parts_of
+from tests.unit.kv_helpers import make_worker, parts_of, running
 from vllm_ascend.kv_offload.kv_layout import KVLayoutError, block_view, canonicalize
 
 NUM_BLOCKS = 6
@@ -32,27 +32,23 @@ def aligned_randn(shape, dtype, gen) -> torch.Tensor:
     return data
 
 
-def kv_tuple_layers(n, heads=8, dim=128, dtype=torch.bfloat16, seed=0):
+def pair_layers(n, shapes, kind="attn", seed=0):
+    """``n`` layers of two bf16 parts each, of ``shapes`` per block."""
     gen = torch.Generator().manual_seed(seed)
-    shape = (NUM_BLOCKS, BLOCK, heads, dim)
     return {
-        f"layers.{i}.attn": (
-            aligned_randn(shape, dtype, gen),
-            aligned_randn(shape, dtype, gen),
+        f"layers.{i}.{kind}": tuple(
+            aligned_randn((NUM_BLOCKS, BLOCK, *s), torch.bfloat16, gen) for s in shapes
         )
         for i in range(n)
     }
 
 
-def mla_layers(n, nope=512, rope=64, seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    return {
-        f"layers.{i}.mla": (
-            aligned_randn((NUM_BLOCKS, BLOCK, 1, nope), torch.bfloat16, gen),
-            aligned_randn((NUM_BLOCKS, BLOCK, 1, rope), torch.bfloat16, gen),
-        )
-        for i in range(n)
-    }
+def kv_tuple_layers(n, heads=8, dim=128):
+    return pair_layers(n, [(heads, dim), (heads, dim)])
+
+
+def mla_layers(n, nope=512, rope=64):
+    return pair_layers(n, [(1, nope), (1, rope)], "mla", seed=1)
 
 
 def mamba_layer(seed=2):
@@ -80,8 +76,7 @@ def round_trip(kv_caches, groups, bpc, group_sizes, block_indices):
         cpu_blocks += list(range(next_cpu, next_cpu - n_cpu, -1))
         next_cpu -= n_cpu
     spec = GPULoadStoreSpec(dev_blocks, group_sizes, block_indices)
-    worker = make_worker(canonical, bpc, 8)
-    try:
+    with running(make_worker(canonical, bpc, 8)) as worker:
         worker.submit_store(1, spec, CPULoadStoreSpec(cpu_blocks))
         worker.wait({1})
         for layers, blocks in zip(groups, per_group, strict=True):
@@ -93,8 +88,6 @@ def round_trip(kv_caches, groups, bpc, group_sizes, block_indices):
         assert all(r.success for r in worker.get_finished())
         for part, expected in zip(all_parts(kv_caches), before, strict=True):
             assert torch.equal(part.view(torch.int8), expected.view(torch.int8))
-    finally:
-        worker.shutdown()
     return canonical
 
 
@@ -260,10 +253,7 @@ def test_groups_that_overlay_the_same_pages_copy_one_page_each_its_own_prefix():
     # Attention copies its whole page, Mamba the 2048 bytes holding its states.
     assert [
         [r.page_size_bytes for r in refs] for refs in canonical.group_data_refs
-    ] == [
-        [4096, 4096],
-        [2048, 2048],
-    ]
+    ] == [[4096, 4096], [2048, 2048]]
     # A block id belongs to one group at a time: here 5 to attention, 4 to Mamba.
     round_trip(kv, groups, bpc=1, group_sizes=[1, 1], block_indices=[0, 0])
 

@@ -23,12 +23,8 @@ def test_read_bandwidth_reads_and_verifies_every_file(tmp_path):
     result = read_bandwidth(str(tmp_path), block)
     assert result["files"] == 3 and result["total_bytes"] == 3 * (HEADER_BYTES + block)
     rows = result["rows"]
-    assert set(rows) == {
-        "plain_cold",
-        "plain_warm",
-        "fs_tier_read",
-        "fs_tier_read_buffered_warm",
-    }
+    want = {"plain_cold", "plain_warm", "fs_tier_read", "fs_tier_read_buffered_warm"}
+    assert set(rows) == want
     assert all(r["gbps"] > 0 for r in rows.values())
     assert rows["plain_cold"]["resident_before"] in (0.0, None)  # dropped
     assert rows["plain_warm"]["resident_before"] in (1.0, None)

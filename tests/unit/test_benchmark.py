@@ -1,24 +1,21 @@
 """The copy-engine benchmark runs on cpu, verifies its copies and reports rows."""
 
+import argparse
+import contextlib
 import json
+import time
 
+import numpy as np
 import pytest
 
 from benchmarks import copy_benchmark as benchmark
 from vllm_ascend.kv_offload import ops
 from vllm_ascend.kv_offload.copy_bandwidth import scatter_slots
 
-COPY_FIELDS = {
-    "device",
-    "direction",
-    "fragment_bytes",
-    "num_fragments",
-    "method",
-    "gbps",
-    "contiguous_gbps",
-    "ratio_to_contiguous",
-    "verified",
-}
+COPY_FIELDS = set(
+    "device direction fragment_bytes num_fragments method gbps contiguous_gbps "
+    "ratio_to_contiguous verified".split()
+)
 
 
 def run_json(capsys, *extra: str) -> list[dict]:
@@ -96,8 +93,6 @@ def test_ascend_layout_jobs_are_verified_with_their_fragment_sizes(capsys):
 
 
 def test_scatter_slots_leave_nothing_to_merge():
-    import numpy as np
-
     rng = np.random.default_rng(0)
     for n in (2, 3, 10, 1000):
         src, dst = scatter_slots(n, rng)
@@ -119,8 +114,6 @@ class _FakeAccelerator:
             self.t = 0.0
 
         def record(self, stream=None):
-            import time
-
             self.t = time.perf_counter()
 
         def synchronize(self):
@@ -135,8 +128,6 @@ class _FakeAccelerator:
 
     @staticmethod
     def stream(s):
-        import contextlib
-
         return contextlib.nullcontext()
 
     @staticmethod
@@ -145,19 +136,12 @@ class _FakeAccelerator:
 
 
 def test_stream_timing_and_concurrent_rows_with_a_fake_accelerator():
-    import argparse
-
     device = benchmark.Device("cpu")
     device.mod = _FakeAccelerator()  # takes the events-on-streams path
     args = argparse.Namespace(
-        fragment_bytes=[4096],
-        num_fragments=16,
-        total_bytes=None,
-        direction="both",
-        concurrent=True,
-        repeats=2,
-        seed=0,
-    )
+        fragment_bytes=[4096], num_fragments=16, total_bytes=None,
+        direction="both", concurrent=True, repeats=2, seed=0,
+    )  # fmt: skip
     rows, op_missing = benchmark.run_copies(args, device)
     assert op_missing is None
     by_dir = {}

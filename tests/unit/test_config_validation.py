@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.unit.kv_helpers import make_config
+from tests.unit.kv_helpers import BLOCK, OUR_SPEC, make_config
 from vllm_ascend.kv_offload.connector import AscendOffloadingConnector
 from vllm_ascend.kv_offload.npu import (
     NPUOffloadingSpec,
@@ -15,64 +15,44 @@ from vllm_ascend.kv_offload.npu import (
     validate_connector_config,
 )
 
-BLOCK = 65536  # bytes of one CPU block in make_config's default
-OUR_SPEC = {
-    "spec_name": "NPUOffloadingSpec",
-    "spec_module_path": "vllm_ascend.kv_offload.npu",
-}
-
-
 # (extra_config, fragments the one error must contain: the key, the bad value
 # and the fix). Checked by NPUOffloadingSpec, which sees the block size; host
 # memory is checked when the pool is allocated (test_host_memory_guard.py).
 SPEC_CASES = [
-    (
-        {"num_cpu_blocks": 0},
-        ["'num_cpu_blocks'", "=0", "must be > 0", "num_cpu_blocks=1000"],
-    ),
-    (
-        {"num_cpu_blocks": -3},
-        ["'num_cpu_blocks'", "=-3", "must be > 0", "num_cpu_blocks="],
-    ),
-    (
-        {"num_cpu_blocks": 2.5},
-        ["'num_cpu_blocks'", "=2.5", "must be a positive integer"],
-    ),
+    ({"num_cpu_blocks": 0},
+     ["'num_cpu_blocks'", "=0", "must be > 0", "num_cpu_blocks=1000"]),
+    ({"num_cpu_blocks": -3},
+     ["'num_cpu_blocks'", "=-3", "must be > 0", "num_cpu_blocks="]),
+    ({"num_cpu_blocks": 2.5},
+     ["'num_cpu_blocks'", "=2.5", "must be a positive integer"]),
     ({"num_cpu_blocks": "1000"}, ["'num_cpu_blocks'", "='1000'", "not a string"]),
     ({"num_cpu_blocks": "many"}, ["'num_cpu_blocks'", "must be a positive integer"]),
     ({"num_cpu_blocks": True}, ["'num_cpu_blocks'", "=True", "positive integer"]),
     ({"num_cpu_blocks": None}, ["num_cpu_blocks", "cpu_bytes_to_use", "set"]),
     ({}, ["needs the CPU pool size", "cpu_bytes_to_use", "set 'num_cpu_blocks'"]),
-    (
-        {"num_cpu_blocks": 10**12},
-        ["'num_cpu_blocks'", "=1000000000000", "lower num_cpu_blocks"],
-    ),
+    ({"num_cpu_blocks": 10**12},
+     ["'num_cpu_blocks'", "=1000000000000", "lower num_cpu_blocks"]),
     ({"cpu_bytes_to_use": 0}, ["'cpu_bytes_to_use'", "=0", "must be > 0"]),
     ({"cpu_bytes_to_use": -1}, ["'cpu_bytes_to_use'", "=-1", "> 0"]),
     ({"cpu_bytes_to_use": "4GB"}, ["'cpu_bytes_to_use'", "='4GB'", "integer"]),
     ({"cpu_bytes_to_use": 100}, ["'cpu_bytes_to_use'", "=100", f"at least {BLOCK}"]),
-    (
-        {"cpu_bytes_to_use": 2**31 * BLOCK},
-        ["'cpu_bytes_to_use'", f"={2**31 * BLOCK}", "not a plausible pool size"],
-    ),
-    (
-        {"num_cpu_blocks": 4, "cpu_bytes_to_use": 100 * BLOCK},
-        ["num_cpu_blocks=4", f"cpu_bytes_to_use={100 * BLOCK}", "set only one"],
-    ),
-    (
-        {"num_cpu_blocks": 8, "eviction_policy": 5},
-        ["'eviction_policy'", "=5", "use one of lru, arc"],
-    ),
+    ({"cpu_bytes_to_use": 2**31 * BLOCK},
+     ["'cpu_bytes_to_use'", f"={2**31 * BLOCK}", "not a plausible pool size"]),
+    ({"num_cpu_blocks": 4, "cpu_bytes_to_use": 100 * BLOCK},
+     ["num_cpu_blocks=4", f"cpu_bytes_to_use={100 * BLOCK}", "set only one"]),
+    ({"num_cpu_blocks": 8, "eviction_policy": 5},
+     ["'eviction_policy'", "=5", "use one of lru, arc"]),
     ({"num_cpu_blocks": 8, "blocks_per_chunk": 0}, ["'blocks_per_chunk'", "=0", "> 0"]),
-    (
-        {"num_cpu_blocks": 8, "store_threshold": -1},
-        ["'store_threshold'", "=-1", ">= 0", "store_threshold=2"],
-    ),
-    (
-        {"num_cpu_blocks": 8, "store_threshold": "2"},
-        ["'store_threshold'", "='2'", "non-negative integer"],
-    ),
-]
+    ({"num_cpu_blocks": 8, "store_threshold": -1},
+     ["'store_threshold'", "=-1", ">= 0", "store_threshold=2"]),
+    ({"num_cpu_blocks": 8, "store_threshold": "2"},
+     ["'store_threshold'", "='2'", "non-negative integer"]),
+    # Huge numbers are shown in scientific notation (in a short message).
+    ({"num_cpu_blocks": 1e300}, ["1e+300"]),
+    ({"num_cpu_blocks": 10**400}, ["1.00e+400"]),
+    ({"cpu_bytes_to_use": 1e300}, ["1e+300"]),
+    ({"cpu_bytes_to_use": -(10**30)}, ["-1.00e+30"]),
+]  # fmt: skip
 
 # (kv_role, extra_config, device block sizes, fragments). Checked by the
 # connector before vLLM derives the chunk size from block_size.
@@ -80,49 +60,30 @@ CONNECTOR_CASES = [
     ("kv_producer", {}, [16], ["kv_role='kv_producer'", "set kv_role='kv_both'"]),
     # A P/D node's MultiConnector has the node's role at the top level and
     # in the P/D entry; ours needs its own (docs/ascend_layouts.md).
-    (
-        "kv_producer",
-        {},
-        [16],
-        ["in a MultiConnector", "the OffloadingConnector entry of its 'connectors'"],
-    ),
+    ("kv_producer", {}, [16],
+     ["in a MultiConnector", "the OffloadingConnector entry of its 'connectors'"]),
     ("kv_consumer", {}, [16], ["kv_role='kv_consumer'", "set kv_role='kv_both'"]),
     (None, {}, [16], ["kv_role=None", "set kv_role='kv_both'"]),
-    (
-        "kv_both",
-        {"block_size": 100},
-        [128],
-        ["'block_size'", "=100", "(128 tokens)", "set block_size to 128"],
-    ),
-    (
-        "kv_both",
-        {"block_size": 200},
-        [16],
-        ["'block_size'", "=200", "(16 tokens)", "set block_size to 208 or 192"],
-    ),
+    ("kv_both", {"block_size": 100}, [128],
+     ["'block_size'", "=100", "(128 tokens)", "set block_size to 128"]),
+    ("kv_both", {"block_size": 200}, [16],
+     ["'block_size'", "=200", "(16 tokens)", "set block_size to 208 or 192"]),
     ("kv_both", {"block_size": 0}, [16], ["'block_size'", "=0", "> 0"]),
     # vLLM alone would take -128 as a multiple of 128 (and a chunk of -1).
     ("kv_both", {"block_size": -128}, [128], ["'block_size'", "=-128", "> 0"]),
     ("kv_both", {"block_size": "128"}, [128], ["'block_size'", "='128'", "integer"]),
-    (
-        "kv_both",
-        {"block_size": 128, "blocks_per_chunk": 2},
-        [16],
-        ["block_size=128", "blocks_per_chunk=2", "set only one"],
-    ),
+    ("kv_both", {"block_size": 128, "blocks_per_chunk": 2}, [16],
+     ["block_size=128", "blocks_per_chunk=2", "set only one"]),
     ("kv_both", {"blocks_per_chunk": 0}, [16], ["'blocks_per_chunk'", "=0", "> 0"]),
     ("kv_both", {"blocks_per_chunk": 1.5}, [16], ["'blocks_per_chunk'", "=1.5"]),
-    (
-        "kv_both",
-        {"block_size": 64},
-        [16, 32],
-        ["'block_size'", "=64", "[16, 32]", "set blocks_per_chunk"],
-    ),
-]
+    ("kv_both", {"block_size": 64}, [16, 32],
+     ["'block_size'", "=64", "[16, 32]", "set blocks_per_chunk"]),
+]  # fmt: skip
 
 
 def _assert_names(error: OffloadConfigError, fragments: list[str]) -> None:
     message = str(error)
+    assert len(message) < 400, message
     for fragment in fragments:
         assert fragment in message, f"{fragment!r} not in {message!r}"
 

@@ -10,6 +10,7 @@ a fresh interpreter: the registry is process state.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -17,12 +18,7 @@ from pathlib import Path
 
 import pytest
 
-GUIDE_EXTRA = {
-    "num_cpu_blocks": 1000,
-    "block_size": 128,
-    "spec_name": "NPUOffloadingSpec",
-    "spec_module_path": "vllm_ascend.kv_offload.npu",
-}
+from tests.unit.kv_helpers import GUIDE_EXTRA
 
 # What upstream vllm-ascend 0.30's vllm_ascend/distributed/kv_transfer does
 # to OffloadingConnector, reduced to that.
@@ -82,8 +78,6 @@ print(json.dumps({
 
 
 def _run(order: str, tmp_path: Path, with_upstream: bool) -> dict:
-    import json
-
     path = [str(Path(__file__).resolve().parents[2])]
     if with_upstream:
         pkg = tmp_path / "vllm_ascend" / "distributed" / "kv_transfer"

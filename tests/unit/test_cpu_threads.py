@@ -78,16 +78,9 @@ def test_vllm_binds_one_core_and_keeps_one_for_the_scheduler_with_a_connector():
     cpus = sorted(os.sched_getaffinity(0))[:2]
     if len(cpus) < 2:
         pytest.skip("needs two CPUs")
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k
-        not in (
-            "VLLM_CPU_NUM_OF_RESERVED_CPU",
-            "VLLM_CPU_OMP_THREADS_BIND",
-            "VLLM_CPU_SIM_MULTI_NUMA",
-        )
-    }
+    names = ("NUM_OF_RESERVED_CPU", "OMP_THREADS_BIND", "SIM_MULTI_NUMA")
+    explicit = {f"VLLM_CPU_{name}" for name in names}
+    env = {k: v for k, v in os.environ.items() if k not in explicit}
     env["VLLM_TARGET_DEVICE"] = "cpu"
     out = subprocess.run(
         [sys.executable, "-c", _BINDING_WITH_A_CONNECTOR, json.dumps(cpus)],
@@ -127,21 +120,18 @@ def test_copy_threads_go_to_the_cores_outside_the_openmp_binding(
 
 
 @pytest.mark.parametrize(
-    "environ",
+    "environ, cores",
     [
-        {"GOMP_CPU_AFFINITY": "0 1 2"},  # vLLM's formats, per OpenMP runtime
-        {"OMP_PLACES": "{0,1,2}", "OMP_PROC_BIND": "true"},
-        {"KMP_AFFINITY": "granularity=fine,explicit,proclist=[0,1,2]"},
-        {"GOMP_CPU_AFFINITY": "0-2"},
+        ({"GOMP_CPU_AFFINITY": "0 1 2"}, {0, 1, 2}),  # vLLM's formats, per runtime
+        ({"OMP_PLACES": "{0,1,2}", "OMP_PROC_BIND": "true"}, {0, 1, 2}),
+        ({"KMP_AFFINITY": "granularity=fine,explicit,proclist=[0,1,2]"}, {0, 1, 2}),
+        ({"GOMP_CPU_AFFINITY": "0-2"}, {0, 1, 2}),
+        ({}, None),  # no binding in vLLM's format means none
+        ({"OMP_PLACES": "cores"}, None),
     ],
 )
-def test_the_openmp_binding_is_read_from_the_variables_vllm_sets(environ):
-    assert cpu_threads.omp_cores_from_env(environ) == {0, 1, 2}
-
-
-@pytest.mark.parametrize("environ", [{}, {"OMP_PLACES": "cores"}])
-def test_no_binding_in_vllms_format_means_none(environ):
-    assert cpu_threads.omp_cores_from_env(environ) is None
+def test_the_openmp_binding_is_read_from_the_variables_vllm_sets(environ, cores):
+    assert cpu_threads.omp_cores_from_env(environ) == cores
 
 
 @pytest.mark.skipif(

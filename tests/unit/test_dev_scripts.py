@@ -24,19 +24,12 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPTS = (
-    ".ci/run",
-    "scripts/run_tests.sh",
-    "scripts/setup_env.sh",
-)
+SCRIPTS = (".ci/run", "scripts/run_tests.sh", "scripts/setup_env.sh")
 # What setup_env.sh hashes to decide whether to install and build.
 BUILD_INPUTS = (
-    "requirements/dev.txt",
-    "csrc/op.cpp",
-    "CMakeLists.txt",
-    "setup.py",
+    "requirements/dev.txt", "csrc/op.cpp", "CMakeLists.txt", "setup.py",
     "pyproject.toml",
-)
+)  # fmt: skip
 STUB_PYTHON = """#!/bin/sh
 "{python}" -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "$@" >>"{log}"
 case "$1 $2" in "-m pip" | "-m pytest") exit 0 ;; esac
@@ -119,19 +112,10 @@ def editable_installs(calls: list[list[str]]) -> list[list[str]]:
 
 
 def test_ci_run_hands_its_arguments_to_pytest(clone):
-    clone.run(
-        ".ci/run",
-        "-p",
-        "no:cacheprovider",
-        "-m",
-        "not e2e and not packaging",
-        package_on=clone.root,
-    )
+    args = ["-p", "no:cacheprovider", "-m", "not e2e and not packaging"]
+    clone.run(".ci/run", *args, package_on=clone.root)
     pytest_calls = [c for c in clone.calls() if c[:2] == ["-m", "pytest"]]
-    assert pytest_calls == [
-        ["-m", "pytest", "-ra", "-p", "no:cacheprovider"]
-        + ["-m", "not e2e and not packaging"]
-    ]
+    assert pytest_calls == [["-m", "pytest", "-ra", *args]]
 
 
 def test_setup_keeps_the_editable_install_of_this_checkout(clone):

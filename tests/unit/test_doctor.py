@@ -15,12 +15,19 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from tests.unit.model_configs import DEEPSEEK_V2_LITE, LLAMA3_8B, QWEN3_0_6B
+from tests.unit.model_configs import (
+    DEEPSEEK_V2_LITE,
+    LLAMA3_8B,
+    QWEN3_0_6B,
+    write_model,
+)
 from vllm_ascend.kv_offload import doctor, ops, self_check
+from vllm_ascend.kv_offload.copy_paths import candidate_paths
 
 ROOT = Path(__file__).resolve().parents[2]
 # Small test sizes: the checks, not the figures, are under test here.
 FAST = ["--alloc-mib", "8", "--bandwidth-mib", "2", "--rounds", "1"]
+NO_COPY_CHECKS = ["--alloc-mib", "0", "--bandwidth-mib", "0"]
 
 
 def run_doctor(*args: str) -> tuple[int, str]:
@@ -31,20 +38,8 @@ def run_doctor(*args: str) -> tuple[int, str]:
     return rc, out.getvalue()
 
 
-def model_dir(tmp_path_factory, name, config):
-    d = tmp_path_factory.mktemp(name)
-    (d / "config.json").write_text(json.dumps(config))
-    return str(d)
-
-
-def expected_copy_path() -> str:
-    """The best path this build offers on cpu: the first candidate of the
-    worker's self-check where it exists, else the op as loaded."""
-    try:
-        from vllm_ascend.kv_offload.copy_paths import candidate_paths
-    except ImportError:
-        return "native:cpu" if "cpu" in ops.native_backends() else "python-fallback"
-    return candidate_paths("cpu")[0].name
+def model_dir(tmp_path_factory, name, config) -> str:
+    return str(write_model(tmp_path_factory.mktemp(name), config))
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +61,8 @@ def test_json_names_platform_copy_path_and_self_check(qwen3_json):
     _, report = qwen3_json
     assert report["platform"] == "cpu"
     assert report["vllm_platform"] == "cpu"
-    assert report["copy_path"] == expected_copy_path()
+    # The best path this build offers on cpu: the self-check's first.
+    assert report["copy_path"] == candidate_paths("cpu")[0].name
     # "passed", or says plainly that the self-check is not in this build.
     assert report["self_check"] == "passed" or report["self_check"].startswith(
         "missing:"
@@ -103,10 +99,8 @@ def test_json_reports_versions_allocation_and_verified_bandwidth(qwen3_json):
 
 
 def test_mla_model(tmp_path_factory):
-    rc, out = run_doctor(
-        "--model", model_dir(tmp_path_factory, "dsv2", DEEPSEEK_V2_LITE), "--json",
-        "--alloc-mib", "0", "--bandwidth-mib", "0",
-    )  # fmt: skip
+    model = model_dir(tmp_path_factory, "dsv2", DEEPSEEK_V2_LITE)
+    rc, out = run_doctor("--model", model, "--json", *NO_COPY_CHECKS)
     report = json.loads(out)
     assert rc == 0
     # 27 layers * (512 + 64) * 2 bytes * 128 tokens.
@@ -130,10 +124,8 @@ def test_text_output_has_one_line_per_check(tmp_path_factory):
 
 def test_unsizable_model_exits_nonzero_naming_the_key(tmp_path_factory):
     broken = {k: v for k, v in QWEN3_0_6B.items() if k != "num_hidden_layers"}
-    rc, out = run_doctor(
-        "--model", model_dir(tmp_path_factory, "broken", broken), "--json",
-        "--alloc-mib", "0", "--bandwidth-mib", "0",
-    )  # fmt: skip
+    model = model_dir(tmp_path_factory, "broken", broken)
+    rc, out = run_doctor("--model", model, "--json", *NO_COPY_CHECKS)
     report = json.loads(out)
     assert rc == 1
     assert report["ok"] is False
@@ -184,8 +176,8 @@ def test_platform_plugin_failing_to_import_is_reported_not_raised(tmp_path):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
     proc = subprocess.run(
-        [sys.executable, "-m", "vllm_ascend.kv_offload.doctor"]
-        + ["--json", "--alloc-mib", "0", "--bandwidth-mib", "0"],
+        [sys.executable, "-m", "vllm_ascend.kv_offload.doctor", "--json"]
+        + NO_COPY_CHECKS,
         capture_output=True,
         text=True,
         timeout=600,
@@ -223,21 +215,24 @@ def fake_self_check(monkeypatch, passes: bool) -> None:
     )
 
 
-def test_self_check_moving_down_to_a_byte_exact_path_sets_the_copy_path(monkeypatch):
-    fake_self_check(monkeypatch, passes=True)
-    rc, out = run_doctor("--json", "--alloc-mib", "0", "--bandwidth-mib", "0")
+@pytest.mark.parametrize(
+    "passes, rc, self_check_line, copy_path",
+    [
+        # Moving down to a byte-exact path sets the copy path.
+        (True, 0, "passed", "torch"),
+        # No byte-exact path: exits nonzero.
+        (False, 1, "failed: native: byte 7 of block 0 differs", None),
+    ],
+)
+def test_the_self_checks_outcome_sets_the_copy_path_and_exit_status(
+    monkeypatch, passes, rc, self_check_line, copy_path
+):
+    fake_self_check(monkeypatch, passes=passes)
+    got_rc, out = run_doctor("--json", *NO_COPY_CHECKS)
     report = json.loads(out)
-    assert rc == 0
-    assert report["self_check"] == "passed"
-    assert report["copy_path"] == "torch"
-    check = next(c for c in report["checks"] if c["name"] == "self-check")
-    assert "native: byte 7 of block 0 differs" in check["lines"]
-
-
-def test_self_check_with_no_byte_exact_path_exits_nonzero(monkeypatch):
-    fake_self_check(monkeypatch, passes=False)
-    rc, out = run_doctor("--json", "--alloc-mib", "0", "--bandwidth-mib", "0")
-    report = json.loads(out)
-    assert rc == 1
-    assert report["self_check"] == "failed: native: byte 7 of block 0 differs"
-    assert report["copy_path"] is None
+    assert got_rc == rc
+    assert report["self_check"] == self_check_line
+    assert report["copy_path"] == copy_path
+    if passes:
+        check = next(c for c in report["checks"] if c["name"] == "self-check")
+        assert "native: byte 7 of block 0 differs" in check["lines"]

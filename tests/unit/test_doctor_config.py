@@ -47,41 +47,25 @@ def without(config: dict, *keys: str) -> dict:
         ({**QWEN3_0_6B, "head_dim": 0}, "head_dim=0 must be a positive integer"),
         ({**QWEN3_0_6B, "head_dim": True}, "head_dim=True must be a positive integer"),
         ({**QWEN3_0_6B, "head_dim": 2**19}, "head_dim=524288 is above 4096"),
-        (
-            {**QWEN3_0_6B, "num_hidden_layers": 10**6},
-            "num_hidden_layers=1000000 is above 1024",
-        ),
-        (
-            {**QWEN3_0_6B, "num_attention_heads": "16"},
-            "num_attention_heads='16' must be a positive integer",
-        ),
-        (
-            {**QWEN3_0_6B, "num_key_value_heads": -8},
-            "num_key_value_heads=-8 must be a positive integer",
-        ),
-        (
-            {**without(QWEN3_0_6B, "head_dim"), "hidden_size": 8},
-            "hidden_size=8 // num_attention_heads=16 gives a head size of 0",
-        ),
-        (
-            {**without(QWEN3_0_6B, "head_dim"), "hidden_size": 65536,
-             "num_attention_heads": 8, "num_key_value_heads": 8},
-            "hidden_size=65536 // num_attention_heads=8 gives a head size of "
-            "8192, not in 1..4096",
-        ),
+        ({**QWEN3_0_6B, "num_hidden_layers": 10**6},
+         "num_hidden_layers=1000000 is above 1024"),
+        ({**QWEN3_0_6B, "num_attention_heads": "16"},
+         "num_attention_heads='16' must be a positive integer"),
+        ({**QWEN3_0_6B, "num_key_value_heads": -8},
+         "num_key_value_heads=-8 must be a positive integer"),
+        ({**without(QWEN3_0_6B, "head_dim"), "hidden_size": 8},
+         "hidden_size=8 // num_attention_heads=16 gives a head size of 0"),
+        ({**without(QWEN3_0_6B, "head_dim"), "hidden_size": 65536,
+          "num_attention_heads": 8, "num_key_value_heads": 8},
+         "hidden_size=65536 // num_attention_heads=8 gives a head size of "
+         "8192, not in 1..4096"),
         ({**QWEN3_0_6B, "hidden_size": 10**9}, "hidden_size=1000000000 is above"),
-        (
-            {**DEEPSEEK_V2_LITE, "kv_lora_rank": "512"},
-            "kv_lora_rank='512' must be a positive integer",
-        ),
-        (
-            {**DEEPSEEK_V2_LITE, "qk_rope_head_dim": 0},
-            "qk_rope_head_dim=0 must be a positive integer",
-        ),
-        (
-            {"model_type": "llava", "text_config": {**QWEN3_0_6B, "head_dim": 64.0}},
-            "head_dim=64.0 must be a positive integer",
-        ),
+        ({**DEEPSEEK_V2_LITE, "kv_lora_rank": "512"},
+         "kv_lora_rank='512' must be a positive integer"),
+        ({**DEEPSEEK_V2_LITE, "qk_rope_head_dim": 0},
+         "qk_rope_head_dim=0 must be a positive integer"),
+        ({"model_type": "llava", "text_config": {**QWEN3_0_6B, "head_dim": 64.0}},
+         "head_dim=64.0 must be a positive integer"),
     ],
     ids=[
         "head_dim-string", "head_dim-float", "head_dim-negative", "head_dim-zero",
@@ -107,19 +91,15 @@ def test_an_invalid_size_exits_1_with_one_line_naming_key_and_value(
     [
         ({**QWEN3_0_6B, "index_topk": 2048}, "config.json has index_topk"),
         ({**QWEN3_0_6B, "is_encoder_decoder": True}, "encoder-decoder"),
-        (
-            # A hybrid model whose every layer is linear attention.
-            {**QWEN3_NEXT_80B, "layer_types": ["linear_attention"] * 48},
-            "no attention layers",
-        ),
-        (
-            {**QWEN3_0_6B, "model_type": "no_such_model"}
-            | {"architectures": ["NoSuchForCausalLM"]},
-            "vLLM's ModelConfig cannot load",  # vLLM's reason follows
-        ),
+        # A hybrid model whose every layer is linear attention.
+        ({**QWEN3_NEXT_80B, "layer_types": ["linear_attention"] * 48},
+         "no attention layers"),
+        ({**QWEN3_0_6B, "model_type": "no_such_model",
+          "architectures": ["NoSuchForCausalLM"]},
+         "vLLM's ModelConfig cannot load"),  # vLLM's reason follows
     ],
     ids=["sparse-indexer", "encoder-decoder", "no-attention", "vllm-cannot-load"],
-)
+)  # fmt: skip
 def test_a_model_it_cannot_size_is_a_warning_not_broken(tmp_path, capsys, config, why):
     rc, lines = run_doctor(tmp_path, capsys, config, *NO_COPY_CHECKS)
     assert rc == 0

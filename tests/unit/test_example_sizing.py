@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.unit.model_configs import QWEN3_0_6B, write_model
 from vllm_ascend.kv_offload import host_guard
 
 REPO = Path(__file__).resolve().parents[2]
@@ -24,26 +24,14 @@ _spec.loader.exec_module(sizing)
 
 GiB = 2**30
 MiB = 2**20
-# Qwen3-0.6B's KV shape: 28 layers x 8 KV heads x head_dim 128, bf16.
-QWEN3_06B = {
-    "architectures": ["Qwen3ForCausalLM"],
-    "model_type": "qwen3",  # as the checkpoint's; vLLM's ModelConfig needs it
-    "hidden_size": 1024,
-    "num_attention_heads": 16,
-    "num_hidden_layers": 28,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "max_position_embeddings": 40960,
-    "torch_dtype": "bfloat16",
-}
 QWEN3_06B_BLOCK_BYTES = 14_680_064  # docs/user_guide.md, "Sizing the CPU pool"
 
 
 @pytest.fixture
 def model(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(QWEN3_06B))
-    (tmp_path / "model.safetensors").write_bytes(b"\0" * MiB)
-    return str(tmp_path)
+    model = write_model(tmp_path, QWEN3_0_6B)
+    (model / "model.safetensors").write_bytes(b"\0" * MiB)
+    return str(model)
 
 
 @pytest.fixture
@@ -77,6 +65,11 @@ def test_auto_sizes_the_pool_that_fits_and_keeps_the_rest_of_the_guide(model, ho
     p = sizing.plan(model, num_cpu_blocks="auto")
     blocks = p.extra_config["num_cpu_blocks"]
     assert 0 < blocks < 1000
+    # The examples' auto and the package's (host_guard, as the doctor's
+    # host_fit) agree: one computation, not two.
+    assert blocks == host_guard.auto_num_cpu_blocks(
+        QWEN3_06B_BLOCK_BYTES, p.engine_bytes, 18 * GiB
+    )
     assert p.pool_bytes <= 0.9 * (18 * GiB - p.engine_bytes) * sizing.AUTO_POOL_SHARE
     assert {k: v for k, v in p.extra_config.items() if k != "num_cpu_blocks"} == {
         k: v for k, v in sizing.GUIDE_EXTRA_CONFIG.items() if k != "num_cpu_blocks"
@@ -91,12 +84,8 @@ def test_kv_cache_on_the_cpu_backend_is_sized_for_the_model(model, host):
     assert p.max_model_len == 8192
     assert p.kv_cache_bytes == 2 * 8192 * QWEN3_06B_BLOCK_BYTES // 128
     assert p.extra_config == sizing.GUIDE_EXTRA_CONFIG
-
-
-def test_kv_cache_on_a_device_is_left_to_the_platform(model, host):
-    host(64 * GiB)
-    p = sizing.plan(model, kv_cache_in_host=False)
-    assert p.kv_cache_bytes is None
+    # On a device, the KV cache is left to the platform.
+    assert sizing.plan(model, kv_cache_in_host=False).kv_cache_bytes is None
 
 
 def test_cpu_bytes_replaces_num_cpu_blocks(model, host):
@@ -138,15 +127,3 @@ def test_sizes_accept_binary_units(text, nbytes):
 def test_a_size_flag_refuses_what_is_not_a_size(text):
     with pytest.raises(argparse.ArgumentTypeError, match="size"):
         host_guard.size_flag(text)
-
-
-def test_auto_is_the_packages_computation(model, host):
-    """The examples' auto and the package's (host_guard, as the doctor's
-    host_fit) agree: one computation, not two."""
-    package = host_guard
-
-    host(18 * GiB)
-    p = sizing.plan(model, num_cpu_blocks="auto")
-    assert p.extra_config["num_cpu_blocks"] == package.auto_num_cpu_blocks(
-        QWEN3_06B_BLOCK_BYTES, p.engine_bytes, 18 * GiB
-    )

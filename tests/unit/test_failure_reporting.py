@@ -22,9 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
-    TransferJob,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import TransferJob
 from vllm.v1.kv_offload.base import (
     GPULoadStoreSpec,
     LookupResult,
@@ -36,7 +34,13 @@ from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
 from tests.fault_injection import FaultInjectingWorker, FaultInjector
 from tests.unit.conftest import CONNECTOR_BLOCK_SIZE, make_connector
-from tests.unit.kv_helpers import cpu_queues, make_kv_caches, make_worker
+from tests.unit.kv_helpers import (
+    cpu_queues,
+    make_kv_caches,
+    make_worker,
+    running,
+    worker_report,
+)
 from vllm_ascend.kv_offload.connector import AscendOffloadingConnectorMetadata
 from vllm_ascend.kv_offload.failures import (
     AscendOffloadingWorkerMetadata,
@@ -113,10 +117,12 @@ def side_factory():
         side.close()
 
 
+@pytest.mark.parametrize("faults", ["load:1", "load_submit:1"])
 def test_a_failed_load_reports_its_device_blocks_in_the_step_it_finishes(
-    side_factory,
+    side_factory, faults
 ):
-    side = side_factory(faults="load:1")
+    """Failed while copying or refused at submission: reported the same way."""
+    side = side_factory(faults=faults)
     results, errors, meta = side.step(metadata(load_jobs={1: load("a", 4, 5)}))
     # The request stops waiting (vLLM saw the job finish) ...
     assert results.finished_recving == {"a"}
@@ -138,16 +144,7 @@ def test_a_good_load_reports_nothing_but_its_bytes(side_factory):
     assert meta.transfer_stats.load.bytes == 2 * (2 * CONNECTOR_BLOCK_SIZE * 2 * 32 * 4)
 
 
-def test_a_load_refused_at_submission_is_reported_the_same_way(side_factory):
-    side = side_factory(faults="load_submit:1")
-    results, errors, meta = side.step(metadata(load_jobs={3: load("c", 9)}))
-    assert results.finished_recving == {"c"} and errors == {9}
-    assert meta.failed_jobs == {3}
-
-
-def test_with_several_kv_cache_groups_a_failed_load_fails_its_request(
-    side_factory,
-):
+def test_with_several_kv_cache_groups_a_failed_load_fails_its_request(side_factory):
     side = side_factory(faults="load:1", num_groups=2)
     results, errors, meta = side.step(metadata(load_jobs={1: load("a", 4)}))
     assert errors == set()  # vLLM cannot map block ids to requests here
@@ -187,14 +184,9 @@ def test_loads_that_do_not_fail_cost_no_work_per_block():
 
 
 def test_without_diversion_the_worker_reports_failures_to_vllm_truthfully():
-    worker = make_worker(
-        make_kv_caches(NUM_DEVICE_BLOCKS, PAGES),
-        1,
-        NUM_CPU_BLOCKS,
-        FaultInjectingWorker,
-    )
-    worker.faults = FaultInjector.parse("load:1,store_submit:1")
-    try:
+    kv = make_kv_caches(NUM_DEVICE_BLOCKS, PAGES)
+    with running(make_worker(kv, 1, NUM_CPU_BLOCKS, FaultInjectingWorker)) as worker:
+        worker.faults = FaultInjector.parse("load:1,store_submit:1")
         # A connector that does not collect failures gets vLLM's contract.
         assert not worker.submit_store(1, gpu(1), CPULoadStoreSpec([1]))
         assert worker.submit_load(2, CPULoadStoreSpec([1]), gpu(3))
@@ -202,8 +194,6 @@ def test_without_diversion_the_worker_reports_failures_to_vllm_truthfully():
         [result] = worker.get_finished()
         assert (result.job_id, result.success) == (2, False)
         assert worker.take_failed_jobs() == []
-    finally:
-        worker.shutdown()
 
 
 def test_worker_metadata_merges_failures_across_workers():
@@ -241,8 +231,7 @@ def test_an_expedited_load_does_not_wait_behind_regular_loads():
 
 def test_an_expedited_load_copies_the_same_bytes():
     kv = make_kv_caches(NUM_DEVICE_BLOCKS, PAGES, seed=3)
-    worker = make_worker(kv, 1, NUM_CPU_BLOCKS)
-    try:
+    with running(make_worker(kv, 1, NUM_CPU_BLOCKS)) as worker:
         want = [t.tensor[7].clone() for t in kv.tensors]
         assert worker.submit_store(1, gpu(7), CPULoadStoreSpec([5]))
         worker.wait({1})
@@ -251,8 +240,6 @@ def test_an_expedited_load_copies_the_same_bytes():
         assert {r.job_id for r in worker.get_finished()} == {1, 2}
         for t, w in zip(kv.tensors, want, strict=True):
             assert torch.equal(t.tensor[8], w)
-    finally:
-        worker.shutdown()
 
 
 # -- scheduler side -------------------------------------------------------------
@@ -270,13 +257,6 @@ def keys(*names: str) -> list[bytes]:
     return [n.encode() for n in names]
 
 
-def worker_report(completed_jobs: dict, failed=()) -> AscendOffloadingWorkerMetadata:
-    """One worker's metadata: the jobs it finished, ``failed`` among them."""
-    meta = AscendOffloadingWorkerMetadata(failed_jobs=set(failed))
-    meta.completed_jobs.update(completed_jobs)
-    return meta
-
-
 def test_a_failed_store_frees_its_cpu_blocks_instead_of_recording_them():
     m = manager()
     out = m.prepare_store(keys("k1", "k2"), ctx("a"))
@@ -286,13 +266,6 @@ def test_a_failed_store_frees_its_cpu_blocks_instead_of_recording_them():
     assert m.lookup(b"k1", ctx("b")) == LookupResult.MISS
     # The space is free again: four new blocks fit.
     assert m.prepare_store(keys("n1", "n2", "n3", "n4"), ctx("b")) is not None
-
-
-def test_a_good_store_is_recorded_as_vllm_would():
-    m = manager()
-    out = m.prepare_store(keys("k1"), ctx("a"))
-    m.complete_store(list(out.keys_to_store), ctx("a"))
-    assert m.lookup(b"k1", ctx("b")) == LookupResult.HIT
 
 
 class CountedKey:
@@ -335,6 +308,7 @@ def test_a_request_whose_load_failed_gets_no_more_hits_until_it_finishes():
     m = manager()
     out = m.prepare_store(keys("k1"), ctx("a"))
     m.complete_store(list(out.keys_to_store), ctx("a"))
+    assert m.lookup(b"k1", ctx("b")) == LookupResult.HIT  # a good store: kept
     m.load_failed("b")
     assert m.lookup(b"k1", ctx("b")) == LookupResult.MISS
     assert m.lookup(b"k1", ctx("c")) == LookupResult.HIT  # others unaffected

@@ -32,20 +32,16 @@ def _modules() -> dict[str, Path]:
     return modules
 
 
-def _runtime_imports(tree: ast.AST):
-    """Import nodes that run (those under ``if TYPE_CHECKING:`` do not)."""
-    for node in ast.iter_child_nodes(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            yield from (n for s in node.orelse for n in _runtime_imports_of(s))
-            continue
-        yield from _runtime_imports_of(node)
-
-
-def _runtime_imports_of(node: ast.AST):
-    if isinstance(node, ast.Import | ast.ImportFrom):
-        yield node
-    else:
-        yield from _runtime_imports(node)
+def _runtime_imports(nodes):
+    """Import nodes among ``nodes`` and below them that run (those under
+    ``if TYPE_CHECKING:`` do not)."""
+    for node in nodes:
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            yield node
+        elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            yield from _runtime_imports(node.orelse)
+        else:
+            yield from _runtime_imports(ast.iter_child_nodes(node))
 
 
 def _imported(node: ast.Import | ast.ImportFrom, package_of: str) -> list[str]:
@@ -74,7 +70,7 @@ def import_graph() -> dict[str, set[str]]:
     for name, path in modules.items():
         package_of = name if path.name == "__init__.py" else name.rpartition(".")[0]
         deps = set()
-        for node in _runtime_imports(ast.parse(path.read_text())):
+        for node in _runtime_imports([ast.parse(path.read_text())]):
             deps |= {owner(n) for n in _imported(node, package_of)}
         graph[name] = deps - {None, name}
     return graph

@@ -22,7 +22,7 @@ from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
 from tests.fault_injection import FaultInjectingWorker
 from tests.unit.conftest import make_connector
-from tests.unit.kv_helpers import make_kv_caches, make_worker
+from tests.unit.kv_helpers import OUR_SPEC, make_kv_caches, make_worker
 from vllm_ascend.kv_offload import pool_metrics
 from vllm_ascend.kv_offload.connector import AscendOffloadingConnectorMetadata
 from vllm_ascend.kv_offload.failures import AscendOffloadingWorkerMetadata
@@ -89,23 +89,11 @@ def bounded_manager(ratio: float = 1.0) -> FailureAwareManager:
 
 def stats(store_bytes_per_s: float = 0, load_bytes_per_s: float = 0):
     """vLLM's transfer stats of one second of copies at these bandwidths."""
-    return TransferStats(
-        load=DirectionalTransferStats(
-            int(load_bytes_per_s), 1.0 if load_bytes_per_s else 0.0
-        ),
-        store=DirectionalTransferStats(
-            int(store_bytes_per_s), 1.0 if store_bytes_per_s else 0.0
-        ),
-    )
 
+    def second(rate: float) -> DirectionalTransferStats:
+        return DirectionalTransferStats(int(rate), 1.0 if rate else 0.0)
 
-def report(
-    m: FailureAwareManager, transfer_stats: TransferStats, figures: WorkerFigures
-):
-    """One step's aggregated worker metadata reaching the scheduler."""
-    m.wait_bound.observe(
-        AscendOffloadingWorkerMetadata(transfer_stats=transfer_stats, figures=figures)
-    )
+    return TransferStats(load=second(load_bytes_per_s), store=second(store_bytes_per_s))
 
 
 def keys(n: int) -> list[bytes]:
@@ -180,7 +168,11 @@ def test_the_manager_answers_a_lookup_by_the_wait_it_estimates(
     for names, complete in ((keys(4)[:ready], True), (keys(4)[ready:], False)):
         if names:
             store(m, names, complete)
-    report(m, transfer_stats, figures)
+    # One step's aggregated worker metadata reaches the scheduler.
+    meta = AscendOffloadingWorkerMetadata(
+        transfer_stats=transfer_stats, figures=figures
+    )
+    m.wait_bound.observe(meta)
 
     assert look_up(m) == looked_up
     assert recomputed(m) == hits_recomputed
@@ -192,11 +184,7 @@ def test_the_manager_answers_a_lookup_by_the_wait_it_estimates(
 
 @pytest.mark.parametrize("ratio, bounded", [(None, True), (2.5, True), (0, False)])
 def test_the_setting_bounds_the_managers_wait_and_0_turns_it_off(ratio, bounded):
-    extra = {
-        "num_cpu_blocks": 8,
-        "spec_name": "NPUOffloadingSpec",
-        "spec_module_path": "vllm_ascend.kv_offload.npu",
-    }
+    extra = {"num_cpu_blocks": 8, **OUR_SPEC}
     if ratio is not None:
         extra["max_load_wait_ratio"] = ratio
     c = make_connector("scheduler", extra)

@@ -73,9 +73,7 @@ def test_what_changes_the_kv_changes_the_identity(model_dir, change):
     assert identity(model_dir, **change) != identity(model_dir)
 
 
-def test_dummy_weights_are_unidentified_and_never_shared_across_processes(
-    model_dir,
-):
+def test_dummy_weights_are_unidentified_and_never_shared_across_processes(model_dir):
     weights = identity(model_dir, load_format="dummy")["weights"]
     assert "dummy" in weights["unidentified"]
     assert weights["nonce"] == model_identity_module.PROCESS_NONCE
@@ -112,9 +110,7 @@ def _sparse_checkpoint(path, size: int, header: dict) -> int:
     return 8 + len(text)
 
 
-def test_a_large_checkpoint_is_fingerprinted_from_its_header_and_samples(
-    tmp_path,
-):
+def test_a_large_checkpoint_is_fingerprinted_from_its_header_and_samples(tmp_path):
     shard = tmp_path / "model-00001-of-00001.safetensors"
     header = {"w": {"dtype": "BF16", "shape": [1 << 18, 1 << 17], "data_offsets": []}}
     data_start = _sparse_checkpoint(shard, 64 << 30, header)  # 64 GiB

@@ -31,10 +31,9 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
 from tests.unit.conftest import make_connector, new_engine_id
-from tests.unit.kv_helpers import make_config
+from tests.unit.kv_helpers import make_config, worker_report
 from vllm_ascend.kv_offload import pool_metrics
 from vllm_ascend.kv_offload.failures import (
-    AscendOffloadingWorkerMetadata,
     FailureRouter,
 )
 from vllm_ascend.kv_offload.manager import FailureAwareManager
@@ -99,16 +98,21 @@ POOL_SERIES = (
 )
 
 
-@pytest.fixture(params=[NPUOffloadingSpec, NPUTieringOffloadingSpec])
-def spec_manager(request):
-    """The scheduler-side manager of each of our specs: 4 CPU blocks of
-    64 KiB, KV events on (the tiering one on its own shared region)."""
+def four_block_manager(spec_cls, events: bool = False):
+    """The scheduler-side manager of ``spec_cls``: 4 CPU blocks of 64 KiB
+    (the tiering one on its own shared region)."""
     config = dataclasses.replace(
         make_config({"num_cpu_blocks": 4, "block_size": 128}),
-        enable_kv_cache_events=True,
+        enable_kv_cache_events=events,
         engine_id=new_engine_id(),
     )
-    manager = request.param(config).get_manager()
+    return spec_cls(config).get_manager()
+
+
+@pytest.fixture(params=[NPUOffloadingSpec, NPUTieringOffloadingSpec])
+def spec_manager(request):
+    """Each of our specs' manager, KV events on."""
+    manager = four_block_manager(request.param, events=True)
     yield manager
     manager.shutdown()
 
@@ -128,12 +132,7 @@ def test_both_specs_report_the_same_pool_series_for_the_same_workload():
     """The tiering spec's CPU tier is the pool: same series, same values."""
     results = []
     for spec_cls in (NPUOffloadingSpec, NPUTieringOffloadingSpec):
-        config = dataclasses.replace(
-            make_config({"num_cpu_blocks": 4, "block_size": 128}),
-            engine_id=new_engine_id(),
-        )
-        assert set(POOL_SERIES) <= set(spec_cls.build_metric_definitions({}))
-        manager = spec_cls(config).get_manager()
+        manager = four_block_manager(spec_cls)
         try:
             results.append(workload(manager))
         finally:
@@ -146,11 +145,7 @@ def test_both_specs_report_the_same_pool_series_for_the_same_workload():
 
 
 def test_promotions_into_the_cpu_tier_count_their_evictions():
-    config = dataclasses.replace(
-        make_config({"num_cpu_blocks": 4, "block_size": 128}),
-        engine_id=new_engine_id(),
-    )
-    manager = NPUTieringOffloadingSpec(config).get_manager()
+    manager = four_block_manager(NPUTieringOffloadingSpec)
     try:
         store(manager, "a", "b", "c", "d")
         reduced(manager)
@@ -182,8 +177,10 @@ def test_a_reset_publishes_the_removal_of_every_block_the_pool_held(spec_manager
             resident -= keys
         else:
             resident |= keys
-    in_use = reduced(m)[pool_metrics.BLOCKS_IN_USE]
-    assert len(resident) == in_use == 4
+    stats = reduced(m)
+    assert len(resident) == stats[pool_metrics.BLOCKS_IN_USE] == 4
+    # Good transfers count no failures.
+    assert stats[pool_metrics.FAILED_STORES] == stats[pool_metrics.FAILED_LOADS] == 0
 
     m.reset_cache()
     assert cpu_events(m) == [(True, resident)]
@@ -206,13 +203,6 @@ def test_a_block_still_being_written_at_a_reset_is_not_announced(spec_manager):
 # -- failed transfers ----------------------------------------------------------
 
 
-def worker_report(router: FailureRouter, completed: dict, failed: set) -> None:
-    """One worker's metadata of a step, as the connector routes it."""
-    meta = AscendOffloadingWorkerMetadata(failed_jobs=failed)
-    meta.completed_jobs.update(completed)
-    router.route(meta)
-
-
 def test_failed_stores_and_loads_are_counted_once_per_job(spec_manager):
     """Two workers each report the same failed store and load, in different
     steps: one failed store, one failed load."""
@@ -230,8 +220,8 @@ def test_failed_stores_and_loads_are_counted_once_per_job(spec_manager):
             store_jobs={7: TransferJob("a", device, out.store_spec)},
         )
     )
-    worker_report(router, {7: 1, 8: 1}, failed={7, 8})  # worker 0
-    worker_report(router, {7: 1, 8: 1}, failed={7, 8})  # worker 1, a step later
+    router.route(worker_report({7: 1, 8: 1}, failed={7, 8}))  # worker 0
+    router.route(worker_report({7: 1, 8: 1}, failed={7, 8}))  # worker 1, later
     m.complete_store(list(out.keys_to_store), ctx)  # vLLM completes job 7
     first = reduced(m)
     assert first[pool_metrics.FAILED_STORES] == 1
@@ -240,12 +230,6 @@ def test_failed_stores_and_loads_are_counted_once_per_job(spec_manager):
     # A counter's increase is per interval.
     again = reduced(m)
     assert again[pool_metrics.FAILED_STORES] == again[pool_metrics.FAILED_LOADS] == 0
-
-
-def test_good_transfers_count_no_failures(spec_manager):
-    store(spec_manager, "a", "b")
-    stats = reduced(spec_manager)
-    assert stats[pool_metrics.FAILED_STORES] == stats[pool_metrics.FAILED_LOADS] == 0
 
 
 # -- the worker's pool info ------------------------------------------------------
@@ -258,9 +242,7 @@ def worker_connector():
     connector.shutdown()
 
 
-def test_each_worker_reports_its_pool_and_copy_path_as_an_info_series(
-    worker_connector,
-):
+def test_each_worker_reports_its_pool_and_copy_path_as_an_info_series(worker_connector):
     worker = worker_connector.connector_worker.worker
     stats = worker_connector.get_kv_connector_stats()
     labels = (

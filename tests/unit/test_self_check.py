@@ -17,7 +17,7 @@ import torch
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
-from tests.unit.kv_helpers import make_kv_caches, make_worker
+from tests.unit.kv_helpers import make_kv_caches, make_worker, running
 from vllm_ascend.kv_offload import ops, self_check
 from vllm_ascend.kv_offload.config import OffloadConfigError, check_keys
 from vllm_ascend.kv_offload.copy_paths import (
@@ -218,18 +218,6 @@ def test_no_byte_exact_path_refuses_offloading_naming_each_failure(warnings):
     assert "vllm_ascend.kv_offload.doctor" in str(error)
 
 
-def test_the_check_never_touches_the_live_kv_cache():
-    kv = make_kv_caches(8, PAGES)
-    before = [t.tensor.clone() for t in kv.tensors]
-    w = make_worker(kv, 1, 4)
-    try:
-        assert all(
-            torch.equal(t.tensor, b) for t, b in zip(kv.tensors, before, strict=True)
-        )
-    finally:
-        w.shutdown()
-
-
 def test_the_worker_serves_on_the_path_the_check_chose(monkeypatch):
     paths = faulty({candidate_paths("cpu")[0].name: "byte"})
     monkeypatch.setattr(self_check, "candidate_paths", lambda device, setting: paths)
@@ -238,8 +226,11 @@ def test_the_worker_serves_on_the_path_the_check_chose(monkeypatch):
         self_check.logger, "info", lambda msg, *a: logged.append(msg % a)
     )
     kv = make_kv_caches(8, PAGES)
-    w = make_worker(kv, 1, 4)
-    try:
+    before = [t.tensor.clone() for t in kv.tensors]
+    with running(make_worker(kv, 1, 4)) as w:
+        # The check (a path that failed it included) never touched the live KV.
+        for t, b in zip(kv.tensors, before, strict=True):
+            assert torch.equal(t.tensor, b)
         assert w.copy_path == paths[1].name == w.self_check.path
         # It copies with the very function the check verified, not a rebind.
         assert w.engine.swap is w.self_check.swap
@@ -251,8 +242,6 @@ def test_the_worker_serves_on_the_path_the_check_chose(monkeypatch):
         assert [r.success for r in w.get_finished()] == [True]
         rows = w.pool.tensor[[0, 3]]
         assert torch.equal(rows[:, : PAGES[0]], kv.tensors[0].tensor[[2, 5]])
-    finally:
-        w.shutdown()
 
 
 def test_a_worker_with_no_byte_exact_path_is_refused_at_start_up(monkeypatch):

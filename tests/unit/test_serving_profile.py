@@ -49,22 +49,17 @@ def test_the_split_is_the_workload_delta_per_row_and_per_step():
         "worker": snap(0, 0, {"Worker.execute_model": [1, 9, 9]}),
     }
     after = {
-        "engine": snap(
-            2_000_000_000,
-            10**9,
-            {
-                "EngineCore.step": [5, 4e6 + 5, 1e6 + 5],
-                "Scheduler.schedule": [4, 2e6, 2e6],
-                "AscendOffloadingConnector.build_connector_meta": [4, 1e6, 1e6],
-                "OffloadingConnector.build_connector_meta": [4, 3e6, 3e6],
-            },
-        ),
-        "worker": snap(
-            2_000_000_000,
-            3 * 10**9,
-            {"Worker.execute_model": [5, 8e8 + 9, 4e8 + 9], "copy.load": [2, 6e6, 2e6]},
-        ),
-    }
+        "engine": snap(2_000_000_000, 10**9, {
+            "EngineCore.step": [5, 4e6 + 5, 1e6 + 5],
+            "Scheduler.schedule": [4, 2e6, 2e6],
+            "AscendOffloadingConnector.build_connector_meta": [4, 1e6, 1e6],
+            "OffloadingConnector.build_connector_meta": [4, 3e6, 3e6],
+        }),
+        "worker": snap(2_000_000_000, 3 * 10**9, {
+            "Worker.execute_model": [5, 8e8 + 9, 4e8 + 9],
+            "copy.load": [2, 6e6, 2e6],
+        }),
+    }  # fmt: skip
     out = sp.split(sp.diff(before, after))
     rows = out["rows"]
     assert out["steps"] == 4  # Scheduler.schedule calls during the workload

@@ -19,10 +19,7 @@ from tests.unit.model_configs import (
 )
 from vllm_ascend.kv_offload import host_guard
 from vllm_ascend.kv_offload.host_fit import fit_host_memory
-from vllm_ascend.kv_offload.host_guard import (
-    AUTO_POOL_SHARE,
-    auto_num_cpu_blocks,
-)
+from vllm_ascend.kv_offload.host_guard import AUTO_POOL_SHARE, auto_num_cpu_blocks
 from vllm_ascend.kv_offload.sizing import (
     CPU_BLOCK_ALIGNMENT,
     SizingError,
@@ -31,78 +28,82 @@ from vllm_ascend.kv_offload.sizing import (
 )
 
 
-def test_qwen3_gqa_cpu_block_of_the_guide(size_kv):
-    # 2 (K, V) * 28 layers * 8 KV heads * 128 head dim * 2 bytes (bf16)
-    # * 128 tokens = 14,680,064 bytes, a multiple of the 4 KiB page.
-    s = size_kv(QWEN3_0_6B, block_size=128)
-    assert s.attention == "gqa"
-    assert (s.num_attention_layers, s.kv_heads_per_worker, s.head_size) == (28, 8, 128)
-    assert s.kv_cache_dtype == "bfloat16"
-    assert s.bytes_per_token_per_layer == 2 * 8 * 128 * 2
-    assert s.worker_bytes_per_cpu_block == 2 * 28 * 8 * 128 * 2 * 128 == 14_680_064
-    assert s.bytes_per_cpu_block == 14_680_064
-    assert s.exact
-    # One device block of 128 tokens: K and V, 8 * 128 * 2 * 128 bytes each.
-    assert s.fragment_bytes == (262_144, 262_144)
-
-
-def test_tiny_test_model_matches_the_pool_its_engine_allocates(size_kv):
-    # 2 (K, V) * 2 layers * 2 KV heads * 32 * 2 bytes (float32 served as
-    # bf16) * 128 tokens = 65,536 bytes: the row size the e2e engines log,
-    # "CPU block pool of 1000 blocks x 65536 bytes" (docs/user_guide.md).
-    s = size_kv(tiny_qwen3_config())
-    assert s.worker_bytes_per_cpu_block == 2 * 2 * 2 * 32 * 2 * 128 == 65_536
+@pytest.mark.parametrize(
+    ("config", "kwargs", "expected"),
+    [
+        # 2 (K, V) * 28 layers * 8 KV heads * 128 head dim * 2 bytes (bf16)
+        # * 128 tokens = 14,680,064 bytes, a multiple of the 4 KiB page; one
+        # device block of 128 tokens: K and V, 8 * 128 * 2 * 128 bytes each.
+        (QWEN3_0_6B, {"block_size": 128}, {
+            "attention": "gqa", "num_attention_layers": 28, "kv_heads_per_worker": 8,
+            "head_size": 128, "kv_cache_dtype": "bfloat16", "exact": True,
+            "bytes_per_token_per_layer": 2 * 8 * 128 * 2,
+            "worker_bytes_per_cpu_block": 2 * 28 * 8 * 128 * 2 * 128,
+            "bytes_per_cpu_block": 14_680_064, "fragment_bytes": (262_144, 262_144),
+        }),
+        # 2 (K, V) * 2 layers * 2 KV heads * 32 * 2 bytes (float32 served as
+        # bf16) * 128 tokens = 65,536 bytes: the row size the e2e engines log,
+        # "CPU block pool of 1000 blocks x 65536 bytes" (docs/user_guide.md).
+        (tiny_qwen3_config(), {}, {
+            "worker_bytes_per_cpu_block": 2 * 2 * 2 * 32 * 2 * 128,
+        }),
+        # Llama: head size 4096 / 32 = 128; 2 * 32 layers * 8 KV heads * 128
+        # * 2 bytes * 128 tokens = 16,777,216 bytes.
+        (LLAMA3_8B, {}, {"head_size": 128, "bytes_per_cpu_block": 16_777_216}),
+        # MHA without a KV head key: one KV head per head; 2 * 32 layers
+        # * 32 KV heads * 128 * 2 bytes (fp16) * 128 tokens.
+        (LLAMA2_7B_MHA, {}, {
+            "attention": "mha", "kv_heads_per_worker": 32,
+            "bytes_per_cpu_block": 2 * 32 * 32 * 128 * 2 * 128,
+        }),
+        # DeepSeek MLA, one latent per layer: (kv_lora_rank 512 +
+        # qk_rope_head_dim 64) * 2 bytes * 27 layers * 128 tokens = 3,981,312
+        # bytes (972 pages of 4 KiB); the Ascend layout keeps the latent as
+        # nope (512) and rope (64) tensors.
+        (DEEPSEEK_V2_LITE, {}, {
+            "attention": "mla", "kv_heads_per_worker": 1, "head_size": 576,
+            "bytes_per_cpu_block": 27 * (512 + 64) * 2 * 128,
+            "fragment_bytes": (512 * 2 * 128, 64 * 2 * 128),
+        }),
+        # Tensor parallel splits KV heads and counts every worker: 8 KV heads
+        # on 2 workers, 4 each, 2 * 28 * 4 * 128 * 2 * 128 = 7,340,032 bytes
+        # per worker; a CPU block over both is twice that.
+        (QWEN3_0_6B, {"tensor_parallel_size": 2}, {
+            "kv_heads_per_worker": 4, "worker_bytes_per_cpu_block": 7_340_032,
+            "bytes_per_cpu_block": 14_680_064,
+        }),
+        # More workers than KV heads replicate one head: 8 KV heads on 16
+        # workers, 1 each; 2 * 28 * 1 * 128 * 2 * 128 per worker, 16 workers.
+        (QWEN3_0_6B, {"tensor_parallel_size": 16}, {
+            "kv_heads_per_worker": 1, "worker_bytes_per_cpu_block": 1_835_008,
+            "bytes_per_cpu_block": 16 * 1_835_008,
+        }),
+        # kv_cache_dtype overrides the checkpoint's: fp8 is half of bf16, and
+        # DeepSeek's sparse fp8 MLA cache holds 656 bytes per token and layer.
+        (QWEN3_0_6B, {"kv_cache_dtype": "fp8"}, {"bytes_per_cpu_block": 7_340_032}),
+        (DEEPSEEK_V2_LITE, {"kv_cache_dtype": "fp8_ds_mla"}, {
+            "worker_bytes_per_cpu_block": 27 * 656 * 128,
+        }),
+        # block_size is tokens per CPU block: 256 = 2 device blocks of 128.
+        (QWEN3_0_6B, {"block_size": 256}, {
+            "bytes_per_cpu_block": 2 * 14_680_064, "blocks_per_chunk": 2,
+        }),
+    ],
+    ids=[
+        "qwen3-gqa-guide", "tiny-test-model", "llama-head-size-from-hidden",
+        "mha-without-kv-heads", "deepseek-mla", "tp2-splits-kv-heads",
+        "tp16-replicates-one-head", "fp8", "fp8-ds-mla", "block-size-256",
+    ],
+)  # fmt: skip
+def test_sizing_by_hand(config, kwargs, expected, size_kv):
+    s = size_kv(config, **kwargs)
+    assert {k: getattr(s, k) for k in expected} == expected
 
 
 def test_model_dir_needs_only_config_json(tmp_path):
     d = write_model(tmp_path, QWEN3_0_6B)
     assert size_model_dir(d).bytes_per_cpu_block == 14_680_064
     assert size_model_dir(d / "config.json").bytes_per_cpu_block == 14_680_064
-
-
-def test_llama_head_size_from_hidden_size(size_kv):
-    # head size 4096 / 32 = 128; 2 * 32 layers * 8 KV heads * 128 * 2 bytes
-    # * 128 tokens = 16,777,216 bytes.
-    s = size_kv(LLAMA3_8B)
-    assert s.head_size == 128
-    assert s.bytes_per_cpu_block == 2 * 32 * 8 * 128 * 2 * 128 == 16_777_216
-
-
-def test_mha_without_kv_head_key_has_one_kv_head_per_head(size_kv):
-    # 2 * 32 layers * 32 KV heads * 128 * 2 bytes (fp16) * 128 tokens.
-    s = size_kv(LLAMA2_7B_MHA)
-    assert s.attention == "mha"
-    assert s.kv_heads_per_worker == 32
-    assert s.bytes_per_cpu_block == 2 * 32 * 32 * 128 * 2 * 128 == 67_108_864
-
-
-def test_deepseek_mla_one_latent_per_layer(size_kv):
-    # (kv_lora_rank 512 + qk_rope_head_dim 64) * 2 bytes * 27 layers
-    # * 128 tokens = 3,981,312 bytes (972 pages of 4 KiB).
-    s = size_kv(DEEPSEEK_V2_LITE)
-    assert s.attention == "mla"
-    assert (s.kv_heads_per_worker, s.head_size) == (1, 576)
-    assert s.bytes_per_cpu_block == 27 * (512 + 64) * 2 * 128 == 3_981_312
-    # The Ascend layout keeps the latent as nope (512) and rope (64) tensors.
-    assert s.fragment_bytes == (512 * 2 * 128, 64 * 2 * 128)
-
-
-def test_tensor_parallel_splits_kv_heads_and_counts_every_worker(size_kv):
-    # 8 KV heads on 2 workers: 4 each, 2 * 28 * 4 * 128 * 2 * 128 = 7,340,032
-    # bytes per worker; a CPU block over both is twice that.
-    s = size_kv(QWEN3_0_6B, tensor_parallel_size=2)
-    assert s.kv_heads_per_worker == 4
-    assert s.worker_bytes_per_cpu_block == 7_340_032
-    assert s.bytes_per_cpu_block == 14_680_064
-
-
-def test_more_workers_than_kv_heads_replicate_one_head(size_kv):
-    # 8 KV heads on 16 workers (16 attention heads): 1 head each, replicated;
-    # 2 * 28 * 1 * 128 * 2 * 128 = 1,835,008 per worker, 16 workers.
-    s = size_kv(QWEN3_0_6B, tensor_parallel_size=16)
-    assert s.kv_heads_per_worker == 1
-    assert s.worker_bytes_per_cpu_block == 1_835_008
-    assert s.bytes_per_cpu_block == 16 * 1_835_008
 
 
 def test_mla_latent_is_stored_once_for_all_tensor_parallel_workers(size_kv):
@@ -119,14 +120,6 @@ def test_mla_latent_is_stored_once_for_all_tensor_parallel_workers(size_kv):
     assert fit.max_num_cpu_blocks == int(10 * 2**30 * 0.9) // 3_981_312
 
 
-def test_kv_cache_dtype_overrides_the_checkpoint_dtype(size_kv):
-    # fp8: 1 byte per element, half of bf16's 14,680,064.
-    assert size_kv(QWEN3_0_6B, kv_cache_dtype="fp8").bytes_per_cpu_block == 7_340_032
-    # DeepSeek's sparse fp8 MLA cache: 656 bytes per token and layer.
-    s = size_kv(DEEPSEEK_V2_LITE, kv_cache_dtype="fp8_ds_mla")
-    assert s.worker_bytes_per_cpu_block == 27 * 656 * 128
-
-
 def test_float32_checkpoint_is_served_as_bfloat16_like_vllm_auto(size_kv):
     fp32 = dict(QWEN3_0_6B, torch_dtype="float32")
     assert size_kv(fp32).kv_cache_dtype == "bfloat16"
@@ -134,13 +127,6 @@ def test_float32_checkpoint_is_served_as_bfloat16_like_vllm_auto(size_kv):
     # Newer transformers write "dtype" instead of "torch_dtype".
     new_key = {k: v for k, v in QWEN3_0_6B.items() if k != "torch_dtype"}
     assert size_kv(dict(new_key, dtype="float16")).kv_cache_dtype == "float16"
-
-
-def test_block_size_is_tokens_per_cpu_block(size_kv):
-    # 256 tokens per CPU block = 2 device blocks of 128: twice the bytes.
-    s = size_kv(QWEN3_0_6B, block_size=256)
-    assert s.bytes_per_cpu_block == 2 * 14_680_064
-    assert s.blocks_per_chunk == 2
 
 
 def test_cpu_block_over_workers_is_padded_to_a_page(size_kv):
@@ -194,30 +180,36 @@ def test_layer_types_list_marks_attention_layers(size_kv):
     assert size_kv(sliding).exact
 
 
+MLA_NO_ROPE = {k: v for k, v in DEEPSEEK_V2_LITE.items() if k != "qk_rope_head_dim"}
+
+
 @pytest.mark.parametrize(
-    ("change", "named"),
+    ("config", "kwargs", "named"),
     [
-        ({"num_hidden_layers": None}, "num_hidden_layers"),
-        ({"num_attention_heads": None}, "num_attention_heads"),
-        ({"head_dim": None, "hidden_size": None}, "hidden_size"),
-        ({"num_key_value_heads": 0}, "num_key_value_heads"),
-        ({"index_topk": 2048}, "index_topk"),
-        ({"block_configs": [{}]}, "block_configs"),
-        ({"torch_dtype": "complex64"}, "--dtype"),
-        ({"is_encoder_decoder": True}, "encoder-decoder"),
-        ({"layer_types": ["full_attention"]}, "layer_types"),
+        ({**QWEN3_0_6B, "num_hidden_layers": None}, {}, "num_hidden_layers"),
+        ({**QWEN3_0_6B, "num_attention_heads": None}, {}, "num_attention_heads"),
+        ({**QWEN3_0_6B, "head_dim": None, "hidden_size": None}, {}, "hidden_size"),
+        ({**QWEN3_0_6B, "num_key_value_heads": 0}, {}, "num_key_value_heads"),
+        ({**QWEN3_0_6B, "index_topk": 2048}, {}, "index_topk"),
+        ({**QWEN3_0_6B, "block_configs": [{}]}, {}, "block_configs"),
+        ({**QWEN3_0_6B, "torch_dtype": "complex64"}, {}, "--dtype"),
+        ({**QWEN3_0_6B, "is_encoder_decoder": True}, {}, "encoder-decoder"),
+        ({**QWEN3_0_6B, "layer_types": ["full_attention"]}, {}, "layer_types"),
+        # A hybrid model without attention layers.
+        ({**QWEN3_NEXT_80B, "layer_types": ["linear_attention"] * 48}, {},
+         "no attention layers"),
+        (MLA_NO_ROPE, {}, "qk_rope_head_dim"),
+        # Bad settings name the flag.
+        (QWEN3_0_6B, {"block_size": 100}, "--block-size=100"),
+        (QWEN3_0_6B, {"block_size": 0}, "--block-size"),
+        (QWEN3_0_6B, {"tensor_parallel_size": 3}, "--tensor-parallel-size=3"),
+        (QWEN3_0_6B, {"kv_cache_dtype": "int3"}, "--kv-cache-dtype"),
+        (QWEN3_0_6B, {"kv_cache_dtype": "fp8_ds_mla"}, "MLA"),
     ],
-)
-def test_configs_it_cannot_size_are_refused_by_name(change, named, size_kv):
-    cfg = {**QWEN3_0_6B, **change}
+)  # fmt: skip
+def test_what_it_cannot_size_is_refused_by_name(config, kwargs, named, size_kv):
     with pytest.raises(SizingError, match=named):
-        size_kv(cfg)
-
-
-def test_hybrid_model_without_attention_layers_is_refused(size_kv):
-    cfg = dict(QWEN3_NEXT_80B, layer_types=["linear_attention"] * 48)
-    with pytest.raises(SizingError, match="no attention layers"):
-        size_kv(cfg)
+        size_kv(config, **kwargs)
 
 
 def test_a_config_vllm_cannot_load_is_refused_with_vllms_reason(size_kv):
@@ -225,27 +217,6 @@ def test_a_config_vllm_cannot_load_is_refused_with_vllms_reason(size_kv):
     cfg = dict(QWEN3_0_6B, model_type="no_such_model", architectures=["NoSuch"])
     with pytest.raises(UnsupportedModelError, match="vLLM's ModelConfig cannot load"):
         size_kv(cfg)
-
-
-def test_mla_without_rope_dim_is_refused(size_kv):
-    cfg = {k: v for k, v in DEEPSEEK_V2_LITE.items() if k != "qk_rope_head_dim"}
-    with pytest.raises(SizingError, match="qk_rope_head_dim"):
-        size_kv(cfg)
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "named"),
-    [
-        ({"block_size": 100}, "--block-size=100"),
-        ({"block_size": 0}, "--block-size"),
-        ({"tensor_parallel_size": 3}, "--tensor-parallel-size=3"),
-        ({"kv_cache_dtype": "int3"}, "--kv-cache-dtype"),
-        ({"kv_cache_dtype": "fp8_ds_mla"}, "MLA"),
-    ],
-)
-def test_bad_settings_are_refused_naming_the_flag(kwargs, named, size_kv):
-    with pytest.raises(SizingError, match=named):
-        size_kv(QWEN3_0_6B, **kwargs)
 
 
 def test_missing_or_broken_config_json(tmp_path):
@@ -272,14 +243,25 @@ def _guard_accepts(available, sizing, num_blocks) -> bool:
     return host_guard.check_pool(request, host_guard.HostBudget(available)) is None
 
 
-@pytest.mark.parametrize("config", [QWEN3_0_6B, DEEPSEEK_V2_LITE, LLAMA3_8B])
-def test_max_num_cpu_blocks_is_the_largest_the_guard_accepts(config, size_kv):
-    available = 24 * 2**30 + 12345
+@pytest.mark.parametrize(
+    ("config", "available", "reserved", "workers"),
+    [(QWEN3_0_6B, 24 * 2**30 + 12345, 0, None),
+     (DEEPSEEK_V2_LITE, 24 * 2**30 + 12345, 0, None),
+     (LLAMA3_8B, 24 * 2**30 + 12345, 0, None),
+     (QWEN3_0_6B, 16 * 2**30 + 999, 3 * 2**30, 1)],  # memory reserved beside
+)  # fmt: skip
+def test_max_num_cpu_blocks_is_the_largest_the_guard_accepts(
+    config, available, reserved, workers, size_kv
+):
     s = size_kv(config)
-    fit = fit_host_memory(s, available_bytes=available)
+    fit = fit_host_memory(
+        s, available_bytes=available, reserved_bytes=reserved, workers_on_host=workers
+    )
     assert fit.max_num_cpu_blocks > 0
-    assert _guard_accepts(available, s, fit.max_num_cpu_blocks)
-    assert not _guard_accepts(available, s, fit.max_num_cpu_blocks + 1)
+    # The guard runs after the reserved memory is allocated.
+    after = available - reserved
+    assert _guard_accepts(after, s, fit.max_num_cpu_blocks)
+    assert not _guard_accepts(after, s, fit.max_num_cpu_blocks + 1)
     # cpu_bytes_to_use holds exactly that many blocks (vLLM divides by the
     # padded CPU block).
     assert fit.cpu_bytes_to_use // s.bytes_per_cpu_block == fit.max_num_cpu_blocks
@@ -311,18 +293,6 @@ def test_fit_reads_host_memory_now_by_default(monkeypatch, host_ledger_dir, size
     fit = fit_host_memory(size_kv(QWEN3_0_6B))
     assert fit.available_bytes == 10 * 14_680_064
     assert fit.max_num_cpu_blocks == 9  # 90% of 10 blocks
-
-
-def test_the_fit_next_to_reserved_memory_is_what_the_guard_accepts(size_kv):
-    s = size_kv(QWEN3_0_6B)
-    available, reserved = 16 * 2**30 + 999, 3 * 2**30
-    blocks = fit_host_memory(
-        s, available_bytes=available, reserved_bytes=reserved, workers_on_host=1
-    ).max_num_cpu_blocks
-    # The guard runs after the reserved memory is allocated.
-    after = available - reserved
-    assert _guard_accepts(after, s, blocks)
-    assert not _guard_accepts(after, s, blocks + 1)
 
 
 def test_auto_takes_a_share_of_what_the_guard_accepts_next_to_the_engine():

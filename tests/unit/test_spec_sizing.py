@@ -3,30 +3,14 @@
 import pytest
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
-from tests.unit.kv_helpers import make_config, make_kv_caches
+from tests.unit.kv_helpers import GUIDE_EXTRA, make_config, make_kv_caches, running
 from vllm_ascend.kv_offload.config import OffloadConfigError, cpu_block_bytes
 from vllm_ascend.kv_offload.manager import FailureAwareManager
 from vllm_ascend.kv_offload.npu import NPUOffloadingSpec
 
-GUIDE_EXTRA = {
-    "num_cpu_blocks": 1000,
-    "block_size": 128,
-    "spec_name": "NPUOffloadingSpec",
-    "spec_module_path": "vllm_ascend.kv_offload.npu",
-}
-
-
-def test_guide_num_cpu_blocks_is_the_number_of_cpu_blocks():
-    spec = NPUOffloadingSpec(make_config(GUIDE_EXTRA))
-    assert spec.num_chunks == 1000
-    manager = spec.get_manager()
-    # vLLM's manager, wrapped to hear about failed transfers.
-    assert isinstance(manager, FailureAwareManager)
-    assert isinstance(manager.inner, CPUOffloadingManager)
-
 
 @pytest.mark.parametrize("bpc", [1, 2, 4])
-def test_num_cpu_blocks_counts_blocks_of_block_size_tokens(bpc):
+def test_guide_num_cpu_blocks_counts_blocks_of_block_size_tokens(bpc):
     spec = NPUOffloadingSpec(make_config(GUIDE_EXTRA, blocks_per_chunk=bpc))
     assert spec.num_chunks == 1000
     assert spec.blocks_per_chunk == bpc
@@ -61,7 +45,10 @@ def test_vllm_eviction_policies_are_reused(policy):
         make_config({"num_cpu_blocks": 8, "eviction_policy": policy})
     )
     assert spec.eviction_policy == policy
-    assert isinstance(spec.get_manager().inner, CPUOffloadingManager)
+    manager = spec.get_manager()
+    # vLLM's manager, wrapped to hear about failed transfers.
+    assert isinstance(manager, FailureAwareManager)
+    assert isinstance(manager.inner, CPUOffloadingManager)
 
 
 def test_worker_pool_is_exactly_num_cpu_blocks_times_one_cpu_block():
@@ -73,10 +60,7 @@ def test_worker_pool_is_exactly_num_cpu_blocks_times_one_cpu_block():
             blocks_per_chunk=bpc,
         )
         spec = NPUOffloadingSpec(config)
-        worker = spec.get_worker(make_kv_caches(4, page_bytes))
-        try:
+        with running(spec.get_worker(make_kv_caches(4, page_bytes))) as worker:
             # One CPU block = bpc device blocks of every cached tensor.
             assert worker.pool.nbytes == 7 * bpc * sum(page_bytes)
             assert worker.pool.tensor.shape == (7, bpc * sum(page_bytes))
-        finally:
-            worker.shutdown()

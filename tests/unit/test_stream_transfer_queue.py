@@ -59,9 +59,8 @@ def queue(monkeypatch: pytest.MonkeyPatch) -> transfer_queue.StreamTransferQueue
     monkeypatch.setattr(torch, "Event", FakeEvent)
     compute = FakeStream()
     monkeypatch.setattr(torch.accelerator, "current_stream", lambda device: compute)
-    return transfer_queue.StreamTransferQueue(
-        torch.device("cuda", 0)
-    )  # any device: faked
+    # Any device: its streams and events are faked.
+    return transfer_queue.StreamTransferQueue(torch.device("cuda", 0))
 
 
 def submit(q: transfer_queue.StreamTransferQueue, job_id: int) -> weakref.ref:

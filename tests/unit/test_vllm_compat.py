@@ -9,6 +9,7 @@ vLLM 0.33's offloading code (tests/vllm033/overlay.py), in a fresh process.
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,24 +21,12 @@ PACKAGE = ROOT / "vllm_ascend" / "kv_offload"
 
 # The private vLLM names vllm_compat.py uses (attribute names); CHECKS
 # below checks each on the installed vLLM and on 0.33's offloading code.
-PRIVATE_VLLM_NAMES = {
-    "_registry",
-    "_init_worker",
-    "_uses_shared_region",
-    "_all_workers_barrier",
-    "_get_connector_metadata",
-    "_job_block_counts",
-    "_use_o_direct",
-    "_store_job_keys",
-    "_load_job_keys",
-    "_load_progress",
-    "_pool",
-    "_creator",
-    "_num_allocated_chunks",
-    "_free_list",
-    "_custom_ops",
-    "_C_cache_ops",
-}
+PRIVATE_VLLM_NAMES = set(
+    "_registry _init_worker _uses_shared_region _all_workers_barrier "
+    "_get_connector_metadata _job_block_counts _use_o_direct _store_job_keys "
+    "_load_job_keys _load_progress _pool _creator _num_allocated_chunks "
+    "_free_list _custom_ops _C_cache_ops".split()
+)
 # Private names the package reads that are not vLLM's.
 NOT_VLLM = {"_C_ascend": "torch.ops namespace of this package's native ops"}
 
@@ -197,17 +186,11 @@ if problems:
 
 
 def _run_checks(pythonpath: list[str]) -> subprocess.CompletedProcess:
-    import os
-
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([*pythonpath, str(ROOT)])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*pythonpath, str(ROOT)])}
     return subprocess.run(
-        [sys.executable, "-c", CHECKS],
-        capture_output=True,
-        text=True,
-        timeout=300,
+        [sys.executable, "-c", CHECKS], capture_output=True, text=True, timeout=300,
         env=env,
-    )
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("code", ["installed", "0.33"])

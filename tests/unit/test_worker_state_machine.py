@@ -60,9 +60,7 @@ class Job:
 
 class WorkerMachine(RuleBasedStateMachine):
     @initialize(
-        bpc=st.sampled_from([1, 2, 3]),
-        faults=st.booleans(),
-        seed=st.integers(0, 2**16),
+        bpc=st.sampled_from([1, 2, 3]), faults=st.booleans(), seed=st.integers(0, 2**16)
     )
     def start(self, bpc, faults, seed):
         self.threads_before = set(kv_offload_threads())
@@ -162,13 +160,8 @@ class WorkerMachine(RuleBasedStateMachine):
         cpu = rng.sample(free_cpu, n_cpu)
         job_id, self.next_job = self.next_job, self.next_job + 1
         spec = GPULoadStoreSpec(dev, group_sizes=[n], block_indices=[skip])
-        job = Job(
-            True,
-            dev,
-            cpu,
-            self._layout(skip, n, cpu),
-            [self._device_page(b) for b in dev],
-        )
+        pages = [self._device_page(b) for b in dev]
+        job = Job(True, dev, cpu, self._layout(skip, n, cpu), pages)
         ok = self.worker.submit_store(job_id, spec, CPULoadStoreSpec(cpu))
         self._submitted(job_id, ok, job)
         if ok:

@@ -123,23 +123,9 @@ def _wheel(cache: Path) -> Path:
     if wheels:
         return wheels[0]
     cache.mkdir(parents=True, exist_ok=True)
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--quiet",
-            "--no-deps",
-            "--only-binary=:all:",
-            "--platform=manylinux_2_28_x86_64",
-            "--python-version=3.11",
-            f"vllm=={VERSION}",
-            "--dest",
-            str(cache),
-        ],
-        check=True,
-    )
+    pip = "pip download --quiet --no-deps --only-binary=:all: --python-version=3.11"
+    pip += f" --platform=manylinux_2_28_x86_64 vllm=={VERSION} --dest"
+    subprocess.run([sys.executable, "-m", *pip.split(), str(cache)], check=True)
     return sorted(cache.glob(f"vllm-{VERSION}-*.whl"))[0]
 
 
@@ -157,13 +143,10 @@ def overlay_dir() -> Path:
             if n.endswith(".py") and (n.startswith(PACKAGES) or n in MODULES)
         ]
         wheel.extractall(staging, names)
-    (staging / "sitecustomize.py").write_text(
-        SITECUSTOMIZE.format(
-            version=VERSION,
-            packages=PACKAGES,
-            modules=MODULES,
-        )
+    sitecustomize = SITECUSTOMIZE.format(
+        version=VERSION, packages=PACKAGES, modules=MODULES
     )
+    (staging / "sitecustomize.py").write_text(sitecustomize)
     staging.rename(out)
     return out
 
