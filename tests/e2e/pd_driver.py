@@ -71,6 +71,7 @@ def _change_storage(action: str, storage: str) -> None:
 def _run_phases(llm, phases: list[dict], storage: str) -> list[dict]:
     from vllm import SamplingParams
 
+    from tests.e2e.run_scenario import request_record
     from vllm_ascend.kv_offload.testing.engine import counters, settle
 
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -80,16 +81,10 @@ def _run_phases(llm, phases: list[dict], storage: str) -> list[dict]:
             _change_storage(phase["pd_storage"], storage)
         if phase.get("reset_prefix_cache"):
             assert llm.reset_prefix_cache()
-        results = []
-        for prompt in phase["prompts"]:
-            r = llm.generate([prompt], params, use_tqdm=False)[0]
-            results.append(
-                {
-                    "token_ids": list(r.outputs[0].token_ids),
-                    "num_cached_tokens": r.num_cached_tokens or 0,
-                    "finish_reason": r.outputs[0].finish_reason,
-                }
-            )
+        results = [
+            request_record(llm.generate([prompt], params, use_tqdm=False)[0])
+            for prompt in phase["prompts"]
+        ]
         settle(llm)
         out.append({"results": results, "counters": counters()})
     return out

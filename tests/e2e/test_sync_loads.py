@@ -150,6 +150,7 @@ def drive_batches(scenario: dict) -> dict:
 
     from tests.e2e.run_scenario import (
         kv_transfer_config,
+        request_record,
         settle_stores,
         shutdown_engine,
     )
@@ -174,15 +175,7 @@ def drive_batches(scenario: dict) -> dict:
             inject_faults(worker, faults)
         for _ in range(scenario.get("rounds", 2)):
             outputs = llm.generate(prompts, params, use_tqdm=False)
-            rounds.append(
-                [
-                    {
-                        "token_ids": list(o.outputs[0].token_ids),
-                        "num_cached_tokens": o.num_cached_tokens or 0,
-                    }
-                    for o in outputs
-                ]
-            )
+            rounds.append([request_record(o) for o in outputs])
             if worker is not None:
                 settle_stores(llm)
             assert llm.reset_prefix_cache()
