@@ -145,7 +145,7 @@ def batch_prompts() -> list[str]:
 def drive_batches(scenario: dict) -> dict:
     """Per seed: the batched requests twice, with the faults of
     ``scenario["faults"]`` (test-only injection) drawn from that seed."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     from tests.e2e.run_scenario import (
@@ -155,12 +155,12 @@ def drive_batches(scenario: dict) -> dict:
         shutdown_engine,
     )
     from tests.fault_injection import FaultInjector, inject_faults
+    from vllm_ascend.kv_offload.testing import engine
     from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model
 
-    kwargs = dict(scenario["engine"])
-    if scenario.get("offload") is not None:
-        kwargs["kv_transfer_config"] = kv_transfer_config(scenario)
-    llm = LLM(model=ensure_tiny_model(), disable_log_stats=False, **kwargs)
+    llm = engine.start(
+        ensure_tiny_model(), kv_transfer_config(scenario), **scenario["engine"]
+    )
     worker = None
     if scenario.get("offload") is not None:
         worker = get_kv_transfer_group().connector_worker.worker
