@@ -82,14 +82,20 @@ class DocFlow:
     output: str  # stdout and stderr
 
 
+def serving_doc_block(marker: str) -> str:
+    """The one bash block of docs/serving_events_metrics.md holding ``marker``."""
+    doc = (REPO / "docs" / "serving_events_metrics.md").read_text()
+    (block,) = [b for b in re.findall(r"```bash\n(.*?)```", doc, re.S) if marker in b]
+    return block
+
+
 def run_serving_doc_flow(port: int) -> DocFlow | None:
     """The client flow of docs/serving_events_metrics.md (curl + jq, the
     block that defines ``req``), run by bash from the checkout against
     127.0.0.1:``port`` instead of the doc's 8000; None without curl or jq."""
     if shutil.which("curl") is None or shutil.which("jq") is None:
         return None
-    doc = (REPO / "docs" / "serving_events_metrics.md").read_text()
-    (flow,) = [b for b in re.findall(r"```bash\n(.*?)```", doc, re.S) if "req() {" in b]
+    flow = serving_doc_block("req() {")
     env = dict(os.environ)
     # The flow runs `python` from PATH: this interpreter's.
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]])

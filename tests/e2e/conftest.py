@@ -46,6 +46,18 @@ ENGINE = {"dtype": "float32", "max_model_len": 2048, "enforce_eager": True}
 IN_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
+# In-process, 16 device blocks of 128 tokens for up to 8 running requests of
+# up to 5 blocks each: the scheduler preempts all the time (the stress and
+# batched sync-load tests).
+PREEMPTING_ENGINE = dict(
+    ENGINE,
+    distributed_executor_backend="uni",
+    max_model_len=1024,
+    num_gpu_blocks_override=16,
+    max_num_seqs=8,
+)
+
+
 def in_process(scenario: dict) -> dict:
     """``scenario`` with its engine (``ENGINE`` unless given) in-process."""
     engine = dict(scenario.get("engine", ENGINE), distributed_executor_backend="uni")
@@ -70,6 +82,30 @@ PROMPTS_BY_DOC = [
     for d, doc in enumerate(DOCS)
 ]
 ALL_PROMPTS = [p for doc in PROMPTS_BY_DOC for p in doc]
+FULL_DOC_TOKENS = 512  # a document's 4 full blocks
+FIRST_QUESTIONS = [0, 3, 6]  # indices of each document's first prompt
+# Store everything, then ask again with the device prefix cache emptied:
+# the first question of each document must come from the CPU.
+TWICE = [
+    {"prompts": ALL_PROMPTS},
+    {"prompts": ALL_PROMPTS, "reset_prefix_cache": True},
+]
+
+
+def with_faults(scenario_dir, name: str, faults: str, **scenario) -> dict:
+    """``scenario`` (``TWICE`` through the fault-injecting guide config
+    unless given) with ``faults``, logged to ``<name>.faults``."""
+    env = {
+        "VLLM_ASCEND_KV_OFFLOAD_FAULTS": faults,
+        "VLLM_ASCEND_KV_OFFLOAD_FAULTS_LOG": str(scenario_dir / f"{name}.faults"),
+    }
+    return {"phases": TWICE, "offload": FAULTY_OFFLOAD, **scenario, "env": env}
+
+
+def injected_faults(scenario_dir, name: str) -> list[str]:
+    """The faults that ``with_faults(scenario_dir, name, ...)`` injected."""
+    fault_log = scenario_dir / f"{name}.faults"
+    return fault_log.read_text().split("\n")[:-1] if fault_log.exists() else []
 
 
 def run_scenario(

@@ -24,7 +24,8 @@ import gc
 import os
 import shutil
 
-SHUTDOWN_TIMEOUT_S = 60
+from vllm_ascend.kv_offload.testing import engine
+
 ROLES = {"producer": "kv_producer", "consumer": "kv_consumer"}
 
 
@@ -69,34 +70,24 @@ def _change_storage(action: str, storage: str) -> None:
 
 
 def _run_phases(llm, phases: list[dict], storage: str) -> list[dict]:
-    from vllm import SamplingParams
+    from tests.e2e.run_scenario import request_record
 
-    from vllm_ascend.kv_offload.testing.engine import counters, settle
-
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     out = []
     for phase in phases:
         if "pd_storage" in phase:
             _change_storage(phase["pd_storage"], storage)
         if phase.get("reset_prefix_cache"):
             assert llm.reset_prefix_cache()
-        results = []
-        for prompt in phase["prompts"]:
-            r = llm.generate([prompt], params, use_tqdm=False)[0]
-            results.append(
-                {
-                    "token_ids": list(r.outputs[0].token_ids),
-                    "num_cached_tokens": r.num_cached_tokens or 0,
-                    "finish_reason": r.outputs[0].finish_reason,
-                }
-            )
-        settle(llm)
-        out.append({"results": results, "counters": counters()})
+        results = [
+            request_record(engine.generate(llm, prompt, 16, ignore_eos=True))
+            for prompt in phase["prompts"]
+        ]
+        engine.settle(llm)
+        out.append({"results": results, "counters": engine.counters()})
     return out
 
 
 def run(scenario: dict) -> dict:
-    from vllm import LLM
     from vllm.config import KVTransferConfig
 
     from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model
@@ -104,19 +95,15 @@ def run(scenario: dict) -> dict:
     pd = scenario["pd"]
     storage = pd["kv_connector_extra_config"]["shared_storage_path"]
     result = {}
-    for engine in scenario["engines"]:
+    for spec in scenario["engines"]:
         # Read by the engine's processes when they start (fault injection).
-        os.environ.update(engine.get("env", {}))
-        llm = LLM(
-            model=ensure_tiny_model(),
-            disable_log_stats=False,
-            kv_transfer_config=KVTransferConfig(**multi_connector_config(engine, pd)),
-            **scenario["engine"],
-        )
-        result[engine["name"]] = _run_phases(llm, engine["phases"], storage)
-        llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
+        os.environ.update(spec.get("env", {}))
+        transfer = KVTransferConfig(**multi_connector_config(spec, pd))
+        llm = engine.start(ensure_tiny_model(), transfer, **scenario["engine"])
+        result[spec["name"]] = _run_phases(llm, spec["phases"], storage)
+        engine.shutdown(llm)
         del llm
         gc.collect()
-        for key in engine.get("env", {}):
+        for key in spec.get("env", {}):
             os.environ.pop(key)
     return result

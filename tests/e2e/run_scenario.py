@@ -49,6 +49,16 @@ def kv_transfer_config(scenario: dict):
     )
 
 
+def request_record(out) -> dict:
+    """One finished request (vLLM's ``RequestOutput``): its generated token
+    ids, prompt tokens served from a cache, and finish reason."""
+    return {
+        "token_ids": list(out.outputs[0].token_ids),
+        "num_cached_tokens": out.num_cached_tokens or 0,
+        "finish_reason": out.outputs[0].finish_reason,
+    }
+
+
 # The shared driver's, under the names the e2e tests import.
 settle_stores = engine.settle
 shutdown_engine = engine.shutdown
@@ -112,9 +122,7 @@ def _run_engine(scenario: dict, shutdown: bool = False) -> dict:
         phases.append(
             [
                 {
-                    "token_ids": list(out.outputs[0].token_ids),
-                    "num_cached_tokens": out.num_cached_tokens or 0,
-                    "finish_reason": out.outputs[0].finish_reason,
+                    **request_record(out),
                     "ttft_s": out.metrics.first_token_latency if out.metrics else None,
                 }
                 for out in outputs

@@ -99,6 +99,12 @@ class Server(driver.Server):
             ]
             command = driver.serve_command(model, flags)
         super().__init__([*launcher, *command], log_path, env, REPO)
+        self.client = OpenAI(
+            base_url=self.base + "/v1",
+            api_key="unused",
+            timeout=REQUEST_TIMEOUT_S,
+            max_retries=0,
+        )
 
     def wait_ready(self) -> float:
         return super().wait_ready(START_TIMEOUT_S)
@@ -143,6 +149,11 @@ class Server(driver.Server):
             "threads": sum(len(os.listdir(f"/proc/{p.pid}/task")) for p in procs),
             "fds": sum(len(os.listdir(f"/proc/{p.pid}/fd")) for p in procs),
         }
+
+
+def delta(record: dict, name: str, since: str, until: str) -> float:
+    """How much metric ``name`` grew between two /metrics snapshots of ``record``."""
+    return record[until].get(name, 0.0) - record[since].get(name, 0.0)
 
 
 def reset_device_cache(server: Server, external: bool = False) -> None:
@@ -279,7 +290,7 @@ class EventLog:
 class TieringServer(Server):
     """``vllm serve`` with the tiering spec (``tiering_config``: a CPU tier of
     8 blocks, smaller than the three documents, and an fs tier of 64 files
-    under ``root``) and the guide's KV events (``events``), with a client."""
+    under ``root``) and the guide's KV events (``events``)."""
 
     def __init__(self, tmp: Path):
         model = ensure_tiny_model()
@@ -297,12 +308,6 @@ class TieringServer(Server):
         config = tiering_config(self.root, HEADER_BYTES + self.block_bytes)
         flags = ["--kv-events-config", json.dumps(events_config)]
         super().__init__(model, tmp / "server.log", config, flags=flags)
-        self.client = OpenAI(
-            base_url=self.base + "/v1",
-            api_key="unused",
-            timeout=REQUEST_TIMEOUT_S,
-            max_retries=0,
-        )
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")

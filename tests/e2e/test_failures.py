@@ -21,41 +21,21 @@ from tests.e2e.conftest import (
     ALL_PROMPTS,
     ENGINE,
     FAULTY_OFFLOAD,
+    FIRST_QUESTIONS,
+    FULL_DOC_TOKENS,
     GUIDE_OFFLOAD,
+    TWICE,
     cached,
     in_process,
+    injected_faults,
     run_scenario,
     scenario_log,
     token_ids,
+    with_faults,
 )
 from vllm_ascend.kv_offload.connector import AscendOffloadingConnector
 
 pytestmark = pytest.mark.e2e
-
-FULL_DOC_TOKENS = 512
-FIRST_QUESTIONS = [0, 3, 6]  # indices of each document's first prompt
-# Store everything, then ask again with the device prefix cache emptied:
-# the first question of each document must come from the CPU.
-TWICE = [
-    {"prompts": ALL_PROMPTS},
-    {"prompts": ALL_PROMPTS, "reset_prefix_cache": True},
-]
-
-
-def with_faults(scenario_dir, name: str, faults: str, **scenario) -> dict:
-    """``scenario`` (``TWICE`` through the fault-injecting guide config
-    unless given) with ``faults``, logged to ``<name>.faults``."""
-    env = {
-        "VLLM_ASCEND_KV_OFFLOAD_FAULTS": faults,
-        "VLLM_ASCEND_KV_OFFLOAD_FAULTS_LOG": str(scenario_dir / f"{name}.faults"),
-    }
-    return {"phases": TWICE, "offload": FAULTY_OFFLOAD, **scenario, "env": env}
-
-
-def injected_faults(scenario_dir, name: str) -> list[str]:
-    fault_log = scenario_dir / f"{name}.faults"
-    return fault_log.read_text().split("\n")[:-1] if fault_log.exists() else []
-
 
 # Negative controls: connectors that do not handle one kind of failure
 # (defined below).

@@ -21,7 +21,7 @@ from collections import Counter
 
 import pytest
 
-from tests.e2e.conftest import DOC_WORDS, load_subscriber
+from tests.e2e.conftest import DOC_WORDS
 from tests.e2e.serving import (
     EVENTS_TOPIC,
     complete,
@@ -163,15 +163,3 @@ def test_a_reset_of_the_cpu_pool_removes_exactly_the_blocks_it_held(
     assert sorted(removed_hashes) == sorted(resident)
     # Nothing stored since (the flush request has no full block).
     assert events_of(reset_messages, "BlockStored", "CPU") == []
-
-
-def test_subscriber_example_formats_cpu_events(messages):
-    subscriber = load_subscriber()
-    lines = [
-        subscriber.describe(event) for msg in messages for event in msg.batch.events
-    ]
-    cpu_lines = [line for line in lines if line is not None]
-    assert any(line.startswith("BlockStored  medium=CPU") for line in cpu_lines)
-    assert any(line.startswith("BlockRemoved medium=CPU") for line in cpu_lines)
-    # Device events are filtered out unless asked for.
-    assert len(cpu_lines) < len(lines)

@@ -16,8 +16,10 @@ import pytest
 from tests.e2e.conftest import (
     ALL_PROMPTS,
     ENGINE,
+    FULL_DOC_TOKENS,
     GUIDE_OFFLOAD,
     PROMPTS_BY_DOC,
+    TWICE,
     cached,
     in_process,
     run_scenario,
@@ -27,17 +29,13 @@ from tests.vllm_version import VLLM_VERSION
 
 pytestmark = pytest.mark.e2e
 
-FULL_DOC_TOKENS = 512  # 4 blocks of 128 tokens
 FIRST_QUESTIONS = [doc[0] for doc in PROMPTS_BY_DOC]
 
 SCENARIOS = {
     # The guide's exact config: all prompts, then again from the CPU only.
     "guide": {
         "offload": GUIDE_OFFLOAD,
-        "phases": [
-            {"prompts": ALL_PROMPTS},
-            {"prompts": ALL_PROMPTS, "reset_prefix_cache": True},
-        ],
+        "phases": TWICE,
     },
     # 10 device blocks hold one document's questions, not all three.
     "small_device": {
@@ -62,10 +60,7 @@ SCENARIOS = {
             spec_name="CorruptingOffloadingSpec",
             spec_module_path="tests.e2e.corrupting_spec",
         ),
-        "phases": [
-            {"prompts": ALL_PROMPTS},
-            {"prompts": ALL_PROMPTS, "reset_prefix_cache": True},
-        ],
+        "phases": TWICE,
     },
     # Layers registered as unequal (part0, part1) tuples, as on Ascend.
     "tuple_layout": {

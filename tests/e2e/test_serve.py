@@ -26,16 +26,15 @@ import signal
 import sys
 
 import pytest
-from openai import OpenAI
 
 from tests.conftest import run_serving_doc_flow
+from tests.e2e import serving
 from tests.e2e.conftest import (
     ALL_PROMPTS,
     PROMPTS_BY_DOC,
 )
 from tests.e2e.serving import (
     BLOCK_TOKENS,
-    REQUEST_TIMEOUT_S,
     START_TIMEOUT_S,
     STOP_TIMEOUT_S,
     Server,
@@ -61,12 +60,7 @@ def served(tmp_path_factory) -> dict:
     record: dict = {"block_bytes": cpu_block_bytes(model), "log": log_path}
     try:
         record["start_s"] = server.wait_ready()
-        client = OpenAI(
-            base_url=server.base + "/v1",
-            api_key="unused",
-            timeout=REQUEST_TIMEOUT_S,
-            max_retries=0,
-        )
+        client = server.client
         block = record["block_bytes"]
         record["before"] = server.metrics()
 
@@ -130,7 +124,7 @@ def served(tmp_path_factory) -> dict:
 
 
 def delta(record: dict, name: str, since: str = "before", until: str = "after_all"):
-    return record[until].get(name, 0.0) - record[since].get(name, 0.0)
+    return serving.delta(record, name, since, until)
 
 
 def test_server_starts_with_the_guide_config(served):

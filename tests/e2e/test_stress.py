@@ -24,23 +24,18 @@ import time
 
 import pytest
 
-from tests.e2e.conftest import FAULTY_OFFLOAD, GUIDE_OFFLOAD, run_scenario
+from tests.e2e.conftest import (
+    FAULTY_OFFLOAD,
+    GUIDE_OFFLOAD,
+    IN_PROCESS_ENV,
+    PREEMPTING_ENGINE,
+    run_scenario,
+)
 
 pytestmark = pytest.mark.e2e
 
 NUM_REQUESTS = 200
 TOKENS_PER_BLOCK = 128  # the CPU backend's device block size; block_size too
-IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-ENGINE = {
-    "dtype": "float32",
-    "enforce_eager": True,
-    "distributed_executor_backend": "uni",
-    "max_model_len": 1024,
-    # 16 device blocks of 128 tokens for up to 8 running requests of up to
-    # 5 blocks each: the scheduler preempts all the time.
-    "num_gpu_blocks_override": 16,
-    "max_num_seqs": 8,
-}
 # 12 CPU blocks for 6 documents of 3 blocks plus every request's own tail:
 # stores evict constantly.
 OFFLOAD = dict(GUIDE_OFFLOAD, num_cpu_blocks=12)
@@ -167,7 +162,7 @@ def _shut_down(engine) -> dict:
 def _scenario(offload, env=None, **extra) -> dict:
     return {
         "driver": "tests.e2e.test_stress:drive",
-        "engine": ENGINE,
+        "engine": PREEMPTING_ENGINE,
         "offload": offload,
         "env": env or {},
         **extra,
@@ -190,7 +185,7 @@ def runs(scenario_dir) -> dict[str, dict]:
     result = run_scenario(
         scenario_dir,
         "stress",
-        {"env": IN_PROCESS, "sequence": list(scenarios.values())},
+        {"env": IN_PROCESS_ENV, "sequence": list(scenarios.values())},
     )
     return dict(zip(scenarios, result["runs"], strict=True))
 

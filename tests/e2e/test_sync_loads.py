@@ -19,43 +19,33 @@ from __future__ import annotations
 import pytest
 
 from tests.e2e.conftest import (
-    ALL_PROMPTS,
-    FAULTY_OFFLOAD,
+    FIRST_QUESTIONS,
+    FULL_DOC_TOKENS,
     GUIDE_OFFLOAD,
     IN_PROCESS_ENV,
+    PREEMPTING_ENGINE,
+    TWICE,
     cached,
     in_process,
+    injected_faults,
     run_scenario,
     token_ids,
+    with_faults,
 )
 
 pytestmark = pytest.mark.e2e
 
-FULL_DOC_TOKENS = 512
-FIRST_QUESTIONS = [0, 3, 6]
 # A 512-token prefix of the tiny model is 512 KiB of KV; 16 MiB takes all.
 SYNC = {"sync_load_budget_bytes": 16 * 2**20}
-TWICE = [
-    {"prompts": ALL_PROMPTS},
-    {"prompts": ALL_PROMPTS, "reset_prefix_cache": True},
-]
 
 
 def sync_scenario(scenario_dir, name: str, faults: str | None = None, **scenario):
     """All prompts twice through the guide's config with synchronous loads
     (the fault-injecting spec with ``faults``, logged to ``<name>.faults``)."""
-    env = {}
     if faults:
-        env["VLLM_ASCEND_KV_OFFLOAD_FAULTS"] = faults
-        env["VLLM_ASCEND_KV_OFFLOAD_FAULTS_LOG"] = str(scenario_dir / f"{name}.faults")
-    return in_process(
-        {
-            "offload": dict(FAULTY_OFFLOAD if faults else GUIDE_OFFLOAD, **SYNC),
-            "phases": TWICE,
-            "env": env,
-            **scenario,
-        }
-    )
+        scenario = with_faults(scenario_dir, name, faults, **scenario)
+    scenario = {"phases": TWICE, "offload": GUIDE_OFFLOAD, **scenario}
+    return in_process(dict(scenario, offload=dict(scenario["offload"], **SYNC)))
 
 
 def sync_scenarios(scenario_dir) -> dict[str, dict]:
@@ -82,9 +72,7 @@ def sync_scenarios(scenario_dir) -> dict[str, dict]:
 def run_sync(runs_033, scenario_dir, name: str) -> tuple[dict, list[str]]:
     result = runs_033[name]
     assert result["offloading_overlay"] == "0.33.0"
-    fault_log = scenario_dir / f"{name}.faults"
-    injected = fault_log.read_text().split("\n")[:-1] if fault_log.exists() else []
-    return result, injected
+    return result, injected_faults(scenario_dir, name)
 
 
 def test_sync_loads_serve_cpu_hits_with_identical_outputs(
@@ -135,14 +123,6 @@ def test_negative_control_unreported_sync_load_failures_change_the_output(
 # configuration runs every seed: two rounds each (all requests, then again
 # after a device prefix-cache reset), faults drawn anew per seed.
 
-BATCH_ENGINE = {
-    "dtype": "float32",
-    "enforce_eager": True,
-    "distributed_executor_backend": "uni",
-    "max_model_len": 1024,
-    "num_gpu_blocks_override": 16,
-    "max_num_seqs": 8,
-}
 BATCH_TOKENS = 40
 # Each prompt ends a little before a block boundary (plus a BOS token), so
 # decoding needs one more block soon: with the device cache full, vLLM
@@ -165,21 +145,22 @@ def batch_prompts() -> list[str]:
 def drive_batches(scenario: dict) -> dict:
     """Per seed: the batched requests twice, with the faults of
     ``scenario["faults"]`` (test-only injection) drawn from that seed."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     from tests.e2e.run_scenario import (
         kv_transfer_config,
+        request_record,
         settle_stores,
         shutdown_engine,
     )
     from tests.fault_injection import FaultInjector, inject_faults
+    from vllm_ascend.kv_offload.testing import engine
     from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model
 
-    kwargs = dict(scenario["engine"])
-    if scenario.get("offload") is not None:
-        kwargs["kv_transfer_config"] = kv_transfer_config(scenario)
-    llm = LLM(model=ensure_tiny_model(), disable_log_stats=False, **kwargs)
+    llm = engine.start(
+        ensure_tiny_model(), kv_transfer_config(scenario), **scenario["engine"]
+    )
     worker = None
     if scenario.get("offload") is not None:
         worker = get_kv_transfer_group().connector_worker.worker
@@ -194,15 +175,7 @@ def drive_batches(scenario: dict) -> dict:
             inject_faults(worker, faults)
         for _ in range(scenario.get("rounds", 2)):
             outputs = llm.generate(prompts, params, use_tqdm=False)
-            rounds.append(
-                [
-                    {
-                        "token_ids": list(o.outputs[0].token_ids),
-                        "num_cached_tokens": o.num_cached_tokens or 0,
-                    }
-                    for o in outputs
-                ]
-            )
+            rounds.append([request_record(o) for o in outputs])
             if worker is not None:
                 settle_stores(llm)
             assert llm.reset_prefix_cache()
@@ -224,7 +197,7 @@ def drive_batches(scenario: dict) -> dict:
 def batch_scenario(offload, **scenario) -> dict:
     return {
         "driver": "tests.e2e.test_sync_loads:drive_batches",
-        "engine": BATCH_ENGINE,
+        "engine": PREEMPTING_ENGINE,
         "offload": offload,
         "env": IN_PROCESS_ENV,
         "kv_load_failure_policy": "recompute",

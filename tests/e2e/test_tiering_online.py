@@ -36,6 +36,7 @@ from tests.e2e.serving import (
     REQUEST_TIMEOUT_S,
     Server,
     complete,
+    delta,
     quiesce,
     reset_device_cache,
 )
@@ -249,10 +250,6 @@ def test_prefixes_were_loaded_from_the_tiers(served):
     assert all(r["cached_tokens"] >= 512 for r in served["first_questions"])
     read = delta(served, "vllm:kv_offload_tiering_read_bytes_total", "before", "end")
     assert read > 0, "no fs tier load happened"
-
-
-def delta(record: dict, name: str, since: str, until: str) -> float:
-    return record[until].get(name, 0.0) - record[since].get(name, 0.0)
 
 
 def test_metrics_are_consistent(served):

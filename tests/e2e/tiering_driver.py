@@ -21,6 +21,7 @@ import os
 import shutil
 import time
 
+from tests.e2e.run_scenario import request_record
 from vllm_ascend.kv_offload.testing import engine
 
 TIER_WRITE_BYTES = "vllm:kv_offload_tiering_write_bytes"
@@ -79,12 +80,7 @@ def run(scenario: dict) -> dict:
             engine.reset_prefix_cache(llm)
         for prompt in scenario["prompts"]:
             out = engine.generate(llm, prompt, 16, ignore_eos=True)
-            results.append(
-                {
-                    "token_ids": list(out.outputs[0].token_ids),
-                    "num_cached_tokens": out.num_cached_tokens or 0,
-                }
-            )
+            results.append(request_record(out))
     engine.settle(llm)
     # Cascades to the fs tier are submitted at the end of a scheduler step.
     engine.settle(llm, TIER_WRITE_BYTES, steady_rounds=3, max_rounds=60, pause_s=0.1)
