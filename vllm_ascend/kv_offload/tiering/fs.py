@@ -145,7 +145,6 @@ class VerifiedFileSystemTier(FileSystemTierManager):
             getattr(os, "O_DIRECT", 0) if use_o_direct else 0,
         )
         vllm_compat.quiet_fs_tier_pool_errors(VanishedBlockError)
-        self.stale_temp_files_removed = 0
         # Size bound (fs_budget): stores report, reads touch, stats count.
         self.budget: FsTierBudget | None = None
         if max_bytes is not None:
@@ -169,7 +168,6 @@ class VerifiedFileSystemTier(FileSystemTierManager):
     def _remove_stale_temp_files(self) -> None:
         with contextlib.suppress(OSError):
             removed = remove_stale_temp_files(self.root_dir)
-            self.stale_temp_files_removed = removed
             if removed:
                 logger.info(
                     "KV offload: removed %d temp files under %s left by writers "

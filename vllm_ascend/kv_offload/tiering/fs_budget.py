@@ -135,7 +135,6 @@ class FsTierBudget:
         self._evicted_blocks = 0
         self._evicted_bytes = 0
         self._last_size: int | None = None
-        self.total_evicted_blocks = 0
 
     def note_stored(self, nbytes: int) -> None:
         """After this engine wrote ``nbytes`` of block files (I/O thread):
@@ -190,7 +189,6 @@ class FsTierBudget:
             self._evicted_blocks += removed
             self._evicted_bytes += removed_bytes
             self._last_size = total
-            self.total_evicted_blocks += removed
         if removed:
             logger.info(
                 "KV offload: fs tier %s reached %s=%d; removed the %d least "
