@@ -316,4 +316,3 @@ def coalesce(
     m_size = np.add.reduceat(size, first)
 
     return m_src, m_dst, m_size, first
-
