@@ -26,6 +26,7 @@ import struct
 import threading
 import time
 import zlib
+from collections.abc import Callable
 
 from vllm.v1.kv_offload.base import (
     OffloadKey,
@@ -155,27 +156,39 @@ def write_block(
             remove_entry(dir_fd, name)
             if on_bad_entry is not None:
                 on_bad_entry(path, f"a {kind_of(mode)} in place of a block file")
-        tmp = temp_name(name)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp, dir_fd=dir_fd)  # left by an earlier use of this name
-        flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(tmp, flags | o_direct, 0o644, dir_fd=dir_fd)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # held while live (stale temp files)
-            want = HEADER_BYTES + len(payload)
+        want = HEADER_BYTES + len(payload)
+
+        def write(fd: int) -> None:
             written = os.writev(fd, [header, payload])
             if written != want:
                 raise OSError(errno.EIO, f"short write: {written} of {want} bytes")
-            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=dir_fd)
-            raise
-        finally:
-            os.close(fd)
+
+        _replace_atomically(dir_fd, name, write, o_direct)
     finally:
         os.close(dir_fd)
     return True
+
+
+def _replace_atomically(
+    dir_fd: int, name: str, write: Callable[[int], None], o_direct: int = 0
+) -> None:
+    """Writes ``name`` in ``dir_fd`` with ``write(fd)`` into this thread's
+    temp file, then renames it over ``name``."""
+    tmp = temp_name(name)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp, dir_fd=dir_fd)  # left by an earlier use of this name
+    flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(tmp, flags | o_direct, 0o644, dir_fd=dir_fd)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # held while live (stale temp files)
+        write(fd)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise
+    finally:
+        os.close(fd)
 
 
 def read_block(
@@ -275,19 +288,6 @@ def write_small_file(path: str, data: bytes, root: str) -> None:
             mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
             if not stat.S_ISREG(mode):
                 remove_entry(dir_fd, name)
-        tmp = temp_name(name)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp, dir_fd=dir_fd)
-        flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(tmp, flags, 0o644, dir_fd=dir_fd)
-        try:
-            os.write(fd, data)
-            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=dir_fd)
-            raise
-        finally:
-            os.close(fd)
+        _replace_atomically(dir_fd, name, lambda fd: os.write(fd, data))
     finally:
         os.close(dir_fd)

@@ -176,18 +176,18 @@ class VerifiedFileSystemTier(FileSystemTierManager):
                     self.root_dir,
                 )
 
-    def _paths_and_offsets(
+    def _files_of(
         self, job: TransferJob
-    ) -> tuple[list[str], list[int], list[bytes]]:
+    ) -> tuple[list[Any], list[str], list[int], list[bytes]]:
+        """The job's keys, and its block files' paths, offsets and key ids."""
         keys = list(job.keys)
         paths = [self.file_mapper.get_file_name(k) for k in keys]
         offsets = [int(c) * self.block_bytes for c in job.chunk_ids]
-        return paths, offsets, [key_digest(k) for k in keys]
+        return keys, paths, offsets, [key_digest(k) for k in keys]
 
     @override
     def submit_store(self, job_metadata: TransferJob) -> None:
-        keys = list(job_metadata.keys)
-        paths, offsets, key_ids = self._paths_and_offsets(job_metadata)
+        keys, paths, offsets, key_ids = self._files_of(job_metadata)
         budget, files = self.budget, self.files
 
         def store_task() -> None:
@@ -202,8 +202,7 @@ class VerifiedFileSystemTier(FileSystemTierManager):
     @override
     def submit_load(self, job_metadata: TransferJob) -> None:
         job_id = job_metadata.job_id
-        keys = list(job_metadata.keys)
-        paths, offsets, key_ids = self._paths_and_offsets(job_metadata)
+        keys, paths, offsets, key_ids = self._files_of(job_metadata)
         budget, files = self.budget, self.files
 
         def load_task() -> None:
