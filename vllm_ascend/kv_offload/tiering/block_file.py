@@ -42,6 +42,7 @@ from vllm_ascend.kv_offload.tiering.tier_paths import (
     open_regular,
     remove_entry,
     split_under,
+    walk_files,
 )
 
 # One page, so that header + payload stay O_DIRECT-aligned (the payload is a
@@ -250,30 +251,27 @@ def read_block(
 
 def remove_stale_temp_files(root: str, max_age_s: float = STALE_TMP_AGE_S) -> int:
     """Removes temp files under ``root`` that no writer holds and that are
-    older than ``max_age_s``; returns how many. Symlinks are not followed."""
+    older than ``max_age_s``; returns how many. Symlinks are not followed
+    (``walk_files``)."""
     removed = 0
     now = time.time()
-    for dirpath, _dirs, files in os.walk(root):
-        for name in files:
-            if not is_temp_name(name):
-                continue
-            path = os.path.join(dirpath, name)
-            try:
-                st = os.stat(path, follow_symlinks=False)
-                if not stat.S_ISREG(st.st_mode) or now - st.st_mtime < max_age_s:
-                    continue
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-            except OSError:
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                continue  # a live writer holds it
-            finally:
-                os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-                removed += 1
+    for dir_fd, _, name, st in walk_files(root):
+        if not is_temp_name(name) or now - st.st_mtime < max_age_s:
+            continue
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            fd = os.open(name, flags, dir_fd=dir_fd)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # a live writer holds it
+        finally:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(name, dir_fd=dir_fd)
+            removed += 1
     return removed
 
 
