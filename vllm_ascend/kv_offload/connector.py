@@ -1,6 +1,6 @@
 """``OffloadingConnector`` for Ascend, registered by plugin.
 
-vLLM's connector, unchanged in its transfer logic, with four additions made
+vLLM's connector, unchanged in its transfer logic, with these additions, made
 through its public hooks only (no vLLM method is copied here):
 
 * layouts: vLLM turns each layer's cache into one block view and fails on

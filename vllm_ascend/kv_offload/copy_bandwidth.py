@@ -10,12 +10,12 @@ that the doctor can report it and the benchmark refuse it.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from unittest import mock
 
 import numpy as np
 import torch
@@ -29,21 +29,6 @@ CONCURRENT = "d2h+h2d"
 # Methods that copy the whole pool in one piece (verified as such).
 WHOLE_COPIES = (CONTIGUOUS, "memcpy", "torch_copy")
 CPU_COPY_METHOD_ENV = "VLLM_ASCEND_CPU_COPY_METHOD"
-
-
-@contextlib.contextmanager
-def cpu_copy_method(method: str):
-    """The native cpu backend reads its copy routine from the environment on
-    every call; this sets it for the calls inside the block."""
-    old = os.environ.get(CPU_COPY_METHOD_ENV)
-    os.environ[CPU_COPY_METHOD_ENV] = method
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[CPU_COPY_METHOD_ENV]
-        else:
-            os.environ[CPU_COPY_METHOD_ENV] = old
 
 
 class Device:
@@ -169,7 +154,9 @@ class Case:
             self.dst.copy_(self.src, non_blocking=True)
 
     def memcpy(self) -> None:
-        with cpu_copy_method("memcpy"):
+        # The native cpu backend reads its copy routine from the environment
+        # on every call.
+        with mock.patch.dict(os.environ, {CPU_COPY_METHOD_ENV: "memcpy"}):
             ops.swap_blocks_batch(self.one_src, self.one_dst, self.one_size, "cpu")
 
     def torch_copy(self) -> None:

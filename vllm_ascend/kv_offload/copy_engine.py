@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from vllm.utils.math_utils import cdiv
 from vllm.v1.kv_offload.base import CanonicalKVCaches, GPULoadStoreSpec
 
 from vllm_ascend.kv_offload.copy_paths import Swap
@@ -141,7 +142,7 @@ class CopyEngine:
             if n == 0:
                 continue
             skip = first % bpc
-            n_cpu = -(-(skip + n) // bpc)
+            n_cpu = cdiv(skip + n, bpc)
             dev = device_ids[dev_pos : dev_pos + n]
             cpu = cpu_ids[cpu_pos : cpu_pos + n_cpu]
             if len(dev) != n or len(cpu) != n_cpu:

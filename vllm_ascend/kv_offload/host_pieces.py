@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import numpy as np
+from vllm.utils.math_utils import cdiv, round_up
 
 # The default of kv_connector_extra_config's host_piece_bytes: vLLM's bound
 # on one cudaHostRegister call.
@@ -44,10 +45,6 @@ SVM_ALIGNMENT = 64 * 2**10
 PAGE_BYTES = mmap.PAGESIZE
 
 T = TypeVar("T")
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 @dataclass(frozen=True)
@@ -89,20 +86,20 @@ class PiecePlan:
             if unit_rows >= multiple:
                 unit_rows -= unit_rows % multiple
         unit_bytes = unit_rows * row_bytes
-        num_units = -(-num_rows // unit_rows)
+        num_units = cdiv(num_rows, unit_rows)
         if not gaps:
             stride = unit_bytes
         elif num_units == 1:
-            stride = _round_up(unit_bytes, align)
+            stride = round_up(unit_bytes, align)
         else:
-            stride = _round_up(unit_bytes + 1, align)  # at least one byte apart
+            stride = round_up(unit_bytes + 1, align)  # at least one byte apart
         # (k - 1) strides and one unit fit in the limit; one unit always.
         fit = 1 + max(0, limit - unit_bytes) // stride
         return cls(num_rows, row_bytes, limit, unit_rows, stride, fit, align)
 
     @property
     def num_units(self) -> int:
-        return -(-self.num_rows // self.unit_rows)
+        return cdiv(self.num_rows, self.unit_rows)
 
     def rows_of_unit(self, unit: int) -> int:
         return min(self.unit_rows, self.num_rows - unit * self.unit_rows)
@@ -122,7 +119,7 @@ class PiecePlan:
         after it when the pool has more than one unit, so that no other
         piece's rows can follow its rows directly in the address space."""
         span = self.piece_span(first_unit, units)
-        return span if self.num_units == 1 else _round_up(span + 1, self.align)
+        return span if self.num_units == 1 else round_up(span + 1, self.align)
 
     @property
     def span(self) -> int:

@@ -90,7 +90,15 @@ def _native() -> tuple[_SwapFn | None, tuple[str, ...], str | None]:
     scheduler's, the API server's) does not load it."""
     loaded = _load_native()
     if loaded[2] is not None:
-        _warn_fallback(loaded[2])
+        # Imported here: vllm's logger pulls in much of vllm, which the
+        # native path must not pay for at import.
+        from vllm_ascend.kv_offload.logger import init_logger
+
+        init_logger(__name__).warning_once(
+            "swap_blocks_batch: using the Python fallback (CPU only, "
+            "single-threaded) because %s",
+            loaded[2],
+        )
     return loaded
 
 
@@ -308,15 +316,3 @@ def coalesce(
     m_size = np.add.reduceat(size, first)
 
     return m_src, m_dst, m_size, first
-
-
-def _warn_fallback(reason: str) -> None:
-    # Imported lazily: vllm's logger pulls in much of vllm, and the native
-    # path must not pay for that at import.
-    from vllm_ascend.kv_offload.logger import init_logger
-
-    init_logger(__name__).warning_once(
-        "swap_blocks_batch: using the Python fallback (CPU only, single-threaded) "
-        "because %s",
-        reason,
-    )

@@ -171,7 +171,11 @@ def populate(
     if huge_pages is None:
         huge_pages = huge_pages_setting()
     if huge_pages:
-        huge_pages = _advise_huge(advise, addr, nbytes)
+        try:
+            advise(addr, nbytes, MADV_HUGEPAGE)
+        except OSError as e:  # a kernel without transparent huge pages
+            logger.debug("KV offload: no huge pages for the CPU block pool (%s)", e)
+            huge_pages = False
     chunks = split(addr, nbytes)
     work = _Work(chunks, advise)
     used = max(1, min(threads, len(chunks)))
@@ -204,15 +208,6 @@ def populate(
         )
     logger.debug("KV offload: populated %s", done)
     return done
-
-
-def _advise_huge(advise: Advise, addr: int, nbytes: int) -> bool:
-    try:
-        advise(addr, nbytes, MADV_HUGEPAGE)
-    except OSError as e:  # a kernel without transparent huge pages
-        logger.debug("KV offload: no huge pages for the CPU block pool (%s)", e)
-        return False
-    return True
 
 
 # madvise's answers where the kernel (or a seccomp filter) does not know or
@@ -253,10 +248,6 @@ class _Work:
                         self.error = e
                     return
                 self.page_writes = True  # for every later chunk too
-        _write_pages(start, length)
-
-
-def _write_pages(start: int, length: int) -> None:
-    """Faults each page of a page-aligned range in by writing a zero."""
-    pages = np.frombuffer((ctypes.c_uint8 * length).from_address(start), np.uint8)
-    pages[::PAGE_BYTES] = 0
+        # One zero written per page faults the range in.
+        pages = np.frombuffer((ctypes.c_uint8 * length).from_address(start), np.uint8)
+        pages[::PAGE_BYTES] = 0

@@ -139,18 +139,14 @@ def _run_job(queue: TransferQueue, job_id: int, copy) -> str | None:
     except Exception as e:
         return f"{type(e).__name__}: {e}"
     queue.wait({job_id})
-    finished = []
     deadline = time.monotonic() + 60
-    while not any(j.job_id == job_id for j in finished):
-        finished += queue.poll()
+    while not (done := [j for j in queue.poll() if j.job_id == job_id]):
         if time.monotonic() > deadline:
             return "the copy job did not finish within 60 s"
-        if not any(j.job_id == job_id for j in finished):
-            queue.wait_any(0.01)
-    (done,) = [j for j in finished if j.job_id == job_id]
+        queue.wait_any(0.01)
     if raised:
         return f"{type(raised[0]).__name__}: {raised[0]}"
-    if not done.success:
+    if not done[0].success:
         return "the copy job failed on its stream (see the error logged above)"
     return None
 

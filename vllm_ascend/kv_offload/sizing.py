@@ -185,6 +185,7 @@ def size_model_config(
     ``block_size``: tokens per CPU block, a multiple of ``device_block_size``
     (vLLM's KV block size on the device)."""
     from vllm.config import ParallelConfig
+    from vllm.utils.math_utils import round_up
     from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
 
     for name, value in (
@@ -272,8 +273,7 @@ def size_model_config(
 
     copies = stored_copies(tp, predicts_replicated(mc.use_mla, tp))
     worker_block = attention_layers * per_token * block_size
-    all_copies = worker_block * copies
-    aligned = -(-all_copies // CPU_BLOCK_ALIGNMENT) * CPU_BLOCK_ALIGNMENT
+    aligned = round_up(worker_block * copies, CPU_BLOCK_ALIGNMENT)
     state_layers = num_layers - attention_layers
     if state_layers:
         notes.append(

@@ -26,6 +26,7 @@ import struct
 import threading
 import time
 import zlib
+from collections.abc import Callable
 
 from vllm.v1.kv_offload.base import (
     OffloadKey,
@@ -41,6 +42,7 @@ from vllm_ascend.kv_offload.tiering.tier_paths import (
     open_regular,
     remove_entry,
     split_under,
+    walk_files,
 )
 
 # One page, so that header + payload stay O_DIRECT-aligned (the payload is a
@@ -155,27 +157,39 @@ def write_block(
             remove_entry(dir_fd, name)
             if on_bad_entry is not None:
                 on_bad_entry(path, f"a {kind_of(mode)} in place of a block file")
-        tmp = temp_name(name)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp, dir_fd=dir_fd)  # left by an earlier use of this name
-        flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(tmp, flags | o_direct, 0o644, dir_fd=dir_fd)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # held while live (stale temp files)
-            want = HEADER_BYTES + len(payload)
+        want = HEADER_BYTES + len(payload)
+
+        def write(fd: int) -> None:
             written = os.writev(fd, [header, payload])
             if written != want:
                 raise OSError(errno.EIO, f"short write: {written} of {want} bytes")
-            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=dir_fd)
-            raise
-        finally:
-            os.close(fd)
+
+        _replace_atomically(dir_fd, name, write, o_direct)
     finally:
         os.close(dir_fd)
     return True
+
+
+def _replace_atomically(
+    dir_fd: int, name: str, write: Callable[[int], None], o_direct: int = 0
+) -> None:
+    """Writes ``name`` in ``dir_fd`` with ``write(fd)`` into this thread's
+    temp file, then renames it over ``name``."""
+    tmp = temp_name(name)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp, dir_fd=dir_fd)  # left by an earlier use of this name
+    flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(tmp, flags | o_direct, 0o644, dir_fd=dir_fd)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # held while live (stale temp files)
+        write(fd)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise
+    finally:
+        os.close(fd)
 
 
 def read_block(
@@ -237,30 +251,27 @@ def read_block(
 
 def remove_stale_temp_files(root: str, max_age_s: float = STALE_TMP_AGE_S) -> int:
     """Removes temp files under ``root`` that no writer holds and that are
-    older than ``max_age_s``; returns how many. Symlinks are not followed."""
+    older than ``max_age_s``; returns how many. Symlinks are not followed
+    (``walk_files``)."""
     removed = 0
     now = time.time()
-    for dirpath, _dirs, files in os.walk(root):
-        for name in files:
-            if not is_temp_name(name):
-                continue
-            path = os.path.join(dirpath, name)
-            try:
-                st = os.stat(path, follow_symlinks=False)
-                if not stat.S_ISREG(st.st_mode) or now - st.st_mtime < max_age_s:
-                    continue
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-            except OSError:
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                continue  # a live writer holds it
-            finally:
-                os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-                removed += 1
+    for dir_fd, _, name, st in walk_files(root):
+        if not is_temp_name(name) or now - st.st_mtime < max_age_s:
+            continue
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            fd = os.open(name, flags, dir_fd=dir_fd)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # a live writer holds it
+        finally:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(name, dir_fd=dir_fd)
+            removed += 1
     return removed
 
 
@@ -275,19 +286,6 @@ def write_small_file(path: str, data: bytes, root: str) -> None:
             mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
             if not stat.S_ISREG(mode):
                 remove_entry(dir_fd, name)
-        tmp = temp_name(name)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp, dir_fd=dir_fd)
-        flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(tmp, flags, 0o644, dir_fd=dir_fd)
-        try:
-            os.write(fd, data)
-            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=dir_fd)
-            raise
-        finally:
-            os.close(fd)
+        _replace_atomically(dir_fd, name, lambda fd: os.write(fd, data))
     finally:
         os.close(dir_fd)

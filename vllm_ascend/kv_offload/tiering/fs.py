@@ -145,7 +145,6 @@ class VerifiedFileSystemTier(FileSystemTierManager):
             getattr(os, "O_DIRECT", 0) if use_o_direct else 0,
         )
         vllm_compat.quiet_fs_tier_pool_errors(VanishedBlockError)
-        self.stale_temp_files_removed = 0
         # Size bound (fs_budget): stores report, reads touch, stats count.
         self.budget: FsTierBudget | None = None
         if max_bytes is not None:
@@ -169,7 +168,6 @@ class VerifiedFileSystemTier(FileSystemTierManager):
     def _remove_stale_temp_files(self) -> None:
         with contextlib.suppress(OSError):
             removed = remove_stale_temp_files(self.root_dir)
-            self.stale_temp_files_removed = removed
             if removed:
                 logger.info(
                     "KV offload: removed %d temp files under %s left by writers "
@@ -178,18 +176,18 @@ class VerifiedFileSystemTier(FileSystemTierManager):
                     self.root_dir,
                 )
 
-    def _paths_and_offsets(
+    def _files_of(
         self, job: TransferJob
-    ) -> tuple[list[str], list[int], list[bytes]]:
+    ) -> tuple[list[Any], list[str], list[int], list[bytes]]:
+        """The job's keys, and its block files' paths, offsets and key ids."""
         keys = list(job.keys)
         paths = [self.file_mapper.get_file_name(k) for k in keys]
         offsets = [int(c) * self.block_bytes for c in job.chunk_ids]
-        return paths, offsets, [key_digest(k) for k in keys]
+        return keys, paths, offsets, [key_digest(k) for k in keys]
 
     @override
     def submit_store(self, job_metadata: TransferJob) -> None:
-        keys = list(job_metadata.keys)
-        paths, offsets, key_ids = self._paths_and_offsets(job_metadata)
+        keys, paths, offsets, key_ids = self._files_of(job_metadata)
         budget, files = self.budget, self.files
 
         def store_task() -> None:
@@ -204,8 +202,7 @@ class VerifiedFileSystemTier(FileSystemTierManager):
     @override
     def submit_load(self, job_metadata: TransferJob) -> None:
         job_id = job_metadata.job_id
-        keys = list(job_metadata.keys)
-        paths, offsets, key_ids = self._paths_and_offsets(job_metadata)
+        keys, paths, offsets, key_ids = self._files_of(job_metadata)
         budget, files = self.budget, self.files
 
         def load_task() -> None:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_ascend.kv_offload.config import OffloadConfigError
 from vllm_ascend.kv_offload.logger import init_logger
-from vllm_ascend.kv_offload.tiering.tier_paths import open_dirs
+from vllm_ascend.kv_offload.tiering.tier_paths import open_dirs, walk_files
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -135,7 +135,6 @@ class FsTierBudget:
         self._evicted_blocks = 0
         self._evicted_bytes = 0
         self._last_size: int | None = None
-        self.total_evicted_blocks = 0
 
     def note_stored(self, nbytes: int) -> None:
         """After this engine wrote ``nbytes`` of block files (I/O thread):
@@ -190,7 +189,6 @@ class FsTierBudget:
             self._evicted_blocks += removed
             self._evicted_bytes += removed_bytes
             self._last_size = total
-            self.total_evicted_blocks += removed
         if removed:
             logger.info(
                 "KV offload: fs tier %s reached %s=%d; removed the %d least "
@@ -267,44 +265,13 @@ class BlockFiles:
         self.root = root
 
     def entries(self) -> list[_Entry]:
-        """Regular ``*.bin`` files under the root, walked by directory fds:
-        symlinks are neither followed nor listed, temp files (in-flight
-        writes) are left out."""
-        out: list[_Entry] = []
-        stack: list[tuple[str, ...]] = [()]
-        while stack:
-            dirs = stack.pop()
-            try:
-                fd = open_dirs(self.root, dirs)
-            except OSError:
-                continue  # removed, replaced or unreadable meanwhile
-            try:
-                with os.scandir(fd) as it:
-                    for entry in it:
-                        try:
-                            st = entry.stat(follow_symlinks=False)
-                        except OSError:
-                            continue
-                        if stat.S_ISDIR(st.st_mode):
-                            stack.append((*dirs, entry.name))
-                        elif stat.S_ISREG(st.st_mode) and entry.name.endswith(
-                            BLOCK_SUFFIX
-                        ):
-                            out.append(
-                                _Entry(
-                                    st.st_mtime_ns,
-                                    st.st_size,
-                                    dirs,
-                                    entry.name,
-                                    st.st_ino,
-                                    st.st_dev,
-                                )
-                            )
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
-        return out
+        """Regular ``*.bin`` files under the root (``walk_files``: nothing
+        followed); temp files (in-flight writes) are left out."""
+        return [
+            _Entry(st.st_mtime_ns, st.st_size, dirs, name, st.st_ino, st.st_dev)
+            for _, dirs, name, st in walk_files(self.root)
+            if name.endswith(BLOCK_SUFFIX)
+        ]
 
     def remove(self, entry: _Entry) -> bool | None:
         """True if removed, False if already gone (another evictor), None if

@@ -14,7 +14,7 @@ import contextlib
 import errno
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 
 class StoredBlockError(OSError):
@@ -111,6 +111,36 @@ def open_dirs(
     except BaseException:
         os.close(fd)
         raise
+
+
+def walk_files(root: str) -> Iterator[tuple[int, tuple[str, ...], str, os.stat_result]]:
+    """Every regular file under ``root``: its directory's fd (open until the
+    next item), its directories under ``root``, its name and its ``lstat``.
+    Walked by directory fds (``open_dirs``): symlinks are neither followed
+    nor listed; a directory removed or unreadable meanwhile is skipped."""
+    stack: list[tuple[str, ...]] = [()]
+    while stack:
+        dirs = stack.pop()
+        try:
+            fd = open_dirs(root, dirs)
+        except OSError:
+            continue
+        try:
+            with os.scandir(fd) as it:
+                entries = list(it)
+            for entry in entries:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if stat.S_ISDIR(st.st_mode):
+                    stack.append((*dirs, entry.name))
+                elif stat.S_ISREG(st.st_mode):
+                    yield fd, dirs, entry.name, st
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
 
 def open_regular(

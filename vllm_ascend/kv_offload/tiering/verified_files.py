@@ -54,7 +54,6 @@ class VerifiedBlockFiles:
         self.auth_key = auth_key
         self.o_direct = o_direct
         self._count_lock = threading.Lock()
-        self.rejected = 0
         self.bad_entries = 0
         self.vanished_blocks = 0  # looked up, gone when loaded: misses
 
@@ -90,7 +89,23 @@ class VerifiedBlockFiles:
                 self.vanished_blocks += 1
             raise VanishedBlockError(exc.errno, exc.strerror, path) from exc
         except OSError as exc:
-            self._log_rejected(path, exc)
+            if isinstance(exc, BadEntryError):
+                pass  # logged and removed by _bad_entry
+            elif isinstance(exc, StoredBlockError):
+                logger.warning(
+                    "KV offload: fs tier file %s is not loaded (%s); the request "
+                    "recomputes those tokens, the file is removed",
+                    path,
+                    exc.strerror,
+                )
+                remove_block(path, self.root)
+            else:
+                logger.warning(
+                    "KV offload: fs tier file %s could not be read (%s); the "
+                    "request recomputes those tokens",
+                    path,
+                    exc,
+                )
             raise
 
     def _bad_entry(self, path: str, found: str) -> None:
@@ -102,24 +117,3 @@ class VerifiedBlockFiles:
             found,
             path,
         )
-
-    def _log_rejected(self, path: str, exc: OSError) -> None:
-        with self._count_lock:
-            self.rejected += 1
-        if isinstance(exc, BadEntryError):
-            return  # logged and removed by _bad_entry
-        if isinstance(exc, StoredBlockError):
-            logger.warning(
-                "KV offload: fs tier file %s is not loaded (%s); the request "
-                "recomputes those tokens, the file is removed",
-                path,
-                exc.strerror,
-            )
-            remove_block(path, self.root)
-        else:
-            logger.warning(
-                "KV offload: fs tier file %s could not be read (%s); the request "
-                "recomputes those tokens",
-                path,
-                exc,
-            )
