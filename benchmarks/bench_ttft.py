@@ -190,16 +190,10 @@ def run_rounds(cfg: dict) -> list[dict]:
                     engines[reader][1].send(("read", length, seed))
                     row.update(engines[reader][1].recv())
                 trials.append(row)
-                print(
-                    f"[ttft] round {rnd} {writer}->{reader} L={length:5d} "
-                    + " ".join(
-                        f"{c}={row[c] * 1e3:.0f} ms (load {row[c + '_load']:.1f})"
-                        for c in CASES
-                        if c in row
-                    ),
-                    file=sys.stderr,
-                    flush=True,
-                )
+                head = f"[ttft] round {rnd} {writer}->{reader} L={length:5d}"
+                cells = [f"{c}={row[c] * 1e3:.0f} ms (load {row[c + '_load']:.1f})"
+                         for c in CASES if c in row]  # fmt: skip
+                print(head, *cells, file=sys.stderr, flush=True)
         return trials
     finally:
         for proc, conn in engines.values():
@@ -240,18 +234,11 @@ def print_table(summary: list[dict]) -> None:
     print("\nTTFT, ms: median / p90 [1-min load average range]")
     print(f"{'tokens':>6}" + "".join(f"{c:>26}" for c in CASES) + "  cold/CPU")
     for r in summary:
-        cells = [
-            f"{r[c]['median']:6.0f} / {r[c]['p90']:<5.0f}"
-            f"[{r[c]['load'][0]:.1f}-{r[c]['load'][1]:.1f}]"
-            if c in r
-            else "-"
-            for c in CASES
-        ]
-        print(
-            f"{r['length']:6d}"
-            + "".join(f"{c:>26}" for c in cells)
-            + f"  {r['cold_over_cpu']:8.1f}"
-        )
+        cells = [f"{r[c]['median']:6.0f} / {r[c]['p90']:<5.0f}"
+                 f"[{r[c]['load'][0]:.1f}-{r[c]['load'][1]:.1f}]" if c in r else "-"
+                 for c in CASES]  # fmt: skip
+        cells = "".join(f"{c:>26}" for c in cells)
+        print(f"{r['length']:6d}{cells}  {r['cold_over_cpu']:8.1f}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
