@@ -22,17 +22,12 @@ BLOCK_TOKENS = 128  # the guide's block_size, also the device block size here
 KINDS = ("prefix_repetition", "hog", "shared_prefix", "no_reuse", "multi_turn")
 # bench serve's result keys -> ours.
 BENCH_KEYS = {
-    "completed": "completed",
-    "failed": "failed",
-    "request_throughput": "req_per_s",
-    "output_throughput": "out_tok_per_s",
-    "mean_ttft_ms": "ttft_mean_ms",
-    "median_ttft_ms": "ttft_median_ms",
-    "p99_ttft_ms": "ttft_p99_ms",
-    "p100_ttft_ms": "ttft_max_ms",
-    "mean_tpot_ms": "tpot_mean_ms",
-    "median_tpot_ms": "tpot_median_ms",
-}
+    "completed": "completed", "failed": "failed",
+    "request_throughput": "req_per_s", "output_throughput": "out_tok_per_s",
+    "mean_ttft_ms": "ttft_mean_ms", "median_ttft_ms": "ttft_median_ms",
+    "p99_ttft_ms": "ttft_p99_ms", "p100_ttft_ms": "ttft_max_ms",
+    "mean_tpot_ms": "tpot_mean_ms", "median_tpot_ms": "tpot_median_ms",
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
