@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks.common import loadavg
+from benchmarks.common import add_int_args, loadavg
 
 BLOCK_SIZE = 16
 HOOKS = (
@@ -56,20 +56,9 @@ CONFIGS = {
 
 def _scheduler(impl: str, args: argparse.Namespace):
     import torch
-    from vllm.config import (
-        CacheConfig,
-        KVTransferConfig,
-        ModelConfig,
-        SchedulerConfig,
-        VllmConfig,
-    )
+    from vllm import config as vc
+    from vllm.v1 import kv_cache_interface as kv
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        KVCacheTensor,
-    )
     from vllm.v1.structured_output import StructuredOutputManager
 
     from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model
@@ -77,43 +66,37 @@ def _scheduler(impl: str, args: argparse.Namespace):
     max_len = args.prompt_tokens + args.output_tokens + BLOCK_SIZE
     # Every request's blocks fit on the device: nothing is preempted.
     num_blocks = args.requests * (max_len // BLOCK_SIZE + 1) + 16
-    spec = FullAttentionSpec(
+    spec = kv.FullAttentionSpec(
         block_size=BLOCK_SIZE, num_kv_heads=2, head_size=32, dtype=torch.float32
     )
-    page = spec.page_size_bytes
-    kv_cache_config = KVCacheConfig(
+    page, layers = spec.page_size_bytes, ["layers.0.attn"]
+    size = page * num_blocks
+    kv_cache_config = kv.KVCacheConfig(
         num_blocks=num_blocks,
-        kv_cache_tensors=[
-            KVCacheTensor(
-                size=page * num_blocks,
-                layers=["layers.0.attn"],
-                layer_stride=page * num_blocks,
-                block_stride=page,
-            )
-        ],
-        kv_cache_groups=[KVCacheGroupSpec(["layers.0.attn"], spec)],
+        kv_cache_tensors=[kv.KVCacheTensor(size, layers, size, page)],
+        kv_cache_groups=[kv.KVCacheGroupSpec(layers, spec)],
     )
-    vllm_config = VllmConfig(
-        model_config=ModelConfig(
+    extra = {
+        **CONFIGS[impl],
+        "cpu_bytes_to_use": args.cpu_blocks * page,
+        "block_size": BLOCK_SIZE,
+        "offload_prompt_only": False,  # output blocks too: every step stores some
+    }
+    vllm_config = vc.VllmConfig(
+        model_config=vc.ModelConfig(
             model=str(ensure_tiny_model()), dtype="float32", max_model_len=max_len
         ),
-        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
-        scheduler_config=SchedulerConfig(
+        cache_config=vc.CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
+        scheduler_config=vc.SchedulerConfig(
             max_num_seqs=args.requests,
             max_num_batched_tokens=args.requests * args.prompt_tokens,
             max_model_len=max_len,
             is_encoder_decoder=False,
         ),
-        kv_transfer_config=KVTransferConfig(
+        kv_transfer_config=vc.KVTransferConfig(
             kv_connector="OffloadingConnector",
             kv_role="kv_both",
-            kv_connector_extra_config={
-                **CONFIGS[impl],
-                "cpu_bytes_to_use": args.cpu_blocks * page,
-                "block_size": BLOCK_SIZE,
-                # Output blocks too: every step then stores some blocks.
-                "offload_prompt_only": False,
-            },
+            kv_connector_extra_config=extra,
         ),
     )
     kv_cache_config.num_blocks = num_blocks
@@ -223,11 +206,8 @@ def run_once(impl: str, args: argparse.Namespace, round_idx: int) -> dict[str, A
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--requests", type=int, default=256)
-    p.add_argument("--prompt-tokens", type=int, default=256)
-    p.add_argument("--output-tokens", type=int, default=128)
-    p.add_argument("--cpu-blocks", type=int, default=100_000)
-    p.add_argument("--rounds", type=int, default=5, help="A/B rounds")
+    add_int_args(p, {"requests": 256, "prompt-tokens": 256, "output-tokens": 128,
+                     "cpu-blocks": 100_000, "rounds": (5, "A/B rounds")})  # fmt: skip
     p.add_argument("--impl", choices=["ours", "vllm", "both"], default="both")
     p.add_argument("--json", action="store_true", help="one JSON line per run")
     args = p.parse_args()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -29,25 +30,22 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
 
 from benchmarks import serving_report as report  # noqa: E402
 from benchmarks import serving_workloads as wl  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     SMALL_MODEL,
-    CpuHog,
-    LoadSampler,
+    add_int_args,
     add_model_args,
+    add_output_args,
+    cpu_hog,
+    load_samples,
     loadavg,
     model_args,
+    write_json,
 )
-from benchmarks.serving_server import (  # noqa: E402
-    BenchServer,
-    counter_deltas,
-    serve_flags,
-)
+from benchmarks.serving_server import BenchServer, counter_deltas, serve_flags  # noqa: E402
 
 # Flag defaults each preset sets (flags given beside it still win).
 PRESETS = {
@@ -68,6 +66,16 @@ PRESETS = {
         goals="issue26",
     ),
 }  # fmt: skip
+# Integer flags: default, or (default, help).
+INT_FLAGS = {
+    "device-blocks": (96, "device KV cache, blocks of 128 tokens"),
+    "cpu-blocks": (0, "num_cpu_blocks (default: twice the working set's blocks)"),
+    "prefix-len": 512, "suffix-len": 64, "output-len": 16,
+    "repeats": (3, "prompts per prefix"), "max-model-len": 2048,
+    "mt-conversations": 8, "mt-turns": 3, "mt-clients": 4, "mt-system-len": 256,
+    "greedy-prompts": 8, "greedy-tokens": 16, "seed": 0,
+}  # fmt: skip
+WORKING_SET_HELP = "distinct prefixes' tokens / device cache tokens"
 
 
 def run_workload(server: BenchServer, model: str, w: wl.Workload, args, seed, log):
@@ -75,19 +83,13 @@ def run_workload(server: BenchServer, model: str, w: wl.Workload, args, seed, lo
     server.reset_caches()
     before = server.metrics()
     t0 = time.perf_counter()
-    with LoadSampler() as load:
-        hog = CpuHog(args.hog_s) if w.kind == "hog" else None
-        if hog:
-            hog.__enter__()
-        try:
-            if w.kind == "multi_turn":
-                outs, dur = asyncio.run(wl.multi_turn(server.base, model, args, seed))
-                bench = wl.summarize_requests(outs, dur)
-            else:
-                bench = wl.run_bench_serve(server.base, model, w, seed, log)
-        finally:
-            if hog:
-                hog.__exit__(None, None, None)
+    hog = cpu_hog(args.hog_s) if w.kind == "hog" else contextlib.nullcontext()
+    with load_samples() as load, hog:
+        if w.kind == "multi_turn":
+            outs, dur = asyncio.run(wl.multi_turn(server.base, model, args, seed))
+            bench = wl.summarize_requests(outs, dur)
+        else:
+            bench = wl.run_bench_serve(server.base, model, w, seed, log)
     seconds = time.perf_counter() - t0
     time.sleep(1)  # the last step's stats reach /metrics
     return {
@@ -95,7 +97,7 @@ def run_workload(server: BenchServer, model: str, w: wl.Workload, args, seed, lo
         "counters": counter_deltas(before, server.metrics()),
         "rss_gib": server.rss_bytes() / 2**30,
         "seconds": seconds,
-        "loadavg_1m": [s[0] for s in load.samples],
+        "loadavg_1m": [s[0] for s in load],
     }
 
 
@@ -162,10 +164,7 @@ def summarize(result: dict, goal_set: str) -> dict:
 def run(args) -> dict:
     model_spec = model_args(args)
     model = model_spec.ensure(max_positions=max(8192, 2 * args.max_model_len))
-    sizes = wl.Sizes(
-        args.device_blocks, args.working_set, args.prefix_len, args.suffix_len,
-        args.output_len, args.repeats, args.cpu_blocks,
-    )  # fmt: skip
+    sizes = wl.Sizes.of(args)
     plan = wl.workloads(args, sizes)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="bench_serving."))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -211,44 +210,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="--preset quick")
     p.add_argument("--rounds", type=int, default=2, help="off/on pairs, alternating")
     p.add_argument("--concurrency", type=int, nargs="+", default=[4, 16])
-    p.add_argument(
-        "--device-blocks", type=int, default=96,
-        help="device KV cache, blocks of 128 tokens",
-    )  # fmt: skip
-    p.add_argument(
-        "--working-set", type=float, default=2.0,
-        help="distinct prefixes' tokens / device cache tokens",
-    )  # fmt: skip
-    p.add_argument(
-        "--cpu-blocks", type=int, default=0,
-        help="num_cpu_blocks (default: twice the working set's blocks)",
-    )  # fmt: skip
-    p.add_argument("--prefix-len", type=int, default=512)
-    p.add_argument("--suffix-len", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=3, help="prompts per prefix")
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--mt-conversations", type=int, default=8)
-    p.add_argument("--mt-turns", type=int, default=3)
-    p.add_argument("--mt-clients", type=int, default=4)
-    p.add_argument("--mt-system-len", type=int, default=256)
+    add_int_args(p, INT_FLAGS)
+    p.add_argument("--working-set", type=float, default=2.0, help=WORKING_SET_HELP)
     p.add_argument("--hog-s", type=float, default=900, help="CPU hog's time limit")
-    p.add_argument(
-        "--only", nargs="+", default=None, choices=wl.KINDS,
-        help="run only these workload kinds",
-    )  # fmt: skip
+    p.add_argument("--only", nargs="+", choices=wl.KINDS, help="only these kinds")
     p.add_argument("--goals", default="issue26", choices=sorted(report.GOALS))
-    p.add_argument("--greedy-prompts", type=int, default=8)
-    p.add_argument("--greedy-tokens", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--json", type=Path, default=None, help="write all raw numbers")
-    p.add_argument("--log-dir", type=Path, default=None, help="server/client logs")
+    add_output_args(p, logs="server/client logs")
     p.add_argument("--plot-dir", type=Path, default=None, help="PNG figures here")
     p.add_argument(
-        "--from-json", type=Path, default=None,
-        help="no run: report (and plot) an earlier --json",
-    )  # fmt: skip
+        "--from-json", type=Path, help="no run: report (and plot) an earlier --json"
+    )
     add_model_args(p, SMALL_MODEL)
     args = p.parse_args(argv)
     preset = "quick" if args.quick else args.preset
@@ -258,15 +229,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.prefix_len % wl.BLOCK_TOKENS:
         p.error(f"--prefix-len must be a multiple of {wl.BLOCK_TOKENS}")
     return args
-
-
-def write_json(path: Path, result: dict) -> None:
-    def plain(value):  # numpy scalars that slip through (bool_, float64, ...)
-        if hasattr(value, "item"):
-            return value.item()
-        raise TypeError(f"not JSON serializable: {type(value).__name__}")
-
-    path.write_text(json.dumps(result, indent=1, default=plain))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -283,19 +245,15 @@ def main(argv: list[str] | None = None) -> None:
         f"{result['loadavg_end']}; {result['nproc']} CPUs; "
         f"{result['seconds']:.0f} s"
     )
-    if args.plot_dir:
-        try:
-            paths = report.plot(result, args.plot_dir)
-        except ImportError:
-            # A benchmark-only dependency: the figures are optional.
-            print(
-                "--plot-dir: matplotlib is not installed (pip install matplotlib); "
-                "no figures written, the JSON and the table above are complete",
-                file=sys.stderr,
-            )
-            paths = []
-        for path in paths:
+    try:  # matplotlib: a benchmark-only dependency, the figures are optional
+        for path in report.plot(result, args.plot_dir) if args.plot_dir else []:
             print(f"figure: {path}")
+    except ImportError:
+        print(
+            "--plot-dir: matplotlib is not installed (pip install matplotlib); "
+            "no figures written, the JSON and the table above are complete",
+            file=sys.stderr,
+        )
 
 
 if __name__ == "__main__":

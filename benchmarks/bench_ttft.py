@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import multiprocessing
 import os
@@ -47,9 +46,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
 
 from benchmarks.common import (  # noqa: E402
     SMALL_MODEL,
@@ -58,16 +55,16 @@ from benchmarks.common import (  # noqa: E402
     loadavg,
     model_args,
     percentile,
+    write_json,
 )
 from vllm_ascend.kv_offload.testing import engine  # noqa: E402 (no vLLM import)
 
 CPU_BLOCK_TOKENS = 128  # the guide's block_size
 CASES = ("cold", "device", "cpu", "fs")
 LOAD_BYTES, LOAD_S = "vllm:kv_offload_load_bytes", "vllm:kv_offload_load_time"
-TIER_WRITE = "vllm:kv_offload_tiering_write_bytes"
-TIER_READ, TIER_READ_S = (
-    "vllm:kv_offload_tiering_read_bytes",
-    "vllm:kv_offload_tiering_read_time",
+TIER = "vllm:kv_offload_tiering_"
+TIER_WRITE, TIER_READ, TIER_READ_S = (
+    TIER + x for x in ("write_bytes", "read_bytes", "read_time")
 )
 
 
@@ -144,25 +141,14 @@ def engine_process(cfg: dict, conn, name: str) -> None:
     from vllm_ascend.kv_offload.testing.tiny_model import make_prompt
 
     if cfg["log_dir"] is not None:  # the engine's output; [ttft] lines stay
-        log = os.open(
-            os.path.join(cfg["log_dir"], f"engine_{name}.log"),
-            os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
-            0o644,
-        )
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-
+        with open(os.path.join(cfg["log_dir"], f"engine_{name}.log"), "w") as log:
+            os.dup2(log.fileno(), 1)
+            os.dup2(log.fileno(), 2)
     transfer = engine.transfer_config(
         extra_config(cfg), kv_load_failure_policy="recompute"
     )
-    llm = engine.start(
-        cfg["model_path"],
-        transfer,
-        dtype=cfg["dtype"],
-        max_model_len=cfg["max_model_len"],
-        enforce_eager=True,
-        seed=0,
-    )
+    shape = dict(dtype=cfg["dtype"], max_model_len=cfg["max_model_len"])
+    llm = engine.start(cfg["model_path"], transfer, **shape, enforce_eager=True, seed=0)
     engine.generate(llm, "warm up")
     conn.send("ready")
     roles = {"write": write, "read": read}
@@ -204,16 +190,10 @@ def run_rounds(cfg: dict) -> list[dict]:
                     engines[reader][1].send(("read", length, seed))
                     row.update(engines[reader][1].recv())
                 trials.append(row)
-                print(
-                    f"[ttft] round {rnd} {writer}->{reader} L={length:5d} "
-                    + " ".join(
-                        f"{c}={row[c] * 1e3:.0f} ms (load {row[c + '_load']:.1f})"
-                        for c in CASES
-                        if c in row
-                    ),
-                    file=sys.stderr,
-                    flush=True,
-                )
+                head = f"[ttft] round {rnd} {writer}->{reader} L={length:5d}"
+                cells = [f"{c}={row[c] * 1e3:.0f} ms (load {row[c + '_load']:.1f})"
+                         for c in CASES if c in row]  # fmt: skip
+                print(head, *cells, file=sys.stderr, flush=True)
         return trials
     finally:
         for proc, conn in engines.values():
@@ -254,18 +234,11 @@ def print_table(summary: list[dict]) -> None:
     print("\nTTFT, ms: median / p90 [1-min load average range]")
     print(f"{'tokens':>6}" + "".join(f"{c:>26}" for c in CASES) + "  cold/CPU")
     for r in summary:
-        cells = [
-            f"{r[c]['median']:6.0f} / {r[c]['p90']:<5.0f}"
-            f"[{r[c]['load'][0]:.1f}-{r[c]['load'][1]:.1f}]"
-            if c in r
-            else "-"
-            for c in CASES
-        ]
-        print(
-            f"{r['length']:6d}"
-            + "".join(f"{c:>26}" for c in cells)
-            + f"  {r['cold_over_cpu']:8.1f}"
-        )
+        cells = [f"{r[c]['median']:6.0f} / {r[c]['p90']:<5.0f}"
+                 f"[{r[c]['load'][0]:.1f}-{r[c]['load'][1]:.1f}]" if c in r else "-"
+                 for c in CASES]  # fmt: skip
+        cells = "".join(f"{c:>26}" for c in cells)
+        print(f"{r['length']:6d}{cells}  {r['cold_over_cpu']:8.1f}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -346,8 +319,7 @@ def main(argv: list[str] | None = None) -> None:
         "seconds": time.perf_counter() - t0,
     }
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
+        write_json(args.json, result)
     print_table(summary)
     if bandwidth is not None:
         print(f"\nfs read bandwidth, {bandwidth['files']} files, one thread:")

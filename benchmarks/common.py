@@ -11,10 +11,13 @@ with benchmark-sized defaults instead of the test-sized ones.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -103,10 +106,17 @@ def model_args(args: argparse.Namespace) -> ModelArgs:
     return ModelArgs(**{f.name: getattr(args, f.name) for f in fields(ModelArgs)})
 
 
-def add_output_args(p: argparse.ArgumentParser) -> None:
+def add_int_args(p: argparse.ArgumentParser, flags: dict) -> None:
+    """Integer flags from ``{"name": default}`` or ``{"name": (default, help)}``."""
+    for name, value in flags.items():
+        default, text = value if isinstance(value, tuple) else (value, None)
+        p.add_argument(f"--{name}", type=int, default=default, help=text)
+
+
+def add_output_args(p: argparse.ArgumentParser, logs: str = "engine logs") -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--json", type=Path, default=None, help="write all raw numbers")
-    p.add_argument("--log-dir", type=Path, default=None, help="engine logs")
+    p.add_argument("--log-dir", type=Path, default=None, help=logs)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -114,55 +124,54 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-def loadavg() -> tuple[float, float, float]:
-    return os.getloadavg()
+loadavg = os.getloadavg
 
 
-class LoadSampler:
-    """Samples the load average every ``period_s`` while a measurement runs
-    (``with LoadSampler() as load: ...``; then ``load.samples``)."""
+def write_json(path: Path, result) -> None:
+    """``result`` as indented JSON (numpy scalars as plain numbers)."""
 
-    def __init__(self, period_s: float = 5.0):
-        self.samples: list[tuple[float, float, float]] = []
-        self._stop = threading.Event()
-        self._period = period_s
-        self._thread = threading.Thread(target=self._run, daemon=True)
+    def plain(value):
+        if hasattr(value, "item"):
+            return value.item()
+        raise TypeError(f"not JSON serializable: {type(value).__name__}")
 
-    def _run(self):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1, default=plain))
+
+
+@contextlib.contextmanager
+def load_samples(period_s: float = 5.0) -> Iterator[list[tuple[float, ...]]]:
+    """The load average, sampled every ``period_s`` while the ``with`` block
+    runs (``with load_samples() as samples: ...``)."""
+    samples: list[tuple[float, ...]] = []
+    stop = threading.Event()
+
+    def sample() -> None:
         while True:
-            self.samples.append(loadavg())
-            if self._stop.wait(self._period):
+            samples.append(loadavg())
+            if stop.wait(period_s):
                 return
 
-    def __enter__(self) -> LoadSampler:
-        self._thread.start()
-        return self
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield samples
+    finally:
+        stop.set()
+        thread.join()
 
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
+
+HOG = "import time\nend = time.time() + {}\nwhile time.time() < end: pass"
 
 
-class CpuHog:
+@contextlib.contextmanager
+def cpu_hog(seconds: float) -> Iterator[None]:
     """One busy process (one core's worth) beside what is measured, ended on
     leaving the ``with`` block or after ``seconds`` at most."""
-
-    CODE = (
-        "import sys, time\n"
-        "end = time.time() + float(sys.argv[1])\n"
-        "while time.time() < end: pass"
-    )
-
-    def __init__(self, seconds: float):
-        self.seconds = seconds
-
-    def __enter__(self) -> CpuHog:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", self.CODE, str(self.seconds)]
-        )
-        return self
-
-    def __exit__(self, *exc):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-        self.proc.wait(timeout=30)
+    proc = subprocess.Popen([sys.executable, "-c", HOG.format(seconds)])
+    try:
+        yield
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+        proc.wait(timeout=30)

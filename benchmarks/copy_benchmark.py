@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
+from benchmarks.common import add_int_args
 from benchmarks.copy_jobs import descriptor_cost, layout_jobs
 from vllm_ascend.kv_offload import host_guard, ops
 from vllm_ascend.kv_offload.copy_bandwidth import (
@@ -111,9 +112,7 @@ def print_table(
     if op_missing:
         print(f"op: n/a, {op_missing}")
     methods = list(dict.fromkeys(r["method"] for r in rows))
-    head = f"{'dir':<8}{'fragment':>10}{'n':>8}"
-    for m in methods:
-        head += f"{m:>18}"
+    head = f"{'dir':<8}{'fragment':>10}{'n':>8}" + "".join(f"{m:>18}" for m in methods)
     vs_memcpy = "memcpy" in methods and "op" in methods
     print(head + f"{'op copies':>11}" + (f"{'op/memcpy':>11}" if vs_memcpy else ""))
     for (direction, frag, n), by_method in by_case(rows).items():
@@ -153,61 +152,38 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         description="Scattered KV-fragment copies: contiguous limit vs per-fragment "
         "loop vs swap_blocks_batch, plus descriptor build cost.",
     )
+    size = host_guard.size_flag
     p.add_argument("--device", choices=("cpu", "cuda", "npu"), default=None)
     p.add_argument(
-        "--fragment-bytes",
-        nargs="+",
-        type=host_guard.size_flag,
-        default=list(DEFAULT_FRAGMENT_BYTES),
+        "--fragment-bytes", nargs="+", type=size, default=list(DEFAULT_FRAGMENT_BYTES),
         help="fragment sizes (default 16K 64K 256K 1M)",
-    )
+    )  # fmt: skip
     p.add_argument(
-        "--num-fragments",
-        type=int,
-        default=None,
-        help="fragments per row (default: --total-bytes / fragment size)",
-    )
-    p.add_argument(
-        "--total-bytes",
-        type=host_guard.size_flag,
-        default=None,
-        help="bytes per row when --num-fragments is not given "
+        "--total-bytes", type=size, help="bytes per row without --num-fragments "
         "(default 256M on devices, 64M on cpu)",
-    )
+    )  # fmt: skip
     p.add_argument("--direction", choices=("d2h", "h2d", "both"), default="both")
     p.add_argument(
-        "--concurrent",
-        action="store_true",
+        "--concurrent", action="store_true",
         help="also time d2h and h2d at once on two streams (devices only)",
-    )
-    p.add_argument("--repeats", type=int, default=20)
+    )  # fmt: skip
     p.add_argument(
-        "--settle-ms",
-        type=float,
-        default=30.0,
+        "--settle-ms", type=float, default=30.0,
         help="cpu only: idle gap before each timed copy, so that torch's "
         "OpenMP workers (spinning ~10 ms after the previous method) are asleep",
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--layout-blocks",
-        type=int,
-        default=8,
-        help="device blocks per Ascend-layout store job (0 skips; imports vLLM)",
-    )
-    p.add_argument(
-        "--descriptor-fragments",
-        type=int,
-        default=50_000,
-        help="fragments of the descriptor-cost job (0 skips that section)",
-    )
-    p.add_argument("--descriptor-fragment-bytes", type=host_guard.size_flag, default=64)
-    p.add_argument(
-        "--descriptor-tensors",
-        type=int,
-        default=40,
-        help="cached tensors of the descriptor-cost job (e.g. 20 layers x K/V)",
-    )
+    )  # fmt: skip
+    add_int_args(p, {
+        "num-fragments": (None, "fragments per row (default: --total-bytes / "
+                          "fragment size)"),
+        "repeats": 20, "seed": 0,
+        "layout-blocks": (8, "device blocks per Ascend-layout store job (0 skips; "
+                          "imports vLLM)"),
+        "descriptor-fragments": (50_000, "fragments of the descriptor-cost job "
+                                 "(0 skips that section)"),
+        "descriptor-tensors": (40, "cached tensors of the descriptor-cost job "
+                               "(e.g. 20 layers x K/V)"),
+    })  # fmt: skip
+    p.add_argument("--descriptor-fragment-bytes", type=size, default=64)
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     args = p.parse_args(argv)
     args.device = args.device or default_device()
@@ -229,19 +205,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     device.settle_s = args.settle_ms / 1e3
     torch.manual_seed(args.seed)  # device-side random sources
     rows, op_missing = run_copies(args, device)
-    desc = None
+    desc, layouts, run = None, [], (args.repeats, args.seed)
     if args.descriptor_fragments > 0:
-        desc = descriptor_cost(
-            device,
-            args.descriptor_fragments,
-            args.descriptor_fragment_bytes,
-            args.descriptor_tensors,
-            args.repeats,
-            args.seed,
-        )
-    layouts = []
+        sizes = (args.descriptor_fragment_bytes, args.descriptor_tensors)
+        desc = descriptor_cost(device, args.descriptor_fragments, *sizes, *run)
     if args.layout_blocks > 0 and not op_missing:
-        layouts = layout_jobs(device, args.layout_blocks, args.repeats, args.seed)
+        layouts = layout_jobs(device, args.layout_blocks, *run)
     if args.json:
         for row in rows + ([desc] if desc else []) + layouts:
             print(json.dumps(row))

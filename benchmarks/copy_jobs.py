@@ -47,11 +47,10 @@ class StoreJob:
         kv = canonicalize(caches, [list(caches)], blocks)
         gen = torch.Generator().manual_seed(seed)
         for t in kv.tensors:
-            t.tensor.copy_(
-                torch.randint(
-                    -128, 128, t.tensor.shape, dtype=torch.int8, generator=gen
-                )
+            rand = torch.randint(
+                -128, 128, t.tensor.shape, generator=gen, dtype=torch.int8
             )
+            t.tensor.copy_(rand)
         pages = [t.page_size_bytes for t in kv.tensors]
         pool = private_pool(pages, 1, blocks, device.name)
         engine = CopyEngine(kv, pool)
@@ -66,16 +65,12 @@ class StoreJob:
     def stored(self) -> bool:
         """Whether block ``dev_ids[j]`` of every tensor is in row ``cpu_ids[j]``."""
         rows = self.pool.tensor.view(len(self.cpu_ids), -1)
-        cpu_idx, dev_idx = (
-            torch.from_numpy(self.cpu_ids),
-            torch.from_numpy(self.dev_ids),
-        )
-        ends = np.cumsum([t.page_size_bytes for t in self.kv.tensors])
+        cpu_idx, dev_idx = map(torch.from_numpy, (self.cpu_ids, self.dev_ids))
+        pages = np.array([t.page_size_bytes for t in self.kv.tensors])
+        ends = np.cumsum(pages)
         return all(
-            torch.equal(
-                rows[cpu_idx, end - t.page_size_bytes : end], t.tensor.cpu()[dev_idx]
-            )
-            for t, end in zip(self.kv.tensors, ends, strict=True)
+            torch.equal(rows[cpu_idx, start:end], t.tensor.cpu()[dev_idx])
+            for t, start, end in zip(self.kv.tensors, ends - pages, ends, strict=True)
         )
 
 

@@ -108,38 +108,25 @@ def read_bandwidth(root: str, block_bytes: int) -> dict:
 
         return run
 
-    def timed(fn) -> float:
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-
     rows = {}
 
-    def record(name: str, seconds: float, cache: str, resident) -> None:
-        rows[name] = {
-            "seconds": seconds,
-            "gbps": total / seconds / 1e9,
-            "page_cache": cache,
-            "resident_before": resident,
-            "loadavg": os.getloadavg()[0],
-        }
+    def record(name: str, read, cache: str) -> None:
+        resident = _resident_fraction(paths)
+        t0 = time.perf_counter()
+        read()
+        seconds = time.perf_counter() - t0
+        rows[name] = {"seconds": seconds, "gbps": total / seconds / 1e9,
+                      "page_cache": cache, "resident_before": resident,
+                      "loadavg": os.getloadavg()[0]}  # fmt: skip
 
     _drop_page_cache(paths)
-    resident = _resident_fraction(paths)
-    record("plain_cold", timed(plain), "cold (fsync + fadvise DONTNEED)", resident)
-    resident = _resident_fraction(paths)
-    record("plain_warm", timed(plain), "warm (read just before)", resident)
+    record("plain_cold", plain, "cold (fsync + fadvise DONTNEED)")
+    record("plain_warm", plain, "warm (read just before)")
     _drop_page_cache(paths)
-    resident = _resident_fraction(paths)
-    record(
-        "fs_tier_read",
-        timed(verified(o_direct)),
-        "O_DIRECT: bypassed" if o_direct else "cold (buffered; no O_DIRECT here)",
-        resident,
-    )
-    timed(verified(0))  # warm the cache through the buffered path
-    resident = _resident_fraction(paths)
-    record("fs_tier_read_buffered_warm", timed(verified(0)), "warm", resident)
+    no_cache = "O_DIRECT: bypassed" if o_direct else "cold (buffered; no O_DIRECT here)"
+    record("fs_tier_read", verified(o_direct), no_cache)
+    verified(0)()  # warm the cache through the buffered path
+    record("fs_tier_read_buffered_warm", verified(0), "warm")
     return {
         "files": len(paths),
         "file_bytes": size,

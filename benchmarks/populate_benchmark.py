@@ -26,7 +26,6 @@ faulted in faster than memory free for a while, as an engine's pool is.
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import os
 import statistics
@@ -39,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import loadavg
+from benchmarks.common import loadavg, write_json
 from vllm_ascend.kv_offload import populate
 
 GiB = 2**30
@@ -129,15 +128,10 @@ def gil_check(nbytes: int) -> dict[str, float]:
     for name in ("mmap.madvise", "libc_madvise"):
         region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         view = torch.frombuffer(region, dtype=torch.int8)
-        if name == "mmap.madvise":
-            call = partial(before, region, 0, nbytes)
-        else:
-            call = partial(
-                populate.libc_madvise,
-                view.data_ptr(),
-                nbytes,
-                populate.MADV_POPULATE_WRITE,
-            )
+        call = partial(before, region, 0, nbytes)
+        if name == "libc_madvise":
+            advice = populate.MADV_POPULATE_WRITE
+            call = partial(populate.libc_madvise, view.data_ptr(), nbytes, advice)
         found[name] = spins_during(call)
         del view, call
         region.close()
@@ -188,8 +182,7 @@ def report(trials: list[Trial], names: list[str]) -> str:
     base = medians[names[0]]
     for n in names:
         mine = [t for t in trials if t.variant == n]
-        values = [t.s_per_gib for t in mine]
-        loads = [t.load1 for t in mine]
+        values, loads = [t.s_per_gib for t in mine], [t.load1 for t in mine]
         huge = statistics.median(t.huge_share for t in mine)
         cpu = statistics.median(t.cpu_s_per_gib for t in mine)
         rows.append(
@@ -205,13 +198,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gib", type=float, default=1.0, help="mapping per trial")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument(
-        "--threads",
-        type=lambda s: [int(x) for x in s.split(",")],
+        "--threads", type=lambda s: [int(x) for x in s.split(",")],
         default=sorted({1, 2, len(os.sched_getaffinity(0))}),
         help="comma-separated thread counts (default: 1, 2, this process's CPUs)",
-    )
+    )  # fmt: skip
     p.add_argument(
-        "--settle", type=float, default=0.0, help="seconds of rest before each trial"
+        "--settle", type=float, default=0.0, help="rest before each trial, s"
     )
     p.add_argument("--json", type=Path, default=None, help="write every trial")
     return p.parse_args(argv)
@@ -226,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     names = list(variants(args.threads))
     print(report(trials, names))
     if args.json:
-        args.json.write_text(json.dumps([asdict(t) for t in trials], indent=1))
+        write_json(args.json, [asdict(t) for t in trials])
     return 0
 
 

@@ -41,20 +41,19 @@ from contextlib import nullcontext
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO))  # run as a script
 
-from benchmarks.common import SMALL_MODEL, CpuHog, LoadSampler, loadavg  # noqa: E402
-from benchmarks.serving_probe.sitecustomize import (  # noqa: E402
-    SCHEDULER_HOOKS,
-    WORKER_HOOKS,
+from benchmarks import serving_server  # noqa: E402
+from benchmarks import serving_workloads as wl  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    SMALL_MODEL,
+    add_int_args,
+    cpu_hog,
+    load_samples,
+    loadavg,
+    write_json,
 )
-from benchmarks.serving_server import offload_config  # noqa: E402
-from benchmarks.serving_workloads import (  # noqa: E402
-    BLOCK_TOKENS,
-    Workload,
-    run_bench_serve,
-)
+from benchmarks.serving_probe.sitecustomize import SCHEDULER_HOOKS, WORKER_HOOKS  # noqa: E402
 from vllm_ascend.kv_offload.testing import server  # noqa: E402
 
 PROBE_DIR = Path(__file__).resolve().parent / "serving_probe"
@@ -78,28 +77,22 @@ ON_ENGINE_THREAD = [k for k in SPLIT if not k.startswith("copies")]
 
 
 def serve_flags(args, offload: bool) -> list[str]:
-    flags = ["--dtype", "float32", "--enforce-eager",
-             "--block-size", str(BLOCK_TOKENS),
-             "--max-model-len", str(args.max_model_len),
-             "--num-gpu-blocks-override", str(args.device_blocks),
-             "--max-num-seqs", str(args.concurrency), "--seed", "0"]  # fmt: skip
-    if offload:
-        flags += ["--kv-transfer-config", offload_config(GUIDE_CPU_BLOCKS)]
-    return flags
+    """The serving benchmark's flags: fp32, a sequence per concurrent
+    request, the guide's pool."""
+    like = argparse.Namespace(dtype="float32", max_model_len=args.max_model_len,
+                              concurrency=[args.concurrency], mt_clients=0)  # fmt: skip
+    sizes = argparse.Namespace(
+        device_blocks=args.device_blocks, cpu_blocks=GUIDE_CPU_BLOCKS
+    )
+    return serving_server.serve_flags(like, sizes, offload)
 
 
-def workload(args) -> Workload:
-    return Workload(
-        "prefix_repetition",
-        "prefix_repetition",
-        args.concurrency,
-        args.num_prompts,
-        ("--dataset-name", "prefix_repetition",
-         "--prefix-repetition-prefix-len", str(args.prefix_len),
-         "--prefix-repetition-suffix-len", str(args.suffix_len),
-         "--prefix-repetition-num-prefixes", str(args.prefixes),
-         "--prefix-repetition-output-len", str(args.output_len)),
-    )  # fmt: skip
+def workload(args) -> wl.Workload:
+    dataset = wl.prefix_repetition(
+        args.prefix_len, args.suffix_len, args.prefixes, args.output_len
+    )
+    kind = "prefix_repetition"
+    return wl.Workload(kind, kind, args.concurrency, args.num_prompts, dataset)
 
 
 ROLES = {"engine": "EngineCore.step", "worker": "Worker.execute_model"}
@@ -142,9 +135,10 @@ def split(d: dict) -> dict:
     steps = stats.get("Scheduler.schedule", [0])[0] or 1
     rows = {}
     for row, keys in SPLIT.items():
-        calls = sum(stats.get(k, [0, 0, 0])[0] for k in keys)
-        wall = sum(stats.get(k, [0, 0, 0])[1] for k in keys) / 1e9
-        cpu = sum(stats.get(k, [0, 0, 0])[2] for k in keys) / 1e9
+        calls, wall, cpu = (
+            sum(stats.get(k, [0, 0, 0])[i] for k in keys) for i in range(3)
+        )
+        wall, cpu = wall / 1e9, cpu / 1e9
         rows[row] = {"calls": calls, "wall_s": wall, "cpu_s": cpu,
                      "wall_ms_step": 1e3 * wall / steps,
                      "cpu_ms_step": 1e3 * cpu / steps}  # fmt: skip
@@ -206,8 +200,8 @@ def run_one(args, model: str, variant: str, pythonpath: str, tmp: Path) -> dict:
                     stdout=subprocess.DEVNULL,
                     stderr=open(tmp / f"pyspy-{role}.log", "w"),
                 )  # fmt: skip
-        with LoadSampler() as load, CpuHog(3600) if args.hog else nullcontext():
-            bench = run_bench_serve(
+        with load_samples() as load, cpu_hog(3600) if args.hog else nullcontext():
+            bench = wl.run_bench_serve(
                 srv.base, model, workload(args), 0, tmp / "bench.log"
             )
         for spy in spies.values():
@@ -216,7 +210,7 @@ def run_one(args, model: str, variant: str, pythonpath: str, tmp: Path) -> dict:
         after = snapshots(probe_dir)
     finally:
         srv.stop()
-    rec = {"variant": variant, "bench": bench, "loadavg": load.samples}
+    rec = {"variant": variant, "bench": bench, "loadavg": load}
     d = diff(before, after)
     rec.update(split(d))
     rec["detail"] = d["stats"]
@@ -282,25 +276,19 @@ def connector_shares(rec: dict, top: int = 12) -> str:
     return "\n".join(lines)
 
 
+INT_FLAGS = {"rounds": 1, "num-prompts": 96, "concurrency": 8, "prefixes": 32,
+             "prefix-len": 1024, "suffix-len": 64, "output-len": 16,
+             "device-blocks": 128, "max-model-len": 2048, "layers": 6}  # fmt: skip
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--num-prompts", type=int, default=96)
-    p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--prefixes", type=int, default=32)
-    p.add_argument("--prefix-len", type=int, default=1024)
-    p.add_argument("--suffix-len", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=16)
-    p.add_argument("--device-blocks", type=int, default=128)
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--variants", nargs="+", default=["off", "on"],
-                   choices=["off", "on"])  # fmt: skip
+    add_int_args(p, INT_FLAGS)
     p.add_argument(
-        "--before",
-        type=Path,
-        default=None,
-        help="also 'on' with this worktree's package first on the path",
+        "--variants", nargs="+", default=["off", "on"], choices=["off", "on"]
+    )
+    p.add_argument(
+        "--before", type=Path, help="also 'on' with this worktree's package first"
     )
     p.add_argument("--hog", action="store_true", help="one busy core beside it")
     p.add_argument("--py-spy", default=None, help="py-spy binary: profile 'on'")
@@ -332,7 +320,7 @@ def main(argv=None) -> None:
                   f"load {mean_load(rec):.2f}", flush=True)  # fmt: skip
     result = {"command": " ".join(sys.argv), "records": records}
     if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
+        write_json(args.json, result)
     print(report(records))
     for r in records:
         if r["variant"] != "off":

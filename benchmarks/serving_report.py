@@ -9,39 +9,25 @@ from __future__ import annotations
 from pathlib import Path
 
 # Ratios on/off reported.
-RATIO_KEYS = (
-    "req_per_s",
-    "out_tok_per_s",
-    "ttft_median_ms",
-    "ttft_p99_ms",
-    "ttft_max_ms",
-    "tpot_mean_ms",
-)
+RATIO_KEYS = ("req_per_s", "out_tok_per_s", "ttft_median_ms", "ttft_p99_ms",
+              "ttft_max_ms", "tpot_mean_ms")  # fmt: skip
+REUSE = ("prefix_repetition", "hog")  # prefix reuse, quiet and beside a busy core
 # Goals: (workload kind, ratio key, bound, "min"|"max"), per issue.
 GOALS = {
     "issue18": [
-        ("prefix_repetition", "req_per_s", 1.5, "min"),
-        ("prefix_repetition", "ttft_median_ms", 0.5, "max"),
-        ("prefix_repetition", "ttft_p99_ms", 1.0, "max"),
-        ("prefix_repetition", "tpot_mean_ms", 1.0, "max"),
-        ("hog", "req_per_s", 1.5, "min"),
-        ("hog", "ttft_median_ms", 0.5, "max"),
-        ("hog", "ttft_p99_ms", 1.0, "max"),
-        ("hog", "tpot_mean_ms", 1.0, "max"),
+        *((k, r, b, s) for k in REUSE for r, b, s in (
+            ("req_per_s", 1.5, "min"), ("ttft_median_ms", 0.5, "max"),
+            ("ttft_p99_ms", 1.0, "max"), ("tpot_mean_ms", 1.0, "max"))),
         ("no_reuse", "req_per_s", 0.98, "min"),
         ("no_reuse", "tpot_mean_ms", 1.02, "max"),
     ],
-    # Prefix reuse quiet (prefix_repetition) and beside one busy core (hog).
     "issue26": [
-        ("prefix_repetition", "req_per_s", 1.6, "min"),
-        ("prefix_repetition", "ttft_p99_ms", 1.0, "max"),
-        ("prefix_repetition", "tpot_mean_ms", 1.05, "max"),
-        ("hog", "req_per_s", 1.4, "min"),
-        ("hog", "ttft_p99_ms", 1.0, "max"),
-        ("hog", "tpot_mean_ms", 1.05, "max"),
+        *((k, r, b, s) for k in REUSE for r, b, s in (
+            ("req_per_s", 1.6 if k == "prefix_repetition" else 1.4, "min"),
+            ("ttft_p99_ms", 1.0, "max"), ("tpot_mean_ms", 1.05, "max"))),
         ("no_reuse", "req_per_s", 0.95, "min"),
     ],
-}
+}  # fmt: skip
 
 
 def ratios(off: dict, on: dict) -> dict[str, float]:
@@ -165,18 +151,6 @@ def report_markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _mean_by_concurrency(recs: list[dict], offload: bool, key: str, conc: list):
-    ys = []
-    for c in conc:
-        vals = [
-            r["bench"][key]
-            for r in recs
-            if r["offload"] == offload and r["concurrency"] == c
-        ]
-        ys.append(sum(vals) / len(vals) if vals else float("nan"))
-    return ys
-
-
 def plot(result: dict, out_dir: Path) -> list[Path]:
     """Throughput and TTFT percentiles against concurrency (prefix reuse),
     each point the mean over the rounds."""
@@ -188,31 +162,29 @@ def plot(result: dict, out_dir: Path) -> list[Path]:
     recs = [r for r in result["records"] if r["kind"] == "prefix_repetition"]
     conc = sorted({r["concurrency"] for r in recs})
     out_dir.mkdir(parents=True, exist_ok=True)
+
+    def mean(offload: bool, key: str, c: int) -> float:
+        vals = [r["bench"][key] for r in recs
+                if r["offload"] == offload and r["concurrency"] == c]  # fmt: skip
+        return sum(vals) / len(vals) if vals else float("nan")
+
     sides = (("off", False, "tab:red"), ("on", True, "tab:blue"))
-    throughput = [
-        (style, color, name, offload, "req_per_s")
-        for (name, offload, color), style in zip(sides, ("o--", "s-"), strict=True)
-    ]
-    ttft = [
-        (style, color, f"{name} {stat}", offload, f"ttft_{stat}_ms")
-        for name, offload, color in sides
-        for style, stat in (("o-", "median"), ("s--", "p99"))
-    ]
-    figures = {
-        "serving_throughput.png": ("requests / s", "linear", throughput),
-        "serving_ttft.png": ("TTFT (ms)", "log", ttft),
-    }
+    figures = {  # file: y label, y scale, lines (style, side, key, label suffix)
+        "serving_throughput.png": ("requests / s", "linear", [
+            (style, side, "req_per_s", "")
+            for side, style in zip(sides, ("o--", "s-"), strict=True)]),
+        "serving_ttft.png": ("TTFT (ms)", "log", [
+            (style, side, f"ttft_{stat}_ms", f" {stat}") for side in sides
+            for style, stat in (("o-", "median"), ("s--", "p99"))]),
+    }  # fmt: skip
     paths = []
     for name, (ylabel, yscale, lines) in figures.items():
         fig, ax = plt.subplots(figsize=(5, 3.5))
-        for style, color, label, offload, key in lines:
-            ys = _mean_by_concurrency(recs, offload, key, conc)
-            ax.plot(conc, ys, style, color=color, label=f"offloading {label}")
-        ax.set_xlabel("concurrent requests")
-        ax.set_ylabel(ylabel)
-        ax.set_yscale(yscale)
+        for style, (side, offload, color), key, suffix in lines:
+            ys = [mean(offload, key, c) for c in conc]
+            ax.plot(conc, ys, style, color=color, label=f"offloading {side}{suffix}")
+        ax.set(xlabel="concurrent requests", ylabel=ylabel, yscale=yscale, xticks=conc)
         ax.set_title("prefix_repetition, working set 2x device cache")
-        ax.set_xticks(conc)
         ax.legend()
         fig.tight_layout()
         paths.append(out_dir / name)

@@ -7,6 +7,7 @@ vLLM logged, greedy token ids.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -17,6 +18,7 @@ import psutil
 
 from benchmarks.serving_workloads import BLOCK_TOKENS, Sizes
 from vllm_ascend.kv_offload.testing import server
+from vllm_ascend.kv_offload.testing.engine import GUIDE_EXTRA_CONFIG
 
 # /metrics counters recorded per workload (summed over labels but source).
 COUNTERS = {
@@ -63,18 +65,12 @@ def parse_omp_binding(log_text: str) -> dict | None:
 
 def offload_config(cpu_blocks: int) -> str:
     """The guide's --kv-transfer-config, with a pool of ``cpu_blocks``."""
+    extra = {**GUIDE_EXTRA_CONFIG, "num_cpu_blocks": cpu_blocks}
+    assert extra["block_size"] == BLOCK_TOKENS
     return json.dumps(
-        {
-            "kv_connector": "OffloadingConnector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                "num_cpu_blocks": cpu_blocks,
-                "block_size": BLOCK_TOKENS,
-                "spec_name": "NPUOffloadingSpec",
-                "spec_module_path": "vllm_ascend.kv_offload.npu",
-            },
-        }
-    )
+        {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+         "kv_connector_extra_config": extra}
+    )  # fmt: skip
 
 
 def serve_flags(args, sizes: Sizes, offload: bool) -> list[str]:
@@ -130,28 +126,17 @@ class BenchServer(server.Server):
 
     def rss_bytes(self) -> int:
         """The RSS of the server and all its processes."""
-        try:
-            procs = [self.proc, *self.proc.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return 0
         total = 0
-        for p in procs:
-            try:
-                total += p.memory_info().rss
-            except psutil.NoSuchProcess:
-                pass
+        with contextlib.suppress(psutil.NoSuchProcess):
+            for p in [self.proc, *self.proc.children(recursive=True)]:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    total += p.memory_info().rss
         return total
 
     def complete(self, model: str, prompt: str, max_tokens: int) -> list[int]:
         """The greedy completion's token ids."""
-        body = {
-            "model": model,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        }
+        body = dict(model=model, prompt=prompt, max_tokens=max_tokens)
+        body.update(temperature=0.0, ignore_eos=True, return_token_ids=True)
         return self.post("/v1/completions", body)["choices"][0]["token_ids"]
 
     def omp_binding(self) -> dict | None:

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from benchmarks.common import percentile
@@ -22,17 +22,12 @@ BLOCK_TOKENS = 128  # the guide's block_size, also the device block size here
 KINDS = ("prefix_repetition", "hog", "shared_prefix", "no_reuse", "multi_turn")
 # bench serve's result keys -> ours.
 BENCH_KEYS = {
-    "completed": "completed",
-    "failed": "failed",
-    "request_throughput": "req_per_s",
-    "output_throughput": "out_tok_per_s",
-    "mean_ttft_ms": "ttft_mean_ms",
-    "median_ttft_ms": "ttft_median_ms",
-    "p99_ttft_ms": "ttft_p99_ms",
-    "p100_ttft_ms": "ttft_max_ms",
-    "mean_tpot_ms": "tpot_mean_ms",
-    "median_tpot_ms": "tpot_median_ms",
-}
+    "completed": "completed", "failed": "failed",
+    "request_throughput": "req_per_s", "output_throughput": "out_tok_per_s",
+    "mean_ttft_ms": "ttft_mean_ms", "median_ttft_ms": "ttft_median_ms",
+    "p99_ttft_ms": "ttft_p99_ms", "p100_ttft_ms": "ttft_max_ms",
+    "mean_tpot_ms": "tpot_mean_ms", "median_tpot_ms": "tpot_median_ms",
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -58,6 +53,10 @@ class Sizes:
     repeats: int
     cpu_blocks: int = 0
 
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> Sizes:
+        return cls(*(getattr(args, f.name) for f in fields(cls)))
+
     def __post_init__(self):
         ws_tokens = self.working_set * self.device_blocks * BLOCK_TOKENS
         self.num_prefixes = max(1, round(ws_tokens / self.prefix_len))
@@ -77,18 +76,25 @@ def _random(input_len: int, output_len: int, prefix_len: int = 0) -> tuple:
     )  # fmt: skip
 
 
+def prefix_repetition(prefix: int, suffix: int, prefixes: int, output: int) -> tuple:
+    """``--dataset-name prefix_repetition`` arguments."""
+    return (
+        "--dataset-name", "prefix_repetition",
+        "--prefix-repetition-prefix-len", str(prefix),
+        "--prefix-repetition-suffix-len", str(suffix),
+        "--prefix-repetition-num-prefixes", str(prefixes),
+        "--prefix-repetition-output-len", str(output),
+    )  # fmt: skip
+
+
 def workloads(args: argparse.Namespace, sizes: Sizes) -> list[Workload]:
     """Prefix reuse and the same beside a busy core at each concurrency, one
     shared prefix (last concurrency), no reuse at each, the multi-turn
     replay; only ``args.only``'s kinds when given."""
     prompt_len = sizes.prefix_len + sizes.suffix_len
-    rep = (
-        "--dataset-name", "prefix_repetition",
-        "--prefix-repetition-prefix-len", str(sizes.prefix_len),
-        "--prefix-repetition-suffix-len", str(sizes.suffix_len),
-        "--prefix-repetition-num-prefixes", str(sizes.num_prefixes),
-        "--prefix-repetition-output-len", str(sizes.output_len),
-    )  # fmt: skip
+    rep = prefix_repetition(
+        sizes.prefix_len, sizes.suffix_len, sizes.num_prefixes, sizes.output_len
+    )
     n_rep = sizes.num_prefixes * sizes.repeats
     n_small = max(2 * max(args.concurrency), n_rep // 3)
     last = args.concurrency[-1]
@@ -198,20 +204,13 @@ def conversation_texts(args, seed: int) -> tuple[str, list[list[tuple[str, int]]
 
     rng = random.Random(seed)
     system = make_prompt(args.mt_system_len, seed=seed)
-    convs = []
-    for c in range(args.mt_conversations):
-        convs.append(
-            [
-                (
-                    make_prompt(
-                        rng.randint(120, 160), seed=seed * 100003 + c * 101 + t
-                    ),
-                    rng.randint(80, 120),
-                )
-                for t in range(args.mt_turns)
-            ]
-        )
-    return system, convs
+
+    def turn(c: int, t: int) -> tuple[str, int]:
+        user = make_prompt(rng.randint(120, 160), seed=seed * 100003 + c * 101 + t)
+        return user, rng.randint(80, 120)
+
+    turns = range(args.mt_turns)
+    return system, [[turn(c, t) for t in turns] for c in range(args.mt_conversations)]
 
 
 async def multi_turn(base_url: str, model: str, args, seed: int):
@@ -247,13 +246,9 @@ async def multi_turn(base_url: str, model: str, args, seed: int):
                 )
                 out = await async_request_openai_completions(request, session)
                 outputs.append(
-                    {
-                        "success": out.success,
-                        "ttft": out.ttft,
-                        "latency": out.latency,
-                        "output_tokens": out.output_tokens or answer_len,
-                    }
-                )
+                    dict(success=out.success, ttft=out.ttft, latency=out.latency,
+                         output_tokens=out.output_tokens or answer_len)
+                )  # fmt: skip
                 history = f"{history} {out.generated_text}"
 
     timeout = aiohttp.ClientTimeout(total=6 * 3600)

@@ -9,17 +9,10 @@
 # packaging tests, about 3 GB in all). VLLM_ASCEND_KV_OFFLOAD_CACHE=DIR moves
 # both: the tests' cache to DIR, pip's to DIR/pip (unless PIP_CACHE_DIR is set).
 set -euo pipefail
-cd "$(dirname "$0")/.."
-if [[ -n ${VLLM_ASCEND_KV_OFFLOAD_CACHE:-} ]]; then
-  export PIP_CACHE_DIR=${PIP_CACHE_DIR:-$VLLM_ASCEND_KV_OFFLOAD_CACHE/pip}
-fi
-bash scripts/setup_env.sh
-# shellcheck disable=SC1091
-source "${VLLM_ASCEND_VENV:-.venv}/bin/activate"
-set +e
-python -m pytest -ra "$@"
-rc=$?
-set -e
+# shellcheck source=scripts/setup_env.sh
+source "$(dirname "$0")/setup_env.sh" # cds to the checkout, activates the venv
+rc=0
+python -m pytest -ra "$@" || rc=$?
 if [[ $rc -eq 5 ]]; then
   echo "pytest collected no tests: failing on purpose" >&2
   exit 1

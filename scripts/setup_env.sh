@@ -4,9 +4,14 @@
 #   vllm-ascend itself (editable, native op compiled against that torch).
 # Idempotent: one stamp skips the slow installs while the requirements are
 # unchanged, another the native build while its inputs are.
-# Caches: pip's (~/.cache/pip, or $PIP_CACHE_DIR).
+# Caches: pip's (~/.cache/pip, or $PIP_CACHE_DIR; $VLLM_ASCEND_KV_OFFLOAD_CACHE/pip
+# when that is set). Sourced by run_tests.sh and run_example.sh: they go on
+# in the checkout with the venv active.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+if [[ -n ${VLLM_ASCEND_KV_OFFLOAD_CACHE:-} ]]; then
+  export PIP_CACHE_DIR=${PIP_CACHE_DIR:-$VLLM_ASCEND_KV_OFFLOAD_CACHE/pip}
+fi
 
 VENV=${VLLM_ASCEND_VENV:-.venv}
 PYTHON=${PYTHON:-python3}

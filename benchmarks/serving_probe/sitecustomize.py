@@ -29,29 +29,17 @@ import time
 OUT_DIR = os.environ.get("SERVING_PROBE_DIR")
 
 SCHEDULER_HOOKS = (
-    "get_num_new_matched_tokens",
-    "update_state_after_alloc",
-    "build_connector_meta",
-    "update_connector_output",
-    "request_finished",
-    "request_finished_all_groups",
-    "take_events",
-)
+    "get_num_new_matched_tokens", "update_state_after_alloc",
+    "build_connector_meta", "update_connector_output", "request_finished",
+    "request_finished_all_groups", "take_events",
+)  # fmt: skip
 WORKER_HOOKS = (  # get_kv_connector_stats: called on both sides
-    "bind_connector_metadata",
-    "handle_preemptions",
-    "start_load_kv",
-    "wait_for_layer_load",
-    "save_kv_layer",
-    "wait_for_save",
-    "get_finished",
-    "get_transfer_results",
-    "get_block_ids_with_load_errors",
-    "get_kv_connector_stats",
-    "get_kv_connector_kv_cache_events",
-    "build_connector_worker_meta",
-    "clear_connector_metadata",
-)
+    "bind_connector_metadata", "handle_preemptions", "start_load_kv",
+    "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_finished",
+    "get_transfer_results", "get_block_ids_with_load_errors",
+    "get_kv_connector_stats", "get_kv_connector_kv_cache_events",
+    "build_connector_worker_meta", "clear_connector_metadata",
+)  # fmt: skip
 CONNECTOR_METHODS = SCHEDULER_HOOKS + WORKER_HOOKS
 # module -> (class, method names); the stats key is "Class.method". A
 # connector method is wrapped where it is defined: vLLM's OffloadingConnector
@@ -83,17 +71,13 @@ _local = threading.local()
 def _add(key: str, wall: int, cpu: int) -> None:
     with _lock:
         s = _stats.setdefault(key, [0, 0, 0])
-        s[0] += 1
-        s[1] += wall
-        s[2] += cpu
+        s[:] = s[0] + 1, s[1] + wall, s[2] + cpu
 
 
 def timed(key: str, fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        stack = getattr(_local, "stack", None)
-        if stack is None:
-            stack = _local.stack = []
+        stack = _local.__dict__.setdefault("stack", [])
         frame = [0, 0]  # wall, cpu of the wrapped calls inside this one
         stack.append(frame)
         w0, c0 = time.perf_counter_ns(), time.thread_time_ns()
