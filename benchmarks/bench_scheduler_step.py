@@ -36,6 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 from benchmarks.common import add_int_args, loadavg
+from vllm_ascend.kv_offload.testing.engine import GUIDE_EXTRA_CONFIG
 
 BLOCK_SIZE = 16
 HOOKS = (
@@ -46,10 +47,7 @@ HOOKS = (
     "request_finished",
 )
 CONFIGS = {
-    "ours": {
-        "spec_name": "NPUOffloadingSpec",
-        "spec_module_path": "vllm_ascend.kv_offload.npu",
-    },
+    "ours": {k: GUIDE_EXTRA_CONFIG[k] for k in ("spec_name", "spec_module_path")},
     "vllm": {"spec_name": "CPUOffloadingSpec"},
 }
 
@@ -73,7 +71,11 @@ def _scheduler(impl: str, args: argparse.Namespace):
     size = page * num_blocks
     kv_cache_config = kv.KVCacheConfig(
         num_blocks=num_blocks,
-        kv_cache_tensors=[kv.KVCacheTensor(size, layers, size, page)],
+        kv_cache_tensors=[
+            kv.KVCacheTensor(
+                size=size, layers=layers, layer_stride=size, block_stride=page
+            )
+        ],
         kv_cache_groups=[kv.KVCacheGroupSpec(layers, spec)],
     )
     extra = {

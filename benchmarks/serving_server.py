@@ -135,8 +135,14 @@ class BenchServer(server.Server):
 
     def complete(self, model: str, prompt: str, max_tokens: int) -> list[int]:
         """The greedy completion's token ids."""
-        body = dict(model=model, prompt=prompt, max_tokens=max_tokens)
-        body.update(temperature=0.0, ignore_eos=True, return_token_ids=True)
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
         return self.post("/v1/completions", body)["choices"][0]["token_ids"]
 
     def omp_binding(self) -> dict | None:

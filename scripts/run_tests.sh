@@ -9,7 +9,7 @@
 # packaging tests, about 3 GB in all). VLLM_ASCEND_KV_OFFLOAD_CACHE=DIR moves
 # both: the tests' cache to DIR, pip's to DIR/pip (unless PIP_CACHE_DIR is set).
 set -euo pipefail
-# shellcheck disable=SC1091  # setup_env.sh: cds to the checkout, activates the venv
+# shellcheck disable=SC1091
 source "$(dirname "$0")/setup_env.sh" # cds to the checkout, activates the venv
 rc=0
 python -m pytest -ra "$@" || rc=$?

@@ -89,6 +89,14 @@ def serving_doc_block(marker: str) -> str:
     return block
 
 
+def doc_env() -> dict[str, str]:
+    """The environment the docs' commands run in: this one, with this
+    interpreter's directory first on PATH (they run `python`)."""
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]])
+    return env
+
+
 def run_serving_doc_flow(port: int) -> DocFlow | None:
     """The client flow of docs/serving_events_metrics.md (curl + jq, the
     block that defines ``req``), run by bash from the checkout against
@@ -96,13 +104,10 @@ def run_serving_doc_flow(port: int) -> DocFlow | None:
     if shutil.which("curl") is None or shutil.which("jq") is None:
         return None
     flow = serving_doc_block("req() {")
-    env = dict(os.environ)
-    # The flow runs `python` from PATH: this interpreter's.
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]])
     proc = subprocess.run(
         ["bash", "-c", flow.replace("127.0.0.1:8000", f"127.0.0.1:{port}")],
         cwd=REPO,
-        env=env,
+        env=doc_env(),
         capture_output=True,
         text=True,
         timeout=300,

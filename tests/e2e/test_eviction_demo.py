@@ -28,11 +28,10 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, serving_doc_block
+from tests.conftest import REPO, doc_env, serving_doc_block
 from vllm_ascend.kv_offload.testing import server as driver
 
 pytestmark = pytest.mark.e2e
@@ -78,9 +77,7 @@ def summary(output: str) -> dict[str, int]:
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("eviction_demo")
-    env = dict(os.environ)
-    # The doc's commands run `python` from PATH: this interpreter's.
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]])
+    env = doc_env()
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     events_port = str(driver.free_port())
