@@ -66,7 +66,7 @@ def test_auto_sizes_the_pool_that_fits_and_keeps_the_rest_of_the_guide(model, ho
     blocks = p.extra_config["num_cpu_blocks"]
     assert 0 < blocks < 1000
     # The examples' auto and the package's (host_guard, as the doctor's
-    # host_fit) agree: one computation, not two.
+    # host_guard.fit_host_memory) agree: one computation, not two.
     assert blocks == host_guard.auto_num_cpu_blocks(
         QWEN3_06B_BLOCK_BYTES, p.engine_bytes, 18 * GiB
     )

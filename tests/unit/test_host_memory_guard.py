@@ -35,7 +35,8 @@ from vllm.v1.kv_offload.base import (
 from tests.unit.kv_helpers import make_config, make_kv_caches
 from tests.unit.tier_helpers import FORK, forked, refusal
 from vllm_ascend.kv_offload import host_guard, host_ledger
-from vllm_ascend.kv_offload.host_guard import HOST_BUDGET_ENV, HostBudget, Reserved
+from vllm_ascend.kv_offload.host_guard import HOST_BUDGET_ENV, HostBudget
+from vllm_ascend.kv_offload.host_ledger import Reserved
 from vllm_ascend.kv_offload.npu import NPUOffloadingSpec, OffloadConfigError
 
 GiB, MiB = 2**30, 2**20
@@ -379,8 +380,6 @@ def test_a_released_pool_leaves_the_ledger_and_a_failed_allocation_too(
 def test_the_doctors_fit_leaves_room_for_the_hosts_live_pools():
     """What the doctor says fits is what the worker's check accepts next to
     the pools already on the host."""
-    from vllm_ascend.kv_offload.host_fit import fit_host_memory
-
     sizing = SimpleNamespace(
         worker_bytes_per_cpu_block=BLOCK,
         bytes_per_cpu_block=BLOCK,
@@ -388,7 +387,7 @@ def test_the_doctors_fit_leaves_room_for_the_hosts_live_pools():
         stored_copies=1,
     )
     others = [Reserved(300 * MiB, allocated=True, engine_id="other", pid=1)]
-    fit = fit_host_memory(sizing, available_bytes=GiB, other_pools=others)
+    fit = host_guard.fit_host_memory(sizing, available_bytes=GiB, other_pools=others)
     # 90 % of (1 GiB + 300 MiB) less 300 MiB: 14,265 blocks of 64 KiB.
     assert fit.max_num_cpu_blocks == (int(1324 * MiB * 0.9) - 300 * MiB) // BLOCK
     assert fit.max_num_cpu_blocks == 14_265

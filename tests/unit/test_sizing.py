@@ -18,8 +18,11 @@ from tests.unit.model_configs import (
     write_model,
 )
 from vllm_ascend.kv_offload import host_guard
-from vllm_ascend.kv_offload.host_fit import fit_host_memory
-from vllm_ascend.kv_offload.host_guard import AUTO_POOL_SHARE, auto_num_cpu_blocks
+from vllm_ascend.kv_offload.host_guard import (
+    AUTO_POOL_SHARE,
+    auto_num_cpu_blocks,
+    fit_host_memory,
+)
 from vllm_ascend.kv_offload.sizing import (
     CPU_BLOCK_ALIGNMENT,
     SizingError,

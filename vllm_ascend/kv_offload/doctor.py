@@ -3,7 +3,7 @@
 One line per check, for a first run and for bug reports: versions, the
 platform, the op's backends, a test pool, the worker's self-check and the copy
 path it binds, with ``--model DIR`` one CPU block (``sizing``) and how many fit
-in host memory (``host_fit``), and a bandwidth table by the copy benchmark's
+in host memory (``host_guard``), and a bandwidth table by the copy benchmark's
 code (``copy_bandwidth``). Exit status 1 when something is broken (a FAIL
 line); a model the sizing does not cover warns "cannot size this model: <why>".
 """
@@ -28,7 +28,7 @@ import vllm_ascend.kv_offload as kv_offload
 
 # Modules that import vLLM's platform are imported by the checks that need
 # them: a platform that fails to resolve is then one FAIL line, not a crash.
-from vllm_ascend.kv_offload import copy_bandwidth, host_fit, ops, plugin, sizing
+from vllm_ascend.kv_offload import copy_bandwidth, host_guard, ops, plugin, sizing
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "FAIL", "skip"
 NOT_FOUND = "not found"
@@ -287,7 +287,7 @@ def check_sizing(report: Report, args: argparse.Namespace) -> list[int]:
     ] + [f"note: {n}" for n in s.notes]
     reserve, reserve_note = _reserve(args, vllm_device)
     try:
-        fit = host_fit.fit_host_memory(s, reserved_bytes=reserve)
+        fit = host_guard.fit_host_memory(s, reserved_bytes=reserve)
     except sizing.SizingError as e:  # a host-budget setting that is not one
         report.add("sizing", FAIL, str(e), lines)
         return list(s.fragment_bytes)

@@ -1,12 +1,12 @@
 """The host-memory guard: how much host memory CPU block pools may take, and
 the messages that refuse a pool that does not fit.
 
-The one place for this arithmetic: the worker checks its pool with it right
-before allocating it (``npu.py``, with the host's other pools read from
-``host_ledger``), the doctor's sizing applies it ahead of time
-(``host_fit``), and so do the examples (``examples/kv_offload_sizing.py``).
-It imports neither vLLM nor torch: the examples size a configuration before
-vLLM is imported.
+The one place for this arithmetic (``HostBudget.room``): the worker checks
+its pool with it right before allocating it (``npu.py``, with the host's
+other pools read from ``host_ledger``), the doctor applies it ahead of time
+(``fit_host_memory``), and so do the examples (``auto_num_cpu_blocks``,
+``examples/kv_offload_sizing.py``). It imports neither vLLM nor torch: the
+examples size a configuration before vLLM is imported.
 
 **The budget.** All CPU pools of a host together may take at most
 ``MAX_HOST_MEMORY_FRACTION`` of the host memory there is for them; the rest
@@ -32,11 +32,15 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
+from vllm_ascend.kv_offload import host_ledger
 from vllm_ascend.kv_offload.config_sizes import SizingError
+
+if TYPE_CHECKING:
+    from vllm_ascend.kv_offload.sizing import KVSizing
 
 # The pools may take at most this share of the host memory there is for them.
 MAX_HOST_MEMORY_FRACTION = 0.9
@@ -125,7 +129,8 @@ def auto_num_cpu_blocks(
         raise SizingError(f"share={share} must be in (0, 1]")
     if block_bytes < 1:
         raise SizingError(f"block_bytes={block_bytes} must be > 0")
-    return int(usable_bytes(available, engine_bytes, cap) * share) // block_bytes
+    room = HostBudget(available, cap=cap, reserved=engine_bytes).room()
+    return int(room * share) // block_bytes
 
 
 def host_kv_cache_bytes(kv_caches: Any) -> int:
@@ -160,22 +165,13 @@ class PoolRequest:
 
 
 @dataclass(frozen=True)
-class Reserved:
-    """Another live pool of this host (``host_ledger``)."""
-
-    nbytes: int
-    allocated: bool  # faulted in: gone from MemAvailable
-    engine_id: str
-    pid: int
-
-
-@dataclass(frozen=True)
 class HostBudget:
     """The host's memory for CPU pools at one moment, and the pools in it."""
 
     available: int  # MemAvailable now
-    others: Sequence[Reserved] = ()
+    others: Sequence[host_ledger.Reserved] = ()
     cap: int | None = None
+    reserved: int = 0  # to be allocated before the pool (the engine's memory)
 
     @property
     def held(self) -> int:
@@ -189,7 +185,13 @@ class HostBudget:
     @property
     def limit(self) -> int:
         """The most all pools of the host may take together."""
-        return usable_bytes(self.available + self.held, cap=self.cap)
+        return usable_bytes(self.available + self.held, self.reserved, self.cap)
+
+    def room(self, engine_id: str = "") -> int:
+        """What the limit leaves for one engine's pools next to the others
+        (those of ``engine_id``, its own, not counted)."""
+        own = [o.nbytes for o in self.others if engine_id and o.engine_id == engine_id]
+        return max(0, self.limit - self.others_bytes + sum(own))
 
     @property
     def cap_binds(self) -> bool:
@@ -217,8 +219,7 @@ def check_pool(
         return None
     ours = [o for o in budget.others if engine_id and o.engine_id == engine_id]
     workers = max(workers, len(ours) + 1)
-    others_outside = budget.others_bytes - sum(o.nbytes for o in ours)
-    fit = max(0, limit - others_outside) // (workers * pool.row_bytes)
+    fit = budget.room(engine_id) // (workers * pool.row_bytes)
     asked = (
         f"{pool.setting} asks for a CPU pool of {show(need)} "
         f"({pool.num_blocks} blocks of {pool.row_bytes} bytes)"
@@ -253,12 +254,10 @@ def check_pool(
             f" (this engine's {workers} workers on this host then take "
             f"{show(workers * fit * pool.row_bytes)})"
         )
-    kv_fix = ""
-    if not budget.cap_binds:
-        kv_fix = _kv_cache_fix(total, budget, host_kv_bytes, workers)
-    raise_cap = _raise_cap(budget, total)
+    kv_fix = _kv_cache_fix(total, budget, host_kv_bytes, workers)
     return (
-        f"{asked}, more than {room}; {lowered}{kv_fix}, {raise_cap}or free host memory"
+        f"{asked}, more than {room}; {lowered}{kv_fix}, "
+        f"{_raise_cap(budget, total)}or free host memory"
     )
 
 
@@ -312,9 +311,9 @@ def _smaller_blocks(pool: PoolRequest) -> str:
 def _kv_cache_fix(
     total: int, budget: HostBudget, host_kv_bytes: int, workers: int
 ) -> str:
-    """The other fix where the device KV cache is host memory as well: how
-    small each worker's must be for the pools to fit, in its setting's unit."""
-    if host_kv_bytes == 0:
+    """The other fix where the device KV cache is host memory too (and the
+    cap does not bind): how small each worker's must be, in its unit."""
+    if host_kv_bytes == 0 or budget.cap_binds:
         return ""
     # Whatever the KV caches give back becomes memory for the pools.
     there = budget.available + budget.held
@@ -339,4 +338,63 @@ def _kv_cache_fix(
     return (
         f", or shrink the KV cache of vLLM's CPU backend, which takes "
         f"{show(host_kv_bytes)} of host memory: {fix}"
+    )
+
+
+@dataclass(frozen=True)
+class HostFit:
+    """The largest pool the worker's host-memory guard would accept now."""
+
+    available_bytes: int  # host memory available when measured
+    reserved_bytes: int  # subtracted first (e.g. the CPU backend's KV cache)
+    usable_bytes: int  # what the guard leaves for this engine's pools
+    workers_on_host: int  # pools allocated on this host
+    max_num_cpu_blocks: int
+    cpu_bytes_to_use: int  # max_num_cpu_blocks in cpu_bytes_to_use's unit
+    other_pools_bytes: int = 0  # live pools of other engines on this host
+    host_budget_bytes: int | None = None  # HOST_BUDGET_ENV
+
+
+def fit_host_memory(
+    sizing: KVSizing,
+    *,
+    reserved_bytes: int = 0,
+    workers_on_host: int | None = None,
+    available_bytes: int | None = None,
+    other_pools: Sequence[host_ledger.Reserved] | None = None,
+) -> HostFit:
+    """The doctor's fit: the largest ``num_cpu_blocks`` of a sized model the
+    worker's check accepts with the host memory available now (or
+    ``available_bytes``), less ``reserved_bytes`` for what will be allocated
+    before the pool (the KV cache of vLLM's CPU backend, weights), next to
+    the host's live pools (``other_pools``; default: the ledger's when
+    measuring now, none when ``available_bytes`` is given).
+
+    ``workers_on_host`` (default: one per stored copy: every tensor-parallel
+    worker, or one region they share for MLA) pools of this engine share
+    this host: the result is what all of them together leave room for.
+    """
+    workers = sizing.stored_copies if workers_on_host is None else workers_on_host
+    if workers < 1:
+        raise SizingError(f"workers_on_host={workers} must be >= 1")
+    try:
+        cap = budget_cap()
+        if available_bytes is None:
+            available_bytes = host_available_bytes()
+            if other_pools is None:
+                other_pools = host_ledger.live_pools()
+    except ValueError as e:  # a setting that is not one
+        raise SizingError(str(e)) from None
+    budget = HostBudget(available_bytes, other_pools or (), cap, reserved_bytes)
+    usable = budget.room()
+    blocks = usable // (sizing.worker_bytes_per_cpu_block * workers)
+    return HostFit(
+        available_bytes=available_bytes,
+        reserved_bytes=reserved_bytes,
+        usable_bytes=usable,
+        workers_on_host=workers,
+        max_num_cpu_blocks=blocks,
+        cpu_bytes_to_use=blocks * sizing.bytes_per_cpu_block,
+        other_pools_bytes=budget.others_bytes,
+        host_budget_bytes=cap,
     )

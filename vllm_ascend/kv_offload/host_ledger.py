@@ -30,8 +30,8 @@ import os
 import uuid
 import weakref
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
-from vllm_ascend.kv_offload.host_guard import Reserved
 from vllm_ascend.kv_offload.shm_marks import (
     SHM_DIR,
     dir_lock,
@@ -41,6 +41,16 @@ from vllm_ascend.kv_offload.shm_marks import (
 
 LEDGER_DIR_ENV = "VLLM_ASCEND_KV_OFFLOAD_LEDGER_DIR"
 PREFIX, SUFFIX = "vllm_ascend_host_pool_", ".json"
+
+
+@dataclass(frozen=True)
+class Reserved:
+    """A live pool of this host, as its ledger file says."""
+
+    nbytes: int
+    allocated: bool  # faulted in: gone from MemAvailable
+    engine_id: str
+    pid: int
 
 
 def ledger_dir(environ: Mapping[str, str] = os.environ) -> str:

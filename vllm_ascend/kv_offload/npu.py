@@ -173,7 +173,7 @@ class NPUOffloadingSpec(vllm_compat.ReplicatedOncePerHostSpec, CPUOffloadingSpec
         except ValueError as e:
             raise OffloadConfigError(f"KV offload: {e}") from None
 
-        def check(others: list[host_guard.Reserved]) -> None:
+        def check(others: list[host_ledger.Reserved]) -> None:
             budget = host_guard.HostBudget(
                 host_guard.host_available_bytes(), others, cap
             )

@@ -16,7 +16,7 @@ of every attention layer; over all workers that store it (one copy for MLA
 under tensor parallelism, which the workers of a host share: ``replication``),
 padded to the page size, it is the unit of ``cpu_bytes_to_use``. Hybrid
 models' state layers are not counted (a lower bound, ``exact=False``). How
-many blocks fit in host memory is ``host_fit``'s job.
+many blocks fit in host memory is ``host_guard.fit_host_memory``'s job.
 """
 
 from __future__ import annotations
