@@ -40,7 +40,7 @@ Differences, each on purpose:
   of the tiny vocabulary;
 * upstream checks the >= 80 % rule for its CPU-only spec only: its tiering
   spec's mmap cannot be pinned on Ascend. This repo's tiering spec registers
-  its region with ACL as page-locked memory (``host_register.py``),
+  its region with ACL as page-locked memory (``region.py``),
   and on the CPU backend nothing is pinned for either spec, so the rule is
   checked for both;
 * upstream forces ``VLLM_USE_V2_MODEL_RUNNER=1`` (its V1 runner reloaded the

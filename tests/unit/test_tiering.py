@@ -22,15 +22,13 @@ from tests.vllm_version import VLLM_VERSION
 from vllm_ascend.kv_offload.acl_host import kernel_registers_pageable_memory
 from vllm_ascend.kv_offload.config import OffloadConfigError, check_keys
 from vllm_ascend.kv_offload.connector import our_spec_class
-from vllm_ascend.kv_offload.host_register import (
-    AclRegionRegistration,
-    register_with_cuda,
-)
 from vllm_ascend.kv_offload.npu import NPUOffloadingSpec
 from vllm_ascend.kv_offload.region import (
+    AclRegionRegistration,
     RegionBlockPool,
     close_region,
     region_path,
+    register_with_cuda,
 )
 from vllm_ascend.kv_offload.self_check import SelfCheckResult
 from vllm_ascend.kv_offload.tiering import block_file

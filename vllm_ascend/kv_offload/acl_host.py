@@ -1,7 +1,7 @@
 """Page-locked host memory from ACL, piece by piece: ``aclrtMallocHost``
 pieces, and ``aclrtHostRegisterV2`` with the flags the chip accepts. Used
 for the CPU block pool (``host_memory.py``) and the shared region
-(``host_register.py``); the rule for pieces is ``host_pieces``."""
+(``region.py``); the rule for pieces is ``host_pieces``."""
 
 from __future__ import annotations
 

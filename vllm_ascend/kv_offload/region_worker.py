@@ -1,6 +1,6 @@
 """Our worker on a shared ``/dev/shm`` region (``region.py``), and how a
 spec builds it: the region opened (created by the first worker of the
-host), registered where the device's copies need it (``host_register``),
+host), registered where the device's copies need it,
 this rank's slot of each row as its pool (``RegionBlockPool``).
 
 Two specs build it:
@@ -31,16 +31,14 @@ from typing_extensions import override
 from vllm.v1.kv_offload.base import CanonicalKVCaches
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
-from vllm_ascend.kv_offload.host_register import (
-    AclRegionRegistration,
-    register_with_cuda,
-)
 from vllm_ascend.kv_offload.logger import init_logger
 from vllm_ascend.kv_offload.region import (
+    AclRegionRegistration,
     RegionBlockPool,
     RegionMark,
     close_region,
     open_region,
+    register_with_cuda,
 )
 from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
 

@@ -3,7 +3,7 @@
 One of five places that differ per device; the others are the copy op's
 backends (``ops.py``, ``csrc/kv_offload/``), pinned or pageable pool memory
 (``cpu_pool.py``), host registration of the shared region
-(``host_register.py``) and the Ascend KV layouts (``kv_layout.py``).
+(``region.py``) and the Ascend KV layouts (``kv_layout.py``).
 
 A ``TransferQueue`` runs the jobs of one kind (device->CPU stores,
 CPU->device loads, or expedited loads) in submission order, asynchronously,

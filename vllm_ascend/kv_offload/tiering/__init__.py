@@ -6,7 +6,7 @@ Modules: ``spec`` (the spec, its config checks), ``fs`` (the verified
 ``fs`` tier), ``block_file`` (the file format), ``identity`` (which
 writers' files a reader may use). The shared ``/dev/shm`` region, its block
 pool, its registration and the worker on it are the package's
-(``region.py``, ``host_register.py``, ``region_worker.py``): the guide's
+(``region.py``, ``region_worker.py``): the guide's
 spec stores a replicated KV layout in one too.
 """
 
