@@ -79,16 +79,10 @@ def test_cpu_pool_is_mapped_and_resident_at_exactly_its_size(pages, num_blocks):
     assert seen is not None
     assert int(seen["Size"]) * 1024 >= asked and int(seen["Rss"]) * 1024 >= asked
     assert pool.memory.kind == host_memory.PAGEABLE and not pool.pinned
+    base = pool.base
     pool.release()
     assert pool.released and pool.tensor is None
-
-
-def test_released_pool_is_unmapped():
-    pool = private_pool([PAGE], 1, 32, "cpu")
-    base = pool.base
-    assert smaps(base, starting=True) is not None
-    pool.release()
-    assert smaps(base, starting=True) is None
+    assert smaps(base, starting=True) is None  # unmapped
     pool.release()  # idempotent
 
 
@@ -229,6 +223,9 @@ def refusing_above(limit: int, plan: PiecePlan, taken: list):
 # Rows of a DeepSeek-V3 block at TP16 (8.99 MB) and of a 32 MiB block.
 @pytest.mark.parametrize("row_bytes", [9_428_992, 32 * 2**20])
 def test_a_1_tib_pool_is_planned_in_pieces_of_whole_rows(row_bytes):
+    """Planned, taken in pieces, and its rows addressed over 1 TiB of address
+    space reserved (PROT_NONE, MAP_NORESERVE), never touched: every row's
+    address is inside its unit, and rows of different units never adjacent."""
     rows = TiB // row_bytes
     plan = PiecePlan.of(rows, row_bytes, DEFAULT_PIECE_BYTES, SVM_ALIGNMENT)
     taken: list = []
@@ -248,6 +245,34 @@ def test_a_1_tib_pool_is_planned_in_pieces_of_whole_rows(row_bytes):
     units = [u for p in pieces for u in range(p.first_unit, p.first_unit + p.units)]
     assert units == list(range(plan.num_units))
 
+    reserved = mmap.mmap(
+        -1,
+        plan.span + SVM_ALIGNMENT,
+        flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE,
+        prot=0,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # not writable: nothing writes it
+        whole = torch.frombuffer(reserved, dtype=torch.int8)
+    first = -whole.data_ptr() % SVM_ALIGNMENT
+    views = [
+        whole[first + o : first + o + plan.rows_of_unit(u) * row_bytes]
+        for u, o in enumerate(plan.unit_offsets().tolist())
+    ]
+    memory = HostMemory(views, plan.row_span, "reserved", False)
+    pool = CpuBlockPool(PoolLayout.of([row_bytes], 1, rows), memory)
+    addresses = pool.row_addresses(np.arange(rows))
+    unit = np.arange(rows) // plan.unit_rows
+    starts = np.asarray([t.data_ptr() for t in pool.tensors])
+    ends = starts + np.asarray([t.numel() for t in pool.tensors])
+    assert (addresses >= starts[unit]).all()
+    assert (addresses + row_bytes <= ends[unit]).all()  # no row straddles
+    assert (starts % SVM_ALIGNMENT == 0).all()
+    boundary = np.flatnonzero(np.diff(unit))  # last row of each unit
+    assert (addresses[boundary + 1] > addresses[boundary] + row_bytes).all()
+    del pool, memory, views, whole
+    reserved.close()
+
 
 def test_a_refused_piece_is_retried_at_half_its_size_down_to_one_unit():
     plan = PiecePlan.of(TiB // 2**25, 2**25, DEFAULT_PIECE_BYTES, SVM_ALIGNMENT)
@@ -263,42 +288,6 @@ def test_a_refused_piece_is_retried_at_half_its_size_down_to_one_unit():
     with pytest.raises(PiecesRefused) as refused:  # not even one unit: 4 GiB
         take_pieces(plan, refusing_above(3 * GiB, plan, []), given_back.append)
     assert len(refused.value.failures) == 5  # 64 -> 32 -> 16 -> 8 -> 4 GiB
-
-
-def test_a_1_tib_pool_addresses_reserved_untouched_memory():
-    """The pool over 1 TiB of address space, reserved (PROT_NONE,
-    MAP_NORESERVE), never touched: every row's address is inside its unit,
-    and rows of different units are never adjacent."""
-    row_bytes = 9_428_992
-    rows = TiB // row_bytes
-    plan = PiecePlan.of(rows, row_bytes, DEFAULT_PIECE_BYTES, SVM_ALIGNMENT)
-    reserved = mmap.mmap(
-        -1,
-        plan.span + SVM_ALIGNMENT,
-        flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE,
-        prot=0,
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # not writable: nothing writes it
-        whole = torch.frombuffer(reserved, dtype=torch.int8)
-    first = -whole.data_ptr() % SVM_ALIGNMENT
-    units = [
-        whole[first + o : first + o + plan.rows_of_unit(u) * row_bytes]
-        for u, o in enumerate(plan.unit_offsets().tolist())
-    ]
-    memory = HostMemory(units, plan.row_span, "reserved", False)
-    pool = CpuBlockPool(PoolLayout.of([row_bytes], 1, rows), memory)
-    addresses = pool.row_addresses(np.arange(rows))
-    unit = np.arange(rows) // plan.unit_rows
-    starts = np.asarray([t.data_ptr() for t in pool.tensors])
-    ends = starts + np.asarray([t.numel() for t in pool.tensors])
-    assert (addresses >= starts[unit]).all()
-    assert (addresses + row_bytes <= ends[unit]).all()  # no row straddles
-    assert (starts % SVM_ALIGNMENT == 0).all()
-    boundary = np.flatnonzero(np.diff(unit))  # last row of each unit
-    assert (addresses[boundary + 1] > addresses[boundary] + row_bytes).all()
-    del pool, memory, units, whole
-    reserved.close()
 
 
 def test_on_cuda_each_piece_is_registered_through_vllms_host_register(monkeypatch):

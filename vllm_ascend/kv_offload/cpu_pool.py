@@ -90,6 +90,12 @@ class CpuBlockPool:
                 f"{layout.num_blocks} CPU blocks of {layout.row_bytes} bytes"
             )
         self.layout = layout
+        # Its fields, as the copy engine and tests read them.
+        self.num_blocks = layout.num_blocks
+        self.blocks_per_chunk = layout.blocks_per_chunk
+        self.row_bytes = layout.row_bytes
+        self.tensor_offsets = layout.tensor_offsets
+        self.slot_bytes = layout.slot_bytes
         self.memory = memory
         units = memory.units
         rows = layout.num_blocks
@@ -108,7 +114,7 @@ class CpuBlockPool:
         ids): a lookup of their unit, no Python per row."""
         rows = np.asarray(rows, dtype=np.int64)
         unit, within = np.divmod(rows, self._unit_rows)
-        return self._unit_base[unit] + within * self.layout.row_bytes
+        return self._unit_base[unit] + within * self.row_bytes
 
     def row(self, i: int) -> torch.Tensor:
         """Row ``i`` (CPU block ``i``) as an int8 view."""
@@ -132,27 +138,6 @@ class CpuBlockPool:
     def base(self) -> int:
         """Address of row 0 (0 once released)."""
         return int(self._unit_base[0]) if self.tensors else 0
-
-    # The layout's fields, as the copy engine and tests read them.
-    @property
-    def num_blocks(self) -> int:
-        return self.layout.num_blocks
-
-    @property
-    def blocks_per_chunk(self) -> int:
-        return self.layout.blocks_per_chunk
-
-    @property
-    def row_bytes(self) -> int:
-        return self.layout.row_bytes
-
-    @property
-    def tensor_offsets(self) -> np.ndarray:
-        return self.layout.tensor_offsets
-
-    @property
-    def slot_bytes(self) -> int:
-        return self.layout.slot_bytes
 
     @property
     def pinned(self) -> bool:
