@@ -211,30 +211,44 @@ def register_pieces(
     register: Callable[[int, int], int],
     unregister: Callable[[int], None],
     name: str,
+    what: str = "the CPU block pool",
 ) -> list[str]:
-    """Page-locks ``memory`` (an mmap of ``plan``) in place, piece by piece:
-    ``register(addr, size)`` returns what ``unregister`` takes, or raises
-    RuntimeError when refused. Where not even one unit is taken, ``memory``
-    stays pageable and what ``name`` (the call) said is returned."""
-    bases = [u.data_ptr() for u in memory.units]
+    """Page-locks ``memory`` (``plan``'s units: an mmap, or a shared region)
+    in place, piece by piece: ``register(addr, size)`` returns what
+    ``unregister`` takes, or raises RuntimeError when refused. Where not even
+    one unit is taken, ``memory`` stays pageable and what ``name`` (the
+    call) said is returned. ``memory.release`` unregisters every piece
+    first, logging a failure (it runs at shutdown)."""
+    bases = memory.units[0].data_ptr() + plan.unit_offsets()
     try:
         pieces, failures = take_pieces(
-            plan, lambda u, k: register(bases[u], plan.piece_span(u, k)), unregister
+            plan,
+            lambda u, k: register(int(bases[u]), plan.piece_span(u, k)),
+            unregister,
         )
     except PiecesRefused as e:
         return e.failures
     if failures:
         logger.warning(
-            "KV offload: %s refused a piece of the CPU block pool, which was "
-            "registered in smaller pieces: %s",
+            "KV offload: %s refused a piece of %s, which was registered in "
+            "smaller pieces: %s",
             name,
+            what,
             "; ".join(failures),
         )
     unmap = memory._release
 
     def release() -> None:
         for piece in reversed(pieces):
-            unregister(piece.handle)  # before the mapping goes
+            try:
+                unregister(piece.handle)
+            except RuntimeError as e:
+                logger.warning(
+                    "KV offload: unregistering %s failed for the piece at %#x: %s",
+                    what,
+                    piece.handle,
+                    e,
+                )
         if unmap is not None:
             unmap()
 

@@ -50,14 +50,12 @@ from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm_ascend.kv_offload import acl_host, vllm_compat
 from vllm_ascend.kv_offload.config import TIERING_SPEC, OffloadConfigError
 from vllm_ascend.kv_offload.cpu_pool import CpuBlockPool, PoolLayout
-from vllm_ascend.kv_offload.host_memory import borrowed
+from vllm_ascend.kv_offload.host_memory import borrowed, register_pieces
 from vllm_ascend.kv_offload.host_pieces import (
     DEFAULT_PIECE_BYTES,
     SVM_ALIGNMENT,
     PiecePlan,
-    PiecesRefused,
     describe,
-    take_pieces,
 )
 from vllm_ascend.kv_offload.logger import init_logger
 from vllm_ascend.kv_offload.shm_marks import (
@@ -246,13 +244,12 @@ class AclRegionRegistration:
     ):
         from vllm_ascend.kv_offload import ops
 
-        self._unregister = unregister or ops.host_unregister
         register = register or ops.host_register
-        base = region.base_tensor.data_ptr()
-        self.nbytes = region.total_size_bytes
-        self.addresses: list[int] = []
+        unregister = unregister or ops.host_unregister
+        nbytes = region.total_size_bytes
         where = (
-            f"the shared region {region.mmap_path} ({self.nbytes} bytes at {base:#x})"
+            f"the shared region {region.mmap_path} ({nbytes} bytes at "
+            f"{region.base_tensor.data_ptr():#x})"
         )
         release = kernel_release or acl_host.kernel_release()
         if not acl_host.kernel_registers_pageable_memory(release):
@@ -265,58 +262,48 @@ class AclRegionRegistration:
             )
         plan = PiecePlan.of(
             region.num_chunks,
-            self.nbytes // region.num_chunks,
+            nbytes // region.num_chunks,
             piece_bytes or DEFAULT_PIECE_BYTES,
             SVM_ALIGNMENT,
             gaps=False,
         )
         registrar = acl_host.AclRegistrar(lambda a, n, f: register(a, n, "npu", f))
+        # The pool's own rule and release (``host_memory.register_pieces``)
+        # over the region, which stays its owner's to unmap.
+        self.memory = borrowed(region.base_tensor, pinned=False)
         t0 = time.perf_counter()
-        try:
-            pieces, failures = take_pieces(
-                plan,
-                lambda u, k: registrar(base + u * plan.stride, plan.piece_span(u, k)),
-                self._unregister_one,
-            )
-        except PiecesRefused as e:
+        refused = register_pieces(
+            self.memory,
+            plan,
+            registrar,
+            lambda addr: unregister(addr, "npu"),
+            "aclrtHostRegisterV2",
+            where,
+        )
+        if refused:
             raise OffloadConfigError(
                 f"{TIERING_SPEC} on npu: registering {where} with ACL failed, and "
                 "the NPU copy backend copies page-locked host memory only: "
-                f"{e}. Fix: a CANN release with aclrtHostRegisterV2 (its 8.5 "
-                "documentation has it) on an Atlas A2/A3/A5, a smaller "
-                "host_piece_bytes if the runtime refuses pieces that large, a "
-                "smaller region (num_cpu_blocks or cpu_bytes_to_use) if the "
-                "host cannot lock that much memory, or "
+                f"{'; '.join(refused)}. Fix: a CANN release with "
+                "aclrtHostRegisterV2 (its 8.5 documentation has it) on an Atlas "
+                "A2/A3/A5, a smaller host_piece_bytes if the runtime refuses "
+                "pieces that large, a smaller region (num_cpu_blocks or "
+                "cpu_bytes_to_use) if the host cannot lock that much memory, or "
                 "spec_name='NPUOffloadingSpec' (a pinned private pool, no "
                 "tiering)"
-            ) from e
-        self.addresses = [p.handle for p in pieces]
+            )
         logger.info(
-            "KV offload: registered %s with ACL as %s in %s in %.2f s%s",
+            "KV offload: registered %s with ACL as %s in %s in %.2f s",
             where,
             registrar.kind,
-            describe([p.nbytes for p in pieces]),
+            describe(list(self.memory.piece_bytes)),
             time.perf_counter() - t0,
-            f" (refused first: {'; '.join(failures)})" if failures else "",
         )
-
-    def _unregister_one(self, addr: int) -> None:
-        self._unregister(addr, "npu")
 
     def release(self) -> None:
         """Unregisters every piece (once); logs instead of raising, as it
         runs at shutdown."""
-        addresses, self.addresses = self.addresses, []
-        for addr in reversed(addresses):
-            try:
-                self._unregister_one(addr)
-            except RuntimeError as e:
-                logger.warning(
-                    "KV offload: unregistering the shared region at %#x from "
-                    "ACL failed: %s",
-                    addr,
-                    e,
-                )
+        self.memory.release()
 
 
 def register_with_cuda(region: SharedOffloadRegion, pool: RegionBlockPool) -> None:
