@@ -100,10 +100,20 @@ def test_a_replicated_layout_is_sized_as_one_copy_for_all_workers():
 
 
 def test_the_workers_share_one_copy_that_rank_0_writes_and_every_rank_loads(
-    engine_id, all_workers_barrier, ledger
+    engine_id, all_workers_barrier, ledger, monkeypatch
 ):
+    """Host memory for one copy, not two: both ranks start, and the guard
+    ran once, in rank 0, which created the region."""
+    checks = []
+
+    def available() -> int:
+        checks.append(threading.current_thread().name)
+        return int(BLOCKS * PAGE * 1.5)  # 90 % of it: one copy, not two
+
+    monkeypatch.setattr(host_guard, "host_available_bytes", available)
     kv, workers = on_every_rank(engine_id)
     try:
+        assert len(checks) == 1
         # One region of BLOCKS rows of one copy, every rank on slot 0; its
         # name was removed once both had mapped it; the host's ledger holds
         # the one pool.
@@ -154,23 +164,6 @@ def test_rank_0_alone_stores_and_every_rank_acknowledges(rank, stores):
     assert stored == stores
     acked = connector_worker.build_connector_worker_meta()
     assert (acked.completed_jobs if acked else {}) == ({} if stores else {7: 1})
-
-
-def test_host_memory_is_checked_once_for_the_one_copy(
-    engine_id, all_workers_barrier, monkeypatch
-):
-    """One copy fits and two would not: both ranks start, and the guard ran
-    once, in rank 0, which created the region."""
-    checks = []
-
-    def available() -> int:
-        checks.append(threading.current_thread().name)
-        return int(BLOCKS * PAGE * 1.5)  # 90 % of it: one copy, not two
-
-    monkeypatch.setattr(host_guard, "host_available_bytes", available)
-    for w in on_every_rank(engine_id)[1]:
-        w.shutdown()
-    assert len(checks) == 1
 
 
 def test_a_copy_the_host_cannot_hold_is_refused_on_every_rank(
