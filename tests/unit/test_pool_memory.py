@@ -290,10 +290,12 @@ def test_a_refused_piece_is_retried_at_half_its_size_down_to_one_unit():
     assert len(refused.value.failures) == 5  # 64 -> 32 -> 16 -> 8 -> 4 GiB
 
 
-def test_on_cuda_each_piece_is_registered_through_vllms_host_register(monkeypatch):
+def test_on_cuda_each_piece_is_registered_through_vllms_host_register(
+    monkeypatch, caplog
+):
     """cudaHostRegister per piece (vLLM's host_register, False when
     refused): a refused piece halved, every piece unregistered at release
-    before the mapping goes."""
+    before the mapping goes, also after one failed to (logged)."""
     from vllm.v1.kv_offload.cpu import host_register
 
     calls, limit = [], 300 * 2**10  # what the runtime takes at most
@@ -303,9 +305,13 @@ def test_on_cuda_each_piece_is_registered_through_vllms_host_register(monkeypatc
         return size <= limit
 
     monkeypatch.setattr(host_register, "host_register", register)
-    monkeypatch.setattr(
-        host_register, "host_unregister", lambda a: calls.append(("unregister", a))
-    )
+
+    def unregister(addr: int) -> None:
+        calls.append(("unregister", addr))
+        if len(calls) == 1:
+            raise RuntimeError("cudaHostUnregister failed")
+
+    monkeypatch.setattr(host_register, "host_unregister", unregister)
     memory = host_memory.allocate_host_memory(128, 4096, "cuda", piece_bytes=2**20)
     assert (memory.kind, memory.pinned) == (host_memory.CUDA_REGISTERED, True)
     taken = [(a, n) for op, a, n in calls if n <= limit]
@@ -319,3 +325,4 @@ def test_on_cuda_each_piece_is_registered_through_vllms_host_register(monkeypatc
     calls.clear()
     memory.release()
     assert calls == [("unregister", a) for a, _ in reversed(taken)]
+    assert "cudaHostUnregister failed" in caplog.text
