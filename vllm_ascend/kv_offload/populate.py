@@ -8,8 +8,8 @@ that took 0.8-2.4 s/GiB on a 2-core VM: a 900 GiB pool would hold the engine
 
 * The range is split into chunks whose inner edges are multiples of
   ``CHUNK_BYTES`` (a multiple of the transparent huge page size, so no huge
-  page and no page table is shared by two threads), and ``threads`` threads
-  each take chunks from a shared queue and call
+  page and no page table is shared by two threads), and a pool of
+  ``threads`` threads (``ThreadPoolExecutor``) takes them in turn, calling
   ``madvise(MADV_POPULATE_WRITE)`` on them through ctypes, which releases
   the GIL. Python's ``mmap.madvise`` does not (CPython's ``mmapmodule.c``
   calls ``madvise`` without ``Py_BEGIN_ALLOW_THREADS``), so threads calling
@@ -39,9 +39,9 @@ import ctypes
 import errno
 import mmap
 import os
-import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -177,19 +177,16 @@ def populate(
             logger.debug("KV offload: no huge pages for the CPU block pool (%s)", e)
             huge_pages = False
     chunks = split(addr, nbytes)
-    work = _Work(chunks, advise)
+    work = _Fault(advise)
     used = max(1, min(threads, len(chunks)))
-    if used == 1:
-        work.run()  # on the caller's thread, as before: no thread to start
+    if used == 1:  # on the caller's thread, as before: no thread to start
+        for chunk in chunks:
+            work(chunk)
     else:
-        pool = [
-            threading.Thread(target=work.run, args=(True,), name=f"kv-populate-{i}")
-            for i in range(used)
-        ]
-        for thread in pool:
-            thread.start()
-        for thread in pool:
-            thread.join()
+        with ThreadPoolExecutor(
+            used, "kv-populate", initializer=cpu_threads.pin_copy_thread
+        ) as pool:  # off vLLM's OpenMP cores
+            list(pool.map(work, chunks))
     if work.error is not None:
         raise MemoryError(
             f"KV offload: faulting {nbytes} bytes of host memory in failed "
@@ -215,37 +212,26 @@ def populate(
 _UNSUPPORTED = (errno.EINVAL, errno.ENOSYS, errno.EPERM)
 
 
-class _Work:
-    """Chunks shared by the threads, and what went wrong."""
+class _Fault:
+    """Faults one chunk in (a call per chunk, from any thread); remembers
+    what went wrong, after which it faults nothing more."""
 
-    def __init__(self, chunks: list[tuple[int, int]], advise: Advise) -> None:
-        self._chunks = iter(chunks)
+    def __init__(self, advise: Advise) -> None:
         self._advise = advise
-        self._lock = threading.Lock()
         self.page_writes = False
         self.error: OSError | None = None
 
-    def _next(self) -> tuple[int, int] | None:
-        with self._lock:
-            if self.error is not None:
-                return None
-            return next(self._chunks, None)
-
-    def run(self, own_thread: bool = False) -> None:
-        if own_thread:
-            cpu_threads.pin_copy_thread()  # off vLLM's OpenMP cores
-        while (chunk := self._next()) is not None:
-            self._fault(*chunk)
-
-    def _fault(self, start: int, length: int) -> None:
+    def __call__(self, chunk: tuple[int, int]) -> None:
+        start, length = chunk
+        if self.error is not None:
+            return
         if not self.page_writes:
             try:
                 self._advise(start, length, MADV_POPULATE_WRITE)
                 return
             except OSError as e:
                 if e.errno not in _UNSUPPORTED:
-                    with self._lock:
-                        self.error = e
+                    self.error = e
                     return
                 self.page_writes = True  # for every later chunk too
         # One zero written per page faults the range in.
