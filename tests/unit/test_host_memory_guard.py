@@ -328,33 +328,28 @@ def test_workers_checking_at_once_never_take_more_than_the_budget(host_ledger_di
     assert ledger_files(host_ledger_dir) == []
 
 
-def test_a_killed_workers_pool_is_swept_by_the_next_check(host_ledger_dir):
-    holder = forked(reserve)  # a worker holding its pool's record
-    assert [p.pid for p in host_ledger.live_pools()] == [holder.pid]
-    holder.kill()  # SIGKILL
-    holder.join(timeout=60)
-    assert len(ledger_files(host_ledger_dir)) == 1  # SIGKILL cleans nothing up
-    assert host_ledger.live_pools() == []
-    assert ledger_files(host_ledger_dir) == []
-
-
 def test_nothing_is_left_in_dev_shm(monkeypatch):
     """On the real ledger: a pool released, one whose process exited, one
-    whose process was killed; after the next check none of them is there."""
+    whose process was killed (SIGKILL cleans nothing up: its record stays
+    until the next check); after the next check none of them is there."""
     monkeypatch.delenv(host_ledger.LEDGER_DIR_ENV, raising=False)
     assert host_ledger.ledger_dir() == "/dev/shm"
+
+    def left(*pids: int) -> list[str]:
+        return [n for n in ledger_files("/dev/shm") if int(n.split("_")[4]) in pids]
+
     reserve().release()
     # As a worker process ends: no clean-up of ours runs.
     exited = FORK.Process(target=lambda: (reserve(), os._exit(0)))
     exited.start()
     exited.join(timeout=120)
-    killed = forked(reserve)
+    killed = forked(reserve)  # a worker holding its pool's record
+    assert killed.pid in [p.pid for p in host_ledger.live_pools()]
     killed.kill()
     killed.join(timeout=60)
-    host_ledger.live_pools()
-    ours = {os.getpid(), exited.pid, killed.pid}
-    left = [n for n in ledger_files("/dev/shm") if int(n.split("_")[4]) in ours]
-    assert left == []
+    assert len(left(killed.pid)) == 1
+    assert killed.pid not in [p.pid for p in host_ledger.live_pools()]
+    assert left(os.getpid(), exited.pid, killed.pid) == []
 
 
 def test_a_released_pool_leaves_the_ledger_and_a_failed_allocation_too(
