@@ -234,7 +234,11 @@ def test_the_worker_serves_on_the_path_the_check_chose(monkeypatch):
         assert w.copy_path == paths[1].name == w.self_check.path
         # It copies with the very function the check verified, not a rebind.
         assert w.engine.swap is w.self_check.swap
-        assert any(f"copy path {paths[1].name} on cpu" in m for m in logged)
+        # One INFO line names the choice, with the check's figures.
+        chosen = [m for m in logged if f" {paths[1].name} " in m]
+        assert len(chosen) == 1, logged
+        assert f"copy path {paths[1].name} on cpu (self-check: " in chosen[0]
+        assert "host memory" in chosen[0]
         # And it moves KV on that path, byte-exact.
         spec = GPULoadStoreSpec([2, 5], group_sizes=[2], block_indices=[0])
         assert w.submit_store(1, spec, CPULoadStoreSpec([0, 3]))
