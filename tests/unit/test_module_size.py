@@ -1,6 +1,6 @@
 """The package stays lean (issue 25): no module of ``vllm_ascend/`` over 400
 lines, no class over 180. One that grows past either has taken on a second
-job: move that role into a collaborator of its own (as ``job_ledger.py``,
+job: move that role into a collaborator of its own (as ``failures.JobLedger``,
 ``scheduler_side.py`` or ``tiering/verified_files.py`` were), rather than
 squeeze lines."""
 
