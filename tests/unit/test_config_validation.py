@@ -1,5 +1,6 @@
-"""Bad offloading configuration fails at start-up with one error naming the
-setting, the bad value and the fix (before any pool is allocated).
+"""NPUOffloadingSpec's configuration: good values size the CPU pool as the
+guide and vLLM mean them; bad ones fail at start-up with one error naming
+the setting, the bad value and the fix (before any pool is allocated).
 
 Keys of kv_connector_extra_config: a key that nothing reads fails naming the
 known key it resembles, and every key we pass on to vLLM is type-checked like
@@ -14,16 +15,81 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
-from tests.unit.kv_helpers import BLOCK, GUIDE_EXTRA, OUR_SPEC, make_config
+from tests.unit.kv_helpers import (
+    BLOCK,
+    GUIDE_EXTRA,
+    OUR_SPEC,
+    make_config,
+    make_kv_caches,
+    running,
+)
 from vllm_ascend.kv_offload import connector as connector_module
-from vllm_ascend.kv_offload.config import KEYS
+from vllm_ascend.kv_offload.config import KEYS, cpu_block_bytes
 from vllm_ascend.kv_offload.connector import AscendOffloadingConnector
+from vllm_ascend.kv_offload.manager import FailureAwareManager
 from vllm_ascend.kv_offload.npu import (
     NPUOffloadingSpec,
     OffloadConfigError,
     validate_connector_config,
 )
+
+
+@pytest.mark.parametrize("bpc", [1, 2, 4])
+def test_guide_num_cpu_blocks_counts_blocks_of_block_size_tokens(bpc):
+    spec = NPUOffloadingSpec(make_config(GUIDE_EXTRA, blocks_per_chunk=bpc))
+    assert spec.num_chunks == 1000
+    assert spec.blocks_per_chunk == bpc
+
+
+def test_cpu_bytes_to_use_is_accepted_as_in_vllm():
+    block = cpu_block_bytes(make_config({}))
+    assert block == 65536
+    spec = NPUOffloadingSpec(make_config({"cpu_bytes_to_use": 10 * block + 5}))
+    assert spec.num_chunks == 10
+
+
+def test_cpu_block_bytes_covers_all_workers_and_sub_blocks():
+    config = make_config({}, worker_kv_bytes_per_block=1000, blocks_per_chunk=3)
+    # 3000 bytes rounded up to vLLM's 4096-byte alignment.
+    assert cpu_block_bytes(config) == 4096
+    config = make_config({}, worker_kv_bytes_per_block=65536, world_size=2)
+    assert cpu_block_bytes(config) == 131072
+
+
+def test_both_sizes_agreeing_is_fine():
+    # Disagreeing: SPEC_CASES ("set only one").
+    ok = {"num_cpu_blocks": 4, "cpu_bytes_to_use": 4 * 65536}
+    assert NPUOffloadingSpec(make_config(ok)).num_chunks == 4
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_vllm_eviction_policies_are_reused(policy):
+    spec = NPUOffloadingSpec(
+        make_config({"num_cpu_blocks": 8, "eviction_policy": policy})
+    )
+    assert spec.eviction_policy == policy
+    manager = spec.get_manager()
+    # vLLM's manager, wrapped to hear about failed transfers.
+    assert isinstance(manager, FailureAwareManager)
+    assert isinstance(manager.inner, CPUOffloadingManager)
+
+
+def test_worker_pool_is_exactly_num_cpu_blocks_times_one_cpu_block():
+    page_bytes = [32768, 32768]
+    for bpc in (1, 2):
+        config = make_config(
+            {"num_cpu_blocks": 7},
+            worker_kv_bytes_per_block=sum(page_bytes),
+            blocks_per_chunk=bpc,
+        )
+        spec = NPUOffloadingSpec(config)
+        with running(spec.get_worker(make_kv_caches(4, page_bytes))) as worker:
+            # One CPU block = bpc device blocks of every cached tensor.
+            assert worker.pool.nbytes == 7 * bpc * sum(page_bytes)
+            assert worker.pool.tensor.shape == (7, bpc * sum(page_bytes))
+
 
 # (extra_config, fragments the one error must contain: the key, the bad value
 # and the fix). Checked by NPUOffloadingSpec, which sees the block size; host
