@@ -21,30 +21,26 @@ from vllm_ascend.kv_offload.cpu_threads import CpuTopology, reserved_cpu_setting
 ONE_NODE_TWO_CORES = CpuTopology({0: 2})
 
 
-def test_two_cores_on_one_node_reserve_one_core_as_without_a_connector():
-    assert reserved_cpu_setting({}, ONE_NODE_TWO_CORES) == "1"
-
-
 @pytest.mark.parametrize(
-    "environ",
+    "environ, cores_per_node, expected",
     [
-        {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},  # the user's choice stands
-        {"VLLM_CPU_OMP_THREADS_BIND": "0-1"},  # manual lists reserve nothing
-        {"VLLM_CPU_OMP_THREADS_BIND": "nobind"},
-        {"VLLM_CPU_SIM_MULTI_NUMA": "1"},
+        ({}, {0: 2}, "1"),  # two cores, one node: one reserved, as without one
+        # Explicit settings are left alone.
+        ({"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}, {0: 2}, None),  # the user's
+        ({"VLLM_CPU_OMP_THREADS_BIND": "0-1"}, {0: 2}, None),  # reserve nothing
+        ({"VLLM_CPU_OMP_THREADS_BIND": "nobind"}, {0: 2}, None),
+        ({"VLLM_CPU_SIM_MULTI_NUMA": "1"}, {0: 2}, None),
+        # Topologies where vLLM leaves a core are left alone.
+        ({}, {0: 1}, None),
+        ({}, {0: 3}, None),
+        ({}, {0: 64}, None),
+        ({}, {0: 2, 1: 2}, None),
     ],
 )
-def test_explicit_settings_are_left_alone(environ):
-    assert reserved_cpu_setting(environ, ONE_NODE_TWO_CORES) is None
-
-
-@pytest.mark.parametrize(
-    "cores_per_node",
-    [{0: 1}, {0: 3}, {0: 64}, {0: 2, 1: 2}],
-    ids=["one-core", "three-cores", "many-cores", "two-nodes"],
-)
-def test_topologies_where_vllm_leaves_a_core_are_left_alone(cores_per_node):
-    assert reserved_cpu_setting({}, CpuTopology(cores_per_node)) is None
+def test_the_reservation_is_lowered_only_where_a_connectors_leaves_no_core(
+    environ, cores_per_node, expected
+):
+    assert reserved_cpu_setting(environ, CpuTopology(cores_per_node)) == expected
 
 
 def test_apply_sets_the_variable_and_never_overrides_it():

@@ -44,11 +44,10 @@ from tests.unit.kv_helpers import (
 from vllm_ascend.kv_offload.connector import AscendOffloadingConnectorMetadata
 from vllm_ascend.kv_offload.failures import (
     AscendOffloadingWorkerMetadata,
-    FailureRouter,
-    SyncLoadQuarantine,
     WorkerFailureLog,
 )
 from vllm_ascend.kv_offload.manager import FailureAwareManager
+from vllm_ascend.kv_offload.scheduler_side import FailureRouter, SyncLoadQuarantine
 
 PAGES = [256, 128]
 NUM_DEVICE_BLOCKS = 16

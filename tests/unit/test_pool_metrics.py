@@ -33,12 +33,10 @@ from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 from tests.unit.conftest import make_connector, new_engine_id
 from tests.unit.kv_helpers import make_config, worker_report
 from vllm_ascend.kv_offload import pool_metrics
-from vllm_ascend.kv_offload.failures import (
-    FailureRouter,
-)
 from vllm_ascend.kv_offload.manager import FailureAwareManager
 from vllm_ascend.kv_offload.npu import NPUOffloadingSpec
 from vllm_ascend.kv_offload.pool_metrics import PoolCapacity
+from vllm_ascend.kv_offload.scheduler_side import FailureRouter
 from vllm_ascend.kv_offload.tiering.spec import NPUTieringOffloadingSpec
 
 BLOCK_BYTES = 1 << 20

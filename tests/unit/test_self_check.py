@@ -78,31 +78,6 @@ def names(paths) -> list[str]:
     return [p.name for p in paths]
 
 
-def test_cpu_paths_are_tried_best_first():
-    expected = (
-        ["native", "python", "torch"] if ops.HAS_NATIVE_OP else ["python", "torch"]
-    )
-    assert names(candidate_paths("cpu")) == expected
-    assert names(candidate_paths("cpu", "torch")) == ["torch"]
-    assert names(candidate_paths("cpu", "native")) == expected[:-1]
-
-
-def test_an_npu_without_the_native_op_gets_the_torch_path():
-    have = Available(native_backends=("cpu",))
-    assert names(candidate_paths("npu", have=have)) == ["torch"]
-    with pytest.raises(OffloadConfigError, match=r"copy_path'\]='native'.*no 'npu'"):
-        candidate_paths("npu", "native", have=have)
-
-
-def test_an_npu_with_the_native_op_steps_down_batch_per_copy_torch():
-    have = Available(native_backends=("cpu", "npu"))
-    assert names(candidate_paths("npu", have=have)) == [
-        "native-batch",
-        "native-per-copy",
-        "torch",
-    ]
-
-
 def vllm_op_stand_in(calls: list | None = None):
     """What vLLM's swap_blocks_batch does, on host memory: copies entry i,
     sizes[i] bytes, from src_ptrs[i] to dst_ptrs[i]; records its arguments."""
@@ -117,15 +92,37 @@ def vllm_op_stand_in(calls: list | None = None):
     return swap_blocks_batch
 
 
-def test_cuda_copies_with_vllms_op_where_this_vllm_registers_it():
-    with_op = Available(native_backends=("cpu",), vllm_swap=vllm_op_stand_in())
-    assert names(candidate_paths("cuda", have=with_op)) == [VLLM_BATCH, "torch"]
-    assert names(candidate_paths("cuda", "native", have=with_op)) == [VLLM_BATCH]
-    # Without it: the torch path, and copy_path='native' says what is missing.
-    without = Available(native_backends=("cpu",))
-    assert names(candidate_paths("cuda", have=without)) == ["torch"]
-    with pytest.raises(OffloadConfigError, match="no registered swap_blocks_batch"):
-        candidate_paths("cuda", "native", have=without)
+CPU_BEST = ["native", "python", "torch"] if ops.HAS_NATIVE_OP else ["python", "torch"]
+CPU_OP_ONLY = Available(native_backends=("cpu",))  # no npu backend, no vLLM op
+NPU_OP = Available(native_backends=("cpu", "npu"))
+VLLM_OP = Available(native_backends=("cpu",), vllm_swap=vllm_op_stand_in())
+
+
+@pytest.mark.parametrize(
+    "device, setting, have, expected",
+    [
+        # cpu: best first, narrowed by the setting (this process's op).
+        ("cpu", "auto", None, CPU_BEST),
+        ("cpu", "torch", None, ["torch"]),
+        ("cpu", "native", None, CPU_BEST[:-1]),
+        # npu without the native op: the torch path; 'native' says what lacks.
+        ("npu", "auto", CPU_OP_ONLY, ["torch"]),
+        ("npu", "native", CPU_OP_ONLY, r"copy_path'\]='native'.*no 'npu'"),
+        # npu with it: batch, then per copy, then torch.
+        ("npu", "auto", NPU_OP, ["native-batch", "native-per-copy", "torch"]),
+        # cuda: vLLM's op where this vLLM registers it, else the torch path.
+        ("cuda", "auto", VLLM_OP, [VLLM_BATCH, "torch"]),
+        ("cuda", "native", VLLM_OP, [VLLM_BATCH]),
+        ("cuda", "auto", CPU_OP_ONLY, ["torch"]),
+        ("cuda", "native", CPU_OP_ONLY, "no registered swap_blocks_batch"),
+    ],
+)
+def test_the_candidate_paths_of_each_device_best_first(device, setting, have, expected):
+    if isinstance(expected, str):
+        with pytest.raises(OffloadConfigError, match=expected):
+            candidate_paths(device, setting, have=have)
+    else:
+        assert names(candidate_paths(device, setting, have=have)) == expected
 
 
 def test_vllms_cpu_build_offers_no_cuda_op_and_cpu_never_asks_for_it():
@@ -234,7 +231,11 @@ def test_the_worker_serves_on_the_path_the_check_chose(monkeypatch):
         assert w.copy_path == paths[1].name == w.self_check.path
         # It copies with the very function the check verified, not a rebind.
         assert w.engine.swap is w.self_check.swap
-        assert any(f"copy path {paths[1].name} on cpu" in m for m in logged)
+        # One INFO line names the choice, with the check's figures.
+        chosen = [m for m in logged if f" {paths[1].name} " in m]
+        assert len(chosen) == 1, logged
+        assert f"copy path {paths[1].name} on cpu (self-check: " in chosen[0]
+        assert "host memory" in chosen[0]
         # And it moves KV on that path, byte-exact.
         spec = GPULoadStoreSpec([2, 5], group_sizes=[2], block_indices=[0])
         assert w.submit_store(1, spec, CPULoadStoreSpec([0, 3]))

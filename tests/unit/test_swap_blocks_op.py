@@ -2,7 +2,7 @@
 
 Every test runs against all three implementations -- the native op
 torch.ops._C_ascend.kv_offload_swap_blocks, the Python fallback in
-vllm_ascend.kv_offload.ops and the torch-only path (torch_copy.py) -- which
+vllm_ascend.kv_offload.ops and the torch-only path (copy_paths.TorchCopier) -- which
 must behave the same on device "cpu": each returns (copies, workspace), the
 workspace empty on "cpu" (None on the torch path, which has none).
 """
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from vllm_ascend.kv_offload import ops
-from vllm_ascend.kv_offload.torch_copy import TorchCopier
+from vllm_ascend.kv_offload.copy_paths import TorchCopier
 
 Swap = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, str], tuple[int, torch.Tensor]

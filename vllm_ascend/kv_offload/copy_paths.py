@@ -8,7 +8,17 @@
   adjacent fragments (``ops.coalesce``); we build no CUDA code.
 * ``native`` (cpu): the op's multi-threaded memcpy; ``python``: the op's
   pure-Python fallback, when the op is not built.
-* ``torch``: public torch calls only (``torch_copy.py``), on any device.
+* ``torch``: public torch calls only (``TorchCopier``, below), on any torch
+  device with streams (npu, cuda, xpu) when the native op is missing, and the
+  baseline the copy benchmark measures the op against. The descriptors name
+  raw addresses; torch copies tensors: it holds a flat uint8 view of every
+  buffer a job may touch (each device KV cache storage and the CPU block
+  pool) and turns each copy, after the op's own validation and merging of
+  adjacent fragments (``ops.coalesce``), into one ``dst[a:b].copy_(src[c:d],
+  non_blocking=True)`` between views of those buffers, on the current stream
+  (the transfer queue's): nothing is allocated, so nothing outlives the call
+  but the copies. One Python call per merged copy: fine for a fallback, which
+  is why it is not the default where the native op exists.
 
 ``candidate_paths`` lists those a device can try, in the order the start-up
 self-check tries them (``self_check.py``), from what this process has
@@ -29,7 +39,6 @@ import torch
 
 from vllm_ascend.kv_offload import ops, vllm_compat
 from vllm_ascend.kv_offload.config import PREFIX, OffloadConfigError
-from vllm_ascend.kv_offload.torch_copy import TorchCopier
 
 # (src_addrs, dst_addrs, sizes) -> (copies, what must live until they complete)
 Swap = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[int, object]]
@@ -41,6 +50,75 @@ NATIVE_CPU = "native"
 PYTHON = "python"
 TORCH = "torch"
 SETTINGS = ("auto", "native", "torch")
+# Devices the path is meant for, when it holds no buffer to tell.
+_DEVICE_TYPES = ["cpu", "cuda", "npu", "xpu"]
+
+
+def _flat_storage(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D uint8 tensor over the whole storage of ``t``."""
+    flat = torch.empty(0, dtype=torch.uint8, device=t.device)
+    return flat.set_(t.untyped_storage())
+
+
+class TorchCopier:
+    """``swap_blocks_batch`` in torch, over the buffers it was given."""
+
+    def __init__(self, buffers: Iterable[torch.Tensor]):
+        views: dict[int, torch.Tensor] = {}
+        for t in buffers:
+            flat = _flat_storage(t)
+            if flat.numel():
+                views.setdefault(flat.data_ptr(), flat)
+        self._device_types = sorted({v.device.type for v in views.values()})
+        order = sorted(views)
+        self._views = [views[b] for b in order]
+        self._bases = np.asarray(order, dtype=np.uint64)
+        self._ends = np.asarray([b + views[b].numel() for b in order], dtype=np.uint64)
+
+    def _locate(self, addrs: np.ndarray, sizes: np.ndarray, side: str) -> np.ndarray:
+        idx = np.searchsorted(self._bases, addrs, side="right").astype(np.int64) - 1
+        inside = idx >= 0  # all False when there is no buffer
+        if len(self._bases):
+            inside &= addrs + sizes <= self._ends[np.maximum(idx, 0)]
+        if not inside.all():
+            i = int(np.flatnonzero(~inside)[0])
+            raise RuntimeError(
+                f"swap_blocks_batch (torch path): {side} of copy {i} "
+                f"([{int(addrs[i]):#x}, +{int(sizes[i])})) is not inside any buffer "
+                "this copier was built over (the KV caches and the CPU pool)"
+            )
+        return idx
+
+    def swap(
+        self,
+        src_addrs: torch.Tensor,
+        dst_addrs: torch.Tensor,
+        sizes: torch.Tensor,
+        device: str = "",
+    ) -> tuple[int, None]:
+        """Same arguments and validation as ``ops.swap_blocks_batch``; returns
+        ``(copies, None)``: no workspace, the views own nothing."""
+        known = self._device_types or _DEVICE_TYPES
+        if device and device not in known:
+            raise RuntimeError(
+                f"swap_blocks_batch (torch path): unknown device '{device}'; "
+                f"expected one of {', '.join(map(repr, known))} (the devices "
+                "of the buffers it copies between)"
+            )
+        src, dst, size, first = ops.coalesce(src_addrs, dst_addrs, sizes)
+        if not len(size):
+            return 0, None
+        ops.check_disjoint(src, dst, size, first, device or "torch")
+        s_idx = self._locate(src, size, "source")
+        d_idx = self._locate(dst, size, "destination")
+        s_off = (src - self._bases[s_idx]).tolist()
+        d_off = (dst - self._bases[d_idx]).tolist()
+        views = self._views
+        for si, so, di, do, n in zip(
+            s_idx.tolist(), s_off, d_idx.tolist(), d_off, size.tolist(), strict=True
+        ):
+            views[di][do : do + n].copy_(views[si][so : so + n], non_blocking=True)
+        return len(size), None
 
 
 @dataclass(frozen=True)

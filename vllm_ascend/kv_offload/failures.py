@@ -1,34 +1,26 @@
-"""Failed transfers: what the worker side reports, what the scheduler side does.
+"""Failed transfers on the worker side: what is reported, and how.
 
-vLLM's offloading connector asserts that every transfer succeeded. Our worker
-diverts failures (``worker.divert_failures``): vLLM sees the job finish, and
-the connector (``connector.AscendOffloadingConnector``) reports the failure
-through vLLM's public hooks, with the three parts of this module:
+vLLM's offloading connector asserts that every transfer succeeded. Our
+worker diverts failures instead, and the connector
+(``connector.AscendOffloadingConnector``) reports them through vLLM's public
+hooks; the scheduler side acts on them (``scheduler_side.py``:
+``FailureRouter``, ``SyncLoadQuarantine``). Here:
 
-* ``WorkerFailureLog`` (worker side): which device blocks each load job
-  writes, and what this step reports: a failed load's device blocks through
-  ``get_block_ids_with_load_errors`` in the step vLLM sees the job finish (the
-  contract of ``KVConnectorBase_V1``), or, with several KV cache groups whose
-  block ids vLLM cannot map back to requests, its request in
+* ``JobLedger`` (the offloading worker, ``worker.py``): every job
+  ``submit_store``/``submit_load`` accepted is reported exactly once
+  (``NPUOffloadingWorker.get_finished``): with its bytes and duration when it
+  succeeded; failed with ``success=False`` by default (vLLM's own connector
+  asserts on that: a failure stays loud); or, once ``divert`` was called
+  (``worker.divert_failures``), as finished without transfer stats, kept for
+  ``take_failed``. A job refused at submission is reported by the next
+  ``report`` in the same way, when failures are diverted; otherwise the worker
+  returns False for it and vLLM expects nothing more of it.
+* ``WorkerFailureLog`` (the connector's worker side): which device blocks each
+  load job writes, and what this step reports: a failed load's device blocks
+  through ``get_block_ids_with_load_errors`` in the step vLLM sees the job
+  finish (the contract of ``KVConnectorBase_V1``), or, with several KV cache
+  groups whose block ids vLLM cannot map back to requests, its request in
   ``failed_recving``; failed job ids in ``AscendOffloadingWorkerMetadata``.
-* ``FailureRouter`` (scheduler side): what a failed job means for
-  ``manager.FailureAwareManager``: a failed store's CPU blocks are freed, a
-  request whose load failed gets no CPU hits again. A store of a request
-  whose synchronous load failed copies KV computed from that load's garbage:
-  it is failed too, as is a store of device blocks that any connector failed
-  to load (vLLM's ``invalid_block_ids``; in a ``MultiConnector`` also a P/D
-  connector's).
-* ``SyncLoadQuarantine`` (scheduler side): a synchronous load (vLLM >= 0.33,
-  ``sync_load_budget_bytes``) fills device blocks that vLLM's scheduler has
-  already put in its device prefix cache (they are hashed at allocation).
-  Until the load is known to have succeeded, no other request may reach them:
-  a request that would hit them waits (its lookup answers "not yet"), and if
-  the load failed, they leave the prefix cache before vLLM schedules again.
-  vLLM's own recovery (``Scheduler._handle_invalid_blocks`` with
-  ``kv_load_failure_policy="recompute"``) leaves them there, for the failed
-  request to recompute in place; until it does (and it may be preempted
-  first, which frees them with their hashes) any request hitting them reads
-  garbage with no failure reported for it (docs/robustness.md).
 """
 
 from __future__ import annotations
@@ -42,15 +34,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
-    OffloadingConnectorMetadata,
     OffloadingWorkerMetadata,
     ReqId,
 )
-from vllm.v1.kv_offload.base import GPULoadStoreSpec
+from vllm.v1.kv_offload.base import GPULoadStoreSpec, TransferResult
 
 from vllm_ascend.kv_offload.load_wait import WorkerFigures
 from vllm_ascend.kv_offload.logger import init_logger
-from vllm_ascend.kv_offload.manager import FailureAwareManager
+from vllm_ascend.kv_offload.transfer_queue import FinishedJob
 
 logger = init_logger(__name__)
 
@@ -172,192 +163,73 @@ class WorkerFailureLog:
         )
 
 
-# -- scheduler side ------------------------------------------------------------
+class JobLedger:
+    """Bytes and kind of each job in flight, failures to report, and how."""
 
+    def __init__(self) -> None:
+        # job_id -> bytes, for the TransferResult; stores among them.
+        self._job_bytes: dict[int, int] = {}
+        self._store_jobs: set[int] = set()
+        # Jobs that failed at submission; reported by the next report().
+        self._refused: list[int] = []
+        self._divert_failures = False
+        self._failed_jobs: list[int] = []
 
-@dataclass(frozen=True)
-class _Quarantined:
-    hashes: frozenset[Any]
-    block_ids: tuple[int, ...]
+    def divert(self) -> None:
+        """Report failed jobs as finished (without stats) and keep them for
+        ``take_failed``."""
+        self._divert_failures = True
 
+    def take_failed(self) -> list[int]:
+        """Jobs reported failed since the last call (diverted failures)."""
+        failed, self._failed_jobs = self._failed_jobs, []
+        return failed
 
-class SyncLoadQuarantine:
-    """Device blocks of synchronous loads whose outcome is not known yet.
+    def accept(self, job_id: int, num_bytes: int, store: bool) -> None:
+        """``job_id`` is about to be queued: it moves ``num_bytes``."""
+        self._job_bytes[job_id] = num_bytes
+        if store:
+            self._store_jobs.add(job_id)
 
-    Fed by the connector's scheduler-side hooks in vLLM's order: ``on_lookup``
-    (the request's connector lookup), ``on_alloc`` (its blocks), ``on_metadata``
-    (the step's load jobs), then ``release`` once its workers reported the job.
-    """
+    def forget(self, job_id: int) -> None:
+        """``job_id`` could not be queued after all (see ``refuse``)."""
+        self._job_bytes.pop(job_id, None)
+        self._store_jobs.discard(job_id)
 
-    def __init__(self, block_size: int, group_idx: int = 0):
-        self.block_size = block_size
-        self.group_idx = group_idx
-        self._kv_cache_manager: Any = None
-        # Sync hits looked up this step: request -> its local prefix tokens.
-        self._looked_up: dict[ReqId, int] = {}
-        # Allocated this step, job id not known yet; then per load job.
-        self._by_request: dict[ReqId, _Quarantined] = {}
-        self._by_job: dict[int, _Quarantined] = {}
+    def refuse(self, job_id: int) -> bool:
+        """``job_id`` failed at submission: what ``submit_*`` returns."""
+        if not self._divert_failures:
+            return False  # vLLM's contract: nothing is reported for it later
+        # Accepted as far as vLLM knows; finishes failed at the next poll.
+        self._refused.append(job_id)
+        return True
 
-    def bind(self, kv_cache_manager: Any) -> None:
-        """vLLM's ``KVCacheManager`` (``bind_kv_cache_manager``)."""
-        self._kv_cache_manager = kv_cache_manager
+    def report(self, finished: Iterable[FinishedJob]) -> list[TransferResult]:
+        """vLLM's results for the jobs refused since the last call and
+        ``finished`` (polled from the queues), in that order."""
+        jobs = [FinishedJob(j, False, 0.0) for j in self._refused]
+        self._refused.clear()
+        jobs += finished
+        results = []
+        for job in jobs:
+            size = self._job_bytes.pop(job.job_id, 0)
+            self._store_jobs.discard(job.job_id)
+            if job.success:
+                results.append(TransferResult(job.job_id, True, size, job.seconds))
+            elif self._divert_failures:
+                # Failed jobs moved no useful bytes: no transfer stats.
+                self._failed_jobs.append(job.job_id)
+                results.append(TransferResult(job.job_id, True, None, None))
+            else:
+                results.append(TransferResult(job.job_id, False, size, job.seconds))
+        return results
 
-    def must_wait(self, request: Any) -> bool:
-        """Whether ``request`` would reach a quarantined block through the
-        device prefix cache. Block hashes chain, so sharing one hash means
-        sharing the whole prefix up to that block."""
-        if not self._by_job and not self._by_request:
-            return False
-        entries = [*self._by_job.values(), *self._by_request.values()]
-        return any(not e.hashes.isdisjoint(request.block_hashes) for e in entries)
+    def queued_bytes(self) -> tuple[int, int]:
+        """Bytes of the (store, load) jobs accepted and not yet reported."""
+        stores = sum(self._job_bytes[j] for j in self._store_jobs)
+        return stores, sum(self._job_bytes.values()) - stores
 
-    def on_lookup(
-        self, request: Any, num_local_tokens: int, result: tuple[int | None, bool]
-    ) -> None:
-        num_tokens, load_async = result
-        if num_tokens and not load_async:  # a hit loaded within the step
-            self._looked_up[request.request_id] = num_local_tokens
-        else:
-            self._looked_up.pop(request.request_id, None)
-
-    def on_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        num_local_tokens = self._looked_up.pop(request.request_id, None)
-        if num_local_tokens is None or not num_external_tokens:
-            return
-        first = num_local_tokens // self.block_size
-        hashes = request.block_hashes
-        if len(hashes) != request.num_tokens // self.block_size:
-            first = 0  # hashes at another granularity: quarantine them all
-        block_ids = blocks.get_block_ids()[self.group_idx]
-        # Everything from the first loaded block on: the loaded blocks, and
-        # those this step computes from them (also hashed at allocation).
-        self._by_request[request.request_id] = _Quarantined(
-            frozenset(hashes[first:]), tuple(block_ids[first:])
-        )
-
-    def on_metadata(self, meta: OffloadingConnectorMetadata) -> None:
-        for job_id, entry in meta.load_jobs.items():
-            quarantined = self._by_request.pop(entry.req_id, None)
-            if quarantined is not None and getattr(entry, "sync", False):
-                self._by_job[job_id] = quarantined
-        # Allocated but loading nothing synchronously after all.
-        self._by_request.clear()
-        self._looked_up.clear()
-
-    def release(self, job_id: int, failed: bool) -> None:
-        quarantined = self._by_job.pop(job_id, None)
-        if quarantined is None or not failed:
-            return
-        if self._kv_cache_manager is None:
-            logger.error(
-                "KV offload: sync load job %d failed and vLLM bound no KV cache "
-                "manager to the connector: its device blocks stay in the prefix "
-                "cache",
-                job_id,
-            )
-            return
-        # Removed from the prefix cache only: the failed request (vLLM
-        # recomputes or fails it) keeps them.
-        self._kv_cache_manager.evict_blocks(set(quarantined.block_ids))
-
-
-class FailureRouter:
-    """Turns the failed jobs the workers report into ``FailureAwareManager``
-    calls; releases quarantined sync loads once every worker reported them."""
-
-    def __init__(
-        self,
-        manager: FailureAwareManager,
-        num_workers: int,
-        quarantine: SyncLoadQuarantine | None = None,
-    ):
-        self.manager = manager
-        self.num_workers = num_workers
-        self.quarantine = quarantine
-        # Per job: what a failure means (store -> its keys, load -> its
-        # request) and how many workers have yet to report it.
-        self._failure_target: dict[int, tuple[bool, object]] = {}
-        self._reports_due: dict[int, int] = {}
-        # Failed jobs already routed: each worker may report the same one.
-        self._routed: set[int] = set()
-        # Unresolved sync load per request, and the stores issued meanwhile.
-        self._sync_load_of: dict[ReqId, int] = {}
-        self._dependent_stores: dict[int, list[int]] = {}
-        # Device block ids each pending store job copies (the spec's own
-        # array: compared only when a load failed, not per block per step).
-        self._store_blocks: dict[int, Any] = {}
-
-    def expect(self, meta: OffloadingConnectorMetadata) -> None:
-        """The jobs of the step's metadata (``build_connector_meta``)."""
-        for job_id, entry in meta.load_jobs.items():
-            self.expect_reports(job_id, (False, entry.req_id))
-            if getattr(entry, "sync", False):
-                self._sync_load_of[entry.req_id] = job_id
-                self._dependent_stores[job_id] = []
-        for job_id, entry in meta.store_jobs.items():
-            keys = self.manager.keys_of_store(entry.dst_spec)
-            self.expect_reports(job_id, (True, keys))
-            self._store_blocks[job_id] = entry.src_spec.block_ids
-            load_job = self._sync_load_of.get(entry.req_id)
-            if load_job is not None:
-                self._dependent_stores[load_job].append(job_id)
-        if self.quarantine is not None:
-            self.quarantine.on_metadata(meta)
-
-    def expect_reports(self, job_id: int, target: tuple[bool, object]) -> None:
-        self._failure_target[job_id] = target
-        self._reports_due[job_id] = self.num_workers
-
-    def invalidate_blocks(self, block_ids: set[int]) -> None:
-        """Device blocks a load failed to fill, as vLLM's scheduler gets them
-        (``KVConnectorOutput.invalid_block_ids``): in a ``MultiConnector``
-        also those of a P/D connector beside us. vLLM recomputes them, but a
-        store issued in the step of the failed load copies them as the load
-        left them: such a store is failed, its keys then hold nothing."""
-        if not block_ids:
-            return
-        invalid = np.fromiter(block_ids, dtype=np.int64, count=len(block_ids))
-        for job_id, blocks in self._store_blocks.items():
-            _, keys = self._failure_target.get(job_id, (None, None))
-            if keys is not None and np.isin(blocks, invalid).any():
-                self.manager.store_failed(keys)
-
-    def route(self, meta: Any) -> None:
-        """The workers' metadata of a step (``update_connector_output``),
-        before vLLM completes its jobs: ``complete_store`` must already know
-        that a failed store's keys hold nothing."""
-        for job_id in getattr(meta, "failed_jobs", ()):
-            is_store, target = self._failure_target.get(job_id, (None, None))
-            if target is None or job_id in self._routed:
-                continue  # stale, unknown, or reported by another worker
-            self._routed.add(job_id)
-            if is_store:
-                self.manager.store_failed(target)
-                continue
-            self.manager.load_failed(target)
-            for store_job in self._dependent_stores.get(job_id, ()):
-                _, keys = self._failure_target.get(store_job, (None, None))
-                if keys is not None:
-                    self.manager.store_failed(keys)
-            if self.quarantine is not None:
-                self.quarantine.release(job_id, failed=True)
-        if not isinstance(meta, OffloadingWorkerMetadata):
-            return
-        for job_id, count in meta.completed_jobs.items():
-            due = self._reports_due.get(job_id)
-            if due is None:
-                continue
-            if due - count > 0:
-                self._reports_due[job_id] = due - count
-                continue
-            del self._reports_due[job_id]
-            self._routed.discard(job_id)
-            is_store, target = self._failure_target.pop(job_id, (None, None))
-            self._store_blocks.pop(job_id, None)
-            if job_id in self._dependent_stores:
-                del self._dependent_stores[job_id]
-                if self._sync_load_of.get(target) == job_id:  # type: ignore[arg-type]
-                    del self._sync_load_of[target]  # type: ignore[arg-type]
-            if self.quarantine is not None:
-                self.quarantine.release(job_id, failed=False)
+    def clear(self) -> None:
+        """Forget the jobs in flight (the worker shut down)."""
+        self._job_bytes.clear()
+        self._store_jobs.clear()

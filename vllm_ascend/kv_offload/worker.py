@@ -34,7 +34,7 @@ from vllm.v1.kv_offload.base import (
 
 from vllm_ascend.kv_offload.copy_engine import CopyEngine, Descriptors
 from vllm_ascend.kv_offload.cpu_pool import CpuBlockPool
-from vllm_ascend.kv_offload.job_ledger import JobLedger
+from vllm_ascend.kv_offload.failures import JobLedger
 from vllm_ascend.kv_offload.logger import init_logger
 from vllm_ascend.kv_offload.pool_metrics import PoolInfo
 from vllm_ascend.kv_offload.self_check import (

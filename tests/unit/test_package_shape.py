@@ -1,10 +1,16 @@
-"""The package's modules import each other without a cycle.
+"""The package's shape (issue 25): its modules import each other without a
+cycle, and it stays lean.
 
 Every import statement counts, also those inside functions: a lazy import
 only hides a cycle from the interpreter (the module that does it depends on
 the other all the same). Imports under ``if TYPE_CHECKING:`` do not run and
 do not count. ``from package import name`` depends on the submodule ``name``
 when there is one, else on the package's ``__init__``.
+
+No module over 400 lines, no class over 180. One that grows past either has
+taken on a second job: move that role into a collaborator of its own (as
+``failures.JobLedger``, ``scheduler_side.py`` or ``tiering/verified_files.py``
+were), rather than squeeze lines.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ import vllm_ascend.kv_offload as package
 
 PACKAGE = package.__name__
 ROOT = Path(package.__file__).parent
+MAX_MODULE_LINES = 400
+MAX_CLASS_LINES = 180
 
 
 def _modules() -> dict[str, Path]:
@@ -137,3 +145,46 @@ def test_ops_loads_the_native_library_on_first_use_only():
     assert before == "False"
     if list(ROOT.glob("_C_kv_offload*.so")):  # built here: loaded on use
         assert after == "True"
+
+
+def class_lines(source: str) -> dict[str, int]:
+    """Lines of each class (nested ones too), from its ``class`` line to
+    its last."""
+    return {
+        node.name: node.end_lineno - node.lineno + 1
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.ClassDef) and node.end_lineno is not None
+    }
+
+
+def test_a_class_is_measured_from_its_class_line_to_its_last():
+    source = "@decorated\nclass A:\n    x = 1\n\n    class B:\n        y = 2\n\nz = 3\n"
+    assert class_lines(source) == {"A": 5, "B": 2}
+
+
+def sources() -> dict[str, str]:
+    """Every module of the package: its name -> its source."""
+    found = {
+        name: path.read_text(encoding="utf-8") for name, path in _modules().items()
+    }
+    assert len(found) > 20, f"not the package's modules: {sorted(found)}"
+    return found
+
+
+def test_no_module_of_the_package_is_over_400_lines():
+    over = {
+        name: n
+        for name, source in sources().items()
+        if (n := len(source.splitlines())) > MAX_MODULE_LINES
+    }
+    assert not over, f"split these modules by role (lines): {over}"
+
+
+def test_no_class_of_the_package_is_over_180_lines():
+    over = {
+        f"{module}:{name}": n
+        for module, source in sources().items()
+        for name, n in class_lines(source).items()
+        if n > MAX_CLASS_LINES
+    }
+    assert not over, f"move a role out of these classes (lines): {over}"
