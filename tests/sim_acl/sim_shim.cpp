@@ -1,7 +1,7 @@
 // SIMULATION harness: a C entry point (for ctypes) that runs the real
 // ACL-facing core of the npu backend, csrc/kv_offload/npu/acl_batch_copy.cpp,
 // which in this library is linked against the simulated ACL runtime of
-// sim_acl.cpp. Like the op (csrc/kv_offload/npu/swap_blocks_npu.cpp) it owns
+// sim_acl.cpp. Like the op (csrc/kv_offload/npu/ops_npu.cpp) it owns
 // each job's workspace; unlike the op, a test decides how long it lives.
 #include <acl/acl_rt.h>
 
@@ -11,8 +11,7 @@
 #include <mutex>
 #include <vector>
 
-#include "acl_batch_copy.h"
-#include "acl_host_register.h"
+#include "acl_core.h"
 #include "sim_acl.h"
 
 namespace {
