@@ -7,15 +7,16 @@
 //
 // Semantics follow the CANN documentation of aclrtMemcpyBatchAsync,
 // aclrtMemcpyAsync, aclrtMemLocationType and aclrtMemcpyBatchAttr:
-//  - batch: dsts/srcs/sizes have numBatches entries; attrs[k] applies from
-//    attrsIndexes[k] up to attrsIndexes[k + 1] - 1; attrsIndexes[0] == 0,
-//    strictly increasing, last < numBatches, numAttrs <= numBatches; rsv
-//    must be 0; one direction per batch, host-to-device or device-to-host;
+//  - batch: dsts/srcs/sizes have numBatches entries; rsv must be 0; one
+//    direction per batch, host-to-device or device-to-host;
 //    failIndex names the bad entry for memory-attribute / direction checks
 //    and is SIZE_MAX for errors not tied to an entry; pageable host memory
 //    (ACL_MEM_LOCATION_TYPE_UNREGISTERED) is copied synchronously.
 //  - aclrtMemcpyAsync with ACL_MEMCPY_HOST_TO_HOST returns
 //    ACL_ERROR_RT_FEATURE_NOT_SUPPORT.
+// Only what the npu backend calls is simulated: one attribute set per batch
+// (numAttrs == 1, attrsIndexes[0] == 0; anything else is
+// ACL_ERROR_INVALID_PARAM) and the kinds HOST_TO_DEVICE and DEVICE_TO_HOST.
 // Where the docs are silent the simulation makes a choice, marked SIM
 // CHOICE: the 4096-entry cap, the error codes of failed checks, that a
 // failing batch copies nothing, and WHEN the runtime reads a batch's host
@@ -92,31 +93,23 @@ struct Task {
   void** srcs = nullptr;
   size_t* sizes = nullptr;
   size_t numBatches = 0;
-  aclrtMemcpyBatchAttr* attrs = nullptr;
-  size_t* attrsIndexes = nullptr;
-  size_t numAttrs = 0;
+  aclrtMemcpyBatchAttr* attrs = nullptr;  // one set (numAttrs == 1)
 };
 
 // Everything simacl_reset forgets: its default values are the reset state.
 struct State {
   std::map<uintptr_t, Range> ranges;                // keyed by start address
   std::map<aclrtStream, std::deque<Task>> streams;  // queued, not yet run
-  size_t faulted_entries = 0;  // entries skipped when they executed
-  std::map<std::string, size_t> calls;
+  // simacl_stat's counters and records (calls are counted by API name).
+  std::map<std::string, int64_t> stats{{"last_kind", -1},
+                                       {"last_register_flag", -1}};
   // One armed failure per ACL function (armed while nth_call != 0).
   std::map<std::string, Injection> injections;
   size_t fired_fail_index = SIZE_MAX;  // of the failure that fired last
-  bool batch_unsupported = false;
-  size_t max_entries = 0;
-  size_t sync_copies = 0;
-  void* last_stream = nullptr;
-  int last_kind = -1;  // of the last aclrtMemcpyAsync call
   std::string last_error;
-  // What aclrtPointerGetAttributes reports for host-registered ranges.
+  // simacl_set's switches.
+  bool batch_unsupported = false;
   aclrtMemLocationType host_register_location = ACL_MEM_LOCATION_TYPE_HOST;
-  int64_t last_register_flag = -1;
-  // simacl_set_host_limits: per-call size limit (0: none), address
-  // alignment of registrations, A5's flag rule.
   uint64_t max_host_bytes = 0;
   uint64_t host_alignment = 4096;
   bool a5 = false;
@@ -139,7 +132,7 @@ aclError error(State& s, aclError code, const std::string& msg) {
 
 // Counts the call; true (with *code set) when an injected failure fires.
 bool count_call(State& s, const char* api, aclError* code) {
-  const size_t n = ++s.calls[api];
+  const auto n = static_cast<size_t>(++s.stats[api]);
   const auto it = s.injections.find(api);
   if (it == s.injections.end() || it->second.nth_call != n) return false;
   const Injection fired = it->second;
@@ -190,22 +183,13 @@ bool is_device(const aclrtMemLocation& loc) {
          (!is_device(declared) || declared.id == actual.id);
 }
 
-// Index k of the attribute set that applies to entry i.
-size_t attr_of(const size_t* attrsIndexes, size_t numAttrs, size_t i) {
-  size_t k = 0;
-  while (k + 1 < numAttrs && attrsIndexes[k + 1] <= i) ++k;
-  return k;
-}
-
 // Entry i of a batch, read from the caller's arrays NOW: ACL_SUCCESS when it
-// names registered memory as its attrs declare (and may be copied), else the
+// names registered memory as `attr` declares (and may be copied), else the
 // error (SIM CHOICE) with why not in *why. Only reads the arrays and the
 // registry, so it is safe on any contents.
 aclError check_entry(const State& s, void** dsts, size_t* destMaxs, void** srcs,
-                     size_t* sizes, size_t i, const aclrtMemcpyBatchAttr* attrs,
-                     const size_t* attrsIndexes, size_t numAttrs,
+                     size_t* sizes, size_t i, const aclrtMemcpyBatchAttr& attr,
                      std::string* why) {
-  const size_t k = attr_of(attrsIndexes, numAttrs, i);
   *why = "entry " + std::to_string(i) + ": ";
   if (srcs[i] == nullptr || dsts[i] == nullptr || sizes[i] == 0 ||
       sizes[i] > destMaxs[i]) {
@@ -214,10 +198,9 @@ aclError check_entry(const State& s, void** dsts, size_t* destMaxs, void** srcs,
   }
   aclrtMemLocation src, dst;
   if (!locate(s, srcs[i], sizes[i], &src) ||
-      !locate(s, dsts[i], sizes[i], &dst) ||
-      !same_location(attrs[k].srcLoc, src) ||
-      !same_location(attrs[k].dstLoc, dst)) {
-    *why += "memory location differs from attrs[" + std::to_string(k) + "]";
+      !locate(s, dsts[i], sizes[i], &dst) || !same_location(attr.srcLoc, src) ||
+      !same_location(attr.dstLoc, dst)) {
+    *why += "memory location differs from attrs[0]";
     return ACL_ERROR_RT_INVALID_MEMORY_TYPE;
   }
   return ACL_SUCCESS;
@@ -233,8 +216,8 @@ size_t execute(State& s, const Task& t) {
   size_t faults = 0;
   for (size_t i = 0; i < t.numBatches; ++i) {
     std::string why;
-    if (check_entry(s, t.dsts, t.destMaxs, t.srcs, t.sizes, i, t.attrs,
-                    t.attrsIndexes, t.numAttrs, &why) != ACL_SUCCESS) {
+    if (check_entry(s, t.dsts, t.destMaxs, t.srcs, t.sizes, i, *t.attrs,
+                    &why) != ACL_SUCCESS) {
       ++faults;
       s.last_error = "SIMULATED ACL: batch copy faulted at execution, " + why +
                      " (were its arrays freed or reused before the copy ran?)";
@@ -250,7 +233,7 @@ size_t drain(State& s, aclrtStream stream) {
   size_t faults = 0;
   for (const Task& t : s.streams[stream]) faults += execute(s, t);
   s.streams.erase(stream);
-  s.faulted_entries += faults;
+  s.stats["faulted_entries"] += static_cast<int64_t>(faults);
   return faults;
 }
 
@@ -258,7 +241,9 @@ size_t drain(State& s, aclrtStream stream) {
 // (after the work queued before it, which a synchronous copy waits for).
 void run_synchronously(State& s, aclrtStream stream, const Task& task) {
   drain(s, stream);
-  s.faulted_entries += execute(s, task);
+  s.stats["faulted_entries"] += static_cast<int64_t>(execute(s, task));
+  s.stats["sync_copies"] +=
+      static_cast<int64_t>(task.batch ? task.numBatches : 1);
 }
 
 }  // namespace
@@ -282,7 +267,7 @@ aclError aclrtPointerGetAttributes(const void* ptr,
 #ifndef SIMACL_OMIT_BATCH_API  // the variant that models CANN < 8.3
 aclError aclrtHostRegisterV2(void* ptr, uint64_t size, uint32_t flag) {
   auto [lock, s] = Locked{};
-  s.last_register_flag = flag;
+  s.stats["last_register_flag"] = flag;
   aclError code;
   if (count_call(s, "aclrtHostRegisterV2", &code)) return code;
   const auto p = reinterpret_cast<uintptr_t>(ptr);
@@ -381,8 +366,9 @@ aclError aclrtMemcpyBatchAsync(void** dsts, size_t* destMaxs, void** srcs,
                                size_t* attrsIndexes, size_t numAttrs,
                                size_t* failIndex, aclrtStream stream) {
   auto [lock, s] = Locked{};
-  s.last_stream = stream;
-  s.max_entries = std::max(s.max_entries, numBatches);
+  s.stats["last_stream"] = reinterpret_cast<int64_t>(stream);
+  int64_t& max_entries = s.stats["max_entries"];
+  max_entries = std::max(max_entries, static_cast<int64_t>(numBatches));
   aclError code;
   const bool injected = count_call(s, "aclrtMemcpyBatchAsync", &code);
   if (failIndex == nullptr) {
@@ -395,7 +381,7 @@ aclError aclrtMemcpyBatchAsync(void** dsts, size_t* destMaxs, void** srcs,
   }
   if (s.batch_unsupported) {
     return error(s, ACL_ERROR_RT_FEATURE_NOT_SUPPORT,
-                 "batch copies switched off by simacl_set_batch_unsupported");
+                 "batch copies switched off by simacl_set");
   }
   if (dsts == nullptr || destMaxs == nullptr || srcs == nullptr ||
       sizes == nullptr || attrs == nullptr || attrsIndexes == nullptr) {
@@ -406,47 +392,37 @@ aclError aclrtMemcpyBatchAsync(void** dsts, size_t* destMaxs, void** srcs,
         s, ACL_ERROR_INVALID_PARAM,
         "numBatches=" + std::to_string(numBatches) + " is outside [1, 4096]");
   }
-  if (numAttrs == 0 || numAttrs > numBatches || attrsIndexes[0] != 0) {
+  if (numAttrs != 1 || attrsIndexes[0] != 0) {  // only what our op passes
     return error(s, ACL_ERROR_INVALID_PARAM,
-                 "need 1 <= numAttrs <= numBatches and attrsIndexes[0] == 0");
+                 "the simulation takes one attribute set from entry 0");
   }
   static const uint8_t kZero[sizeof(attrs[0].rsv)] = {};
-  bool first_d2h = false;
-  for (size_t k = 0; k < numAttrs; ++k) {
-    const aclrtMemcpyBatchAttr& a = attrs[k];
-    if (k > 0 && (attrsIndexes[k] <= attrsIndexes[k - 1] ||
-                  attrsIndexes[k] >= numBatches)) {
-      return error(s, ACL_ERROR_INVALID_PARAM,
-                   "attrsIndexes must increase and stay below numBatches");
-    }
-    if (std::memcmp(a.rsv, kZero, sizeof(kZero)) != 0) {
-      return error(s, ACL_ERROR_INVALID_PARAM, "attrs[].rsv must be 0");
-    }
-    const bool d2h = is_device(a.srcLoc) && !is_device(a.dstLoc);
-    const bool h2d = !is_device(a.srcLoc) && is_device(a.dstLoc);
-    if (k == 0) first_d2h = d2h;
-    if ((!d2h && !h2d) || d2h != first_d2h) {
-      *failIndex = attrsIndexes[k];
-      return error(s, ACL_ERROR_INVALID_PARAM,
-                   "a batch copies host-to-device or device-to-host only");
-    }
+  if (std::memcmp(attrs[0].rsv, kZero, sizeof(kZero)) != 0) {
+    return error(s, ACL_ERROR_INVALID_PARAM, "attrs[].rsv must be 0");
+  }
+  const bool d2h = is_device(attrs[0].srcLoc) && !is_device(attrs[0].dstLoc);
+  const bool h2d = !is_device(attrs[0].srcLoc) && is_device(attrs[0].dstLoc);
+  if (!d2h && !h2d) {
+    *failIndex = 0;
+    return error(s, ACL_ERROR_INVALID_PARAM,
+                 "a batch copies host-to-device or device-to-host only");
   }
   // Check every entry before copying any (SIM CHOICE: all or nothing).
   for (size_t i = 0; i < numBatches; ++i) {
     std::string why;
-    code = check_entry(s, dsts, destMaxs, srcs, sizes, i, attrs, attrsIndexes,
-                       numAttrs, &why);
+    code = check_entry(s, dsts, destMaxs, srcs, sizes, i, attrs[0], &why);
     if (code != ACL_SUCCESS) {
       *failIndex = i;
       return error(s, code, why);
     }
   }
-  const Task task{nullptr, nullptr, 0,          true,  dsts,         destMaxs,
-                  srcs,    sizes,   numBatches, attrs, attrsIndexes, numAttrs};
-  const aclrtMemLocation& host = first_d2h ? attrs[0].dstLoc : attrs[0].srcLoc;
+  Task task;
+  task.batch = true;
+  task.dsts = dsts, task.destMaxs = destMaxs, task.srcs = srcs;
+  task.sizes = sizes, task.numBatches = numBatches, task.attrs = attrs;
+  const aclrtMemLocation& host = d2h ? attrs[0].dstLoc : attrs[0].srcLoc;
   if (host.type == ACL_MEM_LOCATION_TYPE_UNREGISTERED) {
     run_synchronously(s, stream, task);
-    s.sync_copies += numBatches;
   } else {
     s.streams[stream].push_back(task);
   }
@@ -458,8 +434,8 @@ aclError aclrtMemcpyAsync(void* dst, size_t destMax, const void* src,
                           size_t count, aclrtMemcpyKind kind,
                           aclrtStream stream) {
   auto [lock, s] = Locked{};
-  s.last_stream = stream;
-  s.last_kind = kind;
+  s.stats["last_stream"] = reinterpret_cast<int64_t>(stream);
+  s.stats["last_kind"] = kind;
   aclError code;
   if (count_call(s, "aclrtMemcpyAsync", &code)) return code;
   if (dst == nullptr || src == nullptr || count > destMax) {
@@ -469,29 +445,17 @@ aclError aclrtMemcpyAsync(void* dst, size_t destMax, const void* src,
     return error(s, ACL_ERROR_RT_FEATURE_NOT_SUPPORT,
                  "no asynchronous host-to-host copies");
   }
+  if (kind != ACL_MEMCPY_HOST_TO_DEVICE && kind != ACL_MEMCPY_DEVICE_TO_HOST) {
+    return error(s, ACL_ERROR_INVALID_PARAM,  // only what our op passes
+                 "the simulation copies host-to-device or device-to-host only");
+  }
   aclrtMemLocation from, to;
   if (!locate(s, src, count, &from) || !locate(s, dst, count, &to)) {
     return error(s, ACL_ERROR_RT_INVALID_MEMORY_TYPE,
                  "range straddles registered memory");
   }
-  bool ok = false;
-  switch (kind) {
-    case ACL_MEMCPY_HOST_TO_DEVICE:
-      ok = !is_device(from) && is_device(to);
-      break;
-    case ACL_MEMCPY_DEVICE_TO_HOST:
-      ok = is_device(from) && !is_device(to);
-      break;
-    case ACL_MEMCPY_DEVICE_TO_DEVICE:
-      ok = is_device(from) && is_device(to);
-      break;
-    case ACL_MEMCPY_DEFAULT:
-      ok = is_device(from) || is_device(to);
-      break;
-    default:
-      return error(s, ACL_ERROR_INVALID_PARAM, "unknown aclrtMemcpyKind");
-  }
-  if (!ok) {
+  const bool h2d = kind == ACL_MEMCPY_HOST_TO_DEVICE;
+  if (is_device(from) == h2d || is_device(to) != h2d) {
     return error(s, ACL_ERROR_RT_INVALID_MEMORY_TYPE,  // SIM CHOICE
                  "memory locations do not match kind " + std::to_string(kind));
   }
@@ -499,7 +463,6 @@ aclError aclrtMemcpyAsync(void* dst, size_t destMax, const void* src,
   if (from.type == ACL_MEM_LOCATION_TYPE_UNREGISTERED ||
       to.type == ACL_MEM_LOCATION_TYPE_UNREGISTERED) {
     run_synchronously(s, stream, task);  // pageable, as for the batch API
-    ++s.sync_copies;
   } else {
     s.streams[stream].push_back(task);
   }
@@ -526,21 +489,29 @@ void simacl_reset(void) {
   s = State{};  // queued copies are dropped, never run
 }
 
-void simacl_set_host_limits(uint64_t max_bytes_per_call, uint64_t alignment,
-                            int a5) {
+void simacl_set(const char* name, int64_t value) {
   auto [lock, s] = Locked{};
-  s.max_host_bytes = max_bytes_per_call;
-  s.host_alignment = alignment == 0 ? 4096 : alignment;
-  s.a5 = a5 != 0;
+  const std::string key = name;
+  if (key == "batch_unsupported") s.batch_unsupported = value != 0;
+  if (key == "host_register_location") {
+    s.host_register_location = static_cast<aclrtMemLocationType>(value);
+  }
+  if (key == "max_host_bytes") s.max_host_bytes = static_cast<uint64_t>(value);
+  if (key == "host_alignment") {
+    s.host_alignment = value == 0 ? 4096 : static_cast<uint64_t>(value);
+  }
+  if (key == "a5") s.a5 = value != 0;
 }
 
-void simacl_set_host_register_location(int location_type) {
+int64_t simacl_stat(const char* name) {
   auto [lock, s] = Locked{};
-  s.host_register_location = static_cast<aclrtMemLocationType>(location_type);
-}
-
-int64_t simacl_last_register_flag(void) {
-  return Locked{}.s.last_register_flag;
+  if (std::string(name) == "pending") {
+    size_t n = 0;
+    for (const auto& [stream, tasks] : s.streams) n += tasks.size();
+    return static_cast<int64_t>(n);
+  }
+  const auto it = s.stats.find(name);
+  return it == s.stats.end() ? 0 : it->second;
 }
 
 int simacl_location_of(const void* ptr) {
@@ -559,35 +530,9 @@ void simacl_register(const void* ptr, size_t size, int location_type,
       aclrtMemLocation{id, static_cast<aclrtMemLocationType>(location_type)}};
 }
 
-void simacl_set_batch_unsupported(int on) {
-  Locked{}.s.batch_unsupported = on != 0;
-}
-
 void simacl_inject_failure(const char* api, size_t nth_call, int code,
                            size_t fail_index) {
   Locked{}.s.injections[api] = Injection{api, nth_call, code, fail_index};
 }
-
-size_t simacl_calls(const char* api) {
-  auto [lock, s] = Locked{};
-  const auto it = s.calls.find(api);
-  return it == s.calls.end() ? 0 : it->second;
-}
-
-size_t simacl_max_entries(void) { return Locked{}.s.max_entries; }
-
-size_t simacl_sync_copies(void) { return Locked{}.s.sync_copies; }
-
-size_t simacl_pending(void* stream) {
-  auto [lock, s] = Locked{};
-  const auto it = s.streams.find(stream);
-  return it == s.streams.end() ? 0 : it->second.size();
-}
-
-size_t simacl_faulted_entries(void) { return Locked{}.s.faulted_entries; }
-
-int simacl_last_kind(void) { return Locked{}.s.last_kind; }
-
-void* simacl_last_stream(void) { return Locked{}.s.last_stream; }
 
 }  // extern "C"

@@ -17,50 +17,40 @@ SIMACL_API void simacl_reset(void);
 // registered is ACL_MEM_LOCATION_TYPE_UNREGISTERED (pageable host memory).
 SIMACL_API void simacl_register(const void* ptr, size_t size, int location_type,
                                 uint32_t id);
-// While on, aclrtMemcpyBatchAsync returns ACL_ERROR_RT_FEATURE_NOT_SUPPORT.
-SIMACL_API void simacl_set_batch_unsupported(int on);
 // Makes call number `nth_call` (1-based, counted since simacl_reset) of ACL
 // function `api` return `code`; the batch API also sets *failIndex to
 // `fail_index`. One shot; one armed failure per function (arming `api`
 // again replaces its earlier one).
 SIMACL_API void simacl_inject_failure(const char* api, size_t nth_call,
                                       int code, size_t fail_index);
-// Calls of ACL function `api` since simacl_reset.
-SIMACL_API size_t simacl_calls(const char* api);
-// Largest numBatches ever passed to aclrtMemcpyBatchAsync since reset.
-SIMACL_API size_t simacl_max_entries(void);
-// Copies whose host side was pageable (the CANN docs say those run
-// synchronously instead of being queued).
-SIMACL_API size_t simacl_sync_copies(void);
-// The stream passed to the most recent copy call.
-SIMACL_API void* simacl_last_stream(void);
-// The aclrtMemcpyKind of the most recent aclrtMemcpyAsync call (-1: none).
-SIMACL_API int simacl_last_kind(void);
-// Copy calls queued on `stream` that have not run yet (they run, in order,
-// at aclrtSynchronizeStream(stream); simacl_reset drops them).
-SIMACL_API size_t simacl_pending(void* stream);
-// Batch entries skipped when they executed because their arrays no longer
-// named the memory declared at enqueue (freed or reused too early), since
-// reset.
-SIMACL_API size_t simacl_faulted_entries(void);
+// A counter or record of the simulation since simacl_reset: the name of an
+// ACL function (its calls), "max_entries" (largest numBatches passed to
+// aclrtMemcpyBatchAsync), "sync_copies" (copies whose host side was pageable:
+// run at once, as the CANN docs say), "faulted_entries" (batch entries
+// skipped at execution because their arrays no longer named the memory
+// declared at enqueue: freed or reused too early), "pending" (copy calls
+// queued that have not run yet; they run, in order, at
+// aclrtSynchronizeStream), "last_stream" (of the most recent copy call),
+// "last_kind" (aclrtMemcpyKind of the most recent aclrtMemcpyAsync, -1:
+// none), "last_register_flag" (of the most recent aclrtHostRegisterV2, -1:
+// none). Unknown names are 0.
+SIMACL_API int64_t simacl_stat(const char* name);
 
-// What aclrtPointerGetAttributes reports for ranges registered with
-// aclrtHostRegisterV2 from now on (default ACL_MEM_LOCATION_TYPE_HOST).
-SIMACL_API void simacl_set_host_register_location(int location_type);
-// Host-memory limits of real runtimes, off until set (simacl_reset clears
-// them): aclrtMallocHost and aclrtHostRegisterV2 of more than
-// `max_bytes_per_call` bytes (0: no limit) fail with
-// ACL_ERROR_RT_MEMORY_ALLOCATION (207001, what a 910B host returned for one
-// aclrtMallocHost above ~200-250 GB); aclrtHostRegisterV2 of an address that
-// is not a multiple of `alignment` (4096 by default; 65536 models Ascend
-// SVM's rule) fails with ACL_ERROR_RT_ADDR_UNALIGNED, and aclrtMallocHost
-// returns `alignment`-aligned memory; with `a5` set, a flag with
-// ACL_HOST_REG_PINNED fails with ACL_ERROR_RT_PARAM_INVALID (107000), as on
-// A5, where only ACL_HOST_REG_MAPPED is accepted.
-SIMACL_API void simacl_set_host_limits(uint64_t max_bytes_per_call,
-                                       uint64_t alignment, int a5);
-// The flag of the most recent aclrtHostRegisterV2 call (-1: none).
-SIMACL_API int64_t simacl_last_register_flag(void);
+// Switches of the simulation, off until set (simacl_reset clears them):
+// "batch_unsupported" (1: aclrtMemcpyBatchAsync returns
+// ACL_ERROR_RT_FEATURE_NOT_SUPPORT); "host_register_location" (the
+// aclrtMemLocationType aclrtPointerGetAttributes reports for ranges
+// registered with aclrtHostRegisterV2 from now on; default
+// ACL_MEM_LOCATION_TYPE_HOST); and host-memory limits of real runtimes:
+// "max_host_bytes" (aclrtMallocHost and aclrtHostRegisterV2 of more bytes in
+// one call fail with ACL_ERROR_RT_MEMORY_ALLOCATION, 207001, what a 910B host
+// returned for one aclrtMallocHost above ~200-250 GB; 0: no limit),
+// "host_alignment" (aclrtHostRegisterV2 of an address that is not a multiple
+// fails with ACL_ERROR_RT_ADDR_UNALIGNED, and aclrtMallocHost returns memory
+// aligned to it; 4096 by default, 65536 models Ascend SVM's rule), "a5" (1: a
+// flag with ACL_HOST_REG_PINNED fails with ACL_ERROR_RT_PARAM_INVALID,
+// 107000, as on A5, where only ACL_HOST_REG_MAPPED is accepted).
+SIMACL_API void simacl_set(const char* name, int64_t value);
 // The aclrtMemLocationType the simulation holds for the byte at `ptr`.
 SIMACL_API int simacl_location_of(const void* ptr);
 
