@@ -320,24 +320,6 @@ def pools_job(
     return pools, Job(*(bufs if direction == "h2d" else bufs[::-1]), n, size, seed)
 
 
-@pytest.mark.parametrize("direction", ["h2d", "d2h"])
-def test_sim_copies_are_byte_exact(sim: SimAcl, direction: str) -> None:
-    n, size = 300, 37  # odd size: nothing relies on alignment in the simulation
-    _, job = pools_job(sim, n, size, direction)
-    report = job.run(sim)
-    assert report == {
-        "direction": direction,
-        "fallback_started": False,
-        "batch_calls": 1,
-        "single_calls": 0,
-        "workspace_bytes": batch_workspace_bytes(n),
-    }
-    np.testing.assert_array_equal(job.dst_buf, job.want)
-    assert sim.stat("last_stream") == STREAM  # the caller's stream is used
-    assert sim.stat(ATTRS) == 2  # direction read once, from fragment 0
-    assert sim.stat("sync_copies") == 0  # pinned: queued, not synchronous
-
-
 def test_sim_bad_entry_in_second_batch_names_the_callers_fragment(sim: SimAcl) -> None:
     n, size, bad = 10_000, 8, 5000
     pools, job = pools_job(sim, n, size, seed=2)
@@ -374,24 +356,31 @@ def test_sim_bad_entry_in_second_batch_names_the_callers_fragment(sim: SimAcl) -
 def test_sim_descriptor_arrays_live_until_the_copies_have_run(
     sim: SimAcl, direction: str, free_at_return: bool
 ) -> None:
-    """10,000 fragments take three batch calls, queued on the stream (a
-    pinned job waits for it: nothing is copied before it is synchronized).
-    Kept until the stream has run (what StreamTransferQueue does with the
-    op's workspace: until the job's end event), every byte arrives. Freed
-    when the op returns (what the op did while its arrays were locals), the
-    runtime finds garbage when the copies execute: wrong bytes, and the
-    synchronize reports the fault."""
-    n, size = 10_000, 8  # three batch calls, each reading its own slice
+    """10,000 fragments take three batch calls on the caller's stream,
+    queued (a pinned job waits for it: nothing is copied before it is
+    synchronized). Kept until the stream has run (what StreamTransferQueue
+    does with the op's workspace: until the job's end event), every byte
+    arrives. Freed when the op returns (what the op did while its arrays
+    were locals), the runtime finds garbage when the copies execute: wrong
+    bytes, and the synchronize reports the fault."""
+    n, size = 10_000, 37  # odd size: nothing relies on alignment
     _, job = pools_job(sim, n, size, direction, seed=3)
     before = job.dst_buf.copy()
     report = job.run(sim, sync=False, free_workspace_at_return=free_at_return)
-    assert (report["batch_calls"], report["single_calls"]) == (3, 0)
+    assert report == {
+        "direction": direction,
+        "fallback_started": False,
+        "batch_calls": 3,
+        "single_calls": 0,
+        "workspace_bytes": batch_workspace_bytes(n),
+    }
     assert sim.stat(BATCH) == 3 and sim.stat(SINGLE) == 0 and sim.stat("pending") == 3
     assert sim.stat("max_entries") == 4096  # 4096 + 4096 + 1808
-    assert report["workspace_bytes"] == batch_workspace_bytes(n)
+    assert sim.stat("last_stream") == STREAM  # the caller's stream is used
+    assert sim.stat(ATTRS) == 2  # direction read once, from fragment 0
     np.testing.assert_array_equal(job.dst_buf, before)  # nothing ran yet
     rc = sim.sync()
-    assert sim.stat("pending") == 0
+    assert sim.stat("pending") == 0 and sim.stat("sync_copies") == 0
     dst_buf, want = job.dst_buf, job.want
     wrong = sum(
         not np.array_equal(dst_buf[d : d + size], want[d : d + size])
@@ -440,20 +429,6 @@ def test_sim_too_small_workspace_is_refused_before_anything_is_enqueued(
     assert sim.stat(BATCH) == 0 and sim.stat("pending") == 0
 
 
-def test_sim_error_without_entry_names_the_call(sim: SimAcl) -> None:
-    _, job = pools_job(sim, 5000, 8, "d2h")
-    sim.inject(BATCH, 2, ACL_ERROR_RT_INTERNAL_ERROR, SIZE_MAX)
-    with pytest.raises(
-        RuntimeError,
-        match=(
-            r"aclrtMemcpyBatchAsync \(device-to-host\) failed with ACL error 507000 in "
-            r"call 2 of 2 \(904 entries\) starting at fragment 4096; the runtime named "
-            r"no single entry \(failIndex=SIZE_MAX\); ACL reports: SIMULATED ACL"
-        ),
-    ):
-        job.run(sim)
-
-
 @pytest.mark.parametrize("runtime", ["batch_unsupported", "no_batch_symbol"])
 def test_sim_unsupported_batch_api_falls_back_to_per_copy_loop(
     sim_libs, runtime: str
@@ -489,6 +464,7 @@ def test_sim_unsupported_batch_api_falls_back_to_per_copy_loop(
         np.testing.assert_array_equal(copy.dst_buf, copy.want)
 
 
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
 @pytest.mark.parametrize(
     ("api", "nth", "fail_index", "expected"),
     [
@@ -496,26 +472,32 @@ def test_sim_unsupported_batch_api_falls_back_to_per_copy_loop(
                              r"failed with ACL error 507000"),
         (ATTRS, 2, SIZE_MAX, r"aclrtPointerGetAttributes\(dst_addrs\[0\]=0x[0-9a-f]+\) "
                              r"failed with ACL error 507000"),
-        (BATCH, 1, SIZE_MAX, r"aclrtMemcpyBatchAsync \(host-to-device\) failed with "
-                             r"ACL error 507000 in call 1 of 1 .*"
+        (BATCH, 1, SIZE_MAX, r"aclrtMemcpyBatchAsync \({dir}\) failed with ACL error "
+                             r"507000 in call 1 of 2 \(4096 entries\) starting at "
+                             r"fragment 0; the runtime named no single entry "
                              r"\(failIndex=SIZE_MAX\)"),
-        (BATCH, 1, 99, r"at fragment 99 \(entry 99 of call 1 of 1"),
+        (BATCH, 2, SIZE_MAX, r"in call 2 of 2 \(904 entries\) starting at fragment "
+                             r"4096; the runtime named no single entry "
+                             r"\(failIndex=SIZE_MAX\)"),
+        (BATCH, 1, 99, r"at fragment 99 \(entry 99 of call 1 of 2"),
         (BATCH, 1, 123456, r"named no single entry \(failIndex=123456\)"),
-        (SINGLE, 3, SIZE_MAX, r"aclrtMemcpyAsync \(host-to-device, per-copy fallback\) "
+        (SINGLE, 3, SIZE_MAX, r"aclrtMemcpyAsync \({dir}, per-copy fallback\) "
                               r"failed with ACL error 507000 at fragment 2 "),
     ],
 )  # fmt: skip
-def test_sim_every_acl_error_raises(sim, api, nth, fail_index, expected) -> None:
-    _, job = pools_job(sim, 200, 64)
+def test_sim_every_acl_error_raises(sim, direction, api, nth, fail_index, expected):
+    _, job = pools_job(sim, 5000, 8, direction)
     if api == SINGLE:
         sim.set(batch_unsupported=1)
     sim.inject(api, nth, ACL_ERROR_RT_INTERNAL_ERROR, fail_index)
-    with pytest.raises(RuntimeError, match=expected) as info:
+    long_direction = {"h2d": "host-to-device", "d2h": "device-to-host"}[direction]
+    with pytest.raises(RuntimeError, match=expected.format(dir=long_direction)) as info:
         job.run(sim)
     assert str(info.value).startswith("swap_blocks_batch(device='npu'): ")
     assert "ACL reports: SIMULATED ACL: injected failure of " + api in str(info.value)
-    # Nothing of the job was queued with the workspace: nothing to wait for.
-    assert sim.stat(SYNC) == 0
+    # Only a failure after an enqueued call waits for it (its workspace goes
+    # with the exception); else nothing was queued: nothing to wait for.
+    assert sim.stat(SYNC) == (api == BATCH and nth == 2)
 
 
 @pytest.mark.parametrize(
