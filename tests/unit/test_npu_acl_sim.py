@@ -1,4 +1,5 @@
-"""SIMULATION tests of the npu backend's ACL-facing core.
+"""The npu backend without an NPU: it compiles against the torch-npu
+wheel's headers, and SIMULATION tests of its ACL-facing core.
 
 ``csrc/kv_offload/npu/acl_batch_copy.cpp`` -- the code of the "npu" backend that calls
 ACL -- is linked against ``tests/sim_acl/sim_acl.cpp``, a SIMULATED ACL
@@ -10,8 +11,8 @@ core batches, fills the batch attributes, detects the direction, translates
 failIndex, falls back, reports errors and keeps its descriptor arrays in the
 caller's workspace as intended under the documented ACL semantics; they say
 nothing about real Ascend hardware (docs/npu_backend.md). They run everywhere,
-CI included: only the ACL headers of the torch-npu wheel are needed (fetched
-once by tools/check_npu_compile.py).
+CI included: only the headers of the torch-npu wheel are needed (fetched
+once, without installing torch_npu, by tools/check_npu_compile.py).
 """
 
 from __future__ import annotations
@@ -221,16 +222,31 @@ def _load_fetcher():
     return module
 
 
+FETCHER = _load_fetcher()
+
+
 @pytest.fixture(scope="module")
-def sim_libs() -> dict[str, SimAcl]:
-    fetcher = _load_fetcher()
+def torch_npu_dir() -> Path:
+    """The torch-npu wheel's package dir with its headers (fetched once):
+    without it the tests skip here, and fail in CI."""
     try:
-        torch_npu_dir = fetcher.fetch_headers()
-    except fetcher.HeadersUnavailable as e:
+        return FETCHER.fetch_headers()
+    except FETCHER.HeadersUnavailable as e:
         reason = f"ACL headers (torch-npu wheel) unavailable: {e}"
         if IN_CI:
-            pytest.fail(reason + " -- CI must run the SIMULATION tests")
+            pytest.fail(reason + " -- CI must run the npu backend's checks")
         pytest.skip(reason)
+
+
+def test_npu_backend_compiles_against_torch_npu_headers(torch_npu_dir) -> None:
+    """csrc/kv_offload/npu/*.cpp plus dispatch.cpp with the npu backend on
+    compile, warnings as errors, in CMake's compile-only mode. Nothing is
+    linked or run -- that needs CANN and an NPU (docs/npu_backend.md)."""
+    assert FETCHER.compile_check(torch_npu_dir) == FETCHER.EXIT_OK
+
+
+@pytest.fixture(scope="module")
+def sim_libs(torch_npu_dir) -> dict[str, SimAcl]:
     cmake = shutil.which("cmake") or "cmake"
     configure = [cmake, "-S", str(SIM_SRC), "-B", str(SIM_BUILD)]
     configure.append(f"-DSIM_ACL_TORCH_NPU_DIR={torch_npu_dir}")
@@ -794,8 +810,8 @@ def test_sim_enforces_the_host_memory_limits_of_real_runtimes(sim: SimAcl) -> No
     assert register(off, 64 * SVM, MAPPED_PINNED) == 0
 
 
-def test_sim_constants_match_the_acl_headers(sim_libs) -> None:
-    include = _load_fetcher().fetch_headers() / "include" / "acl"
+def test_sim_constants_match_the_acl_headers(torch_npu_dir) -> None:
+    include = torch_npu_dir / "include" / "acl"
     text = "".join(p.read_text() for p in include.rglob("*.h"))
     # This module's names of the header's constants are the header's names.
     for name in (
