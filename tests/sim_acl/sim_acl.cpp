@@ -614,15 +614,6 @@ int run_core(F&& f, char* err, size_t err_len) {
 
 extern "C" {
 
-// What AclBatchCopier::copy reported.
-struct SimCopyReport {
-  int32_t direction;  // 0 host-to-device, 1 device-to-host
-  int32_t fallback_started;
-  uint64_t batch_calls;
-  uint64_t single_calls;
-  uint64_t workspace_bytes;  // the workspace the harness gave copy()
-};
-
 // Runs the core on regions i = 0..n-1 (src[i], dst[i], sizes[i],
 // first_fragment[i]) with a workspace of `workspace_bytes` bytes (< 0: what
 // the core asks for, AclBatchCopier::workspace_bytes). The harness keeps the
@@ -630,12 +621,15 @@ struct SimCopyReport {
 // `free_workspace_at_return` (what the op did before workspaces existed: its
 // arrays were locals), frees it (= fills it with 0xA5) as soon as copy()
 // returns. It is always freed when copy() throws. `per_copy`: copy()'s
-// argument of that name (one aclrtMemcpyAsync per copy).
+// argument of that name (one aclrtMemcpyAsync per copy). What copy()
+// reported is recorded for simacl_stat as "report.direction" (0
+// host-to-device, 1 device-to-host), "report.fallback_started",
+// "report.batch_calls", "report.single_calls" and "report.workspace_bytes".
 int simacl_core_copy(const uint64_t* src, const uint64_t* dst,
                      const uint64_t* sizes, const int64_t* first_fragment,
                      size_t n, void* stream, int64_t workspace_bytes,
-                     int free_workspace_at_return, int per_copy,
-                     SimCopyReport* report, char* err, size_t err_len) {
+                     int free_workspace_at_return, int per_copy, char* err,
+                     size_t err_len) {
   std::vector<vllm_ascend::kv_offload::CopyRegion> regions(n);
   for (size_t i = 0; i < n; ++i) {
     regions[i] = {src[i], dst[i], sizes[i], first_fragment[i]};
@@ -650,12 +644,13 @@ int simacl_core_copy(const uint64_t* src, const uint64_t* dst,
         const auto r = g_copier->copy(regions, stream,
                                       bytes == 0 ? nullptr : workspace.get(),
                                       bytes, per_copy != 0);
-        report->direction =
+        auto [lock, s] = Locked{};
+        s.stats["report.direction"] =
             r.direction == npu::CopyDirection::kHostToDevice ? 0 : 1;
-        report->fallback_started = r.fallback_started ? 1 : 0;
-        report->batch_calls = r.batch_calls;
-        report->single_calls = r.single_calls;
-        report->workspace_bytes = bytes;
+        s.stats["report.fallback_started"] = r.fallback_started ? 1 : 0;
+        s.stats["report.batch_calls"] = static_cast<int64_t>(r.batch_calls);
+        s.stats["report.single_calls"] = static_cast<int64_t>(r.single_calls);
+        s.stats["report.workspace_bytes"] = static_cast<int64_t>(bytes);
       },
       err, err_len);
   // Freeing is modelled as poisoning (plus the real free at the next sync),

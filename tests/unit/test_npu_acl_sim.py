@@ -68,16 +68,9 @@ ACL_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 507910
 ACL_ERROR_HOST_MEMORY_NOT_REGISTERED = 507911
 HOST_REGISTER = "aclrtHostRegisterV2"
 HOST_UNREGISTER = "aclrtHostUnregister"
-
-
-class _Report(ctypes.Structure):
-    _fields_ = [
-        ("direction", ctypes.c_int32),
-        ("fallback_started", ctypes.c_int32),
-        ("batch_calls", ctypes.c_uint64),
-        ("single_calls", ctypes.c_uint64),
-        ("workspace_bytes", ctypes.c_uint64),
-    ]
+# What AclBatchCopier::copy reported, as the harness records it (simacl_stat).
+REPORT = ("direction", "fallback_started", "batch_calls", "single_calls")
+REPORT += ("workspace_bytes",)  # the workspace the harness gave copy()
 
 
 class SimAcl:
@@ -88,11 +81,9 @@ class SimAcl:
         u64, i64 = ctypes.c_uint64, ctypes.c_int64
         i32, u32 = ctypes.c_int, ctypes.c_uint32
         size, ptr, text = ctypes.c_size_t, ctypes.c_void_p, ctypes.c_char_p
-        u64p, i64p = ctypes.POINTER(u64), ctypes.POINTER(i64)
         err = [text, size]  # every core call's error buffer
         for fn, argtypes in {
-            "core_copy": [u64p, u64p, u64p, i64p, size, ptr, i64, i32, i32]
-            + [ctypes.POINTER(_Report), *err],
+            "core_copy": [ptr, ptr, ptr, ptr, size, ptr, i64, i32, i32, *err],
             "register": [ptr, size, i32, u32],
             "inject_failure": [text, size, i32, size],
             "stat": [text],
@@ -194,23 +185,16 @@ class SimAcl:
         n = len(sizes)
         frags = np.arange(n) if fragments is None else fragments
         cols = [np.ascontiguousarray(c, dtype=np.uint64) for c in (src, dst, sizes)]
-        frag = np.ascontiguousarray(frags, dtype=np.int64)
-        ptrs = [c.ctypes.data_as(ctypes.POINTER(ctypes.c_uint64)) for c in cols]
-        ptrs.append(frag.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)))
+        cols.append(np.ascontiguousarray(frags, dtype=np.int64))
         flags = (int(free_workspace_at_return), int(per_copy))
-        report = _Report()
-        self.core(
-            "copy", *ptrs, n, STREAM, workspace_bytes, *flags, ctypes.byref(report)
-        )
+        addrs = [c.ctypes.data for c in cols]
+        self.core("copy", *addrs, n, STREAM, workspace_bytes, *flags)
         if sync and (code := self.sync()) != 0:
             raise RuntimeError(f"aclrtSynchronizeStream failed with ACL error {code}")
-        return {
-            "direction": ("h2d", "d2h")[report.direction],
-            "fallback_started": bool(report.fallback_started),
-            "batch_calls": report.batch_calls,
-            "single_calls": report.single_calls,
-            "workspace_bytes": report.workspace_bytes,
-        }
+        report = {k: self.stat(f"report.{k}") for k in REPORT}
+        report["direction"] = ("h2d", "d2h")[report["direction"]]
+        report["fallback_started"] = bool(report["fallback_started"])
+        return report
 
 
 def _load_fetcher():
