@@ -19,18 +19,11 @@ struct CopyRegion {
   int64_t first_fragment;  // index of the first merged fragment, for errors
 };
 
-// Arrays packed into one block of caller-owned host memory, a "workspace".
-// Asynchronous batch-copy APIs take their descriptors as host arrays
-// (aclrtMemcpyBatchAsync: dsts, destMaxs, srcs, sizes, attrs, attrsIndexes),
-// and the ACL documentation does not say that the runtime has copied them
-// when the call returns.
-// So a backend builds them in a workspace that its caller owns and keeps until
-// the job's copies have completed (ops.h, "Workspace"), never in locals freed
-// when the op returns.
-//
-// Byte offsets of consecutive arrays in a workspace. The same sequence of
-// add() calls gives the same layout, so a backend can size a workspace first
-// and fill the one its caller allocated later.
+// Arrays packed into one block of caller-owned host memory, a "workspace",
+// which the caller keeps until the job's copies have completed (why: ops.h,
+// Returns). Byte offsets of consecutive arrays in a workspace. The same
+// sequence of add() calls gives the same layout, so a backend can size a
+// workspace first and fill the one its caller allocated later.
 class HostArrayLayout {
  public:
   // What a workspace's address must be a multiple of (operator new and

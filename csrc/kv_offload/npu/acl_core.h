@@ -52,22 +52,13 @@ class AclBatchCopier {
   size_t workspace_bytes(size_t num_regions, bool per_copy = false) const;
 
   // Enqueues every region on `stream` and returns once they are submitted
-  // (`per_copy`: one aclrtMemcpyAsync per region, batch API or not: the
-  // start-up self-check's next path down when a batch copy was wrong,
-  // vllm_ascend/kv_offload/self_check.py)
-  // (completion is ordered on the stream like any other stream work).
-  // The direction is read once, from the first region: all regions of a job
-  // must share it (a later region that does not is rejected by the runtime,
-  // which is reported with that region's fragment index).
-  //
-  // Workspace: `workspace` points to `workspace_bytes` bytes of host memory,
+  // (`per_copy`: one aclrtMemcpyAsync per region, batch API or not; ops.h,
+  // per_copy). The direction is read once, from the first region (ops.h,
+  // "npu"). `workspace`: `workspace_bytes` bytes of caller-owned host memory,
   // aligned to HostArrayLayout::kAlignment, at least
-  // workspace_bytes(regions.size()) of them, owned by the caller. copy()
-  // builds every array it passes to aclrtMemcpyBatchAsync there (nothing on
-  // its own stack or heap), because the ACL documentation does not say that
-  // the runtime has read them when the call returns: the caller must keep
-  // the workspace unchanged until the copies have completed on `stream`
-  // (event or stream synchronize), not merely until copy() returns.
+  // workspace_bytes(regions.size()) of them, where copy() builds every array
+  // it passes to aclrtMemcpyBatchAsync; the caller keeps it unchanged until
+  // the copies have completed on `stream` (ops.h, Returns).
   //
   // Throws std::runtime_error naming the ACL call, its error code and the
   // failing fragment. Regions submitted before the failure are not undone;
