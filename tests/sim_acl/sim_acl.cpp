@@ -72,7 +72,7 @@
 
 namespace {
 
-constexpr size_t kSimMaxBatchEntries = 4096;  // SIM CHOICE, see header
+constexpr size_t kSimMaxBatchEntries = 4096;  // SIM CHOICE (see the top)
 
 struct Range {
   uintptr_t end;
@@ -89,7 +89,7 @@ struct Injection {
 };
 
 // A copy queued on a stream, run by aclrtSynchronizeStream. A batch keeps
-// the caller's array POINTERS (read at execution, see the header comment); a
+// the caller's array POINTERS (read at execution, see the top); a
 // single copy's arguments are scalars, kept by value.
 struct Task {
   void* dst = nullptr;  // single copy
