@@ -12,8 +12,8 @@
    no libascendcl.so / libtorch_npu.so here. Build dir: ``.cache/npu_compile``.
 
 Exit status: 0 compiled, 1 compile (or configure) failed, 2 headers could not
-be fetched (no network, no pip, ...). ``tests/unit/test_npu_backend_compiles.py``
-runs this script; ``tests/unit/test_npu_acl_sim.py`` imports fetch_headers().
+be fetched (no network, no pip, ...). ``tests/unit/test_npu_acl_sim.py``
+imports fetch_headers() and compile_check().
 """
 
 from __future__ import annotations

@@ -192,12 +192,11 @@ using SwapBlocksBackend = at::Tensor (*)(const std::vector<CopyRegion>& regions,
 at::Tensor swap_blocks_cpu(const std::vector<CopyRegion>& regions,
                            bool per_copy);
 #ifdef VLLM_ASCEND_WITH_NPU
+// The "npu" backend and host-memory ops (npu/ops_npu.cpp).
 at::Tensor swap_blocks_npu(const std::vector<CopyRegion>& regions,
                            bool per_copy);
-// kv_offload_host_register / _unregister on "npu" (npu/host_register_npu.cpp).
 void host_register_npu(uint64_t addr, uint64_t size, uint32_t flags);
 void host_unregister_npu(uint64_t addr);
-// kv_offload_host_alloc / _free on "npu" (npu/host_register_npu.cpp).
 uint64_t host_alloc_npu(uint64_t size);
 void host_free_npu(uint64_t addr);
 #endif

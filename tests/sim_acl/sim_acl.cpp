@@ -1,5 +1,5 @@
-// SIMULATION of the ACL runtime functions that
-// csrc/kv_offload/npu/acl_batch_copy.cpp calls -- NOT CANN. There is no device
+// SIMULATION of the ACL runtime functions that the npu backend's core
+// (csrc/kv_offload/npu/acl_core.h) calls -- NOT CANN. There is no device
 // and no DMA here: "device" memory is host memory a test registered as such,
 // and a stream is a queue of memcpy tasks that runs when it is synchronized
 // (aclrtSynchronizeStream), in submission order. Compiled against the real
@@ -7,15 +7,16 @@
 //
 // Semantics follow the CANN documentation of aclrtMemcpyBatchAsync,
 // aclrtMemcpyAsync, aclrtMemLocationType and aclrtMemcpyBatchAttr:
-//  - batch: dsts/srcs/sizes have numBatches entries; attrs[k] applies from
-//    attrsIndexes[k] up to attrsIndexes[k + 1] - 1; attrsIndexes[0] == 0,
-//    strictly increasing, last < numBatches, numAttrs <= numBatches; rsv
-//    must be 0; one direction per batch, host-to-device or device-to-host;
+//  - batch: dsts/srcs/sizes have numBatches entries; rsv must be 0; one
+//    direction per batch, host-to-device or device-to-host;
 //    failIndex names the bad entry for memory-attribute / direction checks
 //    and is SIZE_MAX for errors not tied to an entry; pageable host memory
 //    (ACL_MEM_LOCATION_TYPE_UNREGISTERED) is copied synchronously.
 //  - aclrtMemcpyAsync with ACL_MEMCPY_HOST_TO_HOST returns
 //    ACL_ERROR_RT_FEATURE_NOT_SUPPORT.
+// Only what the npu backend calls is simulated: one attribute set per batch
+// (numAttrs == 1, attrsIndexes[0] == 0; anything else is
+// ACL_ERROR_INVALID_PARAM) and the kinds HOST_TO_DEVICE and DEVICE_TO_HOST.
 // Where the docs are silent the simulation makes a choice, marked SIM
 // CHOICE: the 4096-entry cap, the error codes of failed checks, that a
 // failing batch copies nothing, and WHEN the runtime reads a batch's host
@@ -48,8 +49,11 @@
 // is not the start of a host registration); the two last are the header's
 // own names for these cases. What a real runtime does on kernels <= 5.10
 // (the docs: pageable memory "causes exceptions" there) is not modelled.
-#include "sim_acl.h"
-
+//
+// Below the ACL functions, for pytest (ctypes, tests/unit/test_npu_acl_sim.py)
+// and none of them in CANN: the simulation's test hooks (simacl_*) and a
+// harness (simacl_core_*) that runs the real ACL-facing core of the npu
+// backend (csrc/kv_offload/npu/acl_core.h) against this runtime.
 #include <acl/acl_rt.h>
 
 #include <algorithm>
@@ -57,13 +61,18 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <exception>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
+
+#include "acl_core.h"  // the real core, driven by the harness below
 
 namespace {
 
-constexpr size_t kSimMaxBatchEntries = 4096;  // SIM CHOICE, see header
+constexpr size_t kSimMaxBatchEntries = 4096;  // SIM CHOICE (see the top)
 
 struct Range {
   uintptr_t end;
@@ -80,7 +89,7 @@ struct Injection {
 };
 
 // A copy queued on a stream, run by aclrtSynchronizeStream. A batch keeps
-// the caller's array POINTERS (read at execution, see the header comment); a
+// the caller's array POINTERS (read at execution, see the top); a
 // single copy's arguments are scalars, kept by value.
 struct Task {
   void* dst = nullptr;  // single copy
@@ -92,31 +101,23 @@ struct Task {
   void** srcs = nullptr;
   size_t* sizes = nullptr;
   size_t numBatches = 0;
-  aclrtMemcpyBatchAttr* attrs = nullptr;
-  size_t* attrsIndexes = nullptr;
-  size_t numAttrs = 0;
+  aclrtMemcpyBatchAttr* attrs = nullptr;  // one set (numAttrs == 1)
 };
 
 // Everything simacl_reset forgets: its default values are the reset state.
 struct State {
   std::map<uintptr_t, Range> ranges;                // keyed by start address
   std::map<aclrtStream, std::deque<Task>> streams;  // queued, not yet run
-  size_t faulted_entries = 0;  // entries skipped when they executed
-  std::map<std::string, size_t> calls;
+  // simacl_stat's counters and records (calls are counted by API name).
+  std::map<std::string, int64_t> stats{{"last_kind", -1},
+                                       {"last_register_flag", -1}};
   // One armed failure per ACL function (armed while nth_call != 0).
   std::map<std::string, Injection> injections;
   size_t fired_fail_index = SIZE_MAX;  // of the failure that fired last
-  bool batch_unsupported = false;
-  size_t max_entries = 0;
-  size_t sync_copies = 0;
-  void* last_stream = nullptr;
-  int last_kind = -1;  // of the last aclrtMemcpyAsync call
   std::string last_error;
-  // What aclrtPointerGetAttributes reports for host-registered ranges.
+  // simacl_set's switches.
+  bool batch_unsupported = false;
   aclrtMemLocationType host_register_location = ACL_MEM_LOCATION_TYPE_HOST;
-  int64_t last_register_flag = -1;
-  // simacl_set_host_limits: per-call size limit (0: none), address
-  // alignment of registrations, A5's flag rule.
   uint64_t max_host_bytes = 0;
   uint64_t host_alignment = 4096;
   bool a5 = false;
@@ -139,7 +140,7 @@ aclError error(State& s, aclError code, const std::string& msg) {
 
 // Counts the call; true (with *code set) when an injected failure fires.
 bool count_call(State& s, const char* api, aclError* code) {
-  const size_t n = ++s.calls[api];
+  const auto n = static_cast<size_t>(++s.stats[api]);
   const auto it = s.injections.find(api);
   if (it == s.injections.end() || it->second.nth_call != n) return false;
   const Injection fired = it->second;
@@ -190,22 +191,13 @@ bool is_device(const aclrtMemLocation& loc) {
          (!is_device(declared) || declared.id == actual.id);
 }
 
-// Index k of the attribute set that applies to entry i.
-size_t attr_of(const size_t* attrsIndexes, size_t numAttrs, size_t i) {
-  size_t k = 0;
-  while (k + 1 < numAttrs && attrsIndexes[k + 1] <= i) ++k;
-  return k;
-}
-
 // Entry i of a batch, read from the caller's arrays NOW: ACL_SUCCESS when it
-// names registered memory as its attrs declare (and may be copied), else the
+// names registered memory as `attr` declares (and may be copied), else the
 // error (SIM CHOICE) with why not in *why. Only reads the arrays and the
 // registry, so it is safe on any contents.
 aclError check_entry(const State& s, void** dsts, size_t* destMaxs, void** srcs,
-                     size_t* sizes, size_t i, const aclrtMemcpyBatchAttr* attrs,
-                     const size_t* attrsIndexes, size_t numAttrs,
+                     size_t* sizes, size_t i, const aclrtMemcpyBatchAttr& attr,
                      std::string* why) {
-  const size_t k = attr_of(attrsIndexes, numAttrs, i);
   *why = "entry " + std::to_string(i) + ": ";
   if (srcs[i] == nullptr || dsts[i] == nullptr || sizes[i] == 0 ||
       sizes[i] > destMaxs[i]) {
@@ -214,10 +206,9 @@ aclError check_entry(const State& s, void** dsts, size_t* destMaxs, void** srcs,
   }
   aclrtMemLocation src, dst;
   if (!locate(s, srcs[i], sizes[i], &src) ||
-      !locate(s, dsts[i], sizes[i], &dst) ||
-      !same_location(attrs[k].srcLoc, src) ||
-      !same_location(attrs[k].dstLoc, dst)) {
-    *why += "memory location differs from attrs[" + std::to_string(k) + "]";
+      !locate(s, dsts[i], sizes[i], &dst) || !same_location(attr.srcLoc, src) ||
+      !same_location(attr.dstLoc, dst)) {
+    *why += "memory location differs from attrs[0]";
     return ACL_ERROR_RT_INVALID_MEMORY_TYPE;
   }
   return ACL_SUCCESS;
@@ -233,8 +224,8 @@ size_t execute(State& s, const Task& t) {
   size_t faults = 0;
   for (size_t i = 0; i < t.numBatches; ++i) {
     std::string why;
-    if (check_entry(s, t.dsts, t.destMaxs, t.srcs, t.sizes, i, t.attrs,
-                    t.attrsIndexes, t.numAttrs, &why) != ACL_SUCCESS) {
+    if (check_entry(s, t.dsts, t.destMaxs, t.srcs, t.sizes, i, *t.attrs,
+                    &why) != ACL_SUCCESS) {
       ++faults;
       s.last_error = "SIMULATED ACL: batch copy faulted at execution, " + why +
                      " (were its arrays freed or reused before the copy ran?)";
@@ -250,7 +241,7 @@ size_t drain(State& s, aclrtStream stream) {
   size_t faults = 0;
   for (const Task& t : s.streams[stream]) faults += execute(s, t);
   s.streams.erase(stream);
-  s.faulted_entries += faults;
+  s.stats["faulted_entries"] += static_cast<int64_t>(faults);
   return faults;
 }
 
@@ -258,7 +249,9 @@ size_t drain(State& s, aclrtStream stream) {
 // (after the work queued before it, which a synchronous copy waits for).
 void run_synchronously(State& s, aclrtStream stream, const Task& task) {
   drain(s, stream);
-  s.faulted_entries += execute(s, task);
+  s.stats["faulted_entries"] += static_cast<int64_t>(execute(s, task));
+  s.stats["sync_copies"] +=
+      static_cast<int64_t>(task.batch ? task.numBatches : 1);
 }
 
 }  // namespace
@@ -282,7 +275,7 @@ aclError aclrtPointerGetAttributes(const void* ptr,
 #ifndef SIMACL_OMIT_BATCH_API  // the variant that models CANN < 8.3
 aclError aclrtHostRegisterV2(void* ptr, uint64_t size, uint32_t flag) {
   auto [lock, s] = Locked{};
-  s.last_register_flag = flag;
+  s.stats["last_register_flag"] = flag;
   aclError code;
   if (count_call(s, "aclrtHostRegisterV2", &code)) return code;
   const auto p = reinterpret_cast<uintptr_t>(ptr);
@@ -381,8 +374,9 @@ aclError aclrtMemcpyBatchAsync(void** dsts, size_t* destMaxs, void** srcs,
                                size_t* attrsIndexes, size_t numAttrs,
                                size_t* failIndex, aclrtStream stream) {
   auto [lock, s] = Locked{};
-  s.last_stream = stream;
-  s.max_entries = std::max(s.max_entries, numBatches);
+  s.stats["last_stream"] = reinterpret_cast<int64_t>(stream);
+  int64_t& max_entries = s.stats["max_entries"];
+  max_entries = std::max(max_entries, static_cast<int64_t>(numBatches));
   aclError code;
   const bool injected = count_call(s, "aclrtMemcpyBatchAsync", &code);
   if (failIndex == nullptr) {
@@ -395,7 +389,7 @@ aclError aclrtMemcpyBatchAsync(void** dsts, size_t* destMaxs, void** srcs,
   }
   if (s.batch_unsupported) {
     return error(s, ACL_ERROR_RT_FEATURE_NOT_SUPPORT,
-                 "batch copies switched off by simacl_set_batch_unsupported");
+                 "batch copies switched off by simacl_set");
   }
   if (dsts == nullptr || destMaxs == nullptr || srcs == nullptr ||
       sizes == nullptr || attrs == nullptr || attrsIndexes == nullptr) {
@@ -406,47 +400,37 @@ aclError aclrtMemcpyBatchAsync(void** dsts, size_t* destMaxs, void** srcs,
         s, ACL_ERROR_INVALID_PARAM,
         "numBatches=" + std::to_string(numBatches) + " is outside [1, 4096]");
   }
-  if (numAttrs == 0 || numAttrs > numBatches || attrsIndexes[0] != 0) {
+  if (numAttrs != 1 || attrsIndexes[0] != 0) {  // only what our op passes
     return error(s, ACL_ERROR_INVALID_PARAM,
-                 "need 1 <= numAttrs <= numBatches and attrsIndexes[0] == 0");
+                 "the simulation takes one attribute set from entry 0");
   }
   static const uint8_t kZero[sizeof(attrs[0].rsv)] = {};
-  bool first_d2h = false;
-  for (size_t k = 0; k < numAttrs; ++k) {
-    const aclrtMemcpyBatchAttr& a = attrs[k];
-    if (k > 0 && (attrsIndexes[k] <= attrsIndexes[k - 1] ||
-                  attrsIndexes[k] >= numBatches)) {
-      return error(s, ACL_ERROR_INVALID_PARAM,
-                   "attrsIndexes must increase and stay below numBatches");
-    }
-    if (std::memcmp(a.rsv, kZero, sizeof(kZero)) != 0) {
-      return error(s, ACL_ERROR_INVALID_PARAM, "attrs[].rsv must be 0");
-    }
-    const bool d2h = is_device(a.srcLoc) && !is_device(a.dstLoc);
-    const bool h2d = !is_device(a.srcLoc) && is_device(a.dstLoc);
-    if (k == 0) first_d2h = d2h;
-    if ((!d2h && !h2d) || d2h != first_d2h) {
-      *failIndex = attrsIndexes[k];
-      return error(s, ACL_ERROR_INVALID_PARAM,
-                   "a batch copies host-to-device or device-to-host only");
-    }
+  if (std::memcmp(attrs[0].rsv, kZero, sizeof(kZero)) != 0) {
+    return error(s, ACL_ERROR_INVALID_PARAM, "attrs[].rsv must be 0");
+  }
+  const bool d2h = is_device(attrs[0].srcLoc) && !is_device(attrs[0].dstLoc);
+  const bool h2d = !is_device(attrs[0].srcLoc) && is_device(attrs[0].dstLoc);
+  if (!d2h && !h2d) {
+    *failIndex = 0;
+    return error(s, ACL_ERROR_INVALID_PARAM,
+                 "a batch copies host-to-device or device-to-host only");
   }
   // Check every entry before copying any (SIM CHOICE: all or nothing).
   for (size_t i = 0; i < numBatches; ++i) {
     std::string why;
-    code = check_entry(s, dsts, destMaxs, srcs, sizes, i, attrs, attrsIndexes,
-                       numAttrs, &why);
+    code = check_entry(s, dsts, destMaxs, srcs, sizes, i, attrs[0], &why);
     if (code != ACL_SUCCESS) {
       *failIndex = i;
       return error(s, code, why);
     }
   }
-  const Task task{nullptr, nullptr, 0,          true,  dsts,         destMaxs,
-                  srcs,    sizes,   numBatches, attrs, attrsIndexes, numAttrs};
-  const aclrtMemLocation& host = first_d2h ? attrs[0].dstLoc : attrs[0].srcLoc;
+  Task task;
+  task.batch = true;
+  task.dsts = dsts, task.destMaxs = destMaxs, task.srcs = srcs;
+  task.sizes = sizes, task.numBatches = numBatches, task.attrs = attrs;
+  const aclrtMemLocation& host = d2h ? attrs[0].dstLoc : attrs[0].srcLoc;
   if (host.type == ACL_MEM_LOCATION_TYPE_UNREGISTERED) {
     run_synchronously(s, stream, task);
-    s.sync_copies += numBatches;
   } else {
     s.streams[stream].push_back(task);
   }
@@ -458,8 +442,8 @@ aclError aclrtMemcpyAsync(void* dst, size_t destMax, const void* src,
                           size_t count, aclrtMemcpyKind kind,
                           aclrtStream stream) {
   auto [lock, s] = Locked{};
-  s.last_stream = stream;
-  s.last_kind = kind;
+  s.stats["last_stream"] = reinterpret_cast<int64_t>(stream);
+  s.stats["last_kind"] = kind;
   aclError code;
   if (count_call(s, "aclrtMemcpyAsync", &code)) return code;
   if (dst == nullptr || src == nullptr || count > destMax) {
@@ -469,29 +453,17 @@ aclError aclrtMemcpyAsync(void* dst, size_t destMax, const void* src,
     return error(s, ACL_ERROR_RT_FEATURE_NOT_SUPPORT,
                  "no asynchronous host-to-host copies");
   }
+  if (kind != ACL_MEMCPY_HOST_TO_DEVICE && kind != ACL_MEMCPY_DEVICE_TO_HOST) {
+    return error(s, ACL_ERROR_INVALID_PARAM,  // only what our op passes
+                 "the simulation copies host-to-device or device-to-host only");
+  }
   aclrtMemLocation from, to;
   if (!locate(s, src, count, &from) || !locate(s, dst, count, &to)) {
     return error(s, ACL_ERROR_RT_INVALID_MEMORY_TYPE,
                  "range straddles registered memory");
   }
-  bool ok = false;
-  switch (kind) {
-    case ACL_MEMCPY_HOST_TO_DEVICE:
-      ok = !is_device(from) && is_device(to);
-      break;
-    case ACL_MEMCPY_DEVICE_TO_HOST:
-      ok = is_device(from) && !is_device(to);
-      break;
-    case ACL_MEMCPY_DEVICE_TO_DEVICE:
-      ok = is_device(from) && is_device(to);
-      break;
-    case ACL_MEMCPY_DEFAULT:
-      ok = is_device(from) || is_device(to);
-      break;
-    default:
-      return error(s, ACL_ERROR_INVALID_PARAM, "unknown aclrtMemcpyKind");
-  }
-  if (!ok) {
+  const bool h2d = kind == ACL_MEMCPY_HOST_TO_DEVICE;
+  if (is_device(from) == h2d || is_device(to) != h2d) {
     return error(s, ACL_ERROR_RT_INVALID_MEMORY_TYPE,  // SIM CHOICE
                  "memory locations do not match kind " + std::to_string(kind));
   }
@@ -499,7 +471,6 @@ aclError aclrtMemcpyAsync(void* dst, size_t destMax, const void* src,
   if (from.type == ACL_MEM_LOCATION_TYPE_UNREGISTERED ||
       to.type == ACL_MEM_LOCATION_TYPE_UNREGISTERED) {
     run_synchronously(s, stream, task);  // pageable, as for the batch API
-    ++s.sync_copies;
   } else {
     s.streams[stream].push_back(task);
   }
@@ -521,28 +492,65 @@ const char* aclGetRecentErrMsg() {
   return copy.c_str();
 }
 
+// --- test hooks ----------------------------------------------------------
+
+// Forgets registered memory, counters, injected failures and switches.
 void simacl_reset(void) {
   auto [lock, s] = Locked{};
   s = State{};  // queued copies are dropped, never run
 }
 
-void simacl_set_host_limits(uint64_t max_bytes_per_call, uint64_t alignment,
-                            int a5) {
+// Switches of the simulation, off until set (simacl_reset clears them):
+// "batch_unsupported" (1: aclrtMemcpyBatchAsync returns
+// ACL_ERROR_RT_FEATURE_NOT_SUPPORT); "host_register_location" (the
+// aclrtMemLocationType aclrtPointerGetAttributes reports for ranges
+// registered with aclrtHostRegisterV2 from now on; default
+// ACL_MEM_LOCATION_TYPE_HOST); and host-memory limits of real runtimes:
+// "max_host_bytes" (aclrtMallocHost and aclrtHostRegisterV2 of more bytes in
+// one call fail with ACL_ERROR_RT_MEMORY_ALLOCATION, 207001, what a 910B host
+// returned for one aclrtMallocHost above ~200-250 GB; 0: no limit),
+// "host_alignment" (aclrtHostRegisterV2 of an address that is not a multiple
+// fails with ACL_ERROR_RT_ADDR_UNALIGNED, and aclrtMallocHost returns memory
+// aligned to it; 4096 by default, 65536 models Ascend SVM's rule), "a5" (1: a
+// flag with ACL_HOST_REG_PINNED fails with ACL_ERROR_RT_PARAM_INVALID,
+// 107000, as on A5, where only ACL_HOST_REG_MAPPED is accepted).
+void simacl_set(const char* name, int64_t value) {
   auto [lock, s] = Locked{};
-  s.max_host_bytes = max_bytes_per_call;
-  s.host_alignment = alignment == 0 ? 4096 : alignment;
-  s.a5 = a5 != 0;
+  const std::string key = name;
+  if (key == "batch_unsupported") s.batch_unsupported = value != 0;
+  if (key == "host_register_location") {
+    s.host_register_location = static_cast<aclrtMemLocationType>(value);
+  }
+  if (key == "max_host_bytes") s.max_host_bytes = static_cast<uint64_t>(value);
+  if (key == "host_alignment") {
+    s.host_alignment = value == 0 ? 4096 : static_cast<uint64_t>(value);
+  }
+  if (key == "a5") s.a5 = value != 0;
 }
 
-void simacl_set_host_register_location(int location_type) {
+// A counter or record of the simulation since simacl_reset: the name of an
+// ACL function (its calls), "max_entries" (largest numBatches passed to
+// aclrtMemcpyBatchAsync), "sync_copies" (copies whose host side was pageable:
+// run at once, as the CANN docs say), "faulted_entries" (batch entries
+// skipped at execution because their arrays no longer named the memory
+// declared at enqueue: freed or reused too early), "pending" (copy calls
+// queued that have not run yet; they run, in order, at
+// aclrtSynchronizeStream), "last_stream" (of the most recent copy call),
+// "last_kind" (aclrtMemcpyKind of the most recent aclrtMemcpyAsync, -1:
+// none), "last_register_flag" (of the most recent aclrtHostRegisterV2, -1:
+// none). Unknown names are 0.
+int64_t simacl_stat(const char* name) {
   auto [lock, s] = Locked{};
-  s.host_register_location = static_cast<aclrtMemLocationType>(location_type);
+  if (std::string(name) == "pending") {
+    size_t n = 0;
+    for (const auto& [stream, tasks] : s.streams) n += tasks.size();
+    return static_cast<int64_t>(n);
+  }
+  const auto it = s.stats.find(name);
+  return it == s.stats.end() ? 0 : it->second;
 }
 
-int64_t simacl_last_register_flag(void) {
-  return Locked{}.s.last_register_flag;
-}
-
+// The aclrtMemLocationType the simulation holds for the byte at `ptr`.
 int simacl_location_of(const void* ptr) {
   auto [lock, s] = Locked{};
   aclrtMemLocation loc;
@@ -550,6 +558,10 @@ int simacl_location_of(const void* ptr) {
   return loc.type;
 }
 
+// Declares [ptr, ptr + size) to be memory of aclrtMemLocationType
+// `location_type` (e.g. ACL_MEM_LOCATION_TYPE_DEVICE with device `id`, or
+// ACL_MEM_LOCATION_TYPE_HOST for page-locked host memory). Everything never
+// registered is ACL_MEM_LOCATION_TYPE_UNREGISTERED (pageable host memory).
 void simacl_register(const void* ptr, size_t size, int location_type,
                      uint32_t id) {
   auto [lock, s] = Locked{};
@@ -559,35 +571,133 @@ void simacl_register(const void* ptr, size_t size, int location_type,
       aclrtMemLocation{id, static_cast<aclrtMemLocationType>(location_type)}};
 }
 
-void simacl_set_batch_unsupported(int on) {
-  Locked{}.s.batch_unsupported = on != 0;
-}
-
+// Makes call number `nth_call` (1-based, counted since simacl_reset) of ACL
+// function `api` return `code`; the batch API also sets *failIndex to
+// `fail_index`. One shot; one armed failure per function (arming `api`
+// again replaces its earlier one).
 void simacl_inject_failure(const char* api, size_t nth_call, int code,
                            size_t fail_index) {
   Locked{}.s.injections[api] = Injection{api, nth_call, code, fail_index};
 }
 
-size_t simacl_calls(const char* api) {
-  auto [lock, s] = Locked{};
-  const auto it = s.calls.find(api);
-  return it == s.calls.end() ? 0 : it->second;
+// --- harness: the real core ------------------------------------------------
+// Like the op (csrc/kv_offload/npu/ops_npu.cpp) the harness owns each job's
+// workspace; unlike the op, a test decides how long it lives. Every
+// simacl_core_* call returns 0, or 1 with the exception's message in `err`.
+
+}  // extern "C"
+
+namespace {
+
+namespace npu = vllm_ascend::kv_offload::npu;
+
+std::unique_ptr<npu::AclBatchCopier> g_copier =
+    std::make_unique<npu::AclBatchCopier>();
+// Workspaces of jobs whose copies may not have run yet, freed by
+// simacl_core_sync once they have (the transfer queue's end-event wait).
+std::vector<std::unique_ptr<unsigned char[]>> g_workspaces;
+constexpr unsigned char kPoison = 0xA5;  // what a freed workspace holds
+
+template <typename F>
+int run_core(F&& f, char* err, size_t err_len) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    std::strncpy(err, e.what(), err_len - 1);
+    err[err_len - 1] = '\0';
+    return 1;
+  }
+  return 0;
 }
 
-size_t simacl_max_entries(void) { return Locked{}.s.max_entries; }
+}  // namespace
 
-size_t simacl_sync_copies(void) { return Locked{}.s.sync_copies; }
+extern "C" {
 
-size_t simacl_pending(void* stream) {
-  auto [lock, s] = Locked{};
-  const auto it = s.streams.find(stream);
-  return it == s.streams.end() ? 0 : it->second.size();
+// Runs the core on regions i = 0..n-1 (src[i], dst[i], sizes[i],
+// first_fragment[i]) with a workspace of `workspace_bytes` bytes (< 0: what
+// the core asks for, AclBatchCopier::workspace_bytes). The harness keeps the
+// workspace until simacl_core_sync has run the stream, or, with
+// `free_workspace_at_return` (what the op did before workspaces existed: its
+// arrays were locals), frees it (= fills it with 0xA5) as soon as copy()
+// returns. It is always freed when copy() throws. `per_copy`: copy()'s
+// argument of that name (one aclrtMemcpyAsync per copy). What copy()
+// reported is recorded for simacl_stat as "report.direction" (0
+// host-to-device, 1 device-to-host), "report.fallback_started",
+// "report.batch_calls", "report.single_calls" and "report.workspace_bytes".
+int simacl_core_copy(const uint64_t* src, const uint64_t* dst,
+                     const uint64_t* sizes, const int64_t* first_fragment,
+                     size_t n, void* stream, int64_t workspace_bytes,
+                     int free_workspace_at_return, int per_copy, char* err,
+                     size_t err_len) {
+  std::vector<vllm_ascend::kv_offload::CopyRegion> regions(n);
+  for (size_t i = 0; i < n; ++i) {
+    regions[i] = {src[i], dst[i], sizes[i], first_fragment[i]};
+  }
+  const size_t bytes = workspace_bytes < 0
+                           ? g_copier->workspace_bytes(n, per_copy != 0)
+                           : static_cast<size_t>(workspace_bytes);
+  // operator new[] is aligned to max_align_t, as the core requires.
+  std::unique_ptr<unsigned char[]> workspace(new unsigned char[bytes + 1]);
+  const int rc = run_core(
+      [&] {
+        const auto r = g_copier->copy(regions, stream,
+                                      bytes == 0 ? nullptr : workspace.get(),
+                                      bytes, per_copy != 0);
+        auto [lock, s] = Locked{};
+        s.stats["report.direction"] =
+            r.direction == npu::CopyDirection::kHostToDevice ? 0 : 1;
+        s.stats["report.fallback_started"] = r.fallback_started ? 1 : 0;
+        s.stats["report.batch_calls"] = static_cast<int64_t>(r.batch_calls);
+        s.stats["report.single_calls"] = static_cast<int64_t>(r.single_calls);
+        s.stats["report.workspace_bytes"] = static_cast<int64_t>(bytes);
+      },
+      err, err_len);
+  // Freeing is modelled as poisoning (plus the real free at the next sync),
+  // so that the simulation reads defined, recognisably wrong contents. The
+  // op's workspace tensor is freed as an exception leaves it.
+  if (free_workspace_at_return || rc != 0) {
+    std::memset(workspace.get(), kPoison, bytes);
+  }
+  g_workspaces.push_back(std::move(workspace));
+  return rc;
 }
 
-size_t simacl_faulted_entries(void) { return Locked{}.s.faulted_entries; }
+// aclrtSynchronizeStream(stream), i.e. runs the copies queued on it, then
+// frees every workspace the harness holds (as the transfer queue drops a
+// job's workspace once its end event has completed). Returns the ACL code.
+int simacl_core_sync(void* stream) {
+  const aclError rc = aclrtSynchronizeStream(stream);
+  g_workspaces.clear();
+  return rc;
+}
 
-int simacl_last_kind(void) { return Locked{}.s.last_kind; }
+// Replaces the core's copier with a fresh one (forgets a fallback) and frees
+// the workspaces held.
+void simacl_core_reset(void) {
+  g_copier = std::make_unique<npu::AclBatchCopier>();
+  g_workspaces.clear();
+}
 
-void* simacl_last_stream(void) { return Locked{}.s.last_stream; }
+// The core's register_host_range / unregister_host_range / allocate_host
+// (the address in *addr) / free_host (acl_host_register.cpp).
+int simacl_core_host_register(uint64_t addr, uint64_t size, uint32_t flags,
+                              char* err, size_t err_len) {
+  return run_core([&] { npu::register_host_range(addr, size, flags); }, err,
+                  err_len);
+}
+
+int simacl_core_host_unregister(uint64_t addr, char* err, size_t err_len) {
+  return run_core([&] { npu::unregister_host_range(addr); }, err, err_len);
+}
+
+int simacl_core_host_alloc(uint64_t size, uint64_t* addr, char* err,
+                           size_t err_len) {
+  return run_core([&] { *addr = npu::allocate_host(size); }, err, err_len);
+}
+
+int simacl_core_host_free(uint64_t addr, char* err, size_t err_len) {
+  return run_core([&] { npu::free_host(addr); }, err, err_len);
+}
 
 }  // extern "C"

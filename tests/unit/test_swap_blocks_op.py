@@ -169,29 +169,29 @@ def test_copies_scattered_fragments_of_mixed_sizes_byte_exact(swap: Swap) -> Non
     assert (dst[~written] == POISON).all(), "bytes outside the fragments changed"
 
 
-def test_large_batch_is_copied_correctly_by_several_threads(swap: Swap) -> None:
-    # 64 MiB in 256 fragments; destination slots permuted (stride 97) so that
-    # no two consecutive fragments are adjacent and nothing merges.
-    n, size = 256, 64 * MiB // 256
-    src, dst = random_bytes(n * size, seed=2), poisoned(n * size)
-    frags = [(i * size, (i * 97 % n) * size, size) for i in range(n)]
+@pytest.mark.parametrize(
+    "n, size, stride",
+    [
+        # 64 MiB in 256 fragments; destination slots permuted (stride 97) so
+        # that no two consecutive fragments are adjacent and nothing merges.
+        (256, 64 * MiB // 256, 97),
+        # One fragment, not divisible by the thread count: the native op
+        # splits by bytes, so this one copy is also parallelised.
+        (1, 64 * MiB + 3, 1),
+    ],
+    ids=["many-fragments", "one-huge-fragment"],
+)
+def test_large_batch_is_copied_correctly_by_several_threads(
+    swap: Swap, n: int, size: int, stride: int
+) -> None:
+    src, dst = random_bytes(n * size, seed=n), poisoned(n * size + 1)
+    frags = [(i * size, (i * stride % n) * size, size) for i in range(n)]
 
     copies, expected = run_copy(swap, src, dst, frags)
 
     assert copies == n
     assert torch.equal(dst, expected)
-
-
-def test_single_huge_fragment_is_copied_correctly(swap: Swap) -> None:
-    # The native op splits by bytes, so this one copy is also parallelised.
-    n = 64 * MiB + 3  # not divisible by the thread count
-    src, dst = random_bytes(n, seed=4), poisoned(n + 1)
-
-    copies, expected = run_copy(swap, src, dst, [(0, 0, n)])
-
-    assert copies == 1
-    assert torch.equal(dst, expected)
-    assert dst[n] == POISON
+    assert dst[n * size] == POISON
 
 
 # --- coalescing ------------------------------------------------------------
@@ -300,35 +300,55 @@ def test_invalid_batch_raises_naming_the_problem_and_copies_nothing(
     assert torch.equal(src, before[0]) and torch.equal(dst, before[1])
 
 
-def test_unknown_device_raises(swap: Swap) -> None:
-    with pytest.raises(RuntimeError, match=r"unknown device 'tpu'; expected one of"):
-        swap(*descriptors([]), "tpu")
-
-
 NPU_LACKING = pytest.mark.skipif(
     "npu" in NATIVE_BACKENDS, reason="this build includes the npu backend"
 )
+WITHOUT_NPU = [needs_native, NPU_LACKING]  # the native op built without npu
+NOT_COMPILED = "backend 'npu' was not compiled into this build"
+UNKNOWN = r"unknown device 'tpu'; expected one of"
+NO_DESCRIPTORS = descriptors([])
 
 
 @pytest.mark.parametrize(
-    "op, device, message",
+    "call, message",
     [
+        pytest.param(lambda: NATIVE(*NO_DESCRIPTORS, "tpu"), UNKNOWN,
+                     marks=needs_native, id="native-unknown"),
+        pytest.param(lambda: ops.fallback_swap_blocks_batch(*NO_DESCRIPTORS, "tpu"),
+                     UNKNOWN, id="fallback-unknown"),
+        pytest.param(lambda: torch_path_swap(*NO_DESCRIPTORS, "tpu"), UNKNOWN,
+                     id="torch-unknown"),
         # cuda is not a device of this op but of vLLM's own
-        pytest.param(NATIVE, "cuda", "unknown device 'cuda'.*vLLM's own",
-                     marks=needs_native, id="native-cuda"),
-        pytest.param(ops.fallback_swap_blocks_batch, "cuda",
+        pytest.param(lambda: NATIVE(*NO_DESCRIPTORS, "cuda"),
+                     "unknown device 'cuda'.*vLLM's own", marks=needs_native,
+                     id="native-cuda"),
+        pytest.param(lambda: ops.fallback_swap_blocks_batch(*NO_DESCRIPTORS, "cuda"),
                      "unknown device 'cuda'.*vLLM's own", id="fallback-cuda"),
-        pytest.param(NATIVE, "npu", "backend 'npu' was not compiled",
-                     marks=[needs_native, NPU_LACKING], id="native-built-without-npu"),
-        pytest.param(ops.fallback_swap_blocks_batch, "npu",
+        pytest.param(lambda: NATIVE(*NO_DESCRIPTORS, "npu"), NOT_COMPILED,
+                     marks=WITHOUT_NPU, id="native-built-without-npu"),
+        pytest.param(lambda: ops.fallback_swap_blocks_batch(*NO_DESCRIPTORS, "npu"),
                      "'npu' requires the native extension", id="fallback-npu"),
+        # The host-memory ops: npu needs the npu backend ...
+        pytest.param(lambda: ops.host_register(4096, 4096, "npu"), NOT_COMPILED,
+                     marks=WITHOUT_NPU, id="host-register"),
+        pytest.param(lambda: ops.host_unregister(4096, "npu"), NOT_COMPILED,
+                     marks=WITHOUT_NPU, id="host-unregister"),
+        pytest.param(lambda: ops.host_alloc(4096, "npu"), NOT_COMPILED,
+                     marks=WITHOUT_NPU, id="host-alloc"),
+        pytest.param(lambda: ops.host_free(4096, "npu"), NOT_COMPILED,
+                     marks=WITHOUT_NPU, id="host-free"),
+        # ... and other devices are not registered through the op.
+        pytest.param(lambda: ops.host_register(4096, 4096, "cuda"),
+                     "only 'npu' is implemented", marks=WITHOUT_NPU, id="host-cuda"),
+        pytest.param(lambda: ops.host_register(4096, 4096, "cpu"),
+                     "only 'npu' is implemented", marks=WITHOUT_NPU, id="host-cpu"),
+        pytest.param(lambda: ops.host_register(4096, 4096, "tpu"),
+                     "unknown device 'tpu'", marks=WITHOUT_NPU, id="host-unknown"),
     ],
 )  # fmt: skip
-def test_a_device_this_op_cannot_copy_on_raises(
-    op: Swap, device: str, message: str
-) -> None:
+def test_a_device_an_op_cannot_serve_raises(call, message: str) -> None:
     with pytest.raises(RuntimeError, match=message):
-        op(*descriptors([]), device)
+        call()
 
 
 @needs_native

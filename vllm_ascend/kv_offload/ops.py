@@ -1,27 +1,22 @@
 """Batched raw-memory copies for KV offloading: native op, or a Python fallback.
 
 ``swap_blocks_batch(src_addrs, dst_addrs, sizes, device, per_copy=False)
--> (copies, workspace)``
-copies fragment i, ``sizes[i]`` bytes, from address ``src_addrs[i]`` to
-``dst_addrs[i]``; the three descriptors are 1-D contiguous CPU int64 tensors of
-equal length. Runs of adjacent fragments (source AND destination contiguous)
-are merged first; ``copies`` is the number of copies actually performed.
-``workspace`` is a CPU uint8 tensor holding host memory that the backend's
-asynchronous copies may still read (the descriptor arrays of the "npu" batch
-API): keep a reference to it until the copies have completed (an event
-recorded after the call), not merely until the call returns. It is
-empty where nothing outlives the call, always on "cpu". ``per_copy`` ("npu"):
-one async memcpy per copy instead of the batch call, for this call only.
-CUDA has no backend here: it copies with vLLM's own op (``copy_paths.py``).
-The full contract (validation, backends, threading) is in ``csrc/kv_offload/ops.h``.
+-> (copies, workspace)`` copies fragment i, ``sizes[i]`` bytes, from address
+``src_addrs[i]`` to ``dst_addrs[i]`` (1-D contiguous CPU int64 tensors of
+equal length), merging runs of fragments adjacent on both sides first;
+``copies`` counts the copies performed. Keep ``workspace`` (host memory the
+"npu" batch API may still read; empty on "cpu") until the copies have
+completed, not merely until the call returns. ``per_copy`` ("npu"): one
+async memcpy per copy instead of the batch call, for this call only. CUDA
+copies with vLLM's own op (``copy_paths.py``). The contract (validation,
+backends, threading) is ``csrc/kv_offload/ops.h``.
 
 The native op ``torch.ops._C_ascend.kv_offload_swap_blocks`` comes from the
 extension ``vllm_ascend.kv_offload._C_kv_offload`` (``pip install
 --no-build-isolation -e .``), or from upstream vllm-ascend's own library when
-this subtree is grafted into it (docs/upstream_graft.md).
-Without it, or with ``VLLM_ASCEND_NATIVE_OP=0``, a pure-Python fallback is
-used: same validation and coalescing, single-threaded ``ctypes.memmove``, CPU
-device only.
+this subtree is grafted into it (docs/upstream_graft.md). Without it, or with
+``VLLM_ASCEND_NATIVE_OP=0``, a pure-Python fallback is used: same validation
+and coalescing, single-threaded ``ctypes.memmove``, CPU device only.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-// ACL-facing core of the "npu" backend; see acl_batch_copy.h and ops.h.
-#include "acl_batch_copy.h"
-
+// ACL-facing core of the "npu" backend: batch copies; see acl_core.h, ops.h.
 #include <algorithm>
 #include <cstdint>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+
+#include "acl_core.h"
 
 // Both symbols are newer than some CANN releases torch_npu still runs on
 // (torch_npu itself looks them up at run time). Weak references keep the

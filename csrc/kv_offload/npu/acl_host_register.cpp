@@ -1,10 +1,8 @@
-// ACL-facing core of host-memory registration; see acl_host_register.h.
-#include "acl_host_register.h"
-
+// ACL-facing core of host-memory registration; see acl_core.h.
 #include <stdexcept>
 #include <string>
 
-#include "acl_batch_copy.h"  // hex, acl_detail
+#include "acl_core.h"
 
 // Newer than some CANN releases torch_npu still runs on: a weak reference
 // keeps the extension importable there (registration then fails clearly).
