@@ -275,17 +275,18 @@ def remove_stale_temp_files(root: str, max_age_s: float = STALE_TMP_AGE_S) -> in
     return removed
 
 
-def write_small_file(path: str, data: bytes, root: str) -> None:
-    """Writes ``path`` under ``root`` atomically, following no symlink and
-    replacing a non-regular entry (``identity.json``, vLLM's
-    ``config.json``)."""
+def create_small_file(path: str, data: bytes, root: str) -> None:
+    """Writes ``path`` under ``root`` atomically unless a regular file is
+    there already, following no symlink and replacing a non-regular entry
+    (``identity.json``, vLLM's ``config.json``)."""
     dirs, name = split_under(root, path)
     dir_fd = open_dirs(root, dirs, True, path, None)
     try:
         with contextlib.suppress(FileNotFoundError):
             mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
-            if not stat.S_ISREG(mode):
-                remove_entry(dir_fd, name)
+            if stat.S_ISREG(mode):
+                return
+            remove_entry(dir_fd, name)
         _replace_atomically(dir_fd, name, lambda fd: os.write(fd, data))
     finally:
         os.close(dir_fd)

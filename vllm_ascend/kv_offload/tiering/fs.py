@@ -22,22 +22,16 @@ from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 
 from vllm_ascend.kv_offload import vllm_compat
 from vllm_ascend.kv_offload.config import (
-    PREFIX,
     TIERING_MODULE,
     TIERING_SPEC,
     OffloadConfigError,
 )
 from vllm_ascend.kv_offload.logger import init_logger
-from vllm_ascend.kv_offload.tiering.auth_key import (
-    AUTH_KEY_FILE,
-    key_id,
-    read_auth_key,
-)
 from vllm_ascend.kv_offload.tiering.block_file import (
     HEADER_BYTES,
+    create_small_file,
     key_digest,
     remove_stale_temp_files,
-    write_small_file,
 )
 from vllm_ascend.kv_offload.tiering.fs_budget import (
     MAX_BYTES_KEY,
@@ -46,11 +40,11 @@ from vllm_ascend.kv_offload.tiering.fs_budget import (
 )
 from vllm_ascend.kv_offload.tiering.identity import (
     IDENTITY_FILE,
+    SHARED_ID,
     identity_digest,
     identity_root,
+    tier_identity,
 )
-from vllm_ascend.kv_offload.tiering.model_identity import SHARED_ID, with_shared_id
-from vllm_ascend.kv_offload.tiering.tier_paths import is_regular_file, make_dirs
 from vllm_ascend.kv_offload.tiering.verified_files import (
     VanishedBlockError,
     VerifiedBlockFiles,
@@ -63,26 +57,6 @@ logger = init_logger(__name__)
 
 # Our fs tier, registered under this type; a config's "fs" tiers become it.
 VERIFIED_FS_TYPE = "ascend_fs"
-
-
-def tier_identity(
-    identity: Mapping[str, Any], auth_key: bytes | None
-) -> dict[str, Any]:
-    """The identity of a tier's files: keyed tiers by key (a slow, salted
-    id derived from it, not the key: ``auth_key.key_id``), so deployments
-    with different keys do not remove each other's files as forgeries."""
-    if auth_key is None:
-        return dict(identity)
-    return {**identity, "auth_key_id": key_id(auth_key, identity_digest(identity))}
-
-
-def _tier_auth_key(tier: Mapping[str, Any]) -> bytes | None:
-    key_file = tier.get(AUTH_KEY_FILE)
-    if key_file is None:
-        return None
-    return read_auth_key(
-        key_file, f"{PREFIX}['secondary_tiers'][..]['{AUTH_KEY_FILE}']"
-    )
 
 
 class VerifiedFileSystemTier(FileSystemTierManager):
@@ -107,10 +81,10 @@ class VerifiedFileSystemTier(FileSystemTierManager):
                 f"secondary tier type {VERIFIED_FS_TYPE!r} needs spec_name="
                 f"{TIERING_SPEC!r} and spec_module_path={TIERING_MODULE!r}"
             )
-        auth_key = _tier_auth_key({AUTH_KEY_FILE: auth_key_file})
-        digest = identity_digest(
-            tier_identity(with_shared_id(spec_identity, identity), auth_key)
+        files_identity, auth_key = tier_identity(
+            spec_identity, {"auth_key_file": auth_key_file, SHARED_ID: identity}
         )
+        digest = identity_digest(files_identity)
         weights = spec_identity.get("weights", {})
         if identity is None and "unidentified" in weights:
             logger.warning(
@@ -262,10 +236,7 @@ def tier_dir_usable(tier: Mapping[str, Any], spec: OffloadingSpec) -> bool:
     directory that has all of it already (a reader of a cache others write)
     is usable; its stores fail and are counted."""
     root_dir = tier["root_dir"]
-    identity = tier_identity(
-        with_shared_id(spec.storage_identity, tier.get(SHARED_ID)),
-        _tier_auth_key(tier),
-    )
+    identity, _ = tier_identity(spec.storage_identity, tier)
     root = identity_root(root_dir, identity_digest(identity))
     try:
         os.makedirs(root_dir, exist_ok=True)  # configured, so trusted
@@ -276,11 +247,8 @@ def tier_dir_usable(tier: Mapping[str, Any], spec: OffloadingSpec) -> bool:
             blocks_per_file=spec.blocks_per_chunk,
             parallel_agnostic=True,
         )
-        config_path = mapper.get_config_file_path()
-        make_dirs(os.path.dirname(config_path), root_dir)
-        if not is_regular_file(config_path, root_dir):
-            text = json.dumps(mapper.get_run_config(), indent=2, sort_keys=True)
-            write_small_file(config_path, text.encode(), root_dir)
+        text = json.dumps(mapper.get_run_config(), indent=2, sort_keys=True)
+        create_small_file(mapper.get_config_file_path(), text.encode(), root_dir)
     except OSError as e:
         logger.error(
             "KV offload: the fs tier directory %s cannot be used (%s); the "
@@ -291,16 +259,15 @@ def tier_dir_usable(tier: Mapping[str, Any], spec: OffloadingSpec) -> bool:
         )
         return False
     path = os.path.join(root, IDENTITY_FILE)
-    if not is_regular_file(path, root_dir):
-        try:
-            text = json.dumps(identity, indent=2, sort_keys=True)
-            write_small_file(path, text.encode(), root_dir)
-        except OSError as e:
-            logger.warning(
-                "KV offload: cannot write %s (%s): the fs tier directory is "
-                "read-only here; stores to it will fail (and be counted), "
-                "existing files are still read",
-                path,
-                e,
-            )
+    try:
+        text = json.dumps(identity, indent=2, sort_keys=True)
+        create_small_file(path, text.encode(), root_dir)
+    except OSError as e:
+        logger.warning(
+            "KV offload: cannot write %s (%s): the fs tier directory is "
+            "read-only here; stores to it will fail (and be counted), "
+            "existing files are still read",
+            path,
+            e,
+        )
     return True

@@ -42,8 +42,11 @@ from vllm_ascend.kv_offload.tiering.fs_budget import (
     budget_metric_definitions,
     check_budget_config,
 )
-from vllm_ascend.kv_offload.tiering.identity import storage_identity
-from vllm_ascend.kv_offload.tiering.model_identity import SHARED_ID, check_shared_id
+from vllm_ascend.kv_offload.tiering.identity import (
+    SHARED_ID,
+    check_shared_id,
+    storage_identity,
+)
 
 logger = init_logger(__name__)
 

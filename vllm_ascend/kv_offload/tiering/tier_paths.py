@@ -192,31 +192,3 @@ def remove_block(path: str, root: str) -> None:
                 os.unlink(name, dir_fd=dir_fd)
         finally:
             os.close(dir_fd)
-
-
-def make_dirs(path: str, root: str) -> None:
-    """``os.makedirs(path)`` below ``root`` without following a symlink (a
-    bad entry on the way is replaced by a directory)."""
-    rel = os.path.relpath(path, root)
-    if rel == os.curdir:
-        os.close(os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
-        return
-    dirs, last = split_under(root, path)
-    os.close(open_dirs(root, [*dirs, last], True, path, None))
-
-
-def is_regular_file(path: str, root: str) -> bool:
-    """Whether ``path`` under ``root`` is a regular file (no symlink
-    followed on the way or at the end)."""
-    dirs, name = split_under(root, path)
-    try:
-        dir_fd = open_dirs(root, dirs, False, path, None)
-    except OSError:
-        return False
-    try:
-        mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
-        return stat.S_ISREG(mode)
-    except OSError:
-        return False
-    finally:
-        os.close(dir_fd)
