@@ -193,9 +193,9 @@ def test_a_file_removed_by_another_evictor_is_tolerated(tmp_path, monkeypatch):
 def scan_with(budget, monkeypatch, after_listing) -> None:
     """``budget.scan()`` with ``after_listing()`` run right after the scan
     listed the directory (what another engine does meanwhile)."""
-    real_list = budget.files.entries
+    real_list = fs_budget.block_files
     monkeypatch.setattr(
-        budget.files, "entries", lambda: (real_list(), after_listing())[0]
+        fs_budget, "block_files", lambda root: (real_list(root), after_listing())[0]
     )
     budget.scan()
 

@@ -180,15 +180,31 @@ def open_regular(
     return fd
 
 
-def remove_block(path: str, root: str) -> None:
-    """Removes the regular file ``path`` under ``root`` (a file that failed
-    verification), following no symlink; anything else is left alone."""
-    dirs, name = split_under(root, path)
-    with contextlib.suppress(OSError):
-        dir_fd = open_dirs(root, dirs, False, path, None)
-        try:
-            mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
-            if stat.S_ISREG(mode):
-                os.unlink(name, dir_fd=dir_fd)
-        finally:
-            os.close(dir_fd)
+def remove_file(
+    root: str, dirs: tuple[str, ...] | list[str], name: str, listed=None
+) -> bool | None:
+    """Removes the regular file ``name`` in ``root/dirs``, following no
+    symlink: True if removed, False if already gone, None if kept (not a
+    regular file, a bad entry on the way, or, given its ``listed`` stat,
+    another file or one used since: another inode or mtime). Raises the
+    ``OSError`` of a failed unlink."""
+    try:
+        dir_fd = open_dirs(root, dirs)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return None
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if not stat.S_ISREG(st.st_mode) or (
+            listed is not None
+            and (st.st_ino, st.st_dev, st.st_mtime_ns)
+            != (listed.st_ino, listed.st_dev, listed.st_mtime_ns)
+        ):
+            return None
+        os.unlink(name, dir_fd=dir_fd)
+        return True
+    except FileNotFoundError:
+        return False
+    finally:
+        os.close(dir_fd)

@@ -11,6 +11,7 @@ another engine) is a ``VanishedBlockError``, a miss like any other.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -20,7 +21,8 @@ from vllm_ascend.kv_offload.tiering.block_file import read_block, write_block
 from vllm_ascend.kv_offload.tiering.tier_paths import (
     BadEntryError,
     StoredBlockError,
-    remove_block,
+    remove_file,
+    split_under,
 )
 
 logger = init_logger(__name__)
@@ -98,7 +100,8 @@ class VerifiedBlockFiles:
                     path,
                     exc.strerror,
                 )
-                remove_block(path, self.root)
+                with contextlib.suppress(OSError):
+                    remove_file(self.root, *split_under(self.root, path))
             else:
                 logger.warning(
                     "KV offload: fs tier file %s could not be read (%s); the "
