@@ -29,7 +29,7 @@ from vllm_ascend.kv_offload.config import (
 from vllm_ascend.kv_offload.logger import init_logger
 from vllm_ascend.kv_offload.tiering.block_file import (
     HEADER_BYTES,
-    create_small_file,
+    create_file,
     key_digest,
     remove_stale_temp_files,
 )
@@ -227,6 +227,13 @@ with contextlib.suppress(ValueError):  # registered already (module reloaded)
     )
 
 
+def create_json(path: str, data: Any, root: str) -> None:
+    """``data`` as ``path`` under ``root`` unless a regular file is there
+    (``block_file.create_file``: no symlink followed)."""
+    text = json.dumps(data, indent=2, sort_keys=True).encode()
+    create_file(path, lambda fd: os.write(fd, text), root)
+
+
 def tier_dir_usable(tier: Mapping[str, Any], spec: OffloadingSpec) -> bool:
     """Prepares what vLLM's fs tier creates at start (the identity directory,
     the per-model directory and its config.json, without following a
@@ -247,8 +254,7 @@ def tier_dir_usable(tier: Mapping[str, Any], spec: OffloadingSpec) -> bool:
             blocks_per_file=spec.blocks_per_chunk,
             parallel_agnostic=True,
         )
-        text = json.dumps(mapper.get_run_config(), indent=2, sort_keys=True)
-        create_small_file(mapper.get_config_file_path(), text.encode(), root_dir)
+        create_json(mapper.get_config_file_path(), mapper.get_run_config(), root_dir)
     except OSError as e:
         logger.error(
             "KV offload: the fs tier directory %s cannot be used (%s); the "
@@ -260,8 +266,7 @@ def tier_dir_usable(tier: Mapping[str, Any], spec: OffloadingSpec) -> bool:
         return False
     path = os.path.join(root, IDENTITY_FILE)
     try:
-        text = json.dumps(identity, indent=2, sort_keys=True)
-        create_small_file(path, text.encode(), root_dir)
+        create_json(path, identity, root_dir)
     except OSError as e:
         logger.warning(
             "KV offload: cannot write %s (%s): the fs tier directory is "
