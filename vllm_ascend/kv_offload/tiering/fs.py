@@ -11,7 +11,7 @@ import contextlib
 import json
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
@@ -31,7 +31,9 @@ from vllm_ascend.kv_offload.tiering.block_file import (
     HEADER_BYTES,
     create_file,
     key_digest,
+    read_block,
     remove_stale_temp_files,
+    write_block,
 )
 from vllm_ascend.kv_offload.tiering.fs_budget import (
     MAX_BYTES_KEY,
@@ -45,9 +47,11 @@ from vllm_ascend.kv_offload.tiering.identity import (
     identity_root,
     tier_identity,
 )
-from vllm_ascend.kv_offload.tiering.verified_files import (
-    VanishedBlockError,
-    VerifiedBlockFiles,
+from vllm_ascend.kv_offload.tiering.tier_paths import (
+    BadEntryError,
+    StoredBlockError,
+    remove_file,
+    split_under,
 )
 
 if TYPE_CHECKING:
@@ -57,6 +61,86 @@ logger = init_logger(__name__)
 
 # Our fs tier, registered under this type; a config's "fs" tiers become it.
 VERIFIED_FS_TYPE = "ascend_fs"
+
+
+class VanishedBlockError(FileNotFoundError):
+    """A block file found by a lookup was removed before its load."""
+
+
+class VerifiedBlockFiles:
+    """One tier's block files of one identity, written and read verified
+    (``block_file``: header, CRC32, and an HMAC where the deployment has a
+    key) below the untrusted ``root``; counts and logs what went wrong: a
+    bad entry (``tier_paths``) is a miss, removed; a file that fails
+    verification is not loaded and is removed; a file removed since its
+    lookup (the size bound, another engine) is a ``VanishedBlockError``, a
+    miss like any other."""
+
+    def __init__(self, primary, block_bytes, identity, root, auth_key, o_direct):
+        """``primary``: the CPU tier's bytes, a block every ``block_bytes``
+        (what a job's offsets index). ``identity``: the digest every file
+        carries. ``root``: the configured directory (below it nothing is
+        trusted). ``o_direct``: ``os.O_DIRECT`` where vLLM's tier uses it,
+        else 0."""
+        self.primary, self.block_bytes, self.root = primary, block_bytes, root
+        self.identity, self.o_direct = identity, o_direct
+        self._kw = {"root": root, "auth_key": auth_key, "on_bad_entry": self._bad}
+        self._count_lock = threading.Lock()
+        self.bad_entries = 0
+        self.vanished_blocks = 0  # looked up, gone when loaded: misses
+
+    def _io(self, io: Callable[..., Any], path: str, offset: int, key: bytes):
+        """``write_block`` or ``read_block`` of the block at ``offset``."""
+        block = self.primary[offset : offset + self.block_bytes]
+        return io(path, block, self.identity, key, self.o_direct, **self._kw)
+
+    def write(self, path: str, offset: int, key: bytes) -> bool:
+        """Stores the block at ``offset`` as ``path``; False if it was
+        there already (``block_file.write_block``)."""
+        return self._io(write_block, path, offset, key)
+
+    def read(self, path: str, offset: int, key: bytes) -> None:
+        """Loads ``path`` into the block at ``offset``, verified; raises
+        ``VanishedBlockError`` if it is gone, else the ``OSError`` that
+        refused it (logged, and a file that fails verification removed)."""
+        try:
+            self._io(read_block, path, offset, key)
+        except FileNotFoundError as exc:
+            # Removed since the lookup (the size bound, another engine): a
+            # miss like any other, not an I/O error.
+            with self._count_lock:
+                self.vanished_blocks += 1
+            raise VanishedBlockError(exc.errno, exc.strerror, path) from exc
+        except BadEntryError:
+            raise  # logged and removed by _bad
+        except StoredBlockError as exc:
+            logger.warning(
+                "KV offload: fs tier file %s is not loaded (%s); the request "
+                "recomputes those tokens, the file is removed",
+                path,
+                exc.strerror,
+            )
+            with contextlib.suppress(OSError):
+                remove_file(self.root, *split_under(self.root, path))
+            raise
+        except OSError as exc:
+            logger.warning(
+                "KV offload: fs tier file %s could not be read (%s); the "
+                "request recomputes those tokens",
+                path,
+                exc,
+            )
+            raise
+
+    def _bad(self, path: str, found: str) -> None:
+        with self._count_lock:
+            self.bad_entries += 1
+        logger.warning(
+            "KV offload: fs tier: %s at %s; a miss, removed (the block can be "
+            "stored again)",
+            found,
+            path,
+        )
 
 
 class VerifiedFileSystemTier(FileSystemTierManager):
