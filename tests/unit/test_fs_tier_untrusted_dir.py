@@ -219,15 +219,29 @@ def test_keyed_tiers_use_their_own_identity_directory(tmp_path, fs_tier_spec):
 # -- a tier directory that cannot be used is dropped at start --------------
 
 
-def test_a_model_path_too_long_for_vllms_directory_drops_the_tier(
-    tmp_path, fs_tier_spec, caplog
+@pytest.mark.parametrize(
+    "model, under_a_file, why",
+    [
+        ("/models/" + "m" * 250, False, "File name too long"),
+        ("/nonexistent/model", True, "Not a directory"),
+    ],
+    ids=["model-path-too-long-for-vllms-directory", "root-under-a-file"],
+)
+def test_a_tier_directory_that_cannot_be_created_drops_the_tier_with_one_line(
+    tmp_path, fs_tier_spec, caplog, model, under_a_file, why
 ):
-    spec = fs_tier_spec(model="/models/" + "m" * 250)
+    spec = fs_tier_spec(model=model)
+    root = tmp_path
+    if under_a_file:
+        (tmp_path / "file").write_text("")
+        root = tmp_path / "file" / "kv"
     with caplog.at_level(logging.ERROR):
-        assert not tier_dir_usable({"root_dir": str(tmp_path)}, spec)
+        assert not tier_dir_usable({"root_dir": str(root)}, spec)
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and "CPU tier only" in errors[0].getMessage()
-    assert "File name too long" in errors[0].getMessage()
+    assert why in errors[0].getMessage() and "cannot be used" in caplog.text
+    if under_a_file:  # the same spec with a directory that can be created
+        assert tier_dir_usable({"root_dir": str(tmp_path / "kv")}, spec)
 
 
 @pytest.fixture

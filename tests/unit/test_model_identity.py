@@ -182,12 +182,6 @@ def test_a_bad_shared_id_is_refused_naming_the_setting(bad):
     assert "my-deployment-v3" in str(info.value)
 
 
-def test_a_shared_id_on_another_tier_type_is_refused():
-    tier = {"type": "obj", "identity": "dep-v3"}
-    with pytest.raises(OffloadConfigError, match="read by 'fs' tiers only"):
-        check_tiering_config({**TIERING, "secondary_tiers": [tier]})
-
-
 def test_the_connector_gives_the_tier_vllms_resolved_model_config(model_dir, tmp_path):
     """What the engine builds (our connector, the tiering spec, the fs
     tier) writes an identity.json holding the resolved config's identity,

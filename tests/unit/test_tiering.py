@@ -40,7 +40,6 @@ from vllm_ascend.kv_offload.tiering.block_file import (
     read_block,
     write_block,
 )
-from vllm_ascend.kv_offload.tiering.fs import tier_dir_usable
 from vllm_ascend.kv_offload.tiering.identity import identity_digest, storage_identity
 from vllm_ascend.kv_offload.tiering.spec import (
     NPUTieringOffloadingSpec,
@@ -126,17 +125,6 @@ def test_a_failed_write_leaves_no_file(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []
 
 
-def test_an_uncreatable_tier_directory_is_dropped_with_a_log_line(
-    tmp_path, caplog, fs_tier_spec
-):
-    blocker = tmp_path / "file"
-    blocker.write_text("")
-    spec = fs_tier_spec()
-    assert not tier_dir_usable({"root_dir": str(blocker / "kv")}, spec)
-    assert "cannot be used" in caplog.text and "CPU tier only" in caplog.text
-    assert tier_dir_usable({"root_dir": str(tmp_path / "kv")}, spec)
-
-
 # -- configuration ------------------------------------------------------------
 
 FS_TIER = {"type": "fs", "root_dir": "/x"}
@@ -157,6 +145,11 @@ FS_TIER = {"type": "fs", "root_dir": "/x"}
             for v in (0, -1, 1.5, "10GiB", True, None)
         ],
         ({"secondary_tiers": [{"type": "obj", "max_bytes": 2**30}]}, "fs tier"),
+        # The fs tier's shared id and key: on the fs tier only.
+        *[
+            ({"secondary_tiers": [{"type": "obj", k: "x"}]}, "read by 'fs' tiers only")
+            for k in ("identity", "auth_key_file")
+        ],
     ],
 )
 def test_what_the_spec_cannot_do_is_refused(extra, message):
@@ -187,8 +180,6 @@ def test_tiering_keys_need_the_tiering_spec_or_a_subclass():
         check_keys({**spec, "secondary_tiers": tiers}, spec_keys(spec))
     with pytest.raises(OffloadConfigError, match=r"Spec only \(or a subclass"):
         check_keys({**npu, "secondary_tiers": tiers}, spec_keys(npu))
-    with pytest.raises(OffloadConfigError, match="must be a list"):
-        check_keys({**TIERING, "secondary_tiers": "fs"}, spec_keys(TIERING))
 
 
 def spec_keys(extra: dict) -> frozenset:
