@@ -95,11 +95,12 @@ def test_a_bound_too_small_for_a_few_blocks_is_refused(tmp_path):
         FsTierBudget(str(tmp_path), max_bytes=2 * FILE_BYTES, file_bytes=FILE_BYTES)
 
 
-def test_the_spec_defines_the_eviction_metrics_for_an_fs_tier():
+@pytest.mark.parametrize("tier_type", ["fs", "ascend_fs"])
+def test_the_spec_defines_the_eviction_metrics_for_an_fs_tier(tier_type):
     """``max_bytes`` (on the fs tier only, a positive integer: the spec's
     refusals, test_tiering.py) is accepted; vLLM registers a Prometheus
     metric only for names the spec defines."""
-    tiers = [{"type": "fs", "root_dir": "/x", "max_bytes": 2**30}]
+    tiers = [{"type": tier_type, "root_dir": "/x", "max_bytes": 2**30}]
     extra = {**TIERING, "secondary_tiers": tiers}
     check_tiering_config(extra)
     definitions = NPUTieringOffloadingSpec.build_metric_definitions(extra)

@@ -35,11 +35,7 @@ from vllm_ascend.kv_offload.tiering.block_file import (
     remove_stale_temp_files,
     write_block,
 )
-from vllm_ascend.kv_offload.tiering.fs_budget import (
-    MAX_BYTES_KEY,
-    FsTierBudget,
-    budget_metric_definitions,
-)
+from vllm_ascend.kv_offload.tiering.fs_budget import MAX_BYTES_KEY, FsTierBudget
 from vllm_ascend.kv_offload.tiering.identity import (
     IDENTITY_FILE,
     SHARED_ID,
@@ -285,14 +281,6 @@ class VerifiedFileSystemTier(FileSystemTierManager):
         # region cleanup, which follows, could not close it (BufferError).
         self.primary_bytes.release()
         logger.info("KV offload: fs tier on %s shut down", self.root_dir)
-
-    @classmethod
-    @override
-    def build_metric_definitions(cls, tier_config: dict[str, Any]) -> dict[str, Any]:
-        return {
-            **FileSystemTierManager.build_metric_definitions(tier_config),
-            **budget_metric_definitions(),
-        }
 
     @override
     def get_stats(self) -> Any:

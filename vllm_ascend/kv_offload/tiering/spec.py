@@ -136,8 +136,8 @@ class NPUTieringOffloadingSpec(TieringOffloadingSpec, NPUOffloadingSpec):
     @classmethod
     @override
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
-        # vLLM asks the class of each tier's configured type: "fs" is vLLM's,
-        # which does not define the size bound's eviction metrics.
+        # vLLM asks the class of each tier's configured type ("fs" is vLLM's)
+        # and the spec: the size bound's eviction metrics are defined here.
         metrics = super().build_metric_definitions(extra_config)
         tiers = extra_config.get("secondary_tiers") or []
         if any(t.get("type") in FS_TYPES for t in tiers):
