@@ -196,7 +196,7 @@ def scan_with(budget, monkeypatch, after_listing) -> None:
     listed the directory (what another engine does meanwhile)."""
     real_list = fs_budget.block_files
     monkeypatch.setattr(
-        fs_budget, "block_files", lambda root: (real_list(root), after_listing())[0]
+        fs_budget, "block_files", lambda *a: (real_list(*a), after_listing())[0]
     )
     budget.scan()
 

@@ -10,6 +10,7 @@ import fcntl
 import fnmatch
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import threading
@@ -320,3 +321,33 @@ def test_stale_temp_files_are_removed_live_ones_kept(tmp_path):
     finally:
         os.close(holder)
     assert not stale.exists() and live.exists() and fresh.exists()
+
+
+def test_an_identity_directory_swapped_for_a_symlink_is_not_walked(
+    tmp_path, fs_tier_spec
+):
+    """The size bound (its scan, lock and a read's touch) and the temp-file
+    sweep start from the configured ``root_dir``: the identity directory
+    below it is untrusted like the rest (they followed a symlink there, and
+    evicted, swept and touched another directory's files)."""
+    spec, root, outside = fs_tier_spec(), tmp_path / "kv", tmp_path / "outside"
+    tier = fs_tier(spec, root, max_bytes=4 * (HEADER_BYTES + 4096))
+    budget, ident = tier.budget, tier.root_dir
+    outside.mkdir()
+    for name in [f"{i}.bin" for i in range(8)] + [temp_name("0.bin")]:
+        (outside / name).write_bytes(b"x" * (HEADER_BYTES + 4096))
+        os.utime(outside / name, (time.time() - 3600,) * 2)
+    before = {p.name: p.stat().st_mtime_ns for p in outside.iterdir()}
+    try:
+        for act in (
+            lambda: budget.touch(os.path.join(ident, "0.bin")),
+            budget.scan,
+            lambda: remove_stale_temp_files(str(root), top=budget.top),
+        ):
+            if not os.path.islink(ident):  # a directory, or removed as a bad entry
+                shutil.rmtree(ident, ignore_errors=True)
+                os.symlink(outside, ident, target_is_directory=True)
+            act()
+    finally:
+        tier.shutdown()
+    assert {p.name: p.stat().st_mtime_ns for p in outside.iterdir()} == before

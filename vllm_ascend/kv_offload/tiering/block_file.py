@@ -253,13 +253,15 @@ def read_block(
             )
 
 
-def remove_stale_temp_files(root: str, max_age_s: float = STALE_TMP_AGE_S) -> int:
-    """Removes temp files under ``root`` that no writer holds and that are
-    older than ``max_age_s``; returns how many. Symlinks are not followed
-    (``walk_files``)."""
+def remove_stale_temp_files(
+    root: str, max_age_s: float = STALE_TMP_AGE_S, top: tuple[str, ...] = ()
+) -> int:
+    """Removes temp files under ``root/top`` that no writer holds and that
+    are older than ``max_age_s``; returns how many. Symlinks are not
+    followed, ``top`` included (``walk_files``)."""
     removed = 0
     now = time.time()
-    for dir_fd, _, name, st in walk_files(root):
+    for dir_fd, _, name, st in walk_files(root, top):
         if not is_temp_name(name) or now - st.st_mtime < max_age_s:
             continue
         flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC

@@ -201,9 +201,12 @@ class VerifiedFileSystemTier(FileSystemTierManager):
         vllm_compat.quiet_fs_tier_pool_errors(VanishedBlockError)
         # Size bound (fs_budget): stores report, reads touch, stats count.
         self.budget: FsTierBudget | None = None
+        # Below the configured root_dir nothing is trusted, the identity
+        # directory included: the walks of its files start above it.
+        top = (os.path.basename(self.root_dir),)
         if max_bytes is not None:
             self.budget = FsTierBudget(
-                self.root_dir, max_bytes, HEADER_BYTES + self.block_bytes
+                root_dir, max_bytes, HEADER_BYTES + self.block_bytes, top
             )
         logger.info(
             "KV offload: fs tier at %s (identity %s; files carry a header and a "
@@ -215,13 +218,14 @@ class VerifiedFileSystemTier(FileSystemTierManager):
         # Temp files of writers that died mid-write (walks the directory).
         threading.Thread(
             target=self._remove_stale_temp_files,
+            args=(root_dir, top),
             name="vllm_kv_fs_tmp_sweep",
             daemon=True,
         ).start()
 
-    def _remove_stale_temp_files(self) -> None:
+    def _remove_stale_temp_files(self, root: str, top: tuple[str, ...]) -> None:
         with contextlib.suppress(OSError):
-            removed = remove_stale_temp_files(self.root_dir)
+            removed = remove_stale_temp_files(root, top=top)
             if removed:
                 logger.info(
                     "KV offload: removed %d temp files under %s left by writers "

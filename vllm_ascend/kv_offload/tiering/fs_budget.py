@@ -32,7 +32,12 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_ascend.kv_offload.config import OffloadConfigError
 from vllm_ascend.kv_offload.logger import init_logger
-from vllm_ascend.kv_offload.tiering.tier_paths import remove_file, walk_files
+from vllm_ascend.kv_offload.tiering.tier_paths import (
+    open_dirs,
+    remove_file,
+    split_under,
+    walk_files,
+)
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -101,21 +106,28 @@ def budget_metric_definitions() -> dict[str, Any]:
     }
 
 
-def block_files(root: str) -> list[tuple[tuple[str, ...], str, os.stat_result]]:
-    """The regular ``*.bin`` files under ``root`` (``walk_files``: nothing
-    followed), as (directories under ``root``, name, ``lstat``); temp files
-    (in-flight writes) are left out. A file's mtime is its LRU clock."""
+def block_files(
+    root: str, top: tuple[str, ...] = ()
+) -> list[tuple[tuple[str, ...], str, os.stat_result]]:
+    """The regular ``*.bin`` files under ``root/top`` (``walk_files``:
+    nothing followed), as (directories under ``root``, name, ``lstat``);
+    temp files (in-flight writes) are left out. A file's mtime is its LRU
+    clock."""
     return [
         (dirs, name, st)
-        for _, dirs, name, st in walk_files(root)
+        for _, dirs, name, st in walk_files(root, top)
         if name.endswith(BLOCK_SUFFIX)
     ]
 
 
 class FsTierBudget:
-    """Keeps the block files under ``root`` within ``max_bytes``."""
+    """Keeps the block files under ``root/top`` within ``max_bytes``;
+    ``root`` is trusted (configured), nothing below it is (an fs tier's
+    identity directory is its ``top``)."""
 
-    def __init__(self, root: str, max_bytes: int, file_bytes: int):
+    def __init__(
+        self, root: str, max_bytes: int, file_bytes: int, top: tuple[str, ...] = ()
+    ):
         if max_bytes < MIN_FILES * file_bytes:
             raise OffloadConfigError(
                 f"secondary_tiers fs '{MAX_BYTES_KEY}'={max_bytes} holds fewer "
@@ -123,7 +135,7 @@ class FsTierBudget:
                 f"it to at least {MIN_FILES * file_bytes} (a useful bound holds "
                 "many requests' prefixes)"
             )
-        self.root = root
+        self.root, self.top = root, tuple(top)
         self.max_bytes = max_bytes
         self.low_bytes = int(max_bytes * EVICT_TO)
         self._rescan_bytes = max(file_bytes, max_bytes // RESCAN_FRACTION)
@@ -152,11 +164,15 @@ class FsTierBudget:
             finally:
                 self._scan_lock.release()
 
-    @staticmethod
-    def touch(path: str) -> None:
+    def touch(self, path: str) -> None:
         """A read is a use: the file becomes the most recently used."""
         with contextlib.suppress(OSError):
-            os.utime(path, follow_symlinks=False)
+            dirs, name = split_under(self.root, path)
+            dir_fd = open_dirs(self.root, dirs)
+            try:
+                os.utime(name, dir_fd=dir_fd, follow_symlinks=False)
+            finally:
+                os.close(dir_fd)
 
     def scan(self, wait: bool = False) -> None:
         """Measures the directory and, above the bound, removes the least
@@ -166,7 +182,7 @@ class FsTierBudget:
         if lock_fd is None:
             return  # this engine's writes stay counted: the next store retries
         try:
-            entries = block_files(self.root)
+            entries = block_files(self.root, self.top)
             total = sum(st.st_size for _, _, st in entries)
             removed = removed_bytes = 0
             if total >= self.max_bytes:
@@ -192,7 +208,7 @@ class FsTierBudget:
             logger.info(
                 "KV offload: fs tier %s reached %s=%d; removed the %d least "
                 "recently used block files (%d bytes), %d bytes remain",
-                self.root,
+                os.path.join(self.root, *self.top),
                 MAX_BYTES_KEY,
                 self.max_bytes,
                 removed,
@@ -240,11 +256,15 @@ class FsTierBudget:
     def _lock(self, wait: bool) -> int | None:
         """The scan lock's fd, flocked (None: another engine scans, or the
         lock file cannot be used: a non-regular file there is not followed)."""
-        path = os.path.join(self.root, LOCK_FILE)
+        path = os.path.join(self.root, *self.top, LOCK_FILE)
         flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         fd = None
         try:
-            fd = os.open(path, flags, 0o644)
+            dir_fd = open_dirs(self.root, self.top)
+            try:
+                fd = os.open(LOCK_FILE, flags, 0o644, dir_fd=dir_fd)
+            finally:
+                os.close(dir_fd)
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise OSError(errno.EINVAL, "not a regular file")
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))

@@ -113,12 +113,15 @@ def open_dirs(
         raise
 
 
-def walk_files(root: str) -> Iterator[tuple[int, tuple[str, ...], str, os.stat_result]]:
-    """Every regular file under ``root``: its directory's fd (open until the
-    next item), its directories under ``root``, its name and its ``lstat``.
-    Walked by directory fds (``open_dirs``): symlinks are neither followed
-    nor listed; a directory removed or unreadable meanwhile is skipped."""
-    stack: list[tuple[str, ...]] = [()]
+def walk_files(
+    root: str, top: tuple[str, ...] = ()
+) -> Iterator[tuple[int, tuple[str, ...], str, os.stat_result]]:
+    """Every regular file under ``root/top``: its directory's fd (open until
+    the next item), its directories under ``root`` (``top`` first), its name
+    and its ``lstat``. Walked by directory fds (``open_dirs``): symlinks are
+    neither followed nor listed, ``top`` included; a directory removed or
+    unreadable meanwhile is skipped."""
+    stack: list[tuple[str, ...]] = [tuple(top)]
     while stack:
         dirs = stack.pop()
         try:
