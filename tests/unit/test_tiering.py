@@ -317,34 +317,35 @@ def test_npu_region_is_registered_in_pieces_smaller_where_refused_mapped_on_a5(
     assert region.mmap_obj is None
 
 
-def test_npu_registration_failure_is_a_clear_error_and_leaves_nothing(
-    acl_calls, monkeypatch
+ACL_REFUSED = "kv_offload_host_register(device='npu'): ACL error 507899"
+
+
+@pytest.mark.parametrize(
+    "release, acl_error, wrong",
+    [
+        ("6.8.0-generic", ACL_REFUSED, ["registering the shared region",
+         "ACL error 507899", "aclrtHostRegisterV2", "spec_name='NPUOffloadingSpec'"]),
+        ("5.10.0-60.18.0.50.oe2203", None, ["newer than 5.10 only"]),
+    ],
+    ids=["acl-refuses", "kernel-cannot-lock-pageable-memory"],
+)  # fmt: skip
+def test_a_refused_npu_registration_is_a_clear_error_and_leaves_nothing(
+    acl_calls, kernel_release, monkeypatch, release, acl_error, wrong
 ):
     from vllm_ascend.kv_offload import ops
 
     def refuse(addr, size, device, flags):
-        raise RuntimeError("kv_offload_host_register(device='npu'): ACL error 507899")
+        raise RuntimeError(acl_error)
 
+    kernel_release(release)
     monkeypatch.setattr(ops, "host_register", refuse)
     page = mmap.PAGESIZE
     engine_id = new_engine_id("unit-npu")
     spec = tiering_spec(engine_id, 2 * page)
     msg = refusal(lambda: spec.get_worker(_kv_caches("npu", page)))
-    assert "registering the shared region" in msg and "ACL error 507899" in msg
-    assert "aclrtHostRegisterV2" in msg and "spec_name='NPUOffloadingSpec'" in msg
+    assert all(w in msg for w in wrong), msg
     assert not os.path.exists(region_path(engine_id))
     assert acl_calls == []  # nothing registered, nothing to unregister
-
-
-def test_npu_registration_is_refused_on_kernels_that_cannot_lock_pageable_memory(
-    acl_calls, kernel_release
-):
-    kernel_release("5.10.0-60.18.0.50.oe2203")
-    page = mmap.PAGESIZE
-    engine_id = new_engine_id("unit-npu")
-    with pytest.raises(OffloadConfigError, match="newer than 5.10 only"):
-        tiering_spec(engine_id, 2 * page).get_worker(_kv_caches("npu", page))
-    assert acl_calls == [] and not os.path.exists(region_path(engine_id))
     assert kernel_registers_pageable_memory("5.15.0-91-generic")
     assert kernel_registers_pageable_memory("6.1.0")
     assert not kernel_registers_pageable_memory("4.19.90-24.4.v2101.ky10")
