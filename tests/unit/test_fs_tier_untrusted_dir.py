@@ -301,13 +301,12 @@ def test_a_read_only_root_with_them_is_read_and_its_stores_fail(
 # -- temp files ---------------------------------------------------------------
 
 
-def test_temp_files_are_not_taken_for_blocks():
+def test_stale_temp_files_are_removed_live_ones_kept(tmp_path):
+    """Temp files are hidden and not ``*.bin`` (no reader takes them for
+    blocks); one no writer holds (flock) is removed once it is old."""
     name = temp_name("0123abcd.bin")
     assert name.startswith(".") and name.endswith(".tmp")
     assert not fnmatch.fnmatch(name, "*.bin")
-
-
-def test_stale_temp_files_are_removed_live_ones_kept(tmp_path):
     old = time.time() - 3600
     stale, live, fresh = (tmp_path / temp_name(f"{n}.bin") for n in "abc")
     for path in (stale, live, fresh):
