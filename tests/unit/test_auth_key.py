@@ -31,39 +31,37 @@ def refusal(tmp_path, path: str) -> str:
     return str(info.value)
 
 
-@pytest.mark.parametrize(
-    "make, wrong",
-    [
-        (lambda t: key_file(t, mode=0o644), "accessible to every user"),
-        (lambda t: str(t / "missing.key"), "cannot be read"),
-        (lambda t: key_file(t, data=b"short\n"), "at least 16"),
-        (lambda t: str(t), "not a regular file"),
-    ],
-)
-def test_an_unusable_key_file_is_refused_naming_the_setting(tmp_path, make, wrong):
-    message = refusal(tmp_path, make(tmp_path))
-    assert wrong in message and SETTING in message
-    assert AUTH_KEY.decode() not in message
+NOT_A_KEY = {
+    "world-readable": (AUTH_KEY, 0o644, "accessible to every user"),
+    "missing": (None, 0o600, "cannot be read"),
+    "directory": ("dir", 0o700, "not a regular file"),
+    "short": (b"short", 0o600, "at least 16"),
+    "one-character": (b"a" * 16, 0o600, "one character repeated 16 times"),
+    "nul-bytes": (b"\0" * 4000, 0o600, "one character repeated 4000 times"),
+    "two-values": (b"ab" * 2000, 0o600, "2 distinct byte values"),
+    "digits": (b"0123456789" * 40, 0o600, "10 distinct byte values"),
+    # 32 hex digits are at most 128 bits; their frequencies say fewer.
+    "short-hex": (b"3f9c0e1ab27d4c58e6f1a0b9c3d72e4f", 0o600, "too little entropy"),
+}
 
 
-@pytest.mark.parametrize(
-    "data, wrong",
-    [
-        (b"a" * 16, "one character repeated 16 times"),
-        (b"\0" * 4000, "one character repeated 4000 times"),
-        (b"ab" * 2000, "2 distinct byte values"),
-        (b"0123456789" * 40, "10 distinct byte values"),
-        # 32 hex digits are at most 128 bits; their frequencies say fewer.
-        (b"3f9c0e1ab27d4c58e6f1a0b9c3d72e4f", "too little entropy"),
-    ],
-    ids=["one-character", "nul-bytes", "two-values", "digits", "short-hex"],
-)
-def test_a_key_with_too_little_entropy_is_refused(tmp_path, data, wrong):
-    message = refusal(tmp_path, key_file(tmp_path, data + b"\n"))
+@pytest.mark.parametrize("data, mode, wrong", NOT_A_KEY.values(), ids=NOT_A_KEY)
+def test_a_file_that_is_not_a_key_is_refused_naming_the_setting_and_the_fix(
+    tmp_path, data, mode, wrong
+):
+    """Missing, not a regular file, readable by everyone, too short or too
+    uniform: refused naming the setting, the file and the fix, never the key."""
+    path = str(tmp_path / "kv.key")
+    if data == "dir":
+        os.mkdir(path, mode)
+    elif data is not None:
+        path = key_file(tmp_path, data + b"\n", mode=mode)
+    message = refusal(tmp_path, path)
     assert wrong in message
-    assert SETTING in message and "kv.key" in message
+    assert SETTING in message and repr(path) in message
     assert "openssl rand -base64 32 > FILE; chmod 600 FILE" in message
-    assert data.decode(errors="replace") not in message
+    if data not in (None, "dir"):
+        assert data.decode(errors="replace") not in message
 
 
 @pytest.mark.parametrize("size", [4097, 64 << 10, 2 << 30])

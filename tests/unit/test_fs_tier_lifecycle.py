@@ -102,3 +102,4 @@ def test_other_load_failures_are_still_logged(tier, caplog):
     assert not finished_job(tier, 2).success
     assert tier.files.vanished_blocks == 0
     assert "block I/O failed" in caplog.text
+    assert not os.path.exists(path)  # failed verification: removed

@@ -10,6 +10,7 @@ import fcntl
 import fnmatch
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import threading
@@ -219,15 +220,29 @@ def test_keyed_tiers_use_their_own_identity_directory(tmp_path, fs_tier_spec):
 # -- a tier directory that cannot be used is dropped at start --------------
 
 
-def test_a_model_path_too_long_for_vllms_directory_drops_the_tier(
-    tmp_path, fs_tier_spec, caplog
+@pytest.mark.parametrize(
+    "model, under_a_file, why",
+    [
+        ("/models/" + "m" * 250, False, "File name too long"),
+        ("/nonexistent/model", True, "Not a directory"),
+    ],
+    ids=["model-path-too-long-for-vllms-directory", "root-under-a-file"],
+)
+def test_a_tier_directory_that_cannot_be_created_drops_the_tier_with_one_line(
+    tmp_path, fs_tier_spec, caplog, model, under_a_file, why
 ):
-    spec = fs_tier_spec(model="/models/" + "m" * 250)
+    spec = fs_tier_spec(model=model)
+    root = tmp_path
+    if under_a_file:
+        (tmp_path / "file").write_text("")
+        root = tmp_path / "file" / "kv"
     with caplog.at_level(logging.ERROR):
-        assert not tier_dir_usable({"root_dir": str(tmp_path)}, spec)
+        assert not tier_dir_usable({"root_dir": str(root)}, spec)
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and "CPU tier only" in errors[0].getMessage()
-    assert "File name too long" in errors[0].getMessage()
+    assert why in errors[0].getMessage() and "cannot be used" in caplog.text
+    if under_a_file:  # the same spec with a directory that can be created
+        assert tier_dir_usable({"root_dir": str(tmp_path / "kv")}, spec)
 
 
 @pytest.fixture
@@ -286,13 +301,12 @@ def test_a_read_only_root_with_them_is_read_and_its_stores_fail(
 # -- temp files ---------------------------------------------------------------
 
 
-def test_temp_files_are_not_taken_for_blocks():
+def test_stale_temp_files_are_removed_live_ones_kept(tmp_path):
+    """Temp files are hidden and not ``*.bin`` (no reader takes them for
+    blocks); one no writer holds (flock) is removed once it is old."""
     name = temp_name("0123abcd.bin")
     assert name.startswith(".") and name.endswith(".tmp")
     assert not fnmatch.fnmatch(name, "*.bin")
-
-
-def test_stale_temp_files_are_removed_live_ones_kept(tmp_path):
     old = time.time() - 3600
     stale, live, fresh = (tmp_path / temp_name(f"{n}.bin") for n in "abc")
     for path in (stale, live, fresh):
@@ -306,3 +320,33 @@ def test_stale_temp_files_are_removed_live_ones_kept(tmp_path):
     finally:
         os.close(holder)
     assert not stale.exists() and live.exists() and fresh.exists()
+
+
+def test_an_identity_directory_swapped_for_a_symlink_is_not_walked(
+    tmp_path, fs_tier_spec
+):
+    """The size bound (its scan, lock and a read's touch) and the temp-file
+    sweep start from the configured ``root_dir``: the identity directory
+    below it is untrusted like the rest (they followed a symlink there, and
+    evicted, swept and touched another directory's files)."""
+    spec, root, outside = fs_tier_spec(), tmp_path / "kv", tmp_path / "outside"
+    tier = fs_tier(spec, root, max_bytes=4 * (HEADER_BYTES + 4096))
+    budget, ident = tier.budget, tier.root_dir
+    outside.mkdir()
+    for name in [f"{i}.bin" for i in range(8)] + [temp_name("0.bin")]:
+        (outside / name).write_bytes(b"x" * (HEADER_BYTES + 4096))
+        os.utime(outside / name, (time.time() - 3600,) * 2)
+    before = {p.name: p.stat().st_mtime_ns for p in outside.iterdir()}
+    try:
+        for act in (
+            lambda: budget.touch(os.path.join(ident, "0.bin")),
+            budget.scan,
+            lambda: remove_stale_temp_files(str(root), top=budget.top),
+        ):
+            if not os.path.islink(ident):  # a directory, or removed as a bad entry
+                shutil.rmtree(ident, ignore_errors=True)
+                os.symlink(outside, ident, target_is_directory=True)
+            act()
+    finally:
+        tier.shutdown()
+    assert {p.name: p.stat().st_mtime_ns for p in outside.iterdir()} == before

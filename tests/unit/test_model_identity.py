@@ -16,13 +16,13 @@ import pytest
 from tests.unit.conftest import TIERING, make_connector
 from vllm_ascend.kv_offload.config import OffloadConfigError
 from vllm_ascend.kv_offload.testing.tiny_model import TinyModelSpec, ensure_tiny_model
-from vllm_ascend.kv_offload.tiering import model_identity as model_identity_module
-from vllm_ascend.kv_offload.tiering.identity import IDENTITY_FILE
-from vllm_ascend.kv_offload.tiering.model_identity import (
+from vllm_ascend.kv_offload.tiering import identity as identity_module
+from vllm_ascend.kv_offload.tiering.identity import (
+    IDENTITY_FILE,
     fingerprint_weights,
     model_identity,
+    tier_identity,
     weights_identity,
-    with_shared_id,
 )
 from vllm_ascend.kv_offload.tiering.spec import check_tiering_config
 
@@ -76,9 +76,9 @@ def test_what_changes_the_kv_changes_the_identity(model_dir, change):
 def test_dummy_weights_are_unidentified_and_never_shared_across_processes(model_dir):
     weights = identity(model_dir, load_format="dummy")["weights"]
     assert "dummy" in weights["unidentified"]
-    assert weights["nonce"] == model_identity_module.PROCESS_NONCE
+    assert weights["nonce"] == identity_module.PROCESS_NONCE
     # Each process draws its own nonce when it imports the module.
-    reimported = importlib.reload(model_identity_module)
+    reimported = importlib.reload(identity_module)
     assert reimported.PROCESS_NONCE != weights["nonce"]
 
 
@@ -132,7 +132,7 @@ def test_a_directory_without_weight_files_is_unidentified(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     weights = fingerprint_weights(str(tmp_path))
     assert "no weight files" in weights["unidentified"]
-    assert weights["nonce"] == model_identity_module.PROCESS_NONCE
+    assert weights["nonce"] == identity_module.PROCESS_NONCE
 
 
 def test_a_hub_id_is_identified_by_the_commit_of_its_cached_snapshot(
@@ -159,6 +159,11 @@ def test_a_hub_id_is_identified_by_the_commit_of_its_cached_snapshot(
     assert "hub cache" in hub("org/tiny", revision="v2")["unidentified"]
 
 
+def with_shared_id(identity: dict, shared_id: str) -> dict:
+    """The identity of an fs tier's files naming its weights ``shared_id``."""
+    return tier_identity(identity, {"identity": shared_id})[0]
+
+
 def test_a_shared_id_names_the_weights_and_nothing_else(model_dir):
     base = identity(model_dir)
     unidentified = dict(base, weights={"unidentified": "x", "nonce": "another"})
@@ -175,12 +180,6 @@ def test_a_bad_shared_id_is_refused_naming_the_setting(bad):
         check_tiering_config({**TIERING, "secondary_tiers": [tier]})
     assert "['secondary_tiers'][0]['identity']" in str(info.value)
     assert "my-deployment-v3" in str(info.value)
-
-
-def test_a_shared_id_on_another_tier_type_is_refused():
-    tier = {"type": "obj", "identity": "dep-v3"}
-    with pytest.raises(OffloadConfigError, match="read by 'fs' tiers only"):
-        check_tiering_config({**TIERING, "secondary_tiers": [tier]})
 
 
 def test_the_connector_gives_the_tier_vllms_resolved_model_config(model_dir, tmp_path):

@@ -126,8 +126,6 @@ def write_block(
     ``path``, which must lie under ``root`` (default: its own directory).
     Returns False if a block file is there already (another writer won); a
     bad entry in its place is removed and the block written."""
-    root = root or os.path.dirname(path)
-    dirs, name = split_under(root, path)
     header = _header_buffer()
     header[:] = bytes(HEADER_BYTES)
     HEADER_STRUCT.pack_into(
@@ -145,51 +143,57 @@ def write_block(
         _MAC.pack_into(
             header, HEADER_STRUCT.size, MAC_HMAC_SHA256, _mac(auth_key, header, payload)
         )
+    want = HEADER_BYTES + len(payload)
+
+    def write(fd: int) -> None:
+        written = os.writev(fd, [header, payload])
+        if written != want:
+            raise OSError(errno.EIO, f"short write: {written} of {want} bytes")
+
+    return create_file(
+        path, write, root or os.path.dirname(path), o_direct, on_bad_entry
+    )
+
+
+def create_file(
+    path: str,
+    write: Callable[[int], object],
+    root: str,
+    o_direct: int = 0,
+    on_bad_entry: BadEntryHook | None = None,
+) -> bool:
+    """Writes ``path`` under ``root`` with ``write(fd)`` into this thread's
+    temp file, then renames it over ``path``, unless a regular file is
+    there already (False). No symlink is followed; a bad entry in its place
+    (or on the way) is removed and reported to ``on_bad_entry``."""
+    dirs, name = split_under(root, path)
     dir_fd = open_dirs(root, dirs, True, path, on_bad_entry)
     try:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
-        except FileNotFoundError:
-            pass
-        else:
             if stat.S_ISREG(mode):
                 return False
             remove_entry(dir_fd, name)
             if on_bad_entry is not None:
                 on_bad_entry(path, f"a {kind_of(mode)} in place of a block file")
-        want = HEADER_BYTES + len(payload)
-
-        def write(fd: int) -> None:
-            written = os.writev(fd, [header, payload])
-            if written != want:
-                raise OSError(errno.EIO, f"short write: {written} of {want} bytes")
-
-        _replace_atomically(dir_fd, name, write, o_direct)
+        tmp = temp_name(name)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=dir_fd)  # left by an earlier use of this name
+        flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(tmp, flags | o_direct, 0o644, dir_fd=dir_fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # held while live (stale temp files)
+            write(fd)
+            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dir_fd)
+            raise
+        finally:
+            os.close(fd)
     finally:
         os.close(dir_fd)
     return True
-
-
-def _replace_atomically(
-    dir_fd: int, name: str, write: Callable[[int], None], o_direct: int = 0
-) -> None:
-    """Writes ``name`` in ``dir_fd`` with ``write(fd)`` into this thread's
-    temp file, then renames it over ``name``."""
-    tmp = temp_name(name)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp, dir_fd=dir_fd)  # left by an earlier use of this name
-    flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-    fd = os.open(tmp, flags | o_direct, 0o644, dir_fd=dir_fd)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # held while live (stale temp files)
-        write(fd)
-        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp, dir_fd=dir_fd)
-        raise
-    finally:
-        os.close(fd)
 
 
 def read_block(
@@ -249,13 +253,15 @@ def read_block(
             )
 
 
-def remove_stale_temp_files(root: str, max_age_s: float = STALE_TMP_AGE_S) -> int:
-    """Removes temp files under ``root`` that no writer holds and that are
-    older than ``max_age_s``; returns how many. Symlinks are not followed
-    (``walk_files``)."""
+def remove_stale_temp_files(
+    root: str, max_age_s: float = STALE_TMP_AGE_S, top: tuple[str, ...] = ()
+) -> int:
+    """Removes temp files under ``root/top`` that no writer holds and that
+    are older than ``max_age_s``; returns how many. Symlinks are not
+    followed, ``top`` included (``walk_files``)."""
     removed = 0
     now = time.time()
-    for dir_fd, _, name, st in walk_files(root):
+    for dir_fd, _, name, st in walk_files(root, top):
         if not is_temp_name(name) or now - st.st_mtime < max_age_s:
             continue
         flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -273,19 +279,3 @@ def remove_stale_temp_files(root: str, max_age_s: float = STALE_TMP_AGE_S) -> in
             os.unlink(name, dir_fd=dir_fd)
             removed += 1
     return removed
-
-
-def write_small_file(path: str, data: bytes, root: str) -> None:
-    """Writes ``path`` under ``root`` atomically, following no symlink and
-    replacing a non-regular entry (``identity.json``, vLLM's
-    ``config.json``)."""
-    dirs, name = split_under(root, path)
-    dir_fd = open_dirs(root, dirs, True, path, None)
-    try:
-        with contextlib.suppress(FileNotFoundError):
-            mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
-            if not stat.S_ISREG(mode):
-                remove_entry(dir_fd, name)
-        _replace_atomically(dir_fd, name, lambda fd: os.write(fd, data))
-    finally:
-        os.close(dir_fd)

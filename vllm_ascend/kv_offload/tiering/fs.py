@@ -11,7 +11,7 @@ import contextlib
 import json
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
@@ -22,38 +22,32 @@ from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 
 from vllm_ascend.kv_offload import vllm_compat
 from vllm_ascend.kv_offload.config import (
-    PREFIX,
     TIERING_MODULE,
     TIERING_SPEC,
     OffloadConfigError,
 )
 from vllm_ascend.kv_offload.logger import init_logger
-from vllm_ascend.kv_offload.tiering.auth_key import (
-    AUTH_KEY_FILE,
-    key_id,
-    read_auth_key,
-)
 from vllm_ascend.kv_offload.tiering.block_file import (
     HEADER_BYTES,
+    create_file,
     key_digest,
+    read_block,
     remove_stale_temp_files,
-    write_small_file,
+    write_block,
 )
-from vllm_ascend.kv_offload.tiering.fs_budget import (
-    MAX_BYTES_KEY,
-    FsTierBudget,
-    budget_metric_definitions,
-)
+from vllm_ascend.kv_offload.tiering.fs_budget import MAX_BYTES_KEY, FsTierBudget
 from vllm_ascend.kv_offload.tiering.identity import (
     IDENTITY_FILE,
+    SHARED_ID,
     identity_digest,
     identity_root,
+    tier_identity,
 )
-from vllm_ascend.kv_offload.tiering.model_identity import SHARED_ID, with_shared_id
-from vllm_ascend.kv_offload.tiering.tier_paths import is_regular_file, make_dirs
-from vllm_ascend.kv_offload.tiering.verified_files import (
-    VanishedBlockError,
-    VerifiedBlockFiles,
+from vllm_ascend.kv_offload.tiering.tier_paths import (
+    BadEntryError,
+    StoredBlockError,
+    remove_file,
+    split_under,
 )
 
 if TYPE_CHECKING:
@@ -65,24 +59,84 @@ logger = init_logger(__name__)
 VERIFIED_FS_TYPE = "ascend_fs"
 
 
-def tier_identity(
-    identity: Mapping[str, Any], auth_key: bytes | None
-) -> dict[str, Any]:
-    """The identity of a tier's files: keyed tiers by key (a slow, salted
-    id derived from it, not the key: ``auth_key.key_id``), so deployments
-    with different keys do not remove each other's files as forgeries."""
-    if auth_key is None:
-        return dict(identity)
-    return {**identity, "auth_key_id": key_id(auth_key, identity_digest(identity))}
+class VanishedBlockError(FileNotFoundError):
+    """A block file found by a lookup was removed before its load."""
 
 
-def _tier_auth_key(tier: Mapping[str, Any]) -> bytes | None:
-    key_file = tier.get(AUTH_KEY_FILE)
-    if key_file is None:
-        return None
-    return read_auth_key(
-        key_file, f"{PREFIX}['secondary_tiers'][..]['{AUTH_KEY_FILE}']"
-    )
+class VerifiedBlockFiles:
+    """One tier's block files of one identity, written and read verified
+    (``block_file``: header, CRC32, and an HMAC where the deployment has a
+    key) below the untrusted ``root``; counts and logs what went wrong: a
+    bad entry (``tier_paths``) is a miss, removed; a file that fails
+    verification is not loaded and is removed; a file removed since its
+    lookup (the size bound, another engine) is a ``VanishedBlockError``, a
+    miss like any other."""
+
+    def __init__(self, primary, block_bytes, identity, root, auth_key, o_direct):
+        """``primary``: the CPU tier's bytes, a block every ``block_bytes``
+        (what a job's offsets index). ``identity``: the digest every file
+        carries. ``root``: the configured directory (below it nothing is
+        trusted). ``o_direct``: ``os.O_DIRECT`` where vLLM's tier uses it,
+        else 0."""
+        self.primary, self.block_bytes, self.root = primary, block_bytes, root
+        self.identity, self.o_direct = identity, o_direct
+        self._kw = {"root": root, "auth_key": auth_key, "on_bad_entry": self._bad}
+        self._count_lock = threading.Lock()
+        self.bad_entries = 0
+        self.vanished_blocks = 0  # looked up, gone when loaded: misses
+
+    def _io(self, io: Callable[..., Any], path: str, offset: int, key: bytes):
+        """``write_block`` or ``read_block`` of the block at ``offset``."""
+        block = self.primary[offset : offset + self.block_bytes]
+        return io(path, block, self.identity, key, self.o_direct, **self._kw)
+
+    def write(self, path: str, offset: int, key: bytes) -> bool:
+        """Stores the block at ``offset`` as ``path``; False if it was
+        there already (``block_file.write_block``)."""
+        return self._io(write_block, path, offset, key)
+
+    def read(self, path: str, offset: int, key: bytes) -> None:
+        """Loads ``path`` into the block at ``offset``, verified; raises
+        ``VanishedBlockError`` if it is gone, else the ``OSError`` that
+        refused it (logged, and a file that fails verification removed)."""
+        try:
+            self._io(read_block, path, offset, key)
+        except FileNotFoundError as exc:
+            # Removed since the lookup (the size bound, another engine): a
+            # miss like any other, not an I/O error.
+            with self._count_lock:
+                self.vanished_blocks += 1
+            raise VanishedBlockError(exc.errno, exc.strerror, path) from exc
+        except BadEntryError:
+            raise  # logged and removed by _bad
+        except StoredBlockError as exc:
+            logger.warning(
+                "KV offload: fs tier file %s is not loaded (%s); the request "
+                "recomputes those tokens, the file is removed",
+                path,
+                exc.strerror,
+            )
+            with contextlib.suppress(OSError):
+                remove_file(self.root, *split_under(self.root, path))
+            raise
+        except OSError as exc:
+            logger.warning(
+                "KV offload: fs tier file %s could not be read (%s); the "
+                "request recomputes those tokens",
+                path,
+                exc,
+            )
+            raise
+
+    def _bad(self, path: str, found: str) -> None:
+        with self._count_lock:
+            self.bad_entries += 1
+        logger.warning(
+            "KV offload: fs tier: %s at %s; a miss, removed (the block can be "
+            "stored again)",
+            found,
+            path,
+        )
 
 
 class VerifiedFileSystemTier(FileSystemTierManager):
@@ -107,10 +161,10 @@ class VerifiedFileSystemTier(FileSystemTierManager):
                 f"secondary tier type {VERIFIED_FS_TYPE!r} needs spec_name="
                 f"{TIERING_SPEC!r} and spec_module_path={TIERING_MODULE!r}"
             )
-        auth_key = _tier_auth_key({AUTH_KEY_FILE: auth_key_file})
-        digest = identity_digest(
-            tier_identity(with_shared_id(spec_identity, identity), auth_key)
+        files_identity, auth_key = tier_identity(
+            spec_identity, {"auth_key_file": auth_key_file, SHARED_ID: identity}
         )
+        digest = identity_digest(files_identity)
         weights = spec_identity.get("weights", {})
         if identity is None and "unidentified" in weights:
             logger.warning(
@@ -147,9 +201,12 @@ class VerifiedFileSystemTier(FileSystemTierManager):
         vllm_compat.quiet_fs_tier_pool_errors(VanishedBlockError)
         # Size bound (fs_budget): stores report, reads touch, stats count.
         self.budget: FsTierBudget | None = None
+        # Below the configured root_dir nothing is trusted, the identity
+        # directory included: the walks of its files start above it.
+        top = (os.path.basename(self.root_dir),)
         if max_bytes is not None:
             self.budget = FsTierBudget(
-                self.root_dir, max_bytes, HEADER_BYTES + self.block_bytes
+                root_dir, max_bytes, HEADER_BYTES + self.block_bytes, top
             )
         logger.info(
             "KV offload: fs tier at %s (identity %s; files carry a header and a "
@@ -161,13 +218,14 @@ class VerifiedFileSystemTier(FileSystemTierManager):
         # Temp files of writers that died mid-write (walks the directory).
         threading.Thread(
             target=self._remove_stale_temp_files,
+            args=(root_dir, top),
             name="vllm_kv_fs_tmp_sweep",
             daemon=True,
         ).start()
 
-    def _remove_stale_temp_files(self) -> None:
+    def _remove_stale_temp_files(self, root: str, top: tuple[str, ...]) -> None:
         with contextlib.suppress(OSError):
-            removed = remove_stale_temp_files(self.root_dir)
+            removed = remove_stale_temp_files(root, top=top)
             if removed:
                 logger.info(
                     "KV offload: removed %d temp files under %s left by writers "
@@ -228,14 +286,6 @@ class VerifiedFileSystemTier(FileSystemTierManager):
         self.primary_bytes.release()
         logger.info("KV offload: fs tier on %s shut down", self.root_dir)
 
-    @classmethod
-    @override
-    def build_metric_definitions(cls, tier_config: dict[str, Any]) -> dict[str, Any]:
-        return {
-            **FileSystemTierManager.build_metric_definitions(tier_config),
-            **budget_metric_definitions(),
-        }
-
     @override
     def get_stats(self) -> Any:
         stats = super().get_stats()
@@ -253,6 +303,13 @@ with contextlib.suppress(ValueError):  # registered already (module reloaded)
     )
 
 
+def create_json(path: str, data: Any, root: str) -> None:
+    """``data`` as ``path`` under ``root`` unless a regular file is there
+    (``block_file.create_file``: no symlink followed)."""
+    text = json.dumps(data, indent=2, sort_keys=True).encode()
+    create_file(path, lambda fd: os.write(fd, text), root)
+
+
 def tier_dir_usable(tier: Mapping[str, Any], spec: OffloadingSpec) -> bool:
     """Prepares what vLLM's fs tier creates at start (the identity directory,
     the per-model directory and its config.json, without following a
@@ -262,10 +319,7 @@ def tier_dir_usable(tier: Mapping[str, Any], spec: OffloadingSpec) -> bool:
     directory that has all of it already (a reader of a cache others write)
     is usable; its stores fail and are counted."""
     root_dir = tier["root_dir"]
-    identity = tier_identity(
-        with_shared_id(spec.storage_identity, tier.get(SHARED_ID)),
-        _tier_auth_key(tier),
-    )
+    identity, _ = tier_identity(spec.storage_identity, tier)
     root = identity_root(root_dir, identity_digest(identity))
     try:
         os.makedirs(root_dir, exist_ok=True)  # configured, so trusted
@@ -276,11 +330,7 @@ def tier_dir_usable(tier: Mapping[str, Any], spec: OffloadingSpec) -> bool:
             blocks_per_file=spec.blocks_per_chunk,
             parallel_agnostic=True,
         )
-        config_path = mapper.get_config_file_path()
-        make_dirs(os.path.dirname(config_path), root_dir)
-        if not is_regular_file(config_path, root_dir):
-            text = json.dumps(mapper.get_run_config(), indent=2, sort_keys=True)
-            write_small_file(config_path, text.encode(), root_dir)
+        create_json(mapper.get_config_file_path(), mapper.get_run_config(), root_dir)
     except OSError as e:
         logger.error(
             "KV offload: the fs tier directory %s cannot be used (%s); the "
@@ -291,16 +341,14 @@ def tier_dir_usable(tier: Mapping[str, Any], spec: OffloadingSpec) -> bool:
         )
         return False
     path = os.path.join(root, IDENTITY_FILE)
-    if not is_regular_file(path, root_dir):
-        try:
-            text = json.dumps(identity, indent=2, sort_keys=True)
-            write_small_file(path, text.encode(), root_dir)
-        except OSError as e:
-            logger.warning(
-                "KV offload: cannot write %s (%s): the fs tier directory is "
-                "read-only here; stores to it will fail (and be counted), "
-                "existing files are still read",
-                path,
-                e,
-            )
+    try:
+        create_json(path, identity, root_dir)
+    except OSError as e:
+        logger.warning(
+            "KV offload: cannot write %s (%s): the fs tier directory is "
+            "read-only here; stores to it will fail (and be counted), "
+            "existing files are still read",
+            path,
+            e,
+        )
     return True

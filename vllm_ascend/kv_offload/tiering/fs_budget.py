@@ -28,12 +28,16 @@ import os
 import stat
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm_ascend.kv_offload.config import OffloadConfigError
 from vllm_ascend.kv_offload.logger import init_logger
-from vllm_ascend.kv_offload.tiering.tier_paths import open_dirs, walk_files
+from vllm_ascend.kv_offload.tiering.tier_paths import (
+    open_dirs,
+    remove_file,
+    split_under,
+    walk_files,
+)
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -102,20 +106,28 @@ def budget_metric_definitions() -> dict[str, Any]:
     }
 
 
-@dataclass(frozen=True, slots=True)
-class _Entry:
-    clock: int  # st_mtime_ns: written or last read
-    size: int
-    dirs: tuple[str, ...]  # under the root, each opened without following
-    name: str
-    ino: int
-    dev: int
+def block_files(
+    root: str, top: tuple[str, ...] = ()
+) -> list[tuple[tuple[str, ...], str, os.stat_result]]:
+    """The regular ``*.bin`` files under ``root/top`` (``walk_files``:
+    nothing followed), as (directories under ``root``, name, ``lstat``);
+    temp files (in-flight writes) are left out. A file's mtime is its LRU
+    clock."""
+    return [
+        (dirs, name, st)
+        for _, dirs, name, st in walk_files(root, top)
+        if name.endswith(BLOCK_SUFFIX)
+    ]
 
 
 class FsTierBudget:
-    """Keeps the block files under ``root`` within ``max_bytes``."""
+    """Keeps the block files under ``root/top`` within ``max_bytes``;
+    ``root`` is trusted (configured), nothing below it is (an fs tier's
+    identity directory is its ``top``)."""
 
-    def __init__(self, root: str, max_bytes: int, file_bytes: int):
+    def __init__(
+        self, root: str, max_bytes: int, file_bytes: int, top: tuple[str, ...] = ()
+    ):
         if max_bytes < MIN_FILES * file_bytes:
             raise OffloadConfigError(
                 f"secondary_tiers fs '{MAX_BYTES_KEY}'={max_bytes} holds fewer "
@@ -123,8 +135,7 @@ class FsTierBudget:
                 f"it to at least {MIN_FILES * file_bytes} (a useful bound holds "
                 "many requests' prefixes)"
             )
-        self.root = root
-        self.files = BlockFiles(root)
+        self.root, self.top = root, tuple(top)
         self.max_bytes = max_bytes
         self.low_bytes = int(max_bytes * EVICT_TO)
         self._rescan_bytes = max(file_bytes, max_bytes // RESCAN_FRACTION)
@@ -153,11 +164,15 @@ class FsTierBudget:
             finally:
                 self._scan_lock.release()
 
-    @staticmethod
-    def touch(path: str) -> None:
+    def touch(self, path: str) -> None:
         """A read is a use: the file becomes the most recently used."""
         with contextlib.suppress(OSError):
-            os.utime(path, follow_symlinks=False)
+            dirs, name = split_under(self.root, path)
+            dir_fd = open_dirs(self.root, dirs)
+            try:
+                os.utime(name, dir_fd=dir_fd, follow_symlinks=False)
+            finally:
+                os.close(dir_fd)
 
     def scan(self, wait: bool = False) -> None:
         """Measures the directory and, above the bound, removes the least
@@ -167,21 +182,21 @@ class FsTierBudget:
         if lock_fd is None:
             return  # this engine's writes stay counted: the next store retries
         try:
-            entries = self.files.entries()
-            total = sum(e.size for e in entries)
+            entries = block_files(self.root, self.top)
+            total = sum(st.st_size for _, _, st in entries)
             removed = removed_bytes = 0
             if total >= self.max_bytes:
-                entries.sort(key=lambda e: e.clock)
-                for entry in entries:
+                entries.sort(key=lambda e: e[2].st_mtime_ns)
+                for dirs, name, st in entries:
                     if total <= self.low_bytes:
                         break
-                    gone = self.files.remove(entry)
+                    gone = self._remove(dirs, name, st)
                     if gone is None:
                         continue  # used again or replaced: kept
-                    total -= entry.size
+                    total -= st.st_size
                     if gone:
                         removed += 1
-                        removed_bytes += entry.size
+                        removed_bytes += st.st_size
         finally:
             os.close(lock_fd)  # releases the flock
         with self._count_lock:
@@ -193,7 +208,7 @@ class FsTierBudget:
             logger.info(
                 "KV offload: fs tier %s reached %s=%d; removed the %d least "
                 "recently used block files (%d bytes), %d bytes remain",
-                self.root,
+                os.path.join(self.root, *self.top),
                 MAX_BYTES_KEY,
                 self.max_bytes,
                 removed,
@@ -224,87 +239,44 @@ class FsTierBudget:
             stats.set_gauge(TIER_BYTES, size)
         return stats
 
-    def _lock(self, wait: bool) -> int | None:
-        path = os.path.join(self.root, LOCK_FILE)
-        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+    def _remove(self, dirs: tuple[str, ...], name: str, listed) -> bool | None:
+        """``remove_file``: only the file listed, unchanged since."""
         try:
-            fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0), 0o644)
-        except OSError as e:
-            logger.warning(
-                "KV offload: fs tier lock file %s cannot be opened (%s); no "
-                "eviction this time. Fix: remove whatever is at that path",
-                path,
-                e,
-            )
-            return None
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise OSError(errno.EINVAL, "not a regular file")
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-        except BlockingIOError:
-            os.close(fd)  # another engine is scanning
-            return None
-        except OSError as e:
-            os.close(fd)
-            logger.warning(
-                "KV offload: fs tier lock file %s is unusable (%s); no eviction "
-                "this time. Fix: remove whatever is at that path",
-                path,
-                e,
-            )
-            return None
-        return fd
-
-
-class BlockFiles:
-    """The block files under an untrusted ``root``: listed and removed by
-    directory fds, nothing followed; a file is removed only if it is the one
-    listed, unchanged since."""
-
-    def __init__(self, root: str):
-        self.root = root
-
-    def entries(self) -> list[_Entry]:
-        """Regular ``*.bin`` files under the root (``walk_files``: nothing
-        followed); temp files (in-flight writes) are left out."""
-        return [
-            _Entry(st.st_mtime_ns, st.st_size, dirs, name, st.st_ino, st.st_dev)
-            for _, dirs, name, st in walk_files(self.root)
-            if name.endswith(BLOCK_SUFFIX)
-        ]
-
-    def remove(self, entry: _Entry) -> bool | None:
-        """True if removed, False if already gone (another evictor), None if
-        kept because it changed since the listing (read, or rewritten)."""
-        try:
-            fd = open_dirs(self.root, entry.dirs)
-        except FileNotFoundError:
-            return False
-        except OSError:
-            return None
-        try:
-            try:
-                st = os.stat(entry.name, dir_fd=fd, follow_symlinks=False)
-            except FileNotFoundError:
-                return False
-            if (
-                not stat.S_ISREG(st.st_mode)
-                or (st.st_ino, st.st_dev) != (entry.ino, entry.dev)
-                or st.st_mtime_ns != entry.clock
-            ):
-                return None
-            os.unlink(entry.name, dir_fd=fd)
-        except FileNotFoundError:
-            return False
+            return remove_file(self.root, dirs, name, listed)
         except OSError as e:
             logger.warning(
                 "KV offload: fs tier file %s cannot be removed (%s); the tier "
                 "may stay above %s",
-                os.path.join(self.root, *entry.dirs, entry.name),
+                os.path.join(self.root, *dirs, name),
                 e,
                 MAX_BYTES_KEY,
             )
             return None
-        finally:
-            os.close(fd)
-        return True
+
+    def _lock(self, wait: bool) -> int | None:
+        """The scan lock's fd, flocked (None: another engine scans, or the
+        lock file cannot be used: a non-regular file there is not followed)."""
+        path = os.path.join(self.root, *self.top, LOCK_FILE)
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        fd = None
+        try:
+            dir_fd = open_dirs(self.root, self.top)
+            try:
+                fd = os.open(LOCK_FILE, flags, 0o644, dir_fd=dir_fd)
+            finally:
+                os.close(dir_fd)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file")
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            return fd
+        except OSError as e:
+            if fd is not None:
+                os.close(fd)
+            if not isinstance(e, BlockingIOError):  # else another engine scans
+                logger.warning(
+                    "KV offload: fs tier lock file %s cannot be used (%s); no "
+                    "eviction this time. Fix: remove whatever is at that path",
+                    path,
+                    e,
+                )
+            return None

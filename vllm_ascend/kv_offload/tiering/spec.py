@@ -29,6 +29,7 @@ from vllm_ascend.kv_offload.config import (
     TIERING_KEYS,
     TIERING_SPEC,
     OffloadConfigError,
+    check_keys,
     int_setting,
 )
 from vllm_ascend.kv_offload.logger import init_logger
@@ -42,10 +43,15 @@ from vllm_ascend.kv_offload.tiering.fs_budget import (
     budget_metric_definitions,
     check_budget_config,
 )
-from vllm_ascend.kv_offload.tiering.identity import storage_identity
-from vllm_ascend.kv_offload.tiering.model_identity import SHARED_ID, check_shared_id
+from vllm_ascend.kv_offload.tiering.identity import (
+    SHARED_ID,
+    check_shared_id,
+    storage_identity,
+)
 
 logger = init_logger(__name__)
+# The secondary tier types that run as ours (tiering/fs.py).
+FS_TYPES = ("fs", VERIFIED_FS_TYPE)
 
 
 class _TieringManager(FailureAwareManager):
@@ -68,32 +74,24 @@ class _TieringManager(FailureAwareManager):
 
 
 def check_tiering_config(extra: Mapping[str, Any]) -> None:
-    """What this spec cannot do, refused before anything is allocated."""
+    """What this spec cannot do, refused before anything is allocated;
+    ``extra``'s keys and their types passed ``config.check_keys``."""
     threshold = extra.get("store_threshold")
-    if threshold is not None and not isinstance(threshold, bool):
-        if isinstance(threshold, int | float) and threshold >= 2:
+    if isinstance(threshold, int | float) and not isinstance(threshold, bool):
+        if threshold >= 2:
             raise OffloadConfigError(
                 f"{PREFIX}['store_threshold']={threshold!r} is not supported by "
                 f"{TIERING_SPEC} (vLLM's tiering manager stores every block); "
                 "remove store_threshold, or use spec_name='NPUOffloadingSpec'"
             )
-    tiers = extra.get("secondary_tiers", [])
-    if tiers is None:
-        tiers = []
-    if not isinstance(tiers, list | tuple):
-        raise OffloadConfigError(
-            f"{PREFIX}['secondary_tiers'] must be a list of tier configs, e.g. "
-            '[{"type": "fs", "root_dir": "/mnt/shared/kv"}]; got '
-            f"{type(tiers).__name__}"
-        )
-    for i, tier in enumerate(tiers):
+    for i, tier in enumerate(extra.get("secondary_tiers") or []):
         where = f"{PREFIX}['secondary_tiers'][{i}]"
         if not isinstance(tier, Mapping) or not tier.get("type"):
             raise OffloadConfigError(
                 f"{where} must be a dict with a 'type', e.g. "
                 '{"type": "fs", "root_dir": "/mnt/shared/kv"}'
             )
-        is_fs = tier["type"] in ("fs", VERIFIED_FS_TYPE)
+        is_fs = tier["type"] in FS_TYPES
         check_budget_config(tier, where, is_fs)
         if is_fs:
             root = tier.get("root_dir")
@@ -114,13 +112,6 @@ def check_tiering_config(extra: Mapping[str, Any]) -> None:
                         f"{where}['{key}'] is read by 'fs' tiers only (this "
                         f"one is {tier['type']!r}); remove it"
                     )
-    backpressure = extra.get("backpressure")
-    if backpressure is not None and not isinstance(backpressure, Mapping):
-        raise OffloadConfigError(
-            f"{PREFIX}['backpressure'] must be a dict (vLLM's tiering "
-            "back-pressure settings, e.g. {'backpressure_cls': "
-            f"'EMABackpressureDetector'}}); got {type(backpressure).__name__}"
-        )
 
 
 def _device_type() -> str:
@@ -145,15 +136,16 @@ class NPUTieringOffloadingSpec(TieringOffloadingSpec, NPUOffloadingSpec):
     @classmethod
     @override
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
-        # vLLM asks the class of each tier's configured type: "fs" is vLLM's,
-        # which does not define the size bound's eviction metrics.
+        # vLLM asks the class of each tier's configured type ("fs" is vLLM's)
+        # and the spec: the size bound's eviction metrics are defined here.
         metrics = super().build_metric_definitions(extra_config)
         tiers = extra_config.get("secondary_tiers") or []
-        if any(t.get("type") in ("fs", VERIFIED_FS_TYPE) for t in tiers):
+        if any(t.get("type") in FS_TYPES for t in tiers):
             metrics.update(budget_metric_definitions())
         return metrics
 
     def __init__(self, config: OffloadingConfig):
+        check_keys(config.extra_config, self.extra_config_keys)
         check_tiering_config(config.extra_config)
         # MRO: TieringOffloadingSpec -> NPUOffloadingSpec (keys, num_cpu_blocks)
         # -> CPUOffloadingSpec; then tiering reads secondary_tiers.

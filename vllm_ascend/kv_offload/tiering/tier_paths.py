@@ -113,12 +113,15 @@ def open_dirs(
         raise
 
 
-def walk_files(root: str) -> Iterator[tuple[int, tuple[str, ...], str, os.stat_result]]:
-    """Every regular file under ``root``: its directory's fd (open until the
-    next item), its directories under ``root``, its name and its ``lstat``.
-    Walked by directory fds (``open_dirs``): symlinks are neither followed
-    nor listed; a directory removed or unreadable meanwhile is skipped."""
-    stack: list[tuple[str, ...]] = [()]
+def walk_files(
+    root: str, top: tuple[str, ...] = ()
+) -> Iterator[tuple[int, tuple[str, ...], str, os.stat_result]]:
+    """Every regular file under ``root/top``: its directory's fd (open until
+    the next item), its directories under ``root`` (``top`` first), its name
+    and its ``lstat``. Walked by directory fds (``open_dirs``): symlinks are
+    neither followed nor listed, ``top`` included; a directory removed or
+    unreadable meanwhile is skipped."""
+    stack: list[tuple[str, ...]] = [tuple(top)]
     while stack:
         dirs = stack.pop()
         try:
@@ -180,43 +183,31 @@ def open_regular(
     return fd
 
 
-def remove_block(path: str, root: str) -> None:
-    """Removes the regular file ``path`` under ``root`` (a file that failed
-    verification), following no symlink; anything else is left alone."""
-    dirs, name = split_under(root, path)
-    with contextlib.suppress(OSError):
-        dir_fd = open_dirs(root, dirs, False, path, None)
-        try:
-            mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
-            if stat.S_ISREG(mode):
-                os.unlink(name, dir_fd=dir_fd)
-        finally:
-            os.close(dir_fd)
-
-
-def make_dirs(path: str, root: str) -> None:
-    """``os.makedirs(path)`` below ``root`` without following a symlink (a
-    bad entry on the way is replaced by a directory)."""
-    rel = os.path.relpath(path, root)
-    if rel == os.curdir:
-        os.close(os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
-        return
-    dirs, last = split_under(root, path)
-    os.close(open_dirs(root, [*dirs, last], True, path, None))
-
-
-def is_regular_file(path: str, root: str) -> bool:
-    """Whether ``path`` under ``root`` is a regular file (no symlink
-    followed on the way or at the end)."""
-    dirs, name = split_under(root, path)
+def remove_file(
+    root: str, dirs: tuple[str, ...] | list[str], name: str, listed=None
+) -> bool | None:
+    """Removes the regular file ``name`` in ``root/dirs``, following no
+    symlink: True if removed, False if already gone, None if kept (not a
+    regular file, a bad entry on the way, or, given its ``listed`` stat,
+    another file or one used since: another inode or mtime). Raises the
+    ``OSError`` of a failed unlink."""
     try:
-        dir_fd = open_dirs(root, dirs, False, path, None)
-    except OSError:
+        dir_fd = open_dirs(root, dirs)
+    except FileNotFoundError:
         return False
-    try:
-        mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
-        return stat.S_ISREG(mode)
     except OSError:
+        return None
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if not stat.S_ISREG(st.st_mode) or (
+            listed is not None
+            and (st.st_ino, st.st_dev, st.st_mtime_ns)
+            != (listed.st_ino, listed.st_dev, listed.st_mtime_ns)
+        ):
+            return None
+        os.unlink(name, dir_fd=dir_fd)
+        return True
+    except FileNotFoundError:
         return False
     finally:
         os.close(dir_fd)
