@@ -9,8 +9,8 @@ when there is one, else on the package's ``__init__``.
 
 No module over 400 lines, no class over 180. One that grows past either has
 taken on a second job: move that role into a collaborator of its own (as
-``failures.JobLedger``, ``scheduler_side.py`` or ``tiering/verified_files.py``
-were), rather than squeeze lines.
+``failures.JobLedger`` and ``scheduler_side.py`` were), rather than squeeze
+lines.
 """
 
 from __future__ import annotations
