@@ -326,3 +326,20 @@ def test_on_cuda_each_piece_is_registered_through_vllms_host_register(
     memory.release()
     assert calls == [("unregister", a) for a, _ in reversed(taken)]
     assert "cudaHostUnregister failed" in caplog.text
+
+
+def test_a_pool_logs_one_line_naming_its_memory_and_pieces(monkeypatch, caplog):
+    """One start-up line per pool (docs/host_memory.md), not one from the
+    memory and another from the pool repeating its kind and pieces."""
+    from vllm.v1.kv_offload.cpu import host_register
+
+    monkeypatch.setattr(host_register, "host_register", lambda a, n: True)
+    monkeypatch.setattr(host_register, "host_unregister", lambda a: None)
+    with caplog.at_level("INFO"):
+        pool = private_pool([4096], 1, 512, "cuda", piece_bytes=2**20)
+    pieces = pool.memory.pieces
+    pool.release()
+    (line,) = [m for m in caplog.messages if "CPU block pool" in m]
+    assert line.startswith("KV offload: CPU block pool of 512 blocks x 4096 bytes")
+    assert pieces > 1
+    assert f"of {host_memory.CUDA_REGISTERED} in {pieces} pieces (" in line
