@@ -12,7 +12,9 @@ pieces, against the simulated ACL runtime: test_npu_acl_sim.py.)"""
 from __future__ import annotations
 
 import mmap
+import re
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -326,3 +328,34 @@ def test_on_cuda_each_piece_is_registered_through_vllms_host_register(
     memory.release()
     assert calls == [("unregister", a) for a, _ in reversed(taken)]
     assert "cudaHostUnregister failed" in caplog.text
+
+
+def test_a_pool_logs_one_line_naming_its_memory_and_pieces(monkeypatch, caplog):
+    """One start-up line per pool (docs/host_memory.md), not one from the
+    memory and another from the pool repeating its kind and pieces."""
+    from vllm.v1.kv_offload.cpu import host_register
+
+    monkeypatch.setattr(host_register, "host_register", lambda a, n: True)
+    monkeypatch.setattr(host_register, "host_unregister", lambda a: None)
+    with caplog.at_level("INFO"):
+        pool = private_pool([4096], 1, 512, "cuda", piece_bytes=2**20)
+    pieces = pool.memory.pieces
+    pool.release()
+    (line,) = [m for m in caplog.messages if "CPU block pool" in m]
+    assert line.startswith("KV offload: CPU block pool of 512 blocks x 4096 bytes")
+    assert pieces > 1
+    assert f"of {host_memory.CUDA_REGISTERED} in {pieces} pieces (" in line
+
+
+@pytest.mark.parametrize("doc", ["docs/host_memory.md", "docs/host_memory.zh.md"])
+def test_the_docs_sample_line_is_what_the_command_beside_it_logs(doc, caplog):
+    """The sample under "What the log says" is the pool's line for the
+    command beside it (all but the time it took)."""
+    text = (Path(__file__).parents[2] / doc).read_text()
+    assert "private_pool([65536], 1, 1000, 'cpu').release()" in text
+    (sample,) = re.findall(r"^KV offload: CPU block pool of .*$", text, re.M)
+    with caplog.at_level("INFO"):
+        private_pool([65536], 1, 1000, "cpu").release()
+    (line,) = [m for m in caplog.messages if "CPU block pool" in m]
+    timeless = re.compile(r"allocated in [0-9.]+ s")
+    assert timeless.sub("", line) == timeless.sub("", sample)

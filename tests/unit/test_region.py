@@ -18,12 +18,12 @@ from tests.unit.conftest import new_engine_id
 from tests.unit.tier_helpers import forked, tiering_spec
 from vllm_ascend.kv_offload.config import OffloadConfigError
 from vllm_ascend.kv_offload.region import (
-    RegionBlockPool,
     close_region,
     hold_mark,
     mark_path,
     open_region,
     region_path,
+    slot_pool,
 )
 
 PAGE = mmap.PAGESIZE
@@ -65,16 +65,14 @@ def test_region_pool_addresses_this_ranks_slot_of_each_row(shared_region):
         3, kv_bytes_per_chunk=4 * PAGE, cpu_page_size=2 * PAGE, rank=1
     )
     # Pages; blocks per chunk; slot offset, capacity; row stride.
-    pool = RegionBlockPool(
-        region, [PAGE // 2] * 2 + [PAGE], 1, 2 * PAGE, 2 * PAGE, 4 * PAGE
-    )
+    pool = slot_pool(region, [PAGE // 2] * 2 + [PAGE], 1, 2 * PAGE, 2 * PAGE, 4 * PAGE)
     assert pool.row_bytes == 4 * PAGE  # the stride CopyEngine uses
     assert pool.slot_bytes == 2 * PAGE
     assert pool.nbytes == 3 * 2 * PAGE
     assert list(pool.tensor_offsets) == [2 * PAGE, 2 * PAGE + PAGE // 2, 3 * PAGE]
     assert pool.base == region.base_tensor.data_ptr()
     with pytest.raises(OffloadConfigError, match="more than its slot"):
-        RegionBlockPool(region, [3 * PAGE], 1, 0, 2 * PAGE, 4 * PAGE)
+        slot_pool(region, [3 * PAGE], 1, 0, 2 * PAGE, 4 * PAGE)
     pool.release()
     assert region.base_tensor is not None  # the pool frees nothing
     assert np.all(region.base_tensor.numpy() == 0)

@@ -25,10 +25,10 @@ from vllm_ascend.kv_offload.connector import our_spec_class
 from vllm_ascend.kv_offload.npu import NPUOffloadingSpec
 from vllm_ascend.kv_offload.region import (
     AclRegionRegistration,
-    RegionBlockPool,
     close_region,
     region_path,
     register_with_cuda,
+    slot_pool,
 )
 from vllm_ascend.kv_offload.self_check import SelfCheckResult
 from vllm_ascend.kv_offload.tiering import block_file
@@ -403,7 +403,7 @@ def test_cuda_registration_is_vllms_pin_mmap_region(monkeypatch, shared_region):
     monkeypatch.setattr(gpu_worker, "MAX_HOST_REGISTER_CHUNK_BYTES", 2 * page)
     region, mark = shared_region(5, kv_bytes_per_chunk=page, cpu_page_size=page)
     base = region.base_tensor.data_ptr()
-    pool = RegionBlockPool(region, [page], 1, 0, page, page)
+    pool = slot_pool(region, [page], 1, 0, page, page)
     register_with_cuda(region, pool)
     assert calls == [
         ("register", base, 2 * page),

@@ -26,7 +26,7 @@ import torch
 from vllm_ascend.kv_offload.config import PREFIX
 from vllm_ascend.kv_offload.host_guard import show
 from vllm_ascend.kv_offload.host_memory import HostMemory, allocate_host_memory
-from vllm_ascend.kv_offload.host_pieces import DEFAULT_PIECE_BYTES
+from vllm_ascend.kv_offload.host_pieces import DEFAULT_PIECE_BYTES, describe
 from vllm_ascend.kv_offload.logger import init_logger
 
 logger = init_logger(__name__)
@@ -195,14 +195,16 @@ def private_pool(
             f"could not be allocated ({e}); lower num_cpu_blocks (or "
             f"cpu_bytes_to_use) in {PREFIX}"
         ) from e
+    # The pool's one line at start-up: its size, its memory, its pieces.
+    pieces = memory.piece_bytes
     logger.info(
-        "KV offload: CPU block pool of %d blocks x %d bytes (%s, %s, pieces: "
-        "%d) allocated in %.2f s for %d KV cache tensors on %s",
+        "KV offload: CPU block pool of %d blocks x %d bytes (%s of %s%s) "
+        "allocated in %.2f s for %d KV cache tensors on %s",
         num_cpu_blocks,
         layout.row_bytes,
         show(layout.span_bytes),
         memory.kind,
-        memory.pieces,
+        f" in {describe(list(pieces))}" if len(pieces) > 1 else "",
         time.perf_counter() - t0,
         len(page_bytes),
         device_type,

@@ -32,7 +32,7 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import psutil
 
@@ -131,18 +131,6 @@ def auto_num_cpu_blocks(
         raise SizingError(f"block_bytes={block_bytes} must be > 0")
     room = HostBudget(available, cap=cap, reserved=engine_bytes).room()
     return int(room * share) // block_bytes
-
-
-def host_kv_cache_bytes(kv_caches: Any) -> int:
-    """Bytes of the device KV cache (vLLM's ``CanonicalKVCaches``) that live
-    in host memory: all of it on vLLM's CPU backend, none on an accelerator.
-    Tensors may share storage."""
-    storages = {}
-    for t in kv_caches.tensors:
-        if t.tensor.device.type == "cpu":
-            storage = t.tensor.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
 
 
 @dataclass(frozen=True)
@@ -317,9 +305,8 @@ def _kv_cache_fix(
         return ""
     # Whatever the KV caches give back becomes memory for the pools.
     there = budget.available + budget.held
-    fraction = MAX_HOST_MEMORY_FRACTION
-    shrink = math.ceil((total - there * fraction) / fraction)
-    while int((there + shrink) * fraction) < total:
+    shrink = math.ceil(total / MAX_HOST_MEMORY_FRACTION) - there
+    while usable_bytes(there + shrink) < total:
         shrink += 1  # float rounding in the limit
     keep = host_kv_bytes - math.ceil(shrink / workers)
     setting = os.environ.get(CPU_KV_CACHE_ENV)

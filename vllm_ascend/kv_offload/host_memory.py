@@ -52,7 +52,6 @@ from vllm_ascend.kv_offload.host_pieces import (
     SVM_ALIGNMENT,
     PiecePlan,
     PiecesRefused,
-    describe,
     take_pieces,
 )
 from vllm_ascend.kv_offload.logger import init_logger
@@ -148,12 +147,6 @@ def allocate_host_memory(
                 )
             else:
                 memory.kind = CUDA_REGISTERED
-    logger.info(
-        "KV offload: host memory of the CPU block pool: %s of %s%s",
-        describe(list(memory.piece_bytes)),
-        memory.kind,
-        "" if memory.pinned else " (not page-locked)",
-    )
     return memory
 
 

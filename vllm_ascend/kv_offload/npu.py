@@ -166,7 +166,7 @@ class NPUOffloadingSpec(vllm_compat.ReplicatedOncePerHostSpec, CPUOffloadingSpec
         ledger: one step under the ledger's lock, so that workers starting
         together do not each count memory the others are about to take."""
         pool = self._pool_request(kv_caches)
-        host_kv_bytes = host_guard.host_kv_cache_bytes(kv_caches)
+        host_kv_bytes = _host_kv_cache_bytes(kv_caches)
         try:
             cap = host_guard.budget_cap()
             ledger = host_ledger.ledger_dir()
@@ -247,3 +247,15 @@ class NPUOffloadingSpec(vllm_compat.ReplicatedOncePerHostSpec, CPUOffloadingSpec
             barrier=vllm_compat.all_workers_barrier,
             piece_bytes=int_setting(self.config.extra_config, "host_piece_bytes"),
         )
+
+
+def _host_kv_cache_bytes(kv_caches: CanonicalKVCaches) -> int:
+    """Bytes of the device KV cache that live in host memory (the host
+    guard's other fix): all of it on vLLM's CPU backend, none on an
+    accelerator. Tensors may share storage."""
+    storages = {}
+    for t in kv_caches.tensors:
+        if t.tensor.device.type == "cpu":
+            storage = t.tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())

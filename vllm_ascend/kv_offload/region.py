@@ -1,5 +1,5 @@
 """A CPU pool shared by the workers of one host: vLLM's ``/dev/shm`` region
-(``SharedOffloadRegion``) and ``RegionBlockPool``, this rank's slot of each
+(``SharedOffloadRegion``) and ``slot_pool``, this rank's slot of each
 region row; its registration with the device runtime where the copies need
 it (``AclRegionRegistration``, ``register_with_cuda``); and the region's
 lifetime. The tiering spec's primary tier
@@ -182,45 +182,39 @@ def open_region(
     return region, mark
 
 
-class RegionBlockPool(CpuBlockPool):
-    """Region mode of the CPU block pool: this rank's slot of each row of a
+def slot_pool(
+    region: SharedOffloadRegion,
+    page_bytes: list[int],
+    blocks_per_chunk: int,
+    slot_offset: int,
+    slot_capacity: int,
+    row_stride: int,
+) -> CpuBlockPool:
+    """The CPU block pool of region mode: this rank's slot of each row of a
     shared region, which it does not own (``release`` frees nothing).
 
-    ``row_bytes`` is the stride from one CPU block to the next (the region's
-    row: every rank's slot, padded), as ``CopyEngine.build`` addresses rows;
-    ``slot_bytes`` is what this rank uses of it.
+    ``row_stride`` is the stride from one CPU block to the next (the
+    region's row: every rank's slot, padded), the pool's ``row_bytes`` as
+    ``CopyEngine.build`` addresses rows; its ``slot_bytes`` is what this
+    rank uses of it. Pageable until the region is registered
+    (``register_with_cuda``, ``AclRegionRegistration``).
     """
-
-    def __init__(
-        self,
-        region: SharedOffloadRegion,
-        page_bytes: list[int],
-        blocks_per_chunk: int,
-        slot_offset: int,
-        slot_capacity: int,
-        row_stride: int,
-    ):
-        layout = PoolLayout.of(
-            page_bytes,
-            blocks_per_chunk,
-            region.num_chunks,
-            slot_offset=slot_offset,
-            row_bytes=row_stride,
+    layout = PoolLayout.of(
+        page_bytes,
+        blocks_per_chunk,
+        region.num_chunks,
+        slot_offset=slot_offset,
+        row_bytes=row_stride,
+    )
+    if layout.slot_bytes > slot_capacity:
+        raise OffloadConfigError(
+            f"KV offload: this worker's KV of one CPU block is "
+            f"{layout.slot_bytes} bytes, more than its slot of the shared "
+            f"region ({slot_capacity} bytes); the KV cache layout is not "
+            "one vLLM sized the region for (report this as a bug)"
         )
-        if layout.slot_bytes > slot_capacity:
-            raise OffloadConfigError(
-                f"KV offload: this worker's KV of one CPU block is "
-                f"{layout.slot_bytes} bytes, more than its slot of the shared "
-                f"region ({slot_capacity} bytes); the KV cache layout is not "
-                "one vLLM sized the region for (report this as a bug)"
-            )
-        # A reference, not an allocation: the region's owner unmaps it.
-        super().__init__(layout, borrowed(region.base_tensor, pinned=False))
-        self.region = region
-
-    def mark_pinned(self, pinned: bool) -> None:
-        """The region was (or was not) page-locked after the pool was built."""
-        self.memory.pinned = pinned
+    # A reference, not an allocation: the region's owner unmaps it.
+    return CpuBlockPool(layout, borrowed(region.base_tensor, pinned=False))
 
 
 class AclRegionRegistration:
@@ -306,7 +300,7 @@ class AclRegionRegistration:
         self.memory.release()
 
 
-def register_with_cuda(region: SharedOffloadRegion, pool: RegionBlockPool) -> None:
+def register_with_cuda(region: SharedOffloadRegion, pool: CpuBlockPool) -> None:
     """cudaHostRegister the region exactly as vLLM's CUDA worker does: its
     ``pin_mmap_region`` (row-aligned chunks of at most 64 GiB, rolled back on
     failure, where vLLM pins memory at all). The region's ``cleanup`` then
@@ -318,7 +312,7 @@ def register_with_cuda(region: SharedOffloadRegion, pool: RegionBlockPool) -> No
 
     if PIN_MEMORY:
         pin_mmap_region(region)
-    pool.mark_pinned(region.is_pinned)
+    pool.memory.pinned = region.is_pinned
 
 
 def close_region(

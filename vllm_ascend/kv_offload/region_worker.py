@@ -1,7 +1,7 @@
 """Our worker on a shared ``/dev/shm`` region (``region.py``), and how a
 spec builds it: the region opened (created by the first worker of the
 host), registered where the device's copies need it,
-this rank's slot of each row as its pool (``RegionBlockPool``).
+this rank's slot of each row as its pool (``region.slot_pool``).
 
 Two specs build it:
 
@@ -34,15 +34,16 @@ from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm_ascend.kv_offload.logger import init_logger
 from vllm_ascend.kv_offload.region import (
     AclRegionRegistration,
-    RegionBlockPool,
     RegionMark,
     close_region,
     open_region,
     register_with_cuda,
+    slot_pool,
 )
 from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
 
 if TYPE_CHECKING:
+    from vllm_ascend.kv_offload.cpu_pool import CpuBlockPool
     from vllm_ascend.kv_offload.host_ledger import Reservation
 
 logger = init_logger(__name__)
@@ -58,7 +59,7 @@ class RegionWorker(NPUOffloadingWorker):
         kv_caches: CanonicalKVCaches,
         region: SharedOffloadRegion,
         mark: RegionMark,
-        pool: RegionBlockPool,
+        pool: CpuBlockPool,
         registration: AclRegionRegistration | None = None,
         **worker_args: Any,
     ):
@@ -141,7 +142,7 @@ def build_region_worker(
         region, mark, reservation = _open_in_turn(kwargs, reserve, barrier)
     registration = None
     try:
-        pool = RegionBlockPool(
+        pool = slot_pool(
             region,
             [t.page_size_bytes for t in kv_caches.tensors],
             blocks_per_chunk,
@@ -156,7 +157,7 @@ def build_region_worker(
         elif device.type == "npu":
             # The NPU copy backend refuses pageable host memory.
             registration = AclRegionRegistration(region, piece_bytes=piece_bytes)
-            pool.mark_pinned(True)
+            pool.memory.pinned = True
         turns = taking_turns(region) if shared_slot else contextlib.nullcontext()
         with turns:
             worker = RegionWorker(

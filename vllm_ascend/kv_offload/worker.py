@@ -71,7 +71,7 @@ class NPUOffloadingWorker(OffloadingWorker):
     ):
         """``pool``: the CPU block pool the spec assembled for this worker
         (``cpu_pool.private_pool``, or a shared region's
-        ``tiering.region.RegionBlockPool``); the worker releases it at
+        ``region.slot_pool``); the worker releases it at
         shutdown, as its memory's owner said. ``copy_path``: the setting of
         that name (``copy_paths.py``). Raises ``self_check.SelfCheckFailed``
         if no copy path is byte-exact.
