@@ -117,6 +117,9 @@ def main() -> None:
             )
 
     # The CPU backend's core reservation is our plugin's (cpu_threads.apply).
+
+    # Time for the engine's worker to exit on its own: longer than vLLM's 5 s
+    # on a busy machine (interpreter finalization, see testing/engine.py).
     os.environ.setdefault(
         "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", engine.WORKER_SHUTDOWN_TIMEOUT_S
     )

@@ -39,6 +39,7 @@ from tests.e2e.conftest import (
 from vllm_ascend.kv_offload import host_ledger
 from vllm_ascend.kv_offload.host_guard import HOST_BUDGET_ENV
 from vllm_ascend.kv_offload.testing import server
+from vllm_ascend.kv_offload.testing.engine import TERMINATE_WORKERS_ENV
 
 pytestmark = pytest.mark.e2e
 
@@ -58,9 +59,10 @@ def tp2_scenario(budget: str, ledger: str) -> dict:
         HOST_BUDGET_ENV: budget,
         host_ledger.LEDGER_DIR_ENV: ledger,
         "VLLM_CPU_OMP_THREADS_BIND": "0|1",
-        # The engine's shutdown: its CPU TP workers outwait vLLM's 5 s
-        # grace period and are terminated (as at the exit of a process).
-        "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "1",
+        # Its TP workers terminated 1 s into its shutdown: exiting on their
+        # own takes them longer than vLLM's 5 s grace on a loaded machine,
+        # offloading on or off (CPython's finalization; testing/engine.py).
+        **TERMINATE_WORKERS_ENV,
     }
     return {
         "engine": TP2,

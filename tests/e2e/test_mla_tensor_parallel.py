@@ -35,6 +35,7 @@ from tests.e2e.conftest import (
     token_ids,
 )
 from vllm_ascend.kv_offload.region import MARK_PREFIX, MARK_SUFFIX
+from vllm_ascend.kv_offload.testing.engine import TERMINATE_WORKERS_ENV
 
 pytestmark = [
     pytest.mark.e2e,
@@ -50,9 +51,6 @@ TP = TP2["engine"]["tensor_parallel_size"]
 PROMPTS = [PROMPTS_BY_DOC[0][0], PROMPTS_BY_DOC[1][0]]
 CACHED_TOKENS = 4 * 128
 NUM_CPU_BLOCKS = GUIDE_OFFLOAD["num_cpu_blocks"]
-# Each engine's shutdown: its CPU TP workers outwait vLLM's 5 s grace
-# period and are terminated; 1 s instead, twice per run.
-TP2_SHUTDOWN_ENV = {"VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "1"}
 
 
 def latent_block_bytes(model_dir: str) -> int:
@@ -75,7 +73,12 @@ def runs(scenario_dir, mla_model) -> dict:
         scenario_dir,
         "mla-tp2",
         {
-            "env": {**TP2["env"], **TP2_SHUTDOWN_ENV},
+            # Each engine's TP workers terminated 1 s into its shutdown:
+            # exiting on their own takes them longer than vLLM's 5 s grace on
+            # a loaded machine, offloading on or off (CPython's finalization;
+            # testing/engine.py). The region and its mark are gone all the
+            # same (test_dev_shm_is_clean_afterwards).
+            "env": {**TP2["env"], **TERMINATE_WORKERS_ENV},
             "sequence": [
                 {**engine, "offload": None, "phases": [{"prompts": PROMPTS}, again]},
                 {

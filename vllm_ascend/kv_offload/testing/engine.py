@@ -13,14 +13,27 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-# How long the engine's processes get to exit before vLLM SIGKILLs them.
-# vLLM's default is 5 s for the engine core, which itself first waits up to
-# 5 s (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS) for its worker: on a small busy
-# machine their teardown takes longer, so the default ends in "force
-# killing" lines and a leaked shared_memory warning. Waiting costs nothing
-# when they are quicker: shutdown returns as soon as they have exited.
+# How long the engine's processes get to exit before vLLM kills them.
+# vLLM gives the engine core 5 s (vllm/v1/utils.py shutdown), which itself
+# first waits VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (5 s) for its workers
+# (vllm/v1/executor/multiproc_executor.py _ensure_worker_termination), then
+# SIGTERM, 4 s, SIGKILL. A CPU TP worker needs about 2.5 s of CPU to exit,
+# offloading on or off: 0.5 s in vLLM's worker shutdown (offloading's part:
+# about 15 ms), then 2 s in CPython's interpreter finalization (Py_FinalizeEx:
+# GC and teardown of the ~670k objects vLLM's imports create; a process that
+# only imports vllm.v1.executor.multiproc_executor takes 1.9 s to finalize).
+# On a loaded 2-core machine that is 14-23 s, so the defaults end in
+# "force killing" lines, a leaked shared_memory warning and the /dev/shm
+# files of vLLM's CPU TP communicator (``vllm_dist_*-cpushm_*``, unlinked
+# only by a worker that exits on its own). Waiting costs nothing when they
+# are quicker: shutdown returns as soon as they have exited.
 SHUTDOWN_TIMEOUT_S = 120.0
 WORKER_SHUTDOWN_TIMEOUT_S = "60"  # the engine core's wait, within the above
+# Tests that check nothing of a TP engine's shutdown: its workers are
+# terminated after 1 s instead of exiting on their own (above), 10-20 s
+# saved per engine on a loaded machine; the test removes the communicator's
+# /dev/shm files they leave (tests/e2e/conftest.py remove_vllm_tp_shm).
+TERMINATE_WORKERS_ENV = {"VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "1"}
 
 # The user guide's kv_connector_extra_config, key for key.
 GUIDE_EXTRA_CONFIG = {
