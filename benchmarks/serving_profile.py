@@ -76,17 +76,6 @@ SPLIT = {
 ON_ENGINE_THREAD = [k for k in SPLIT if not k.startswith("copies")]
 
 
-def serve_flags(args, offload: bool) -> list[str]:
-    """The serving benchmark's flags: fp32, a sequence per concurrent
-    request, the guide's pool."""
-    like = argparse.Namespace(dtype="float32", max_model_len=args.max_model_len,
-                              concurrency=[args.concurrency], mt_clients=0)  # fmt: skip
-    sizes = argparse.Namespace(
-        device_blocks=args.device_blocks, cpu_blocks=GUIDE_CPU_BLOCKS
-    )
-    return serving_server.serve_flags(like, sizes, offload)
-
-
 def workload(args) -> wl.Workload:
     dataset = wl.prefix_repetition(
         args.prefix_len, args.suffix_len, args.prefixes, args.output_len
@@ -181,10 +170,14 @@ def run_one(args, model: str, variant: str, pythonpath: str, tmp: Path) -> dict:
     probe_dir = tmp / "probe"
     probe_dir.mkdir(parents=True)
     env = {"SERVING_PROBE_DIR": str(probe_dir),
-           "PYTHONPATH": os.pathsep.join([str(PROBE_DIR), pythonpath]),
-           "VLLM_CPU_KVCACHE_SPACE": "1"}  # fmt: skip
-    cmd = server.serve_command(model, serve_flags(args, variant != "off"))
-    srv = server.Server(cmd, tmp / "server.log", env, REPO)
+           "PYTHONPATH": os.pathsep.join([str(PROBE_DIR), pythonpath])}  # fmt: skip
+    cpu_blocks = None if variant == "off" else GUIDE_CPU_BLOCKS
+    flags = serving_server.serve_flags(
+        args.device_blocks, args.concurrency, cpu_blocks,
+        max_model_len=args.max_model_len,
+    )  # fmt: skip
+    cmd = server.serve_command(model, flags)
+    srv = serving_server.ServingServer(cmd, tmp / "server.log", env)
     spies = {}
     try:
         srv.wait_ready()
