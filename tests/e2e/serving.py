@@ -115,13 +115,10 @@ class Server(ServingServer):
                 out[reason] = out.get(reason, 0.0) + sample.value
         return out
 
-    def processes(self) -> list[psutil.Process]:
-        return [psutil.Process(self.proc.pid), *self.children]
-
     def usage(self) -> dict[str, int]:
         """Threads (/proc/<pid>/task) and fds (/proc/<pid>/fd) of the server
         and its engine processes."""
-        procs = self.processes()
+        procs = [psutil.Process(self.proc.pid), *self.children]
         return {
             "threads": sum(len(os.listdir(f"/proc/{p.pid}/task")) for p in procs),
             "fds": sum(len(os.listdir(f"/proc/{p.pid}/fd")) for p in procs),

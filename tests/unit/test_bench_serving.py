@@ -274,11 +274,7 @@ def test_every_workload_kind_is_planned_and_off_and_on_share_the_flags():
 
 def issue26_args(*extra):
     args = bs.parse_args(["--preset", "issue26", *extra])
-    sizes = wl.Sizes(
-        args.device_blocks, args.working_set, args.prefix_len, args.suffix_len,
-        args.output_len, args.repeats, args.cpu_blocks,
-    )  # fmt: skip
-    return args, sizes
+    return args, wl.Sizes.of(args)
 
 
 def test_the_issue26_preset_is_issue_26s_shape():
