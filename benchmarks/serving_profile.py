@@ -5,9 +5,9 @@
     python benchmarks/serving_profile.py --before /path/to/old/worktree
     python benchmarks/serving_profile.py --py-spy /tmp/pyspy/bin/py-spy
 
-Starts ``vllm serve`` (``testing.server``) with offloading off and on (the
-guide's ``--kv-transfer-config`` as is: ``serving_server.offload_config``),
-alternating the order between rounds, and runs vLLM's own client
+Starts ``vllm serve`` (``serving_server.ServingServer``) with offloading
+off and on (the guide's ``--kv-transfer-config`` as is:
+``serving_server.offload_config``), alternating the order between rounds, and runs vLLM's own client
 (``serving_workloads.run_bench_serve``) with ``--dataset-name
 prefix_repetition`` against each. The servers load ``serving_probe/``
 (a ``sitecustomize`` on their ``PYTHONPATH`` only), which times the engine
