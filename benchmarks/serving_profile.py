@@ -7,9 +7,9 @@
 
 Starts ``vllm serve`` (``serving_server.ServingServer``) with offloading
 off and on (the guide's ``--kv-transfer-config`` as is:
-``serving_server.offload_config``), alternating the order between rounds, and runs vLLM's own client
-(``serving_workloads.run_bench_serve``) with ``--dataset-name
-prefix_repetition`` against each. The servers load ``serving_probe/``
+``serving_server.offload_config``), alternating the order between rounds,
+and runs vLLM's own client (``serving_workloads.run_bench_serve``) with
+``--dataset-name prefix_repetition`` against each. The servers load ``serving_probe/``
 (a ``sitecustomize`` on their ``PYTHONPATH`` only), which times the engine
 core's calls from outside the runtime package; this script diffs its
 totals around the workload and splits each engine step into scheduling,
