@@ -12,9 +12,10 @@ configurations, each measured in the same process, in alternating rounds:
 * ``vllm``: vLLM's ``CPUOffloadingSpec``: vLLM's ``OffloadingConnector`` and
   ``CPUOffloadingManager`` as vLLM ships them.
 
-Measured: the CPU time of the scheduler thread (``time.thread_time``: what
-other processes take of the cores does not count) spent inside the
-connector's scheduler-side hooks
+Measured: the CPU time of the scheduler thread (``time.thread_time_ns``:
+what other processes take of the cores does not count) spent inside the
+connector's scheduler-side hooks, timed by the serving profile's probe
+(``serving_probe``)
 (``get_num_new_matched_tokens``, ``update_state_after_alloc``,
 ``build_connector_meta``, ``update_connector_output``, ``request_finished``)
 per step, over the steps where ``--requests`` requests run: the prefill step
@@ -31,21 +32,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
-from collections.abc import Callable
 from typing import Any
 
 from benchmarks.common import add_int_args, loadavg
+from benchmarks.serving_probe import sitecustomize as probe
+from benchmarks.serving_probe.sitecustomize import SCHEDULER_HOOKS
 from vllm_ascend.kv_offload.testing.engine import GUIDE_EXTRA_CONFIG
 
 BLOCK_SIZE = 16
-HOOKS = (
-    "get_num_new_matched_tokens",
-    "update_state_after_alloc",
-    "build_connector_meta",
-    "update_connector_output",
-    "request_finished",
-)
+HOOKS = SCHEDULER_HOOKS[:5]  # those a step without failures calls
 CONFIGS = {
     "ours": {k: GUIDE_EXTRA_CONFIG[k] for k in ("spec_name", "spec_module_path")},
     "vllm": {"spec_name": "CPUOffloadingSpec"},
@@ -112,22 +107,10 @@ def _scheduler(impl: str, args: argparse.Namespace):
     )
 
 
-def _timed_hooks(connector: Any, spent: list[float]) -> None:
-    """Wraps the connector's scheduler-side hooks to add their time to
-    ``spent[0]``."""
-
-    def timed(fn: Callable) -> Callable:
-        def run(*a, **kw):
-            t0 = time.thread_time()
-            try:
-                return fn(*a, **kw)
-            finally:
-                spent[0] += time.thread_time() - t0
-
-        return run
-
-    for name in HOOKS:
-        setattr(connector, name, timed(getattr(connector, name)))
+def _hook_cpu_ns() -> int:
+    """CPU time the probe's wrappers of ``HOOKS`` have counted so far."""
+    stats = probe.snapshot()["stats"]
+    return sum(stats.get(name, [0, 0, 0])[2] for name in HOOKS)
 
 
 def _requests(args: argparse.Namespace, round_idx: int) -> list[Any]:
@@ -166,15 +149,15 @@ def run_once(impl: str, args: argparse.Namespace, round_idx: int) -> dict[str, A
 
     scheduler = _scheduler(impl, args)
     connector = scheduler.connector
-    spent = [0.0]
-    _timed_hooks(connector, spent)
+    for name in HOOKS:  # (nested hook calls are not counted twice)
+        setattr(connector, name, probe.timed(name, getattr(connector, name)))
     for request in _requests(args, round_idx):
         scheduler.add_request(request)
     per_step: list[float] = []
     prev_jobs: list[int] = []
     stores = loads = 0
     while scheduler.has_requests():
-        spent[0] = 0.0
+        spent = _hook_cpu_ns()
         out = scheduler.schedule()
         meta = out.kv_connector_metadata
         worker_meta = OffloadingWorkerMetadata()
@@ -191,7 +174,7 @@ def run_once(impl: str, args: argparse.Namespace, round_idx: int) -> dict[str, A
         )
         scheduler.update_from_output(out, runner_output)
         if len(req_ids) == args.requests:
-            per_step.append(spent[0])
+            per_step.append((_hook_cpu_ns() - spent) / 1e9)
     return {
         "impl": impl,
         "connector": type(connector).__name__,

