@@ -116,8 +116,6 @@ def main() -> None:
                 args.prompt_words // 4
             )
 
-    # The CPU backend's core reservation is our plugin's (cpu_threads.apply).
-
     # Time for the engine's worker to exit on its own: longer than vLLM's 5 s
     # on a busy machine (interpreter finalization, see testing/engine.py).
     os.environ.setdefault(
