@@ -50,8 +50,11 @@ _BUILD_HINT = "build it with `pip install --no-build-isolation -e .`"
 _SwapFn = Callable[..., tuple[int, torch.Tensor]]
 
 
-def _load_native() -> tuple[_SwapFn | None, tuple[str, ...], str | None]:
-    """Returns (op, compiled backends, reason for falling back or None)."""
+@functools.cache
+def _native() -> tuple[_SwapFn | None, tuple[str, ...], str | None]:
+    """(op, compiled backends, why the op is not in use or None). Loaded on
+    first use: a process that never copies (the scheduler's, the API
+    server's) does not load the library."""
     if os.environ.get("VLLM_ASCEND_NATIVE_OP", "1") == "0":
         return None, (), "VLLM_ASCEND_NATIVE_OP=0 is set"
     try:
@@ -76,13 +79,6 @@ def _load_native() -> tuple[_SwapFn | None, tuple[str, ...], str | None]:
         tuple(namespace.kv_offload_backends.default()),
         None,
     )
-
-
-@functools.cache
-def _native() -> tuple[_SwapFn | None, tuple[str, ...], str | None]:
-    """The library, loaded on first use: a process that never copies (the
-    scheduler's, the API server's) does not load it."""
-    return _load_native()
 
 
 def __getattr__(name: str) -> bool:
