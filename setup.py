@@ -14,8 +14,8 @@ isolated build environment would replace with a fresh (and different) one.
 
 Environment switches:
 
-* ``VLLM_ASCEND_BUILD_NATIVE=0`` -- install without native code; the Python
-  fallback in ``vllm_ascend.kv_offload.ops`` is used (CPU copies only). A
+* ``VLLM_ASCEND_BUILD_NATIVE=0`` -- install without native code; the worker
+  copies on the torch path (``copy_paths.TorchCopier``). A
   stale in-tree ``vllm_ascend/kv_offload/_C_kv_offload*.so`` from an earlier
   editable build is removed so that the switch takes effect.
 * ``VLLM_ASCEND_WITH_NPU=0|1`` -- override the auto-detection of the npu

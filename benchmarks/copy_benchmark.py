@@ -100,7 +100,7 @@ def print_table(
         print(
             f"torch threads {torch.get_num_threads()}; settle "
             f"{device.settle_s * 1e3:g} ms; swap_blocks_batch "
-            f"{'native' if ops.HAS_NATIVE_OP else 'Python fallback'}; contiguous = "
+            f"{'native' if ops.HAS_NATIVE_OP else 'not built'}; contiguous = "
             "swap_blocks_batch with one fragment (the op's own copy routine and "
             f"threads); {CPU_COPY_METHOD_ENV}="
             f"{os.environ.get(CPU_COPY_METHOD_ENV, 'auto')}"

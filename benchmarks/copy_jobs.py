@@ -62,6 +62,10 @@ class StoreJob:
     def build(self):
         return self.engine.build(self.spec, self.cpu_ids, to_cpu=True)
 
+    def copy(self, desc):
+        """Copies ``desc`` as the worker does: (copies, what to keep)."""
+        return self.engine.swap(desc.src, desc.dst, desc.sizes)
+
     def stored(self) -> bool:
         """Whether block ``dev_ids[j]`` of every tensor is in row ``cpu_ids[j]``."""
         rows = self.pool.tensor.view(len(self.cpu_ids), -1)
@@ -124,7 +128,7 @@ def descriptor_cost(
 
     def build_submit():
         nonlocal merged
-        merged, workspace = job.engine.submit(job.build())
+        merged, workspace = job.copy(job.build())
         return workspace
 
     median = alternate(
@@ -179,7 +183,7 @@ def layout_jobs(device: Device, blocks: int, repeats: int, seed: int) -> list[di
             device,
             {
                 "contiguous": limit.contiguous,
-                "op": lambda d=desc, j=job: j.engine.submit(d),
+                "op": lambda d=desc, j=job: j.copy(d),
             },
             repeats,
             host_only=False,

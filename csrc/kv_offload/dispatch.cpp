@@ -167,15 +167,23 @@ uint64_t total_bytes_of_disjoint_copies(const std::vector<CopyRegion>& regions,
   return total;
 }
 
+// The host-memory ops serve "npu" only; "cuda" and "cpu" need none of them.
+// One message for all four ops.
+namespace {
+void check_host_device(std::string_view op, std::string_view device) {
+  TORCH_CHECK(device == "npu" || device == "cuda" || device == "cpu", op,
+              ": unknown device '", device, "'; expected 'npu'");
+  TORCH_CHECK(device == "npu", op, ": device '", device,
+              "' is not supported; only 'npu' is implemented (cuda and cpu "
+              "need no host-memory op: cuda pins with vLLM's host_register, "
+              "i.e. cudaHostRegister, on an mmap; cpu copies pageable mmap "
+              "memory as is)");
+}
+}  // namespace
+
 void host_register([[maybe_unused]] int64_t addr, [[maybe_unused]] int64_t size,
                    std::string_view device, [[maybe_unused]] int64_t flags) {
-  TORCH_CHECK(device == "npu" || device == "cuda" || device == "cpu",
-              "kv_offload_host_register: unknown device '", device,
-              "'; expected 'npu'");
-  TORCH_CHECK(device == "npu", "kv_offload_host_register: device '", device,
-              "' needs no registration through this op (cuda: vLLM's "
-              "host_register, i.e. cudaHostRegister; cpu: pageable memory "
-              "is copied as is); only 'npu' is implemented");
+  check_host_device("kv_offload_host_register", device);
 #ifdef VLLM_ASCEND_WITH_NPU
   TORCH_CHECK(addr >= 0 && size > 0, "kv_offload_host_register: addr=", addr,
               ", size=", size, " is not a host range");
@@ -190,8 +198,7 @@ void host_register([[maybe_unused]] int64_t addr, [[maybe_unused]] int64_t size,
 }
 
 void host_unregister([[maybe_unused]] int64_t addr, std::string_view device) {
-  TORCH_CHECK(device == "npu", "kv_offload_host_unregister: device '", device,
-              "' is not supported; only 'npu' is implemented");
+  check_host_device("kv_offload_host_unregister", device);
 #ifdef VLLM_ASCEND_WITH_NPU
   host_unregister_npu(static_cast<uint64_t>(addr));
 #else
@@ -200,9 +207,7 @@ void host_unregister([[maybe_unused]] int64_t addr, std::string_view device) {
 }
 
 int64_t host_alloc(int64_t size, std::string_view device) {
-  TORCH_CHECK(device == "npu", "kv_offload_host_alloc: device '", device,
-              "' is not supported; only 'npu' is implemented (cuda: mmap + "
-              "vLLM's host_register; cpu: an anonymous mmap)");
+  check_host_device("kv_offload_host_alloc", device);
   TORCH_CHECK(size > 0, "kv_offload_host_alloc: size=", size, " must be > 0");
 #ifdef VLLM_ASCEND_WITH_NPU
   return static_cast<int64_t>(host_alloc_npu(static_cast<uint64_t>(size)));
@@ -212,8 +217,7 @@ int64_t host_alloc(int64_t size, std::string_view device) {
 }
 
 void host_free([[maybe_unused]] int64_t addr, std::string_view device) {
-  TORCH_CHECK(device == "npu", "kv_offload_host_free: device '", device,
-              "' is not supported; only 'npu' is implemented");
+  check_host_device("kv_offload_host_free", device);
 #ifdef VLLM_ASCEND_WITH_NPU
   host_free_npu(static_cast<uint64_t>(addr));
 #else

@@ -266,5 +266,5 @@ def test_merged_package_imports(trees, tmp_path):
     for name, file in got["modules"].items():
         assert file is None or Path(file).is_relative_to(merged), (name, file)
     # No native module in the tree (upstream's is not built without CANN):
-    # the Python fallback.
+    # the torch path.
     assert got["has_native_op"] is False

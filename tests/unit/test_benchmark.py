@@ -33,9 +33,10 @@ def test_cpu_rows_are_complete_and_verified(capsys):
         "--descriptor-tensors", "4",
     )  # fmt: skip
     copy_rows = [r for r in rows if r["kind"] == "copy"]
-    # "memcpy" (the plain-memcpy reference) needs the native cpu backend.
-    methods = ["contiguous", "torch_copy", "loop", "op"]
-    methods += ["memcpy"] if ops.HAS_NATIVE_OP else []
+    # "memcpy" (the plain-memcpy reference) and "op" need the native cpu
+    # backend (without it the worker copies on the torch path, as "loop").
+    methods = ["contiguous", "torch_copy", "loop"]
+    methods += ["memcpy", "op"] if ops.HAS_NATIVE_OP else []
     assert {(r["direction"], r["fragment_bytes"], r["method"]) for r in copy_rows} == {
         (d, f, m) for d in ("d2h", "h2d") for f in (4096, 65536) for m in methods
     }
@@ -75,6 +76,12 @@ def test_table_output(capsys):
     assert "2 KiB" in out
 
 
+# Without native code there is no op to time (the worker copies on the torch
+# path): no "op" rows, no layout jobs.
+needs_op = pytest.mark.skipif(not ops.HAS_NATIVE_OP, reason="needs the native op")
+
+
+@needs_op
 def test_ascend_layout_jobs_are_verified_with_their_fragment_sizes(capsys):
     rows = run_json(
         capsys, "--direction", "h2d", "--fragment-bytes", "1K",
@@ -135,6 +142,7 @@ class _FakeAccelerator:
         pass
 
 
+@needs_op
 def test_stream_timing_and_concurrent_rows_with_a_fake_accelerator():
     device = benchmark.Device("cpu")
     device.mod = _FakeAccelerator()  # takes the events-on-streams path

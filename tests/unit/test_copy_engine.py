@@ -9,7 +9,7 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from tests.unit.conftest import kv_offload_threads
 from tests.unit.kv_helpers import make_kv_caches, make_worker, store_then_load
 from vllm_ascend.kv_offload.copy_engine import CopyEngine
-from vllm_ascend.kv_offload.copy_paths import candidate_paths
+from vllm_ascend.kv_offload.copy_paths import TORCH, candidate_paths
 from vllm_ascend.kv_offload.cpu_pool import private_pool
 
 PAGES = [256, 256, 512]  # e.g. K, V and a larger third part
@@ -113,18 +113,22 @@ def test_build_on_a_released_pool_raises():
         engine.build(spec, np.array([3, 1]), to_cpu=True)
 
 
-def test_submit_returns_the_copy_count_and_the_workspace():
+def test_swap_returns_the_copy_count_and_the_workspace():
     kv, engine, pool = engine_for(bpc=1, pages=PAGES[:1], seed=4)
     # Two adjacent device blocks into two adjacent CPU rows: one merged copy.
     spec = GPULoadStoreSpec([2, 3], group_sizes=[2], block_indices=[0])
     desc = engine.build(spec, np.array([4, 5]), to_cpu=True)
-    with pytest.raises(RuntimeError, match="no copy function yet"):
-        engine.submit(desc)
-    engine.use(candidate_paths("cpu")[0].bind(engine.buffers()))
-    copies, workspace = engine.submit(desc)
+    assert engine.swap is None  # no copy function until use()
+    path = candidate_paths("cpu")[0]
+    engine.use(path.bind(engine.buffers()))
+    copies, workspace = engine.swap(desc.src, desc.dst, desc.sizes)
     assert (desc.num_fragments, copies) == (2, 1)
-    # "cpu" copies synchronously: nothing to keep alive.
-    assert workspace.dtype == torch.uint8 and workspace.numel() == 0
+    # "cpu" copies synchronously: nothing to keep alive (the torch path, a
+    # build without native code, has no workspace at all).
+    if path.name == TORCH:
+        assert workspace is None
+    else:
+        assert workspace.dtype == torch.uint8 and workspace.numel() == 0
     stored = pool.tensor[4:6].view(-1)
     assert torch.equal(stored, kv.tensors[0].tensor[2:4].reshape(-1).view(torch.int8))
 

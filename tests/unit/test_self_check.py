@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import importlib
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from tests.unit.kv_helpers import make_kv_caches, make_worker, running
 from vllm_ascend.kv_offload import ops, self_check
 from vllm_ascend.kv_offload.config import OffloadConfigError, check_keys
 from vllm_ascend.kv_offload.copy_paths import (
+    TORCH,
     VLLM_BATCH,
     Available,
     CopyPath,
@@ -33,14 +35,15 @@ PAGES = [256, 768]
 
 @dataclasses.dataclass(frozen=True)
 class FaultyPath(CopyPath):
-    """A real path whose copies go wrong: ``fault`` is "byte" (one wrong
-    byte in the destination after the copy), "raise" (the copy raises) or
-    "" (none)."""
+    """A real path (``copies_like``, default its name) whose copies go
+    wrong: ``fault`` is "byte" (one wrong byte in the destination after the
+    copy), "raise" (the copy raises) or "" (none)."""
 
     fault: str = ""
+    copies_like: str = ""
 
     def bind(self, buffers):
-        real = CopyPath(self.name, self.device_type).bind(buffers)
+        real = CopyPath(self.copies_like or self.name, self.device_type).bind(buffers)
 
         def swap(src, dst, sizes):
             if self.fault == "raise":
@@ -56,11 +59,19 @@ class FaultyPath(CopyPath):
         return swap
 
 
+# Three CPU paths to try in order: two that copy as the CPU's best
+# candidate does, then the torch path.
+PATH_NAMES = ["first", "second", TORCH]
+
+
 def faulty(faults: dict[str, str]) -> list[CopyPath]:
-    """The CPU's candidate paths, each with the fault named for it."""
+    """``PATH_NAMES``' paths, each with the fault named for it."""
+    best = candidate_paths("cpu")[0].name
     return [
-        FaultyPath(p.name, p.device_type, fault=faults.get(p.name, ""))
-        for p in candidate_paths("cpu")
+        FaultyPath(n, "cpu", fault=faults.get(n, ""), copies_like=best)
+        if n != TORCH
+        else FaultyPath(n, "cpu", fault=faults.get(n, ""))
+        for n in PATH_NAMES
     ]
 
 
@@ -92,7 +103,7 @@ def vllm_op_stand_in(calls: list | None = None):
     return swap_blocks_batch
 
 
-CPU_BEST = ["native", "python", "torch"] if ops.HAS_NATIVE_OP else ["python", "torch"]
+NO_OP = Available(native_backends=())  # a build without native code
 CPU_OP_ONLY = Available(native_backends=("cpu",))  # no npu backend, no vLLM op
 NPU_OP = Available(native_backends=("cpu", "npu"))
 VLLM_OP = Available(native_backends=("cpu",), vllm_swap=vllm_op_stand_in())
@@ -101,10 +112,12 @@ VLLM_OP = Available(native_backends=("cpu",), vllm_swap=vllm_op_stand_in())
 @pytest.mark.parametrize(
     "device, setting, have, expected",
     [
-        # cpu: best first, narrowed by the setting (this process's op).
-        ("cpu", "auto", None, CPU_BEST),
-        ("cpu", "torch", None, ["torch"]),
-        ("cpu", "native", None, CPU_BEST[:-1]),
+        # cpu: the op, then torch; without native code, torch only.
+        ("cpu", "auto", CPU_OP_ONLY, ["native", "torch"]),
+        ("cpu", "torch", CPU_OP_ONLY, ["torch"]),
+        ("cpu", "native", CPU_OP_ONLY, ["native"]),
+        ("cpu", "auto", NO_OP, ["torch"]),
+        ("cpu", "native", NO_OP, r"copy_path'\]='native'.*no 'cpu'.*compiled: none"),
         # npu without the native op: the torch path; 'native' says what lacks.
         ("npu", "auto", CPU_OP_ONLY, ["torch"]),
         ("npu", "native", CPU_OP_ONLY, r"copy_path'\]='native'.*no 'npu'"),
@@ -192,7 +205,7 @@ def test_self_check_passes_on_the_best_path_and_reports_it():
 @pytest.mark.parametrize("fault", ["byte", "raise"])
 @pytest.mark.parametrize("level", [0, 1])
 def test_a_faulty_path_gives_way_to_the_next(fault, level, warnings):
-    paths = faulty({p.name: fault for p in candidate_paths("cpu")[: level + 1]})
+    paths = faulty({n: fault for n in PATH_NAMES[: level + 1]})
     result = run_self_check("cpu", PAGES, paths=paths)
     assert result.passed
     assert result.path == paths[level + 1].name
@@ -205,7 +218,7 @@ def test_a_faulty_path_gives_way_to_the_next(fault, level, warnings):
 
 
 def test_no_byte_exact_path_refuses_offloading_naming_each_failure(warnings):
-    paths = faulty({p.name: "byte" for p in candidate_paths("cpu")})
+    paths = faulty({n: "byte" for n in PATH_NAMES})
     result = run_self_check("cpu", PAGES, paths=paths)
     assert not result.passed and result.path is None
     for p in paths:
@@ -216,7 +229,7 @@ def test_no_byte_exact_path_refuses_offloading_naming_each_failure(warnings):
 
 
 def test_the_worker_serves_on_the_path_the_check_chose(monkeypatch):
-    paths = faulty({candidate_paths("cpu")[0].name: "byte"})
+    paths = faulty({PATH_NAMES[0]: "byte"})
     monkeypatch.setattr(self_check, "candidate_paths", lambda device, setting: paths)
     logged: list[str] = []
     monkeypatch.setattr(
@@ -246,7 +259,36 @@ def test_the_worker_serves_on_the_path_the_check_chose(monkeypatch):
 
 
 def test_a_worker_with_no_byte_exact_path_is_refused_at_start_up(monkeypatch):
-    paths = faulty({p.name: "raise" for p in candidate_paths("cpu")})
+    paths = faulty({n: "raise" for n in PATH_NAMES})
     monkeypatch.setattr(self_check, "candidate_paths", lambda device, setting: paths)
     with pytest.raises(SelfCheckFailed, match="start-up self-check failed on cpu"):
         make_worker(make_kv_caches(8, PAGES), 1, 4)
+
+
+@pytest.fixture
+def no_native_op(monkeypatch):
+    """This process as a build without native code: the op not loaded."""
+    monkeypatch.setenv("VLLM_ASCEND_NATIVE_OP", "0")
+    importlib.reload(ops)
+    yield
+    monkeypatch.undo()
+    importlib.reload(ops)
+
+
+def test_without_native_code_a_cpu_worker_offloads_on_the_torch_path(
+    no_native_op, warnings
+):
+    assert names(candidate_paths("cpu")) == [TORCH]
+    kv = make_kv_caches(8, PAGES)
+    with running(make_worker(kv, 1, 4)) as w:
+        assert w.copy_path == TORCH == w.self_check.path
+        spec = GPULoadStoreSpec([2, 5], group_sizes=[2], block_indices=[0])
+        assert w.submit_store(1, spec, CPULoadStoreSpec([0, 3]))
+        w.wait({1})
+        assert [r.success for r in w.get_finished()] == [True]
+        rows = w.pool.tensor[[0, 3]]
+        assert torch.equal(rows[:, : PAGES[0]], kv.tensors[0].tensor[[2, 5]])
+    # Said once, with the reason, as on a device without the op.
+    (warning,) = [m for m in warnings if "no native copy op" in m]
+    assert "for cpu here (VLLM_ASCEND_NATIVE_OP=0 is set)" in warning
+    assert "copies use the torch path" in warning

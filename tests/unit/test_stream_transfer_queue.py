@@ -64,7 +64,7 @@ def queue(monkeypatch: pytest.MonkeyPatch) -> transfer_queue.StreamTransferQueue
 
 
 def submit(q: transfer_queue.StreamTransferQueue, job_id: int) -> weakref.ref:
-    """Submits a job whose copy function, like CopyEngine.submit, makes a
+    """Submits a job whose copy function, like CopyEngine.swap, makes a
     workspace and returns (copies, workspace); returns a weak reference to
     the workspace."""
     refs = []

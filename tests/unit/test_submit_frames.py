@@ -21,14 +21,13 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
 from tests.unit.kv_helpers import make_kv_caches, make_worker
 from vllm_ascend.kv_offload import ops
+from vllm_ascend.kv_offload.copy_paths import TorchCopier
 from vllm_ascend.kv_offload.transfer_queue import TransferQueue
 
 PACKAGE = Path(ops.__file__).resolve().parent
-# Where a copy reaches the op: torch's op call, or the Python fallback.
-OP_ENTRIES = {
-    torch._ops.OpOverload.__call__.__code__,
-    ops.fallback_swap_blocks_batch.__code__,
-}
+# Where a copy reaches the op: torch's op call, or (a build without native
+# code) the torch path.
+OP_ENTRIES = {torch._ops.OpOverload.__call__.__code__, TorchCopier.swap.__code__}
 QUEUE_SUBMITS = {cls.submit.__code__ for cls in TransferQueue.__subclasses__()}
 
 

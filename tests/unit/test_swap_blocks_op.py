@@ -1,10 +1,11 @@
 """Behaviour of swap_blocks_batch (contract: csrc/kv_offload/ops.h).
 
-Every test runs against all three implementations -- the native op
-torch.ops._C_ascend.kv_offload_swap_blocks, the Python fallback in
-vllm_ascend.kv_offload.ops and the torch-only path (copy_paths.TorchCopier) -- which
-must behave the same on device "cpu": each returns (copies, workspace), the
-workspace empty on "cpu" (None on the torch path, which has none).
+Every test runs against both implementations -- the native op
+torch.ops._C_ascend.kv_offload_swap_blocks and the torch path
+(copy_paths.TorchCopier, what a build without native code copies with) --
+which must behave the same on device "cpu": each returns (copies,
+workspace), the workspace empty on "cpu" (None on the torch path, which has
+none).
 """
 
 from __future__ import annotations
@@ -61,18 +62,10 @@ def torch_path_swap(src, dst, sizes, device):
     return copies, torch.empty(0, dtype=torch.uint8)
 
 
-@pytest.fixture(
-    params=[
-        pytest.param("native", marks=needs_native),
-        pytest.param("fallback"),
-        pytest.param("torch"),
-    ]
-)
+@pytest.fixture(params=[pytest.param("native", marks=needs_native), "torch"])
 def swap(request: pytest.FixtureRequest) -> Swap:
     _BUFFERS.clear()
-    if request.param == "torch":
-        return torch_path_swap
-    return NATIVE if request.param == "native" else ops.fallback_swap_blocks_batch
+    return NATIVE if request.param == "native" else torch_path_swap
 
 
 def descriptors(
@@ -314,41 +307,46 @@ NO_DESCRIPTORS = descriptors([])
     [
         pytest.param(lambda: NATIVE(*NO_DESCRIPTORS, "tpu"), UNKNOWN,
                      marks=needs_native, id="native-unknown"),
-        pytest.param(lambda: ops.fallback_swap_blocks_batch(*NO_DESCRIPTORS, "tpu"),
-                     UNKNOWN, id="fallback-unknown"),
         pytest.param(lambda: torch_path_swap(*NO_DESCRIPTORS, "tpu"), UNKNOWN,
                      id="torch-unknown"),
         # cuda is not a device of this op but of vLLM's own
         pytest.param(lambda: NATIVE(*NO_DESCRIPTORS, "cuda"),
                      "unknown device 'cuda'.*vLLM's own", marks=needs_native,
                      id="native-cuda"),
-        pytest.param(lambda: ops.fallback_swap_blocks_batch(*NO_DESCRIPTORS, "cuda"),
-                     "unknown device 'cuda'.*vLLM's own", id="fallback-cuda"),
         pytest.param(lambda: NATIVE(*NO_DESCRIPTORS, "npu"), NOT_COMPILED,
                      marks=WITHOUT_NPU, id="native-built-without-npu"),
-        pytest.param(lambda: ops.fallback_swap_blocks_batch(*NO_DESCRIPTORS, "npu"),
-                     "'npu' requires the native extension", id="fallback-npu"),
-        # The host-memory ops: npu needs the npu backend ...
-        pytest.param(lambda: ops.host_register(4096, 4096, "npu"), NOT_COMPILED,
-                     marks=WITHOUT_NPU, id="host-register"),
-        pytest.param(lambda: ops.host_unregister(4096, "npu"), NOT_COMPILED,
-                     marks=WITHOUT_NPU, id="host-unregister"),
-        pytest.param(lambda: ops.host_alloc(4096, "npu"), NOT_COMPILED,
-                     marks=WITHOUT_NPU, id="host-alloc"),
-        pytest.param(lambda: ops.host_free(4096, "npu"), NOT_COMPILED,
-                     marks=WITHOUT_NPU, id="host-free"),
-        # ... and other devices are not registered through the op.
-        pytest.param(lambda: ops.host_register(4096, 4096, "cuda"),
-                     "only 'npu' is implemented", marks=WITHOUT_NPU, id="host-cuda"),
-        pytest.param(lambda: ops.host_register(4096, 4096, "cpu"),
-                     "only 'npu' is implemented", marks=WITHOUT_NPU, id="host-cpu"),
-        pytest.param(lambda: ops.host_register(4096, 4096, "tpu"),
-                     "unknown device 'tpu'", marks=WITHOUT_NPU, id="host-unknown"),
     ],
 )  # fmt: skip
 def test_a_device_an_op_cannot_serve_raises(call, message: str) -> None:
     with pytest.raises(RuntimeError, match=message):
         call()
+
+
+HOST_OPS = {
+    "register": lambda device: ops.host_register(4096, 4096, device),
+    "unregister": lambda device: ops.host_unregister(4096, device),
+    "alloc": lambda device: ops.host_alloc(4096, device),
+    "free": lambda device: ops.host_free(4096, device),
+}
+NOT_SUPPORTED = "is not supported; only 'npu' is implemented"
+
+
+@pytest.mark.skipif(not ops.HAS_NATIVE_OP, reason="needs the native op in use")
+@pytest.mark.parametrize("op", HOST_OPS)
+@pytest.mark.parametrize(
+    "device, message",
+    [
+        # npu needs the npu backend ...
+        pytest.param("npu", NOT_COMPILED, marks=NPU_LACKING),
+        # ... the others need no host-memory op; every op says so alike.
+        ("cuda", f"device 'cuda' {NOT_SUPPORTED}"),
+        ("cpu", f"device 'cpu' {NOT_SUPPORTED}"),
+        ("tpu", "unknown device 'tpu'; expected 'npu'"),
+    ],
+)
+def test_the_host_memory_ops_serve_npu_only(op: str, device: str, message: str):
+    with pytest.raises(RuntimeError, match=f"kv_offload_host_{op}: .*{message}"):
+        HOST_OPS[op](device)
 
 
 @needs_native
@@ -522,9 +520,12 @@ def test_entry_point_uses_the_native_op_when_built() -> None:
     enabled = NATIVE is not None and os.environ.get("VLLM_ASCEND_NATIVE_OP") != "0"
     assert ops.HAS_NATIVE_OP == enabled
     assert ops.native_backends() == (NATIVE_BACKENDS if enabled else ())
-    if enabled:
-        assert "cpu" in ops.native_backends()
     src, dst = random_bytes(64), poisoned(64)
+    if not enabled:  # the worker copies on the torch path instead
+        with pytest.raises(RuntimeError, match="the native op is not in use"):
+            run_copy(ops.swap_blocks_batch, src, dst, [(0, 0, 64)])
+        return
+    assert "cpu" in ops.native_backends()
 
     copies, expected = run_copy(ops.swap_blocks_batch, src, dst, [(0, 0, 64)])
 
@@ -538,8 +539,13 @@ def test_native_op_can_be_disabled_by_env(monkeypatch: pytest.MonkeyPatch) -> No
         importlib.reload(ops)
         assert not ops.HAS_NATIVE_OP
         assert ops.native_backends() == ()
-        with pytest.raises(RuntimeError, match="VLLM_ASCEND_NATIVE_OP=0 is set"):
-            ops.swap_blocks_batch(*descriptors([]), "npu")
+        assert ops.fallback_reason() == "VLLM_ASCEND_NATIVE_OP=0 is set"
+        for device in ("cpu", "npu"):
+            with pytest.raises(
+                RuntimeError,
+                match=r"not in use \(VLLM_ASCEND_NATIVE_OP=0 is set\).*torch path",
+            ):
+                ops.swap_blocks_batch(*descriptors([]), device)
     finally:
         monkeypatch.undo()
         importlib.reload(ops)

@@ -148,7 +148,7 @@ class Case:
 
     # Methods: each copies the whole case once (asynchronously on a device).
     def contiguous(self) -> None:
-        if self.device.name == "cpu":
+        if self.device.name == "cpu" and ops.HAS_NATIVE_OP:
             ops.swap_blocks_batch(self.one_src, self.one_dst, self.one_size, "cpu")
         else:
             self.dst.copy_(self.src, non_blocking=True)
@@ -222,7 +222,7 @@ def methods_for(device: Device) -> tuple[list[str], str | None]:
             "vLLM's swap_blocks_batch is not registered in this vLLM"
             if device.name == "cuda"
             else f"swap_blocks_batch has no '{device.name}' backend in this build "
-            f"(compiled: {', '.join(ops.native_backends()) or 'none, Python fallback'})"
+            f"(compiled: {', '.join(ops.native_backends()) or 'none'})"
         )
         return names, f"no copy op on {device.name}: {where}"
     return names + ["op"], None

@@ -21,9 +21,6 @@ from vllm.v1.kv_offload.base import CanonicalKVCaches, GPULoadStoreSpec
 
 from vllm_ascend.kv_offload.copy_paths import Swap
 from vllm_ascend.kv_offload.cpu_pool import CpuBlockPool
-from vllm_ascend.kv_offload.logger import init_logger
-
-logger = init_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -52,7 +49,7 @@ class _GroupTensors:
 
 
 class CopyEngine:
-    """Builds a job's descriptors (vectorised) and submits them to the op."""
+    """Builds a job's descriptors (vectorised); ``swap`` copies them."""
 
     def __init__(self, kv_caches: CanonicalKVCaches, pool: CpuBlockPool):
         self.pool = pool
@@ -61,7 +58,8 @@ class CopyEngine:
             self._group_tensors(kv_caches, refs) for refs in kv_caches.group_data_refs
         ]
         self._buffers = [t.tensor for t in kv_caches.tensors]
-        # The copy function (``use``); jobs call it with a job's descriptors.
+        # The copy function (``use``): ``swap(desc.src, desc.dst, desc.sizes)``
+        # -> (copies after merging, what must live until they complete).
         self.swap: Swap | None = None
 
     def buffers(self) -> list[torch.Tensor]:
@@ -185,32 +183,6 @@ class CopyEngine:
             sizes=torch.from_numpy(sizes),
             num_bytes=int(sizes.sum()),
         )
-
-    def submit(self, desc: Descriptors) -> tuple[int, torch.Tensor]:
-        """Enqueue the job's copies (on the current stream for a device).
-
-        Returns the op's ``(copies, workspace)``: the number of copies after
-        merging contiguous fragments, and host memory that the enqueued copies
-        may still read. Keep the pair (or the workspace) referenced until the
-        copies have completed: ``StreamTransferQueue`` keeps what a job's copy
-        function returns until the job's end event has completed.
-        """
-        if self.swap is None:
-            raise RuntimeError(
-                "KV offload: no copy function yet; call use() with a copy "
-                "path bound over buffers() (the worker's self-check does)"
-            )
-        merged, workspace = self.swap(desc.src, desc.dst, desc.sizes)
-        if logger.isEnabledFor(10):  # DEBUG; skip the formatting otherwise
-            logger.debug(
-                "KV offload job: %d fragments (%d after merging), %d bytes, "
-                "mean fragment %.0f bytes",
-                desc.num_fragments,
-                merged,
-                desc.num_bytes,
-                desc.num_bytes / max(desc.num_fragments, 1),
-            )
-        return merged, workspace
 
 
 def _concat(parts: list[np.ndarray]) -> np.ndarray:

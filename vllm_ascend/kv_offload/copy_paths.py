@@ -6,19 +6,19 @@
 * ``vllm-batch`` (cuda): vLLM's own ``swap_blocks_batch`` (batched
   ``cuMemcpyBatchAsync``), after the op's validation and merging of
   adjacent fragments (``ops.coalesce``); we build no CUDA code.
-* ``native`` (cpu): the op's multi-threaded memcpy; ``python``: the op's
-  pure-Python fallback, when the op is not built.
-* ``torch``: public torch calls only (``TorchCopier``, below), on any torch
-  device with streams (npu, cuda, xpu) when the native op is missing, and the
-  baseline the copy benchmark measures the op against. The descriptors name
-  raw addresses; torch copies tensors: it holds a flat uint8 view of every
-  buffer a job may touch (each device KV cache storage and the CPU block
-  pool) and turns each copy, after the op's own validation and merging of
-  adjacent fragments (``ops.coalesce``), into one ``dst[a:b].copy_(src[c:d],
-  non_blocking=True)`` between views of those buffers, on the current stream
-  (the transfer queue's): nothing is allocated, so nothing outlives the call
-  but the copies. One Python call per merged copy: fine for a fallback, which
-  is why it is not the default where the native op exists.
+* ``native`` (cpu): the op's multi-threaded memcpy.
+* ``torch``: public torch calls only (``TorchCopier``, below), on any device
+  when the native op is missing (cpu included: a build without native code),
+  and the baseline the copy benchmark measures the op against. The
+  descriptors name raw addresses; torch copies tensors: it holds a flat
+  uint8 view of every buffer a job may touch (each device KV cache storage
+  and the CPU block pool) and turns each copy, after the op's own validation
+  and merging of adjacent fragments (``ops.coalesce``), into one
+  ``dst[a:b].copy_(src[c:d], non_blocking=True)`` between views of those
+  buffers, on the current stream (the transfer queue's): nothing is
+  allocated, so nothing outlives the call but the copies. One Python call
+  per merged copy: fine for a fallback, which is why it is not the default
+  where the native op exists.
 
 ``candidate_paths`` lists those a device can try, in the order the start-up
 self-check tries them (``self_check.py``), from what this process has
@@ -30,7 +30,6 @@ through no Python frame of ours beyond the queue's.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -47,7 +46,6 @@ NATIVE_BATCH = "native-batch"
 NATIVE_PER_COPY = "native-per-copy"
 VLLM_BATCH = "vllm-batch"
 NATIVE_CPU = "native"
-PYTHON = "python"
 TORCH = "torch"
 SETTINGS = ("auto", "native", "torch")
 # Devices the path is meant for, when it holds no buffer to tell.
@@ -153,10 +151,6 @@ class CopyPath:
         if self.name == VLLM_BATCH:
             assert self.vllm_swap is not None
             return _coalesced(self.vllm_swap)
-        if self.name == PYTHON:
-            return functools.partial(
-                ops.fallback_swap_blocks_batch, device=self.device_type
-            )
         return ops.native_swap(self.device_type, self.name == NATIVE_PER_COPY)
 
     @property
@@ -181,15 +175,13 @@ def _coalesced(vllm_swap: Callable[..., None]) -> Swap:
 
 def native_paths(device_type: str, have: Available) -> list[CopyPath]:
     """What ``have`` offers on ``device_type``, best first."""
-    if device_type == "cpu":
-        names = [NATIVE_CPU, PYTHON] if "cpu" in have.native_backends else [PYTHON]
-        return [CopyPath(n, "cpu") for n in names]
     if device_type == "cuda":
         vllm = [CopyPath(VLLM_BATCH, "cuda", have.vllm_swap)]
         return vllm if have.vllm_swap is not None else []
-    if device_type in have.native_backends:
-        return [CopyPath(n, device_type) for n in (NATIVE_BATCH, NATIVE_PER_COPY)]
-    return []
+    if device_type not in have.native_backends:
+        return []
+    names = [NATIVE_CPU] if device_type == "cpu" else [NATIVE_BATCH, NATIVE_PER_COPY]
+    return [CopyPath(n, device_type) for n in names]
 
 
 def candidate_paths(
@@ -205,7 +197,8 @@ def candidate_paths(
     torch_path = [CopyPath(TORCH, device_type)]
     if setting == "torch":
         return torch_path
-    native = native_paths(device_type, have or Available.here(device_type))
+    have = have or Available.here(device_type)
+    native = native_paths(device_type, have)
     if setting == "native" and not native:
         if device_type == "cuda":
             raise OffloadConfigError(
@@ -217,7 +210,7 @@ def candidate_paths(
         raise OffloadConfigError(
             f"{PREFIX}['copy_path']='native', but the native op has no "
             f"'{device_type}' backend here (compiled: "
-            f"{', '.join(ops.native_backends()) or 'none'}); build it with "
+            f"{', '.join(have.native_backends) or 'none'}); build it with "
             "`pip install --no-build-isolation -e .` on this machine, or set "
             "copy_path='auto' (falls back to the torch path)"
         )

@@ -1,4 +1,5 @@
-"""Batched raw-memory copies for KV offloading: native op, or a Python fallback.
+"""Batched raw-memory copies for KV offloading: the native op, and its
+validation and merging of adjacent fragments in numpy (``coalesce``).
 
 ``swap_blocks_batch(src_addrs, dst_addrs, sizes, device, per_copy=False)
 -> (copies, workspace)`` copies fragment i, ``sizes[i]`` bytes, from address
@@ -15,13 +16,13 @@ The native op ``torch.ops._C_ascend.kv_offload_swap_blocks`` comes from the
 extension ``vllm_ascend.kv_offload._C_kv_offload`` (``pip install
 --no-build-isolation -e .``), or from upstream vllm-ascend's own library when
 this subtree is grafted into it (docs/upstream_graft.md). Without it, or with
-``VLLM_ASCEND_NATIVE_OP=0``, a pure-Python fallback is used: same validation
-and coalescing, single-threaded ``ctypes.memmove``, CPU device only.
+``VLLM_ASCEND_NATIVE_OP=0``, ``swap_blocks_batch`` raises, saying why, and
+the worker copies on the torch path (``copy_paths.TorchCopier``: ``coalesce``,
+then one tensor copy per merged copy), which its start-up self-check binds.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import os
 from collections.abc import Callable
@@ -34,7 +35,6 @@ __all__ = [
     "check_disjoint",
     "coalesce",
     "fallback_reason",
-    "fallback_swap_blocks_batch",
     "host_alloc",
     "host_free",
     "host_register",
@@ -44,15 +44,17 @@ __all__ = [
     "swap_blocks_batch",
 ]
 
-_KNOWN_DEVICES = ("cpu", "npu")
 _UINT64_MAX = np.uint64(np.iinfo(np.uint64).max)
 _BUILD_HINT = "build it with `pip install --no-build-isolation -e .`"
 
 _SwapFn = Callable[..., tuple[int, torch.Tensor]]
 
 
-def _load_native() -> tuple[_SwapFn | None, tuple[str, ...], str | None]:
-    """Returns (op, compiled backends, reason for falling back or None)."""
+@functools.cache
+def _native() -> tuple[_SwapFn | None, tuple[str, ...], str | None]:
+    """(op, compiled backends, why the op is not in use or None). Loaded on
+    first use: a process that never copies (the scheduler's, the API
+    server's) does not load the library."""
     if os.environ.get("VLLM_ASCEND_NATIVE_OP", "1") == "0":
         return None, (), "VLLM_ASCEND_NATIVE_OP=0 is set"
     try:
@@ -79,24 +81,6 @@ def _load_native() -> tuple[_SwapFn | None, tuple[str, ...], str | None]:
     )
 
 
-@functools.cache
-def _native() -> tuple[_SwapFn | None, tuple[str, ...], str | None]:
-    """The library, loaded on first use: a process that never copies (the
-    scheduler's, the API server's) does not load it."""
-    loaded = _load_native()
-    if loaded[2] is not None:
-        # Imported here: vllm's logger pulls in much of vllm, which the
-        # native path must not pay for at import.
-        from vllm_ascend.kv_offload.logger import init_logger
-
-        init_logger(__name__).warning_once(
-            "swap_blocks_batch: using the Python fallback (CPU only, "
-            "single-threaded) because %s",
-            loaded[2],
-        )
-    return loaded
-
-
 def __getattr__(name: str) -> bool:
     # HAS_NATIVE_OP: whether the native op is in use (loads it on first read).
     if name == "HAS_NATIVE_OP":
@@ -121,19 +105,24 @@ def swap_blocks_batch(
     device: str,
     per_copy: bool = False,
 ) -> tuple[int, torch.Tensor]:
-    """Copies the batch on ``device`` ("cpu", "npu"); returns the number of
-    copies after merging adjacent fragments and the workspace to keep until
-    they have completed. See the module docstring."""
+    """Copies the batch on ``device`` ("cpu", "npu") with the native op;
+    returns the number of copies after merging adjacent fragments and the
+    workspace to keep until they have completed. See the module docstring."""
     return native_swap(device, per_copy)(src_addrs, dst_addrs, sizes)
 
 
 def native_swap(device: str, per_copy: bool = False) -> _SwapFn:
     """``swap_blocks_batch`` with ``device`` and ``per_copy`` bound: the op
-    itself (no Python frame of ours per call), or the Python fallback."""
-    native_op = _native()[0]
-    if native_op is not None:
-        return functools.partial(native_op, device=device, per_copy=per_copy)
-    return functools.partial(fallback_swap_blocks_batch, device=device)
+    itself (no Python frame of ours per call). Raises RuntimeError, saying
+    why, when the native op is not in use."""
+    native_op, _, reason = _native()
+    if native_op is None:
+        raise RuntimeError(
+            f"swap_blocks_batch: the native op is not in use ({reason}); "
+            "without it KV offloading copies on the torch path "
+            "(copy_paths.TorchCopier)"
+        )
+    return functools.partial(native_op, device=device, per_copy=per_copy)
 
 
 def _host_register_op(name: str):
@@ -195,36 +184,6 @@ def _check_descriptor(t: torch.Tensor, name: str) -> None:
 
 def _first(mask: np.ndarray) -> int:
     return int(np.flatnonzero(mask)[0])
-
-
-def fallback_swap_blocks_batch(
-    src_addrs: torch.Tensor,
-    dst_addrs: torch.Tensor,
-    sizes: torch.Tensor,
-    device: str,
-    per_copy: bool = False,
-) -> tuple[int, torch.Tensor]:
-    """Pure-Python swap_blocks_batch for device "cpu" (same contract; the copy
-    is synchronous, so the workspace is always empty; ``per_copy`` changes
-    nothing there)."""
-    if device not in _KNOWN_DEVICES:
-        raise RuntimeError(
-            f"swap_blocks_batch: unknown device '{device}'; expected one of "
-            "'cpu', 'npu' (cuda copies with vLLM's own swap_blocks_batch)"
-        )
-    if device != "cpu":
-        raise RuntimeError(
-            f"swap_blocks_batch: device '{device}' requires the native extension "
-            "vllm_ascend.kv_offload._C_kv_offload (the Python fallback only copies "
-            "host memory); "
-            f"{_BUILD_HINT} on a machine with the {device} toolchain "
-            f"(fallback in use because {_native()[2] or 'it was called directly'})"
-        )
-    m_src, m_dst, m_size, first = coalesce(src_addrs, dst_addrs, sizes)
-    check_disjoint(m_src, m_dst, m_size, first, device)
-    for s, d, k in zip(m_src.tolist(), m_dst.tolist(), m_size.tolist(), strict=True):
-        ctypes.memmove(d, s, k)
-    return len(m_size), torch.empty(0, dtype=torch.uint8)  # no workspace
 
 
 def check_disjoint(

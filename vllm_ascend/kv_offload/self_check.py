@@ -337,7 +337,7 @@ def choose_copy_path(
     the torch path for want of a native op, and logs the choice; the caller
     refuses offloading (``refusal``) when no path passed."""
     paths = candidate_paths(device.type, setting)
-    if device.type != "cpu" and not paths[0].native and setting != "torch":
+    if not paths[0].native and setting != "torch":
         logger.warning(
             "KV offload: no native copy op for %s here (%s); copies use the torch path",
             device.type,

@@ -56,7 +56,8 @@ logger = init_logger(__name__)
 
 # A job's copy work: enqueues (or performs) the copies on the current stream.
 # What it returns must stay alive until those copies have completed (e.g.
-# CopyEngine.submit's (copies, workspace)); a stream queue keeps it that long.
+# the (copies, workspace) of the copy path's function, CopyEngine.swap); a
+# stream queue keeps it that long.
 CopyFn = Callable[[], object]
 
 
