@@ -56,7 +56,12 @@ def test_help_lists_the_sizing_flags_and_exits_0(name):
     for flag in SIZING_FLAGS:
         assert flag in proc.stdout
     # The auto pool's share, as the help text states it.
-    assert "auto: 50% of the host memory" in " ".join(proc.stdout.split())
+    shown = " ".join(proc.stdout.split())
+    assert "auto: 50% of the host memory" in shown
+    # The description is the docstring's whole first paragraph, not a line
+    # cut off mid-sentence.
+    summary = example(name).__doc__.split("\n\n")[0]
+    assert " ".join(summary.split()) in shown
 
 
 def completion(text: str) -> SimpleNamespace:
