@@ -27,9 +27,8 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
 from tests.unit.conftest import make_connector
 from tests.unit.kv_helpers import make_worker, parts_of
-from tests.unit.upstream_layouts import build
+from tests.unit.upstream_layouts import build, scenarios
 from tests.unit.upstream_runner import REPLACEMENTS, RUNNER, RUNNER_METHODS
-from tests.unit.upstream_scenarios import scenarios
 from vllm_ascend.kv_offload.kv_layout import canonicalize
 
 NUM_CPU_BLOCKS = 8
