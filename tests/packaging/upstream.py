@@ -9,10 +9,9 @@
 * :func:`coexistence_venv` -- a scratch venv with vLLM for CPU and the build
   tools, created once per content of the requirement files (the key is in its
   name) and reused; pip's own cache makes a re-creation cheap too.
-* :func:`repo_wheel` -- a wheel of this repo, built once per source content
-  with the *main* venv's torch (so its native module is ABI-compatible with the
-  scratch venv, which pins the same torch) from a clean copy of the tree, so
-  that no ``build/`` or ``*.egg-info`` lands in the checkout.
+* :func:`copy_source_tree` -- what this repo's package is built from, copied
+  out of the checkout (a build there would leave ``build/`` and
+  ``*.egg-info``).
 
 Nothing here imports vllm or torch: the helpers run under any Python that has
 pip (and setuptools-scm, which upstream's setup.py needs to produce metadata).
@@ -268,11 +267,11 @@ def coexistence_venv() -> Path:
 
 
 # --------------------------------------------------------------------------
-# wheel of this repo
+# this repo's sources
 
 
-def _wheel_inputs() -> list[Path]:
-    """What the wheel is built from (the package, the C++ sources, the build
+def _source_files() -> list[Path]:
+    """What the package is built from (the package, the C++ sources, the build
     files) as a fresh clone of this repo would have it: tracked plus
     untracked, not ignored; deleted ones are left out. Relative to REPO_ROOT."""
     proc = run(
@@ -287,45 +286,8 @@ def _wheel_inputs() -> list[Path]:
 
 
 def copy_source_tree(dest: Path) -> Path:
-    """Copies what the package is built from (see _wheel_inputs) to ``dest``."""
-    for f in _wheel_inputs():
+    """Copies what the package is built from (see _source_files) to ``dest``."""
+    for f in _source_files():
         (dest / f).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(REPO_ROOT / f, dest / f)
     return dest
-
-
-def repo_wheel(python: str | os.PathLike = sys.executable) -> Path:
-    """A wheel of this repo built with ``python``'s torch; cached by content."""
-    files = _wheel_inputs()
-    h = hashlib.sha256()
-    torch_version = run(
-        [python, "-c", "import torch; print(torch.__version__)"], what="torch version"
-    ).stdout.strip()
-    h.update(f"{torch_version} {sys.version_info[:2]}".encode())
-    for f in files:
-        h.update(str(f).encode() + b"\0" + (REPO_ROOT / f).read_bytes() + b"\0")
-    key = h.hexdigest()[:12]
-    wheels = cache_root() / "wheels"
-    out = wheels / key
-    with _locked("wheel"):
-        found = sorted(out.glob("*.whl"))
-        if found:
-            return found[0]
-        for stale in wheels.glob("*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        wheels.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=wheels, prefix="build-") as tmp:
-            src = copy_source_tree(Path(tmp, "src"))
-            staged = Path(tmp, "wheel")
-            _log(f"building a wheel of this repo against torch {torch_version}")
-            run(
-                [python, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps"]
-                + ["-w", staged, src],
-                what="pip wheel (this repo)",
-                timeout=1800,
-            )
-            built = sorted(staged.glob("*.whl"))
-            if len(built) != 1:
-                raise PackagingSetupError(f"pip wheel produced {built}, expected one")
-            staged.rename(out)
-    return next(out.glob("*.whl"))

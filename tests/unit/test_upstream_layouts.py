@@ -27,9 +27,8 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
 from tests.unit.conftest import make_connector
 from tests.unit.kv_helpers import make_worker, parts_of
-from tests.unit.upstream_layouts import build
+from tests.unit.upstream_layouts import build, scenarios
 from tests.unit.upstream_runner import REPLACEMENTS, RUNNER, RUNNER_METHODS
-from tests.unit.upstream_scenarios import scenarios
 from vllm_ascend.kv_offload.kv_layout import canonicalize
 
 NUM_CPU_BLOCKS = 8
@@ -153,17 +152,15 @@ def spec_bytes_per_block(built) -> int:
     )
 
 
-def test_is_registered_and_every_part_survives_a_round_trip(layout):
-    with worker_side(layout) as side:
-        assert round_trip(side.worker, layout) == []
-
-
-def test_bytes_per_cpu_block_are_what_the_spec_says(layout):
+def test_is_registered_with_the_spec_bytes_and_every_part_survives_a_round_trip(
+    layout,
+):
     with worker_side(layout) as side:
         spec_bytes = spec_bytes_per_block(layout)
         assert side.worker.pool.row_bytes == spec_bytes
         # vLLM's own figure from the KVCacheConfig, which sizes the pool.
         assert side.spec.config.worker_kv_bytes_per_block == spec_bytes
+        assert round_trip(side.worker, layout) == []
 
 
 # HF configs of the layouts sizing.py can size (dense and MLA attention; it
@@ -201,8 +198,8 @@ def test_sizing_gives_the_bytes_per_cpu_block_the_pool_holds(upstream, name, siz
         device_block_size=block_size(built),
         kv_cache_dtype=kv_cache_dtype,
     )
-    with worker_side(built) as side:
-        assert sizing.worker_bytes_per_cpu_block == side.worker.pool.row_bytes
+    # = the pool's bytes per CPU block (the round-trip test above)
+    assert sizing.worker_bytes_per_cpu_block == spec_bytes_per_block(built)
 
 
 def without_tensor(canonical: CanonicalKVCaches, drop: int) -> CanonicalKVCaches:

@@ -1,66 +1,59 @@
 """Next to an upstream vllm-ascend that owns ``vllm_ascend/kv_offload``
 itself, our general plugin (which vLLM runs in every process before the
-engine starts) fails at once, naming both versions and the fix. Upstream's
-installed metadata is faked with a dist-info directory put first on
-``sys.path`` of a fresh interpreter."""
+engine starts) fails at once, naming both versions and the fix: ``register``
+raises before it changes anything. Upstream's installed metadata is faked
+with a dist-info directory put first on ``sys.path``."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
+from importlib import metadata
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from vllm_ascend.kv_offload import plugin
 
 
-def _fake_upstream(site: Path, version: str, files: list[str]) -> None:
-    info = site / f"vllm_ascend-{version}.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text(
-        f"Metadata-Version: 2.1\nName: vllm-ascend\nVersion: {version}\n"
-    )
-    (info / "RECORD").write_text("".join(f"{f},,\n" for f in files))
+@pytest.fixture
+def fake_upstream(tmp_path, monkeypatch):
+    """Makes ``vllm-ascend VERSION`` with RECORD ``files`` look installed."""
 
+    def install(version: str, files: list[str]) -> None:
+        info = tmp_path / f"vllm_ascend-{version}.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: vllm-ascend\nVersion: {version}\n"
+        )
+        (info / "RECORD").write_text("".join(f"{f},,\n" for f in files))
+        monkeypatch.syspath_prepend(str(tmp_path))
+        assert metadata.version("vllm-ascend") == version
 
-def _register(site: Path) -> subprocess.CompletedProcess:
-    code = (
-        f"import sys; sys.path.insert(0, {str(site)!r}); "
-        "from vllm_ascend.kv_offload import plugin; plugin.register(); "
-        "print('registered')"
-    )
-    return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT
-    )
+    return install
 
 
 @pytest.mark.parametrize("version", ["0.23.0.post1", "0.11.0"])
 def test_upstream_before_0_30_is_refused_with_both_versions_and_the_fix(
-    tmp_path, version
+    fake_upstream, version
 ):
-    _fake_upstream(tmp_path, version, ["vllm_ascend/kv_offload/npu.py"])
-    proc = _register(tmp_path)
-    assert proc.returncode != 0
-    assert f"vllm-ascend {version}" in proc.stderr
-    assert "vllm-ascend-kv-offload 0." in proc.stderr
-    assert "Upgrade to vllm-ascend >= 0.30" in proc.stderr
+    fake_upstream(version, ["vllm_ascend/kv_offload/npu.py"])
+    with pytest.raises(ImportError) as refused:
+        plugin.register()
+    assert f"vllm-ascend {version}" in str(refused.value)
+    assert "vllm-ascend-kv-offload 0." in str(refused.value)
+    assert "Upgrade to vllm-ascend >= 0.30" in str(refused.value)
 
 
-def test_upstream_0_30_without_kv_offload_lives_next_to_us(tmp_path):
-    _fake_upstream(tmp_path, "0.30.0rc2", ["vllm_ascend/__init__.py"])
-    proc = _register(tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "registered" in proc.stdout
+def test_upstream_0_30_without_kv_offload_lives_next_to_us(fake_upstream):
+    fake_upstream("0.30.0rc2", ["vllm_ascend/__init__.py"])
+    plugin.refuse_conflicting_upstream()  # what register() runs first
 
 
 def test_upstream_with_this_subtree_built_in_is_refused_while_we_are_installed(
-    tmp_path,
+    fake_upstream,
 ):
     # A future upstream that merged the graft, plus this distribution (the
     # editable install of this checkout) over the same files.
-    _fake_upstream(tmp_path, "0.40.0", ["vllm_ascend/kv_offload/npu.py"])
-    proc = _register(tmp_path)
-    assert proc.returncode != 0
-    assert "ships vllm_ascend/kv_offload itself" in proc.stderr
-    assert "Uninstall vllm-ascend-kv-offload" in proc.stderr
+    fake_upstream("0.40.0", ["vllm_ascend/kv_offload/npu.py"])
+    with pytest.raises(ImportError) as refused:
+        plugin.register()
+    assert "ships vllm_ascend/kv_offload itself" in str(refused.value)
+    assert "Uninstall vllm-ascend-kv-offload" in str(refused.value)

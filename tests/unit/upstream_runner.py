@@ -25,6 +25,7 @@ import re
 import sys
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
+from enum import Enum, auto
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -62,6 +63,7 @@ MXFP_NAMES = tuple(
     " mxfp_packet_section_sizes mxfp_cache_spec mxfp_paged_cache_views"
     " mxfp_cache_views_for_spec fill_mxfp_v_scale_cache".split()
 )
+PROFILE = "vllm_ascend/device/hardware_profile.py"  # its HardwareCapability enum
 UTILS = "vllm_ascend/utils.py"
 UTILS_NAMES = tuple(
     "C8_MXFP_KV_CACHE_DTYPE is_c8_mxfp_kv_quant calc_split_factor"
@@ -132,25 +134,6 @@ class _NotOnCpu:
         raise NotImplementedError(f"upstream {self.name} is not run on CPU")
 
 
-class HardwareProfile:
-    """Stands for ``get_current_hardware_profile()``
-    (device/hardware_profile.py), which reads the SoC: supports what the
-    scenario names."""
-
-    def __init__(self, capabilities: frozenset[str]):
-        self.capabilities = capabilities
-
-    def supports(self, capability: Any) -> bool:
-        return capability.name in self.capabilities
-
-
-class Capability:
-    """``HardwareCapability`` members, by name (device/hardware_profile.py:37)."""
-
-    def __getattr__(self, name: str) -> SimpleNamespace:
-        return SimpleNamespace(name=name)
-
-
 # name -> (what it stands for in upstream, why it is replaced)
 REPLACEMENTS = {
     "self.device": (
@@ -179,7 +162,7 @@ REPLACEMENTS = {
     ),
     "get_current_hardware_profile": (
         "device/hardware_profile.py (reads the SoC)",
-        "HardwareProfile with the scenario's capabilities",
+        "a profile that supports the scenario's capabilities",
     ),
     "is_deepseek_v41_cache": (
         "models/deepseek_v41/cache_config.py:125",
@@ -192,10 +175,6 @@ REPLACEMENTS = {
     "get_layerwise_reuse_config": (
         "kv_pool/ascend_store/layerwise_cache_layout.py:76",
         "its answer for an OffloadingConnector config: None",
-    ),
-    "HardwareCapability": (
-        "model_runner_v1.py:154 (device/hardware_profile.py:37, an Enum)",
-        "Capability: members by name, for HardwareProfile",
     ),
     "allocate_kvpp_cache": (
         "model_runner_v1.py:237, called at :4964",
@@ -322,6 +301,8 @@ def load(root: Path) -> SimpleNamespace:
         "torch": torch,
         "math": math,
         "re": re,
+        "Enum": Enum,
+        "auto": auto,
         "np": np,
         "logger": logger,
         "Any": Any,
@@ -350,7 +331,6 @@ def load(root: Path) -> SimpleNamespace:
         # scenario answers are read from the runner instance (see Runner).
         "MLAAttention": MLALayer,
         "AscendC8MXFPAttentionBackendImpl": C8MXFPImpl,
-        "HardwareCapability": Capability(),
         "is_deepseek_v41_cache": lambda specs: False,
         "is_glm5_next_cache_spec": lambda spec: False,
         "view_glm5_next_cache": _NotOnCpu("view_glm5_next_cache"),
@@ -366,6 +346,7 @@ def load(root: Path) -> SimpleNamespace:
         "extract_dsv4_layer_index": _NotOnCpu("extract_dsv4_layer_index"),
     }
     for rel, names in (
+        (PROFILE, ("HardwareCapability",)),
         (UTILS, UTILS_NAMES),
         (ATTN_UTILS, ATTN_UTILS_NAMES),
         (MXFP, MXFP_NAMES),
