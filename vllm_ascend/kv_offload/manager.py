@@ -136,8 +136,9 @@ class FailureAwareManager:
         result = self.inner.lookup(key, req_context)
         if self.wait_bound is None:
             return result
-        # Key positions: vLLM >= 0.32's ReqContext; without them the tokens
-        # at stake count from the request's computed tokens.
+        # Key positions: ReqContext.get_offload_key_position, vLLM 0.31+;
+        # on vLLM 0.30 (none) the tokens at stake count from the request's
+        # computed tokens.
         position = getattr(req_context, "get_offload_key_position", None)
         return self.wait_bound.admit(
             result, req_context.req_id, position(key) if position else None

@@ -24,14 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-try:  # vLLM's offloading metrics framework (checked on 0.32 and 0.33)
-    from vllm.v1.kv_offload.base import (
-        OffloadingCounterMetadata,
-        OffloadingGaugeMetadata,
-        OffloadingMetricMetadata,
-    )
-except ImportError:  # a release without it: nothing to declare or report
-    OffloadingMetricMetadata = None  # type: ignore[assignment,misc]
+# vLLM's offloading metrics framework: in every supported release (0.30-0.33).
+from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata
 
 CAPACITY_BLOCKS = "vllm:kv_offload_cpu_pool_capacity_blocks"
 CAPACITY_BYTES = "vllm:kv_offload_cpu_pool_capacity_bytes"
@@ -46,8 +40,6 @@ POOL_INFO_LABELS = ("memory_kind", "pinned", "pieces", "copy_path")
 
 
 def metric_definitions() -> dict[str, Any]:
-    if OffloadingMetricMetadata is None:
-        return {}
     return {
         CAPACITY_BLOCKS: OffloadingGaugeMetadata(
             documentation=(
@@ -138,14 +130,12 @@ class PoolInfo:
 
 
 def add_pool_stats(
-    stats: Any, capacity: PoolCapacity, blocks_in_use: int | None, counts: PoolCounts
+    stats: Any, capacity: PoolCapacity, blocks_in_use: int, counts: PoolCounts
 ) -> None:
-    """Adds the pool series to an ``OffloadingConnectorStats`` payload.
-    ``blocks_in_use`` None: the manager's occupancy is unknown (not reported)."""
+    """Adds the pool series to an ``OffloadingConnectorStats`` payload."""
     stats.set_gauge(CAPACITY_BLOCKS, capacity.blocks)
     stats.set_gauge(CAPACITY_BYTES, capacity.bytes)
-    if blocks_in_use is not None:
-        stats.set_gauge(BLOCKS_IN_USE, blocks_in_use)
+    stats.set_gauge(BLOCKS_IN_USE, blocks_in_use)
     stats.increase_counter(EVICTIONS, counts.evictions)
     stats.increase_counter(FAILED_STORES, counts.failed_stores)
     stats.increase_counter(FAILED_LOADS, counts.failed_loads)
@@ -153,7 +143,5 @@ def add_pool_stats(
 
 
 def add_pool_info(stats: Any, info: PoolInfo) -> None:
-    """Adds a worker's info series to an ``OffloadingConnectorStats`` payload
-    (nothing where vLLM has no offloading metrics framework)."""
-    if OffloadingMetricMetadata is not None:
-        stats.set_gauge(POOL_INFO, 1, info.labelvalues())
+    """Adds a worker's info series to an ``OffloadingConnectorStats`` payload."""
+    stats.set_gauge(POOL_INFO, 1, info.labelvalues())

@@ -33,7 +33,7 @@ def all_workers_barrier() -> None:
     """Returns once every worker of the engine has called it: vLLM's CPU
     spec's ``_all_workers_barrier`` (the gloo barrier of the workers of this
     data-parallel rank), after which its creator unlinks the region's name
-    (vLLM 0.32, 0.33)."""
+    (vLLM 0.30-0.33)."""
     from vllm.v1.kv_offload.cpu import spec
 
     spec._all_workers_barrier()
@@ -103,8 +103,8 @@ def count_fs_tier_job_blocks(tier: Any, job_id: int, num_blocks: int) -> None:
 
 def fs_tier_uses_o_direct(tier: Any) -> bool:
     """Whether vLLM's probe found ``O_DIRECT`` usable in the tier directory
-    (``FileSystemTierManager.__init__`` sets ``_use_o_direct``; vLLM 0.32,
-    0.33)."""
+    (``FileSystemTierManager.__init__`` sets ``_use_o_direct``; vLLM
+    0.30-0.33)."""
     return bool(tier._use_o_direct)
 
 
@@ -114,7 +114,7 @@ def enqueue_fs_tier_store(
     """Queues store job ``job_id`` (one task) as ``submit_store`` does: its
     keys for the KV events (``_store_job_keys``, only when events are on),
     its block count (``count_fs_tier_job_blocks``), then
-    ``_pool.enqueue_store`` (vLLM 0.32, 0.33)."""
+    ``_pool.enqueue_store`` (vLLM 0.30-0.33)."""
     if tier.events is not None:
         tier._store_job_keys[job_id] = keys
     count_fs_tier_job_blocks(tier, job_id, len(keys))
@@ -126,7 +126,7 @@ def enqueue_fs_tier_load(
 ) -> None:
     """Queues load job ``job_id`` (one task) as ``submit_load`` does: its
     keys (``_load_job_keys``, so that a failure marks them a miss), its block
-    count, then ``_pool.enqueue_load`` (vLLM 0.32, 0.33)."""
+    count, then ``_pool.enqueue_load`` (vLLM 0.30-0.33)."""
     tier._load_job_keys[job_id] = keys
     count_fs_tier_job_blocks(tier, job_id, len(keys))
     tier._pool.enqueue_load(job_id, 1, [task])
@@ -134,7 +134,7 @@ def enqueue_fs_tier_load(
 
 def record_fs_tier_load_progress(tier: Any, job_id: int, num_loaded: int) -> None:
     """Before a load task raises: how many of its blocks loaded (kept), in
-    ``_load_progress``, which ``get_finished_jobs`` pops (vLLM 0.32, 0.33)."""
+    ``_load_progress``, which ``get_finished_jobs`` pops (vLLM 0.30-0.33)."""
     tier._load_progress[job_id] = num_loaded
 
 
@@ -154,7 +154,7 @@ def quiet_fs_tier_pool_errors(exc_type: type[BaseException]) -> None:
     """vLLM's fs tier thread pool (``DualQueueThreadPool._worker``, module
     ``vllm.v1.kv_offload.tiering.fs.thread_pool``) logs every exception of a
     task as an error, "Job %s block I/O failed: %s", with the exception as
-    the second argument (vLLM 0.32, 0.33); the job then fails as a miss.
+    the second argument (vLLM 0.30-0.33); the job then fails as a miss.
     Drops those lines for exceptions of ``exc_type``, which the tier counts
     as plain misses instead. Idempotent."""
     pool_logger = logging.getLogger("vllm.v1.kv_offload.tiering.fs.thread_pool")
@@ -166,41 +166,35 @@ def quiet_fs_tier_pool_errors(exc_type: type[BaseException]) -> None:
 
 def disown_region(region: Any) -> None:
     """Stops ``SharedOffloadRegion.cleanup`` from unlinking the region's file
-    (``_creator``; vLLM 0.32, 0.33): ``region`` removes it."""
+    (``_creator``; vLLM 0.30-0.33): ``region`` removes it."""
     region._creator = False
 
 
-def cpu_blocks_in_use(manager: Any) -> int | None:
+def cpu_blocks_in_use(manager: Any) -> int:
     """CPU blocks of vLLM's ``CPUOffloadingManager`` that hold KV or are being
-    written (allocated minus free); None for another manager.
+    written (allocated minus free). Every supported release's CPU spec builds
+    that manager (the tiering manager's CPU tier subclasses it).
 
-    vLLM 0.32 and 0.33 hand out chunk ids ``0.._num_allocated_chunks`` and
-    keep freed ones in ``_free_list`` (its ``get_stats`` reads both).
+    vLLM 0.30-0.33 hand out chunk ids ``0.._num_allocated_chunks`` and keep
+    freed ones in ``_free_list`` (its ``get_stats`` reads both).
     """
-    try:
-        return manager._num_allocated_chunks - len(manager._free_list)
-    except (AttributeError, TypeError):
-        return None
+    return manager._num_allocated_chunks - len(manager._free_list)
 
 
 def vllm_swap_blocks_batch() -> Callable[..., None] | None:
-    """vLLM's batched raw-pointer copy for CUDA, or None where this vLLM
-    lacks it or its torch op is not registered (e.g. vLLM's CPU build).
+    """vLLM's batched raw-pointer copy for CUDA, or None where its torch op
+    is not registered (a build without CUDA kernels, e.g. vLLM's CPU build).
 
     ``vllm._custom_ops.swap_blocks_batch(src_ptrs, dst_ptrs, sizes,
     is_src_access_order_any=False)``: int64 CPU tensors, one
     ``cuMemcpyBatchAsync`` on CUDA 12.8+ (a ``cudaMemcpyAsync`` loop before),
     on the current stream, returning None; vLLM's own worker keeps the three
     tensors until the copies have completed. Present with this meaning in
-    vLLM 0.32 and 0.33 (``torch.ops._C_cache_ops.swap_blocks_batch``).
+    vLLM 0.30, 0.31, 0.32 and 0.33 (``torch.ops._C_cache_ops.swap_blocks_batch``).
     """
     import torch
+    import vllm._custom_ops  # its torch ops load with it (a warning if they fail)
 
-    try:
-        import vllm._custom_ops  # its torch ops load with it
-    except ImportError:
+    if not hasattr(torch.ops._C_cache_ops, "swap_blocks_batch"):
         return None
-    fn = getattr(vllm._custom_ops, "swap_blocks_batch", None)
-    if fn is None or not hasattr(torch.ops._C_cache_ops, "swap_blocks_batch"):
-        return None
-    return fn
+    return vllm._custom_ops.swap_blocks_batch
