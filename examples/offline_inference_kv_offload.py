@@ -191,7 +191,15 @@ def main() -> None:
         # new shapes) that are neither computing nor loading.
         time_to_first_token(llm, long_prompt(0))
         cold, device, cpu = [], [], []
-        loaded_before = offload_counters()["loaded_bytes"]
+        # Bytes loaded from the CPU by each kind of request, summed over rounds.
+        loads = {"device": 0.0, "cpu": 0.0}
+
+        def timed(kind: str, prompt: str) -> tuple[float, int, int]:
+            before = offload_counters()["loaded_bytes"]
+            result = time_to_first_token(llm, prompt)
+            loads[kind] += offload_counters()["loaded_bytes"] - before
+            return result
+
         cpu_tokens = prompt_tokens = 0
         for r in range(1, args.rounds + 1):
             prompt = long_prompt(r)
@@ -199,10 +207,10 @@ def main() -> None:
             seconds, _, prompt_tokens = time_to_first_token(llm, prompt)
             cold.append(seconds)
             # Device hit: the prefix is still in the device cache.
-            device.append(time_to_first_token(llm, prompt)[0])
+            device.append(timed("device", prompt)[0])
             # Drop the device prefix cache: only the CPU pool holds the prefix.
             engine.reset_prefix_cache(llm)
-            seconds, cpu_tokens, _ = time_to_first_token(llm, prompt)
+            seconds, cpu_tokens, _ = timed("cpu", prompt)
             cpu.append(seconds)
         counters = offload_counters()
     finally:
@@ -216,9 +224,16 @@ def main() -> None:
     print(f"stored to CPU:   {counters['stored_bytes'] / 2**20:9.2f} MiB")
     print(
         f"loaded from CPU: {counters['loaded_bytes'] / 2**20:9.2f} MiB "
-        f"({(counters['loaded_bytes'] - loaded_before) / args.rounds / 2**20:.2f} "
-        "MiB per CPU hit)"
+        f"({loads['cpu'] / args.rounds / 2**20:.2f} MiB per CPU hit)"
     )
+    if loads["device"]:
+        # vLLM's device prefix cache matches at most the prompt less one
+        # token, so a full-block prompt's last block comes from the CPU pool.
+        print(
+            f"  of which device hits: {loads['device'] / args.rounds / 2**20:.2f} "
+            "MiB each (the prompt's last block, which the device prefix cache "
+            "does not match)"
+        )
     print(f"long prompt: {prompt_tokens} tokens")
     print(f"prompt tokens served from the CPU cache: {cpu_tokens}")
     print(f"time to first token (median of {args.rounds}):")

@@ -38,7 +38,11 @@ import pytest
 from tests.packaging import upstream
 from tests.packaging.conftest import OURS, UPSTREAM, ScratchVenv
 from vllm_ascend.kv_offload.testing.engine import GUIDE_EXTRA_CONFIG
-from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model, make_prompt
+from vllm_ascend.kv_offload.testing.tiny_model import (
+    DEMO_SPEC,
+    ensure_tiny_model,
+    make_prompt,
+)
 
 pytestmark = pytest.mark.packaging
 
@@ -300,6 +304,12 @@ def test_guide_example_with_both_installed(venv, upstream_alone, tiny_model, tmp
     )
     loaded = float(re.search(r"loaded from CPU:\s+([\d.]+) MiB", out)[1])
     assert cpu_tokens > 0 and loaded > 0, out
+    # "per CPU hit" is the CPU hit's own load: the KV of the tokens it served
+    # (bf16 K and V of every layer), not the round's loads.
+    per_hit = float(re.search(r"([\d.]+) MiB per CPU hit", out)[1])
+    d = DEMO_SPEC
+    token_bytes = d.num_layers * 2 * d.num_kv_heads * d.head_dim * 2
+    assert per_hit == round(cpu_tokens * token_bytes / 2**20, 2), out
     assert re.search(r"^Generated: '.+'$", out, re.M), out
 
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
