@@ -42,10 +42,16 @@ def offload_counters() -> dict[str, float]:
     }
 
 
-def time_to_first_token(llm, prompt: str) -> tuple[float, int, int]:
+def time_to_first_token(
+    llm, prompt: str, loads: dict[str, float] | None = None, kind: str = ""
+) -> tuple[float, int, int]:
     """Seconds to the first token of ``prompt`` alone (vLLM's request
-    metrics), its cached tokens and its length in tokens."""
+    metrics), its cached tokens and its length in tokens; the bytes it loaded
+    from the CPU are added to ``loads[kind]``."""
+    before = offload_counters()["loaded_bytes"]
     out = engine.generate(llm, prompt, max_tokens=1)
+    if loads is not None:
+        loads[kind] += offload_counters()["loaded_bytes"] - before
     return engine.ttft_s(out), out.num_cached_tokens or 0, len(out.prompt_token_ids)
 
 
@@ -193,13 +199,6 @@ def main() -> None:
         cold, device, cpu = [], [], []
         # Bytes loaded from the CPU by each kind of request, summed over rounds.
         loads = {"device": 0.0, "cpu": 0.0}
-
-        def timed(kind: str, prompt: str) -> tuple[float, int, int]:
-            before = offload_counters()["loaded_bytes"]
-            result = time_to_first_token(llm, prompt)
-            loads[kind] += offload_counters()["loaded_bytes"] - before
-            return result
-
         cpu_tokens = prompt_tokens = 0
         for r in range(1, args.rounds + 1):
             prompt = long_prompt(r)
@@ -207,10 +206,10 @@ def main() -> None:
             seconds, _, prompt_tokens = time_to_first_token(llm, prompt)
             cold.append(seconds)
             # Device hit: the prefix is still in the device cache.
-            device.append(timed("device", prompt)[0])
+            device.append(time_to_first_token(llm, prompt, loads, "device")[0])
             # Drop the device prefix cache: only the CPU pool holds the prefix.
             engine.reset_prefix_cache(llm)
-            seconds, cpu_tokens, _ = timed("cpu", prompt)
+            seconds, cpu_tokens, _ = time_to_first_token(llm, prompt, loads, "cpu")
             cpu.append(seconds)
         counters = offload_counters()
     finally:
