@@ -38,8 +38,8 @@
 // be 4 KiB-aligned; unregister with aclrtHostUnregister(ptr). A registered
 // range becomes page-locked host memory known to ACL: aclrtPointerGetAttributes
 // reports ACL_MEM_LOCATION_TYPE_HOST for it (SIM CHOICE: the docs do not say
-// what it reports; simacl_set_host_register_location changes it), and copies
-// from or to it are queued like any pinned copy. Unregistering makes it
+// what it reports; simacl_set's "host_register_location" changes it), and
+// copies from or to it are queued like any pinned copy. Unregistering makes it
 // pageable again; copies still queued then fault when they run. SIM CHOICES:
 // the codes ACL_ERROR_RT_ADDR_UNALIGNED (unaligned), ACL_ERROR_INVALID_PARAM
 // (null, size 0, flag 0 or with bits other than MAPPED / PINNED; MAPPED
@@ -108,9 +108,27 @@ struct Task {
 struct State {
   std::map<uintptr_t, Range> ranges;                // keyed by start address
   std::map<aclrtStream, std::deque<Task>> streams;  // queued, not yet run
-  // simacl_stat's counters and records (calls are counted by API name).
-  std::map<std::string, int64_t> stats{{"last_kind", -1},
-                                       {"last_register_flag", -1}};
+  // simacl_stat's counters and records, every name it knows (calls are
+  // counted by API name; "pending" is computed).
+  std::map<std::string, int64_t> stats{{"aclrtPointerGetAttributes", 0},
+                                       {"aclrtHostRegisterV2", 0},
+                                       {"aclrtMallocHost", 0},
+                                       {"aclrtFreeHost", 0},
+                                       {"aclrtHostUnregister", 0},
+                                       {"aclrtMemcpyBatchAsync", 0},
+                                       {"aclrtMemcpyAsync", 0},
+                                       {"aclrtSynchronizeStream", 0},
+                                       {"max_entries", 0},
+                                       {"sync_copies", 0},
+                                       {"faulted_entries", 0},
+                                       {"last_stream", 0},
+                                       {"last_kind", -1},
+                                       {"last_register_flag", -1},
+                                       {"report.direction", 0},
+                                       {"report.fallback_started", 0},
+                                       {"report.batch_calls", 0},
+                                       {"report.single_calls", 0},
+                                       {"report.workspace_bytes", 0}};
   // One armed failure per ACL function (armed while nth_call != 0).
   std::map<std::string, Injection> injections;
   size_t fired_fail_index = SIZE_MAX;  // of the failure that fired last
@@ -169,7 +187,7 @@ bool locate(const State& s, const void* ptr, size_t n, aclrtMemLocation* out) {
   return it == s.ranges.end() || it->first - p >= n;
 }
 
-// simacl_set_host_limits' size limit: true (with *code set) when one call
+// simacl_set's "max_host_bytes": true (with *code set) when one call
 // of `api` asks for more than it.
 bool over_host_limit(State& s, uint64_t size, const char* api, aclError* code) {
   if (s.max_host_bytes == 0 || size <= s.max_host_bytes) return false;
@@ -513,19 +531,26 @@ void simacl_reset(void) {
 // fails with ACL_ERROR_RT_ADDR_UNALIGNED, and aclrtMallocHost returns memory
 // aligned to it; 4096 by default, 65536 models Ascend SVM's rule), "a5" (1: a
 // flag with ACL_HOST_REG_PINNED fails with ACL_ERROR_RT_PARAM_INVALID,
-// 107000, as on A5, where only ACL_HOST_REG_MAPPED is accepted).
-void simacl_set(const char* name, int64_t value) {
+// 107000, as on A5, where only ACL_HOST_REG_MAPPED is accepted). Returns 0,
+// or -1 for a name it does not know (nothing set: a test must not pass
+// because its switch was misspelled).
+int simacl_set(const char* name, int64_t value) {
   auto [lock, s] = Locked{};
   const std::string key = name;
-  if (key == "batch_unsupported") s.batch_unsupported = value != 0;
-  if (key == "host_register_location") {
+  if (key == "batch_unsupported") {
+    s.batch_unsupported = value != 0;
+  } else if (key == "host_register_location") {
     s.host_register_location = static_cast<aclrtMemLocationType>(value);
-  }
-  if (key == "max_host_bytes") s.max_host_bytes = static_cast<uint64_t>(value);
-  if (key == "host_alignment") {
+  } else if (key == "max_host_bytes") {
+    s.max_host_bytes = static_cast<uint64_t>(value);
+  } else if (key == "host_alignment") {
     s.host_alignment = value == 0 ? 4096 : static_cast<uint64_t>(value);
+  } else if (key == "a5") {
+    s.a5 = value != 0;
+  } else {
+    return -1;
   }
-  if (key == "a5") s.a5 = value != 0;
+  return 0;
 }
 
 // A counter or record of the simulation since simacl_reset: the name of an
@@ -538,7 +563,8 @@ void simacl_set(const char* name, int64_t value) {
 // aclrtSynchronizeStream), "last_stream" (of the most recent copy call),
 // "last_kind" (aclrtMemcpyKind of the most recent aclrtMemcpyAsync, -1:
 // none), "last_register_flag" (of the most recent aclrtHostRegisterV2, -1:
-// none). Unknown names are 0.
+// none), and "report.*" (simacl_core_copy's). An unknown name is INT64_MIN
+// (not 0: an assertion of 0 on a misspelled name must not pass).
 int64_t simacl_stat(const char* name) {
   auto [lock, s] = Locked{};
   if (std::string(name) == "pending") {
@@ -547,7 +573,7 @@ int64_t simacl_stat(const char* name) {
     return static_cast<int64_t>(n);
   }
   const auto it = s.stats.find(name);
-  return it == s.stats.end() ? 0 : it->second;
+  return it == s.stats.end() ? INT64_MIN : it->second;
 }
 
 // The aclrtMemLocationType the simulation holds for the byte at `ptr`.

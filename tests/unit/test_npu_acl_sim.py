@@ -73,6 +73,9 @@ REPORT = ("direction", "fallback_started", "batch_calls", "single_calls")
 REPORT += ("workspace_bytes",)  # the workspace the harness gave copy()
 
 
+UNKNOWN_STAT = -(2**63)  # simacl_stat's answer for a name it does not know
+
+
 class SimAcl:
     """ctypes view of one SIMULATED ACL runtime plus the real core."""
 
@@ -114,13 +117,19 @@ class SimAcl:
 
     def stat(self, name: str) -> int:
         """simacl_stat: calls of an ACL function, or a counter of the
-        simulation ("pending", "sync_copies", "faulted_entries", ...)."""
-        return self.lib.simacl_stat(name.encode())
+        simulation ("pending", "sync_copies", "faulted_entries", ...); a
+        name it does not know raises KeyError."""
+        value = self.lib.simacl_stat(name.encode())
+        if value == UNKNOWN_STAT:
+            raise KeyError(f"the simulation counts no {name!r}")
+        return value
 
     def set(self, **switches: int) -> None:
-        """simacl_set: batch_unsupported, host_register_location, ..."""
+        """simacl_set: batch_unsupported, host_register_location, ...; a
+        switch it does not know raises KeyError."""
         for name, value in switches.items():
-            self.lib.simacl_set(name.encode(), int(value))
+            if self.lib.simacl_set(name.encode(), int(value)) != 0:
+                raise KeyError(f"the simulation has no switch {name!r}")
 
     def register(self, buf: np.ndarray, location: int, device_id: int = 0) -> None:
         self.lib.simacl_register(buf.ctypes.data, buf.nbytes, location, device_id)
@@ -792,6 +801,22 @@ def test_sim_enforces_the_host_memory_limits_of_real_runtimes(sim: SimAcl) -> No
 
     sim.reset()  # no limits
     assert register(off, 64 * SVM, MAPPED_PINNED) == 0
+
+
+def test_sim_a_misspelled_switch_or_counter_is_an_error(sim: SimAcl) -> None:
+    """No assertion passes on a name the simulation does not know (a switch
+    left unset, a counter read as 0); every name the tests read is known
+    from the start."""
+    with pytest.raises(KeyError, match="no switch 'batch_unsuported'"):
+        sim.set(batch_unsuported=1)
+    with pytest.raises(KeyError, match="counts no 'sync_copy'"):
+        sim.stat("sync_copy")
+    calls = (BATCH, SINGLE, ATTRS, SYNC, HOST_REGISTER, HOST_UNREGISTER)
+    calls += (MALLOC_HOST, FREE_HOST)
+    counters = ("pending", "sync_copies", "faulted_entries", "max_entries")
+    counters += ("last_stream", *(f"report.{k}" for k in REPORT))
+    assert all(sim.stat(name) == 0 for name in calls + counters)
+    assert sim.stat("last_kind") == sim.stat("last_register_flag") == -1
 
 
 def test_sim_constants_match_the_acl_headers(torch_npu_dir) -> None:

@@ -292,6 +292,29 @@ def test_a_refused_piece_is_retried_at_half_its_size_down_to_one_unit():
     assert len(refused.value.failures) == 5  # 64 -> 32 -> 16 -> 8 -> 4 GiB
 
 
+def test_a_refusal_gives_back_every_piece_even_when_one_fails_to_go():
+    plan = PiecePlan.of(8, 4096, 2 * 4096, 4096)
+    taken: list = []
+    given_back: list = []
+
+    def take(unit: int, units: int) -> int:
+        if unit + units > 4:  # the second half refused, even unit by unit
+            raise RuntimeError("refused")
+        taken.append(unit)
+        return unit
+
+    def give_back(handle: int) -> None:
+        given_back.append(handle)
+        if handle == taken[-1]:  # the last piece taken fails to go
+            raise RuntimeError("error 507000")
+
+    with pytest.raises(PiecesRefused) as refused:
+        take_pieces(plan, take, give_back)
+    assert len(taken) > 1 and given_back == taken[::-1]  # every one, failed or not
+    assert "giving back the piece of" in str(refused.value)
+    assert "error 507000" in str(refused.value)
+
+
 def test_on_cuda_each_piece_is_registered_through_vllms_host_register(
     monkeypatch, caplog
 ):

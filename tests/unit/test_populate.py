@@ -183,15 +183,20 @@ def test_no_memory_left_is_a_memory_error_naming_the_size(fresh_mapping):
     assert resident_pages(addr, nbytes) == 0
 
 
-def test_a_failed_population_unmaps_the_pool_memory(monkeypatch):
+@pytest.mark.parametrize(
+    "error",
+    [MemoryError("no memory"), RuntimeError("a populate thread failed")],
+    ids=["no-memory", "any-other-error"],
+)
+def test_a_failed_population_unmaps_the_pool_memory(monkeypatch, error):
     seen = []
 
-    def no_memory(addr: int, nbytes: int) -> None:
+    def failing(addr: int, nbytes: int) -> None:
         seen.append((addr, nbytes))
-        raise MemoryError("no memory")
+        raise error
 
-    monkeypatch.setattr(host_memory, "populate", no_memory)
-    with pytest.raises(MemoryError) as failed:
+    monkeypatch.setattr(host_memory, "populate", failing)
+    with pytest.raises(type(error)) as failed:
         host_memory.allocate_host_memory(1, CHUNK_BYTES, "cpu")
     # Unmapped by the time the error is raised, not when it is collected
     # (its traceback holds the allocating frame).

@@ -37,6 +37,7 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from tests.fault_injection import FaultInjectingWorker, FaultInjector
 from tests.unit.conftest import kv_offload_threads
 from tests.unit.kv_helpers import make_kv_caches, make_worker
+from vllm_ascend.kv_offload.cpu_pool import CpuBlockPool
 from vllm_ascend.kv_offload.transfer_queue import ThreadTransferQueue
 
 PAGES = [256, 128, 384]  # unequal parts, e.g. K, V and a third
@@ -291,6 +292,28 @@ def test_worker_shutdown_with_large_jobs_in_flight_frees_everything():
     gc.collect()
     assert pool() is None
     worker.shutdown()  # idempotent
+
+
+@pytest.mark.parametrize("error", [RuntimeError("broken"), KeyboardInterrupt()])
+def test_a_self_check_that_raises_leaves_no_copy_thread_and_frees_the_pool(
+    monkeypatch, error
+):
+    """Not only a failed check (``SelfCheckFailed``): one that raises stops
+    the worker's queues and gives its pool back before the error goes on."""
+    before = set(kv_offload_threads())
+    released = []
+    release = CpuBlockPool.release
+    monkeypatch.setattr(
+        CpuBlockPool, "release", lambda pool: (released.append(pool), release(pool))
+    )
+
+    def check(*args, **kwargs):
+        raise error
+
+    with pytest.raises(type(error)):
+        make_worker(make_kv_caches(8, PAGES), 1, 4, self_check=check)
+    assert set(kv_offload_threads()) <= before  # its queues' threads ended
+    assert len(released) == 1
 
 
 def test_fault_spec_is_parsed_and_bad_specs_name_the_variable():

@@ -174,7 +174,7 @@ def _mmap_memory(plan: PiecePlan) -> HostMemory:
             # One unit at a time, never the gaps between them.
             populate(whole.data_ptr() + start, length)
             units.append(whole[start : start + length])
-    except MemoryError:
+    except BaseException:  # MemoryError, a bad setting, a populate thread's error
         units.clear()
         del whole
         region.close()

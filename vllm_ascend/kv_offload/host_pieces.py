@@ -160,7 +160,8 @@ def take_pieces(
     docstring: ``take(first_unit, units)`` allocates or registers one piece
     and returns its handle, raising RuntimeError when the runtime refuses it.
     Returns the pieces and what each refusal said. If a single unit is
-    refused, the pieces taken are given back (``give_back``, last first) and
+    refused, the pieces taken are given back (``give_back``, last first;
+    one that fails, RuntimeError, is named and the others still are) and
     PiecesRefused is raised. ``size_of(first_unit, units)``: the bytes of a
     piece, for the messages (default: its span)."""
     size_of = size_of or plan.piece_span
@@ -175,7 +176,13 @@ def take_pieces(
             failures.append(f"a piece of {size_of(unit, units)} bytes: {e}")
             if units == 1:
                 for piece in reversed(pieces):
-                    give_back(piece.handle)
+                    try:
+                        give_back(piece.handle)
+                    except RuntimeError as back:
+                        failures.append(
+                            f"giving back the piece of {piece.nbytes} bytes "
+                            f"taken before failed: {back}"
+                        )
                 raise PiecesRefused(failures) from e
             size = units // 2
             continue

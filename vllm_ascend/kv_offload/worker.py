@@ -96,15 +96,19 @@ class NPUOffloadingWorker(OffloadingWorker):
         self._closed = False
         # Before serving: the start-up self-check picks the copy path and
         # returns its copy function, bound; or offloading is refused.
-        result = choose_copy_path(
-            self.device,
-            [t.page_size_bytes for t in kv_caches.tensors],
-            copy_path,
-            pool=pool,
-            queues=(self._stores, self._loads),
-            buffers=self.engine.buffers(),
-            check=self_check,
-        )
+        try:
+            result = choose_copy_path(
+                self.device,
+                [t.page_size_bytes for t in kv_caches.tensors],
+                copy_path,
+                pool=pool,
+                queues=(self._stores, self._loads),
+                buffers=self.engine.buffers(),
+                check=self_check,
+            )
+        except BaseException:
+            self.shutdown()  # the queues stop, the pool goes back: then raise
+            raise
         self.self_check: SelfCheckResult = result
         if not result.passed:
             self.shutdown()
