@@ -147,9 +147,16 @@ def run_scenario(
     return json.loads(out_file.read_text())
 
 
-def scenario_log(tmp_path: Path, name: str) -> str:
-    """The whole output (stdout, then stderr) of the last run of ``name``."""
-    return (tmp_path / f"{name}.log").read_text()
+def scenario_log(tmp_path: Path, name: str, step: int | None = None) -> str:
+    """The whole output (stdout, then stderr) of the last run of ``name``;
+    given ``step``, only that engine's of its ``sequence`` (the lines after
+    run_scenario's ``### step <step> ###`` markers)."""
+    log = (tmp_path / f"{name}.log").read_text()
+    if step is None:
+        return log
+    parts = re.split(r"^### step (\d+) ###\n", log, flags=re.M)
+    steps = zip(parts[1::2], parts[2::2], strict=True)
+    return "".join(text for i, text in steps if int(i) == step)
 
 
 def token_ids(phase: list[dict]) -> list[list[int]]:
