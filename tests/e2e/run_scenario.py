@@ -14,7 +14,10 @@ test-only fault injection of ``vllm_ascend.kv_offload.worker``),
 phases above, for scenarios that drive the engine step by step), and
 ``sequence`` (scenarios run one after another in this process, each engine
 shut down before the next starts, each with its own ``env``: one
-interpreter start instead of several).
+interpreter start instead of several; each one's output follows a marker
+line, ``STEP_MARK``, on stdout and stderr; a step with ``expect_error``
+whose engine fails records the error, ``{"error": ...}``, its traceback in
+the output, and the sequence goes on).
 Per phase, optionally: ``reset_prefix_cache``, ``sleep_s`` (before it, e.g.
 for slowed copies to land) and ``settle: false`` (the next phase starts while
 the stores of this one may still be in flight).
@@ -31,6 +34,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -64,16 +68,31 @@ settle_stores = engine.settle
 shutdown_engine = engine.shutdown
 
 
+STEP_MARK = "### step {} ###"
+
+
 def run(scenario: dict) -> dict:
     os.environ.update(scenario.get("env", {}))
     if "sequence" in scenario:
         runs = []
-        for step in scenario["sequence"]:
+        for i, step in enumerate(scenario["sequence"]):
+            for stream in (sys.stdout, sys.stderr):
+                print(STEP_MARK.format(i), file=stream, flush=True)
             with _env(step.get("env", {})):
-                runs.append(_run_one(step, shutdown=True))
+                runs.append(_run_step(step))
             gc.collect()  # the engine's KV cache goes before the next one's
         return {"runs": runs}
     return _run_one(scenario)
+
+
+def _run_step(step: dict) -> dict:
+    if not step.get("expect_error"):
+        return _run_one(step, shutdown=True)
+    try:
+        return _run_one(step, shutdown=True)
+    except Exception as exc:
+        traceback.print_exc()
+        return {"error": repr(exc)}
 
 
 def _run_one(scenario: dict, shutdown: bool = False) -> dict:

@@ -73,6 +73,10 @@ def in_process_scenarios(scenario_dir) -> dict[str, dict]:
 
 
 MULTIPROCESS = "random_faults_multiprocess"
+# An oversized pool (the start-up test below): last in the sequence, its
+# engine is refused.
+REFUSED_BLOCKS = 10**9
+REFUSED = f"start_up_{REFUSED_BLOCKS}_blocks"
 
 
 def multiprocess_scenario(scenario_dir) -> dict:
@@ -93,13 +97,24 @@ def runs(scenario_dir) -> dict[str, tuple[dict, list[str]]]:
     """Each scenario's result and the faults it injected: the default-layout
     one first (an in-process engine core caches vLLM's environment
     variables in this process, VLLM_ENABLE_V1_MULTIPROCESSING included),
-    then the in-process ones, all in one process."""
+    then the in-process ones, all in one process; the refused engine last
+    (nothing has to start after it)."""
+    refused = {
+        "offload": dict(GUIDE_OFFLOAD, num_cpu_blocks=REFUSED_BLOCKS),
+        "phases": [{"prompts": ALL_PROMPTS[:1]}],
+        "expect_error": True,
+    }
     scenarios = {
         MULTIPROCESS: multiprocess_scenario(scenario_dir),
         **in_process_scenarios(scenario_dir),
+        REFUSED: in_process(refused),
     }
+    # Seven engine starts: the time two processes had (600 s each).
     result = run_scenario(
-        scenario_dir, "failures", {"sequence": list(scenarios.values())}
+        scenario_dir,
+        "failures",
+        {"sequence": list(scenarios.values())},
+        timeout_s=1200,
     )
     return {
         name: (run, injected_faults(scenario_dir, name))
@@ -202,34 +217,26 @@ def test_negative_control_unhandled_failures_change_the_output(
 @pytest.mark.parametrize(
     "num_cpu_blocks, allocated",
     [
-        # Every engine of ``runs``: the fault-injecting guide config.
+        # Every engine of ``runs`` but the last: the fault-injecting guide config.
         (FAULTY_OFFLOAD["num_cpu_blocks"], True),
         # One engine start per bad value is costly; the other bad values are
         # covered by tests/unit/test_config_validation.py and
         # tests/unit/test_host_memory_guard.py.
-        (10**9, False),
+        (REFUSED_BLOCKS, False),
     ],
 )
 def test_start_up_logs_the_pool_exactly_when_it_allocates_one(
-    request, scenario_dir, num_cpu_blocks, allocated
+    runs, scenario_dir, num_cpu_blocks, allocated
 ):
     """In-process engines log through vLLM's logger like the others, so the
     pool's start-up line is in the log when the pool was allocated; its
     absence after a refused start then means that nothing was allocated."""
     if allocated:
-        request.getfixturevalue("runs")
         log = scenario_log(scenario_dir, "failures")
         assert f"KV offload: CPU block pool of {num_cpu_blocks} blocks" in log
         return
-    name = f"start_up_{num_cpu_blocks}_blocks"
-    scenario = in_process(
-        {
-            "offload": dict(GUIDE_OFFLOAD, num_cpu_blocks=num_cpu_blocks),
-            "phases": [{"prompts": ALL_PROMPTS[:1]}],
-        }
-    )
-    with pytest.raises(AssertionError):
-        run_scenario(scenario_dir, name, scenario)
-    log = scenario_log(scenario_dir, name)
+    result, _ = runs[REFUSED]
+    assert "error" in result  # the engine did not start
+    log = scenario_log(scenario_dir, "failures", step=list(runs).index(REFUSED))
     assert "OffloadConfigError" in log and "lower num_cpu_blocks to" in log
     assert "CPU block pool of" not in log

@@ -2,14 +2,14 @@
 ``/dev/shm`` is a small tmpfs (a private mount namespace) that holds vLLM's
 own segments and two of its regions, not three.
 
-The server is started four times: stopped twice with SIGTERM at vLLM's
-default ``--shutdown-timeout`` (0: the API server force-kills the engine core
-and the worker; had both stops leaked their region, the third start would
-find no room), then SIGKILLed as a whole process group while requests are
-in flight, then started and stopped once more. Every start must succeed and
-answer as offloading off does (a prefix loaded back from the region after
-the device cache was emptied); after every stop no file of the offload
-(region or its mark) may be left in that ``/dev/shm``.
+The server is started three times: stopped with SIGTERM at vLLM's default
+``--shutdown-timeout`` (0: the API server force-kills the engine core and
+the worker), then SIGKILLed as a whole process group while requests are in
+flight, then started and stopped with SIGTERM once more (had the first two
+stops leaked their regions, this third start would find no room). Every
+start must succeed and answer as offloading off does (a prefix loaded back
+from the region after the device cache was emptied); after every stop no
+file of the offload (region or its mark) may be left in that ``/dev/shm``.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ REGION_MIB = 48
 VLLM_FREE_MIB = 240
 SHM_MIB = VLLM_FREE_MIB + REGION_MIB + REGION_MIB // 2
 DOC_BLOCKS = 4  # each document's prefix is 512 tokens
-STOPS = [signal.SIGTERM] * 2 + [signal.SIGKILL, signal.SIGTERM]
+STOPS = [signal.SIGTERM, signal.SIGKILL, signal.SIGTERM]
 
 
 @pytest.fixture(scope="module")
