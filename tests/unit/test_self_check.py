@@ -228,6 +228,16 @@ def test_no_byte_exact_path_refuses_offloading_naming_each_failure(warnings):
     assert "vllm_ascend.kv_offload.doctor" in str(error)
 
 
+def assert_stores_byte_exact(w, kv) -> None:
+    """Device blocks 2 and 5 stored to CPU blocks 0 and 3, byte for byte."""
+    spec = GPULoadStoreSpec([2, 5], group_sizes=[2], block_indices=[0])
+    assert w.submit_store(1, spec, CPULoadStoreSpec([0, 3]))
+    w.wait({1})
+    assert [r.success for r in w.get_finished()] == [True]
+    rows = w.pool.tensor[[0, 3]]
+    assert torch.equal(rows[:, : PAGES[0]], kv.tensors[0].tensor[[2, 5]])
+
+
 def test_the_worker_serves_on_the_path_the_check_chose(monkeypatch):
     paths = faulty({PATH_NAMES[0]: "byte"})
     monkeypatch.setattr(self_check, "candidate_paths", lambda device, setting: paths)
@@ -250,12 +260,7 @@ def test_the_worker_serves_on_the_path_the_check_chose(monkeypatch):
         assert f"copy path {paths[1].name} on cpu (self-check: " in chosen[0]
         assert "host memory" in chosen[0]
         # And it moves KV on that path, byte-exact.
-        spec = GPULoadStoreSpec([2, 5], group_sizes=[2], block_indices=[0])
-        assert w.submit_store(1, spec, CPULoadStoreSpec([0, 3]))
-        w.wait({1})
-        assert [r.success for r in w.get_finished()] == [True]
-        rows = w.pool.tensor[[0, 3]]
-        assert torch.equal(rows[:, : PAGES[0]], kv.tensors[0].tensor[[2, 5]])
+        assert_stores_byte_exact(w, kv)
 
 
 def test_a_worker_with_no_byte_exact_path_is_refused_at_start_up(monkeypatch):
@@ -282,12 +287,7 @@ def test_without_native_code_a_cpu_worker_offloads_on_the_torch_path(
     kv = make_kv_caches(8, PAGES)
     with running(make_worker(kv, 1, 4)) as w:
         assert w.copy_path == TORCH == w.self_check.path
-        spec = GPULoadStoreSpec([2, 5], group_sizes=[2], block_indices=[0])
-        assert w.submit_store(1, spec, CPULoadStoreSpec([0, 3]))
-        w.wait({1})
-        assert [r.success for r in w.get_finished()] == [True]
-        rows = w.pool.tensor[[0, 3]]
-        assert torch.equal(rows[:, : PAGES[0]], kv.tensors[0].tensor[[2, 5]])
+        assert_stores_byte_exact(w, kv)
     # Said once, with the reason, as on a device without the op.
     (warning,) = [m for m in warnings if "no native copy op" in m]
     assert "for cpu here (VLLM_ASCEND_NATIVE_OP=0 is set)" in warning
