@@ -19,6 +19,7 @@ from tests.unit.conftest import TIERING, new_engine_id, payload
 from tests.unit.kv_helpers import cpu_queues, make_config, make_kv_caches
 from tests.unit.tier_helpers import IDENTITY, KEY_ID, refusal, tiering_spec
 from tests.vllm_version import VLLM_VERSION
+from vllm_ascend.kv_offload import ops, region_worker
 from vllm_ascend.kv_offload.acl_host import kernel_registers_pageable_memory
 from vllm_ascend.kv_offload.config import OffloadConfigError, check_keys
 from vllm_ascend.kv_offload.connector import our_spec_class
@@ -234,8 +235,6 @@ def acl_calls(monkeypatch, kernel_release):
     """ops.host_register / host_unregister replaced by recorders (no NPU
     here); the tiering worker built with no copy engine, CPU queues and no
     self-check (no npu streams here), through its constructor's arguments."""
-    from vllm_ascend.kv_offload import ops, region_worker
-
     calls = []
 
     def register(addr, size, device, flags):
@@ -282,8 +281,6 @@ def test_npu_region_is_registered_in_pieces_smaller_where_refused_mapped_on_a5(
     host_piece_bytes; a piece the runtime refuses is retried at half its
     size; where PINNED is refused (A5), MAPPED alone. Every piece is
     unregistered before the region is unmapped."""
-    from vllm_ascend.kv_offload import ops
-
     mapped, pinned, limit = 0x2, 0x10000000, 64 * 2**10
     flags_seen = []
 
@@ -330,8 +327,6 @@ ACL_REFUSED = "kv_offload_host_register(device='npu'): ACL error 507899"
 def test_a_refused_npu_registration_is_a_clear_error_and_leaves_nothing(
     acl_calls, kernel_release, monkeypatch, release, acl_error, wrong
 ):
-    from vllm_ascend.kv_offload import ops
-
     def refuse(addr, size, device, flags):
         raise RuntimeError(acl_error)
 
