@@ -139,11 +139,13 @@ def test_blocks_evicted_from_a_small_device_cache_come_back_from_cpu(runs, refer
     assert result["counters"]["vllm:kv_offload_load_bytes"] > 0
 
 
-def test_cpu_pool_smaller_than_working_set_evicts_least_recently_used(runs, reference):
+def test_cpu_pool_smaller_than_working_set_evicts_least_recently_used(
+    runs, first_answers
+):
     result = runs["small_cpu"]
-    assert token_ids(result["phases"][0]) == [reference[0], reference[3], reference[6]]
+    assert token_ids(result["phases"][0]) == first_answers
     again = result["phases"][1]
-    assert token_ids(again) == [reference[6], reference[3], reference[0]]
+    assert token_ids(again) == first_answers[::-1]
     assert cached(again)[0] >= FULL_DOC_TOKENS
     assert cached(again)[1] >= FULL_DOC_TOKENS
     # Which of document 0's blocks survive is vLLM's LRU policy. From 0.31 it
