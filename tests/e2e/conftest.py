@@ -92,6 +92,7 @@ PROMPTS_BY_DOC = [
 ALL_PROMPTS = [p for doc in PROMPTS_BY_DOC for p in doc]
 FULL_DOC_TOKENS = 512  # a document's 4 full blocks
 FIRST_QUESTIONS = [0, 3, 6]  # indices of each document's first prompt
+FIRST_PROMPTS = [ALL_PROMPTS[i] for i in FIRST_QUESTIONS]
 # Store everything, then ask again with the device prefix cache emptied:
 # the first question of each document must come from the CPU.
 TWICE = [

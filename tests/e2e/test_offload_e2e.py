@@ -16,6 +16,7 @@ import pytest
 from tests.e2e.conftest import (
     ALL_PROMPTS,
     ENGINE,
+    FIRST_PROMPTS,
     FULL_DOC_TOKENS,
     GUIDE_OFFLOAD,
     PROMPTS_BY_DOC,
@@ -28,8 +29,6 @@ from tests.e2e.conftest import (
 from tests.vllm_version import VLLM_VERSION
 
 pytestmark = pytest.mark.e2e
-
-FIRST_QUESTIONS = [doc[0] for doc in PROMPTS_BY_DOC]
 
 SCENARIOS = {
     # The guide's exact config: all prompts, then again from the CPU only.
@@ -48,10 +47,10 @@ SCENARIOS = {
     "small_cpu": {
         "offload": dict(GUIDE_OFFLOAD, num_cpu_blocks=9),
         "phases": [
-            {"prompts": FIRST_QUESTIONS},
+            {"prompts": FIRST_PROMPTS},
             # Most recent first: documents 2 and 1 are whole in the pool,
             # document 0 lost blocks.
-            {"prompts": FIRST_QUESTIONS[::-1], "reset_prefix_cache": True},
+            {"prompts": FIRST_PROMPTS[::-1], "reset_prefix_cache": True},
         ],
     },
     "corrupting": {

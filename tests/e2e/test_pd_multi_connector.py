@@ -16,10 +16,9 @@ from __future__ import annotations
 import pytest
 
 from tests.e2e.conftest import (
-    ALL_PROMPTS,
     ENGINE,
     FAULTY_OFFLOAD,
-    FIRST_QUESTIONS,
+    FIRST_PROMPTS,
     FULL_DOC_TOKENS,
     GUIDE_OFFLOAD,
     cached,
@@ -31,8 +30,6 @@ from tests.e2e.conftest import (
 
 pytestmark = pytest.mark.e2e
 
-# One prompt per document (FIRST_QUESTIONS): no shared prefixes.
-PROMPTS = [ALL_PROMPTS[i] for i in FIRST_QUESTIONS]
 LOAD_BYTES = "vllm:kv_offload_load_bytes"
 STORE_BYTES = "vllm:kv_offload_store_bytes"
 # A P/D load that fails in the stand-in (its KV file gone): logged per request.
@@ -55,7 +52,7 @@ def pd_run(scenario_dir) -> dict:
                 "name": "producer",
                 "role": "producer",
                 "offload": GUIDE_OFFLOAD,
-                "phases": [{"prompts": PROMPTS}],
+                "phases": [{"prompts": FIRST_PROMPTS}],
             },
             {
                 "name": "consumer",
@@ -69,14 +66,14 @@ def pd_run(scenario_dir) -> dict:
                 },
                 "kv_load_failure_policy": "recompute",
                 "phases": [
-                    {"prompts": PROMPTS},  # the producer's KV, through P/D
+                    {"prompts": FIRST_PROMPTS},  # the producer's KV, through P/D
                     {  # P/D has nothing now; every CPU load fails (injected)
-                        "prompts": PROMPTS,
+                        "prompts": FIRST_PROMPTS,
                         "pd_storage": "hide",
                         "reset_prefix_cache": True,
                     },
                     {  # the CPU copies serve
-                        "prompts": PROMPTS,
+                        "prompts": FIRST_PROMPTS,
                         "pd_storage": "clear",
                         "reset_prefix_cache": True,
                     },
@@ -94,15 +91,15 @@ def pd_run(scenario_dir) -> dict:
                 "kv_load_failure_policy": "recompute",
                 "phases": [
                     # Every P/D load fails: a KV file is gone.
-                    {"prompts": PROMPTS, "pd_storage": "restore_without_a_layer"},
+                    {"prompts": FIRST_PROMPTS, "pd_storage": "restore_without_a_layer"},
                     # P/D has nothing: what the CPU holds now may serve.
                     {
-                        "prompts": PROMPTS,
+                        "prompts": FIRST_PROMPTS,
                         "pd_storage": "hide",
                         "reset_prefix_cache": True,
                     },
                     {
-                        "prompts": PROMPTS,
+                        "prompts": FIRST_PROMPTS,
                         "pd_storage": "clear",
                         "reset_prefix_cache": True,
                     },
@@ -142,7 +139,7 @@ def test_failed_offloading_loads_are_recomputed(pd_run, first_answers):
     assert [line.split()[0] for line in pd_run["injected"]] == ["load"] * 3
     assert token_ids(failed_cpu) == first_answers
     # Recomputed, not served from a cache.
-    assert cached(failed_cpu) == [0] * len(PROMPTS)
+    assert cached(failed_cpu) == [0] * len(FIRST_PROMPTS)
     assert grew(pd_phase, failed_cpu, LOAD_BYTES) == 0
 
 
@@ -162,11 +159,11 @@ def test_failed_pd_loads_are_recomputed_and_never_offloaded(pd_run, first_answer
     the device blocks; before the fix, that came back as CPU hits here with
     wrong outputs (FailureRouter.invalidate_blocks)."""
     failed_pd, after, cpu_hits = pd_run["failing_pd"]
-    assert pd_run["log"].count(PD_LOAD_FAILED) == len(PROMPTS)
+    assert pd_run["log"].count(PD_LOAD_FAILED) == len(FIRST_PROMPTS)
     assert token_ids(failed_pd) == first_answers
     # Nothing of the failed loads is in the CPU pool ...
     assert token_ids(after) == first_answers
-    assert cached(after) == [0] * len(PROMPTS)
+    assert cached(after) == [0] * len(FIRST_PROMPTS)
     assert grew(failed_pd, after, LOAD_BYTES) == 0
     # ... and the recomputed KV, stored then, serves.
     assert all(n >= FULL_DOC_TOKENS for n in cached(cpu_hits))

@@ -26,7 +26,8 @@ import pytest
 
 from tests.e2e.conftest import (
     ENGINE,
-    PROMPTS_BY_DOC,
+    FIRST_PROMPTS,
+    FULL_DOC_TOKENS,
     cached,
     in_process,
     run_scenario,
@@ -39,19 +40,17 @@ from vllm_ascend.kv_offload.tiering.block_file import HEADER_BYTES
 
 pytestmark = pytest.mark.e2e
 
-PROMPTS = [questions[0] for questions in PROMPTS_BY_DOC]
-PREFIX_TOKENS = 512  # each prompt's document: 4 blocks of 128 tokens
-BLOCKS = 4 * len(PROMPTS)
+BLOCKS = 4 * len(FIRST_PROMPTS)
 
 
 def tier_scenario(root: str, **extra) -> dict:
-    """The tiering driver's scenario: PROMPTS through an fs tier at ``root``."""
+    """The tiering driver's scenario: FIRST_PROMPTS through an fs tier at ``root``."""
     return {
         "driver": "tests.e2e.tiering_driver:run",
         "engine": ENGINE,
         "offload": tiering(root, **extra.pop("offload", {})),
         "root_dir": root,
-        "prompts": PROMPTS,
+        "prompts": FIRST_PROMPTS,
         **extra,
     }
 
@@ -121,7 +120,7 @@ def readers(written, scenario_dir) -> dict:
         scenarios[f"reference_{change}"] = {
             "engine": engine,
             "offload": None,
-            "phases": [{"prompts": PROMPTS}],
+            "phases": [{"prompts": FIRST_PROMPTS}],
         }
         copy = copy_of(written, scenario_dir, f"tier-{change}")[0]
         scenarios[f"tier_{change}"] = tier_scenario(copy, engine=engine)
@@ -169,7 +168,7 @@ def test_the_engine_shuts_down_in_process_without_a_traceback(written, scenario_
 def test_second_engine_serves_the_prefixes_from_the_files(readers, first_answers):
     b = readers["tier_reader"]
     assert token_ids(b) == first_answers
-    assert all(c >= PREFIX_TOKENS for c in cached(b)), cached(b)
+    assert all(c >= FULL_DOC_TOKENS for c in cached(b)), cached(b)
     counters = b["counters"]
     assert counters["vllm:kv_offload_tiering_chunk_hits"] == BLOCKS
     read = counters["vllm:kv_offload_tiering_read_bytes"]
@@ -243,7 +242,7 @@ def _chains(written, root: str) -> list[list[str]]:
     src_root, a = written
     by_time = sorted(a["files"], key=os.path.getmtime)
     files = [f.replace(src_root, root, 1) for f in by_time]
-    return [files[4 * p : 4 * p + 4] for p in range(len(PROMPTS))]
+    return [files[4 * p : 4 * p + 4] for p in range(len(FIRST_PROMPTS))]
 
 
 def _forge(files: list[str]) -> None:
@@ -263,7 +262,7 @@ def test_control_forged_files_change_the_output(readers, first_answers):
     every check), and the outputs differ, so the comparisons above would
     catch corrupted KV that got through."""
     e = readers["tier_forged"]
-    assert all(c >= PREFIX_TOKENS for c in cached(e))
+    assert all(c >= FULL_DOC_TOKENS for c in cached(e))
     assert token_ids(e) != first_answers
 
 
