@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import random
 import threading
 import time
@@ -40,6 +39,7 @@ from tests.e2e.serving import (
     quiesce,
     reset_device_cache,
 )
+from tests.e2e.tiering_driver import temp_files
 
 pytestmark = pytest.mark.e2e
 
@@ -160,10 +160,6 @@ def burst(server: Server, model: str) -> list[dict]:
             raise
         server.post("/resume")
         return [f.result(timeout=300) for f in futures]
-
-
-def temp_files(root: str) -> list[str]:
-    return [n for _, _, names in os.walk(root) for n in names if ".tmp" in n]
 
 
 @pytest.fixture(scope="module")
