@@ -92,6 +92,7 @@ PROMPTS_BY_DOC = [
 ALL_PROMPTS = [p for doc in PROMPTS_BY_DOC for p in doc]
 FULL_DOC_TOKENS = 512  # a document's 4 full blocks
 FIRST_QUESTIONS = [0, 3, 6]  # indices of each document's first prompt
+FIRST_PROMPTS = [ALL_PROMPTS[i] for i in FIRST_QUESTIONS]
 # Store everything, then ask again with the device prefix cache emptied:
 # the first question of each document must come from the CPU.
 TWICE = [
@@ -159,12 +160,18 @@ def scenario_log(tmp_path: Path, name: str, step: int | None = None) -> str:
     return "".join(text for i, text in steps if int(i) == step)
 
 
-def token_ids(phase: list[dict]) -> list[list[int]]:
-    return [r["token_ids"] for r in phase]
+def _records(phase: list[dict] | dict) -> list[dict]:
+    """A phase's request records: run_scenario's list, or a driver's
+    ``{"results": [...]}`` (pd_driver, tiering_driver)."""
+    return phase["results"] if isinstance(phase, dict) else phase
 
 
-def cached(phase: list[dict]) -> list[int]:
-    return [r["num_cached_tokens"] for r in phase]
+def token_ids(phase: list[dict] | dict) -> list[list[int]]:
+    return [r["token_ids"] for r in _records(phase)]
+
+
+def cached(phase: list[dict] | dict) -> list[int]:
+    return [r["num_cached_tokens"] for r in _records(phase)]
 
 
 def remove_vllm_tp_shm(log: str) -> list[str]:
@@ -201,6 +208,12 @@ def reference(scenario_dir) -> list[list[int]]:
         in_process({"offload": None, "phases": [{"prompts": ALL_PROMPTS}]}),
     )
     return token_ids(result["phases"][0])
+
+
+@pytest.fixture(scope="session")
+def first_answers(reference) -> list[list[int]]:
+    """The reference outputs of each document's first question."""
+    return [reference[i] for i in FIRST_QUESTIONS]
 
 
 @pytest.fixture(scope="package")

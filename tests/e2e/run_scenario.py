@@ -63,11 +63,6 @@ def request_record(out) -> dict:
     }
 
 
-# The shared driver's, under the names the e2e tests import.
-settle_stores = engine.settle
-shutdown_engine = engine.shutdown
-
-
 STEP_MARK = "### step {} ###"
 
 
@@ -148,7 +143,7 @@ def _run_engine(scenario: dict, shutdown: bool = False) -> dict:
             ]
         )
         if phase.get("settle", True):
-            settle_stores(llm)
+            engine.settle(llm)
         # After each phase: what it stored and loaded is the difference.
         phase_counters.append(engine.counters())
 
@@ -165,7 +160,7 @@ def _run_engine(scenario: dict, shutdown: bool = False) -> dict:
         "compilation": {"mode": compilation.mode.name, "backend": compilation.backend},
     }
     if shutdown:
-        shutdown_engine(llm)
+        engine.shutdown(llm)
     return result
 
 

@@ -125,8 +125,9 @@ class Server(ServingServer):
         }
 
 
-def delta(record: dict, name: str, since: str, until: str) -> float:
-    """How much metric ``name`` grew between two /metrics snapshots of ``record``."""
+def delta(record: dict, name: str, since: str = "before", until: str = "end") -> float:
+    """How much metric ``name`` grew between two /metrics snapshots of
+    ``record`` (by default: the whole scenario, ``before`` to ``end``)."""
     return record[until].get(name, 0.0) - record[since].get(name, 0.0)
 
 

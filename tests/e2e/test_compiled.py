@@ -18,6 +18,7 @@ import pytest
 
 from tests.e2e.conftest import (
     ENGINE,
+    FULL_DOC_TOKENS,
     GUIDE_OFFLOAD,
     PROMPTS_BY_DOC,
     cached,
@@ -34,7 +35,6 @@ COMPILED_ENGINE = {k: v for k, v in ENGINE.items() if k != "enforce_eager"}
 # is a cold prefill, the other two hit the device cache, and after a reset all
 # three load the document from the CPU.
 PROMPTS = PROMPTS_BY_DOC[0]
-FULL_DOC_TOKENS = 512
 
 
 # vLLM 0.32's AOT artifacts do not load back on the CPU backend ("Compiling

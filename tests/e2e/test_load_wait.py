@@ -16,10 +16,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.e2e.conftest import (
-    ENGINE,
     FAULTY_OFFLOAD,
+    FULL_DOC_TOKENS,
     PROMPTS_BY_DOC,
     cached,
+    in_process,
     run_scenario,
     token_ids,
 )
@@ -29,12 +30,6 @@ pytestmark = pytest.mark.e2e
 # Far longer than a phase of two tokens on a loaded host (a 16-token phase
 # took 3.7 s there, against 4 s of delay, and the store landed first).
 STORE_DELAY_S = 6.0
-FULL_DOC_TOKENS = 512
-IN_PROCESS_ENGINE = dict(ENGINE, distributed_executor_backend="uni")
-ENV = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_ASCEND_KV_OFFLOAD_COPY_DELAYS": f"store:{STORE_DELAY_S}",
-}
 # Document 0 is stored (its slow store lands during the sleep: the engine
 # measures the store bandwidth and a prefill); document 1's store is still
 # queued when its second question comes; then document 0 again, from the CPU.
@@ -61,7 +56,8 @@ def engine(max_load_wait_ratio: float | None) -> dict:
     offload = dict(FAULTY_OFFLOAD)
     if max_load_wait_ratio is not None:
         offload["max_load_wait_ratio"] = max_load_wait_ratio
-    return {"engine": IN_PROCESS_ENGINE, "offload": offload, "phases": PHASES}
+    delays = {"VLLM_ASCEND_KV_OFFLOAD_COPY_DELAYS": f"store:{STORE_DELAY_S}"}
+    return in_process({"offload": offload, "phases": PHASES, "env": delays})
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +67,7 @@ def bounded_and_unbounded(scenario_dir) -> tuple[dict, dict]:
     names = {"load_wait_bounded": engine(None), "load_wait_unbounded": engine(0)}
     with ThreadPoolExecutor(len(names)) as pool:
         futures = [
-            pool.submit(run_scenario, scenario_dir, name, {**scenario, "env": ENV})
+            pool.submit(run_scenario, scenario_dir, name, scenario)
             for name, scenario in names.items()
         ]
         bounded, unbounded = (f.result() for f in futures)

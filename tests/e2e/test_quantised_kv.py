@@ -19,6 +19,7 @@ import pytest
 
 from tests.e2e.conftest import (
     ENGINE,
+    FULL_DOC_TOKENS,
     GUIDE_OFFLOAD,
     PROMPTS_BY_DOC,
     cached,
@@ -34,7 +35,6 @@ from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model
 
 pytestmark = pytest.mark.e2e
 
-FULL_DOC_TOKENS = 512  # the questions share a 4-block document
 PROMPTS = PROMPTS_BY_DOC[0]
 LOAD_BYTES = "vllm:kv_offload_load_bytes"
 STORE_BYTES = "vllm:kv_offload_store_bytes"

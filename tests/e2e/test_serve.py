@@ -28,10 +28,10 @@ import sys
 import pytest
 
 from tests.conftest import run_serving_doc_flow
-from tests.e2e import serving
 from tests.e2e.conftest import (
     ALL_PROMPTS,
     PROMPTS_BY_DOC,
+    token_ids,
 )
 from tests.e2e.serving import (
     BLOCK_TOKENS,
@@ -40,6 +40,7 @@ from tests.e2e.serving import (
     Server,
     complete,
     cpu_block_bytes,
+    delta,
     reset_device_cache,
     wait_for_metric,
 )
@@ -83,7 +84,7 @@ def served(tmp_path_factory) -> dict:
         # first question of each document: all three prefixes from the CPU.
         reset_device_cache(server)
         record["after_reset"] = [complete(client, model, q[0]) for q in PROMPTS_BY_DOC]
-        record["after_all"] = wait_for_metric(
+        record["end"] = wait_for_metric(
             server,
             client,
             model,
@@ -107,7 +108,7 @@ def served(tmp_path_factory) -> dict:
     # Shown with `pytest -s`: what the scenario moved.
     summary = {
         name: delta(record, name)
-        for name in sorted(record["after_all"])
+        for name in sorted(record["end"])
         if name.startswith(("vllm:kv_offload", "vllm:external_prefix", "vllm:prompt"))
         and "_created" not in name
         and "_bucket" not in name
@@ -121,10 +122,6 @@ def served(tmp_path_factory) -> dict:
         + "\n".join(f"  {k} += {v:g}" for k, v in summary.items())
     )
     return record
-
-
-def delta(record: dict, name: str, since: str = "before", until: str = "after_all"):
-    return serving.delta(record, name, since, until)
 
 
 def test_server_starts_with_the_guide_config(served):
@@ -151,11 +148,10 @@ def test_the_serving_docs_curl_flow_gets_completions(served):
     assert any(m.startswith("vllm:kv_offload_store_bytes_total") for m in flow.metrics)
 
 
-def test_answers_equal_those_without_offloading(served, reference):
-    assert [r["token_ids"] for r in served["first"]] == reference
+def test_answers_equal_those_without_offloading(served, reference, first_answers):
+    assert token_ids(served["first"]) == reference
     assert served["evicted"]["token_ids"] == reference[0]
-    first_questions = [reference[3 * d] for d in range(len(PROMPTS_BY_DOC))]
-    assert [r["token_ids"] for r in served["after_reset"]] == first_questions
+    assert token_ids(served["after_reset"]) == first_answers
 
 
 def test_shared_prefixes_are_served_from_a_cache(served):
@@ -178,9 +174,7 @@ def test_prefix_evicted_from_device_is_loaded_from_cpu(served):
 def test_after_prefix_cache_reset_prefixes_come_from_cpu(served):
     cached = [r["cached_tokens"] for r in served["after_reset"]]
     assert cached == [DOC_BLOCKS * BLOCK_TOKENS] * len(PROMPTS_BY_DOC)
-    loaded = delta(
-        served, "vllm:kv_offload_load_bytes_total", "after_evicted", "after_all"
-    )
+    loaded = delta(served, "vllm:kv_offload_load_bytes_total", "after_evicted", "end")
     assert loaded == len(PROMPTS_BY_DOC) * DOC_BLOCKS * served["block_bytes"]
 
 
@@ -209,7 +203,7 @@ def test_metrics_count_the_blocks_moved(served):
 
 
 def test_metrics_tell_a_router_the_cpu_pool_size_and_occupancy(served):
-    after = served["after_all"]
+    after = served["end"]
     block = served["block_bytes"]
     # The guide's num_cpu_blocks: 1000 CPU blocks of 128 tokens.
     assert after["vllm:kv_offload_cpu_pool_capacity_blocks"] == 1000
@@ -236,7 +230,7 @@ def test_metrics_tell_an_operator_the_pool_kind_copy_path_and_failures(served):
     ]
     assert delta(served, "vllm:kv_offload_failed_stores_total") == 0
     assert delta(served, "vllm:kv_offload_failed_loads_total") == 0
-    assert "vllm:kv_offload_failed_loads_total" in served["after_all"]
+    assert "vllm:kv_offload_failed_loads_total" in served["end"]
 
 
 def test_the_cpu_backend_keeps_a_core_for_the_scheduler(served):

@@ -148,12 +148,7 @@ def drive_batches(scenario: dict) -> dict:
     from vllm import SamplingParams
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    from tests.e2e.run_scenario import (
-        kv_transfer_config,
-        request_record,
-        settle_stores,
-        shutdown_engine,
-    )
+    from tests.e2e.run_scenario import kv_transfer_config, request_record
     from tests.fault_injection import FaultInjector, inject_faults
     from vllm_ascend.kv_offload.testing import engine
     from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model
@@ -177,7 +172,7 @@ def drive_batches(scenario: dict) -> dict:
             outputs = llm.generate(prompts, params, use_tqdm=False)
             rounds.append([request_record(o) for o in outputs])
             if worker is not None:
-                settle_stores(llm)
+                engine.settle(llm)
             assert llm.reset_prefix_cache()
         injected += len(faults.injected) if faults else 0
     counters: dict[str, float] = {}
@@ -190,7 +185,7 @@ def drive_batches(scenario: dict) -> dict:
         "injected": injected,
         "async_scheduling": llm.llm_engine.vllm_config.scheduler_config.async_scheduling,  # noqa: E501
     }
-    shutdown_engine(llm)  # the next engine of the sequence starts after it
+    engine.shutdown(llm)  # the next engine of the sequence starts after it
     return result
 
 

@@ -26,7 +26,9 @@ import pytest
 
 from tests.e2e.conftest import (
     ENGINE,
-    PROMPTS_BY_DOC,
+    FIRST_PROMPTS,
+    FULL_DOC_TOKENS,
+    cached,
     in_process,
     run_scenario,
     scenario_log,
@@ -38,35 +40,19 @@ from vllm_ascend.kv_offload.tiering.block_file import HEADER_BYTES
 
 pytestmark = pytest.mark.e2e
 
-PROMPTS = [questions[0] for questions in PROMPTS_BY_DOC]
-PREFIX_TOKENS = 512  # each prompt's document: 4 blocks of 128 tokens
-BLOCKS = 4 * len(PROMPTS)
+BLOCKS = 4 * len(FIRST_PROMPTS)
 
 
 def tier_scenario(root: str, **extra) -> dict:
-    """The tiering driver's scenario: PROMPTS through an fs tier at ``root``."""
+    """The tiering driver's scenario: FIRST_PROMPTS through an fs tier at ``root``."""
     return {
         "driver": "tests.e2e.tiering_driver:run",
         "engine": ENGINE,
         "offload": tiering(root, **extra.pop("offload", {})),
         "root_dir": root,
-        "prompts": PROMPTS,
+        "prompts": FIRST_PROMPTS,
         **extra,
     }
-
-
-def tokens(result: dict) -> list[list[int]]:
-    return [r["token_ids"] for r in result["results"]]
-
-
-def cached(result: dict) -> list[int]:
-    return [r["num_cached_tokens"] for r in result["results"]]
-
-
-@pytest.fixture(scope="module")
-def expected(reference) -> list[list[int]]:
-    # PROMPTS are ALL_PROMPTS[0], [3], [6] (the first question of each doc).
-    return [reference[3 * d] for d in range(len(PROMPTS))]
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +120,7 @@ def readers(written, scenario_dir) -> dict:
         scenarios[f"reference_{change}"] = {
             "engine": engine,
             "offload": None,
-            "phases": [{"prompts": PROMPTS}],
+            "phases": [{"prompts": FIRST_PROMPTS}],
         }
         copy = copy_of(written, scenario_dir, f"tier-{change}")[0]
         scenarios[f"tier_{change}"] = tier_scenario(copy, engine=engine)
@@ -156,9 +142,9 @@ def readers(written, scenario_dir) -> dict:
     }
 
 
-def test_writer_serves_prompts_and_writes_every_block(written, expected):
+def test_writer_serves_prompts_and_writes_every_block(written, first_answers):
     _, a = written
-    assert tokens(a) == expected
+    assert token_ids(a) == first_answers
     assert cached(a) == [0, 0, 0]
     assert len(a["files"]) == BLOCKS
     assert "/ascend-kv-" in a["files"][0]
@@ -179,10 +165,10 @@ def test_the_engine_shuts_down_in_process_without_a_traceback(written, scenario_
     assert "Traceback" not in log
 
 
-def test_second_engine_serves_the_prefixes_from_the_files(readers, expected):
+def test_second_engine_serves_the_prefixes_from_the_files(readers, first_answers):
     b = readers["tier_reader"]
-    assert tokens(b) == expected
-    assert all(c >= PREFIX_TOKENS for c in cached(b)), cached(b)
+    assert token_ids(b) == first_answers
+    assert all(c >= FULL_DOC_TOKENS for c in cached(b)), cached(b)
     counters = b["counters"]
     assert counters["vllm:kv_offload_tiering_chunk_hits"] == BLOCKS
     read = counters["vllm:kv_offload_tiering_read_bytes"]
@@ -192,20 +178,22 @@ def test_second_engine_serves_the_prefixes_from_the_files(readers, expected):
     assert not b["region_after_shutdown"]
 
 
-def test_an_incompatible_engine_gets_misses_never_wrong_output(readers, expected):
+def test_an_incompatible_engine_gets_misses_never_wrong_output(readers, first_answers):
     c = readers["tier_incompatible"]
-    assert tokens(c) == expected
+    assert token_ids(c) == first_answers
     assert cached(c) == [0, 0, 0]
     assert c["counters"].get("vllm:kv_offload_tiering_chunk_hits", 0) == 0
     assert len({f.split("/ascend-kv-")[1][:16] for f in c["files"]}) == 2
 
 
 @pytest.mark.parametrize("change", list(OTHER_KV))
-def test_an_engine_computing_other_kv_never_reads_the_files(readers, expected, change):
+def test_an_engine_computing_other_kv_never_reads_the_files(
+    readers, first_answers, change
+):
     own = token_ids(readers[f"reference_{change}"]["phases"][0])
-    assert own != expected  # the change does change the model
+    assert own != first_answers  # the change does change the model
     g = readers[f"tier_{change}"]
-    assert tokens(g) == own
+    assert token_ids(g) == own
     assert cached(g) == [0, 0, 0]
     assert g["counters"].get("vllm:kv_offload_tiering_chunk_hits", 0) == 0
 
@@ -236,9 +224,9 @@ CORRUPTIONS = {
 }
 
 
-def test_corrupted_files_are_misses_logged_and_removed(readers, expected):
+def test_corrupted_files_are_misses_logged_and_removed(readers, first_answers):
     d = readers["tier_corrupt"]
-    assert tokens(d) == expected
+    assert token_ids(d) == first_answers
     assert cached(d) == [0, 0, 0]
     # (The readers share one log: each line names its file, in D's copy.)
     root = re.escape(readers["corrupt"])
@@ -254,7 +242,7 @@ def _chains(written, root: str) -> list[list[str]]:
     src_root, a = written
     by_time = sorted(a["files"], key=os.path.getmtime)
     files = [f.replace(src_root, root, 1) for f in by_time]
-    return [files[4 * p : 4 * p + 4] for p in range(len(PROMPTS))]
+    return [files[4 * p : 4 * p + 4] for p in range(len(FIRST_PROMPTS))]
 
 
 def _forge(files: list[str]) -> None:
@@ -269,22 +257,22 @@ def _forge(files: list[str]) -> None:
             f.write(zlib.crc32(garbage).to_bytes(4, "little"))
 
 
-def test_control_forged_files_change_the_output(readers, expected):
+def test_control_forged_files_change_the_output(readers, first_answers):
     """Negative control: garbage under a valid header is loaded (it passes
     every check), and the outputs differ, so the comparisons above would
     catch corrupted KV that got through."""
     e = readers["tier_forged"]
-    assert all(c >= PREFIX_TOKENS for c in cached(e))
-    assert tokens(e) != expected
+    assert all(c >= FULL_DOC_TOKENS for c in cached(e))
+    assert token_ids(e) != first_answers
 
 
-def test_stale_region_and_vanishing_directory(readers, expected):
+def test_stale_region_and_vanishing_directory(readers, first_answers):
     """A region of a dead run with this engine_id (and our mark), and the
     tier's directory deleted once the engine is up: the engine starts,
     serves the prompts by recomputing, logs both; its own region's name is
     gone once the engine is up (every process mapped it)."""
     f = readers["tier_stale_vanish"]
-    assert tokens(f) == expected
+    assert token_ids(f) == first_answers
     # The copy held every block; with its directory gone nothing hits.
     assert cached(f) == [0, 0, 0]
     # The planted 4 KiB region did not stand in the way: the engine made its

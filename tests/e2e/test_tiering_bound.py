@@ -19,6 +19,7 @@ import threading
 import pytest
 
 from tests.e2e.conftest import ENGINE, in_process, run_scenario, tiering, token_ids
+from tests.e2e.tiering_driver import block_files, temp_files
 from vllm_ascend.kv_offload.testing.tiny_model import make_prompt
 from vllm_ascend.kv_offload.tiering.block_file import HEADER_BYTES
 from vllm_ascend.kv_offload.tiering.fs_budget import EVICTED_BLOCKS, TIER_BYTES
@@ -36,15 +37,6 @@ def bounded(root: str) -> dict:
     offload = tiering(root, num_cpu_blocks=16)
     offload["secondary_tiers"][0]["max_bytes"] = BOUND_FILES * FILE_BYTES
     return offload
-
-
-def block_files(root: str) -> list[str]:
-    return [
-        os.path.join(d, n)
-        for d, _, names in os.walk(root)
-        for n in names
-        if n.endswith(".bin")
-    ]
 
 
 def test_two_engines_share_one_bounded_directory(scenario_dir):
@@ -85,8 +77,8 @@ def test_two_engines_share_one_bounded_directory(scenario_dir):
 
     expected = token_ids(results["ref"]["phases"][0])
     a, b = results["a"], results["b"]
-    assert [r["token_ids"] for r in a["results"]] == expected * 2
-    assert [r["token_ids"] for r in b["results"]] == expected[::-1] * 2
+    assert token_ids(a) == expected * 2
+    assert token_ids(b) == expected[::-1] * 2
 
     # Files were loaded back from the tier (round two), and evicted.
     for engine in (a, b):
@@ -100,4 +92,4 @@ def test_two_engines_share_one_bounded_directory(scenario_dir):
     assert total <= BOUND_FILES * FILE_BYTES + slack
     assert all(os.path.getsize(p) == FILE_BYTES for p in files)
     assert 0 < a["counters"].get(TIER_BYTES, 0) <= BOUND_FILES * FILE_BYTES + slack
-    assert not [n for _, _, ns in os.walk(root) for n in ns if n.endswith(".tmp")]
+    assert not temp_files(root)

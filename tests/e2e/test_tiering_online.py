@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import random
 import threading
 import time
@@ -30,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.e2e.conftest import ALL_PROMPTS, PROMPTS_BY_DOC
+from tests.e2e.conftest import ALL_PROMPTS, PROMPTS_BY_DOC, token_ids
 from tests.e2e.serving import (
     ACTIVE_GAUGES,
     REQUEST_TIMEOUT_S,
@@ -40,6 +39,7 @@ from tests.e2e.serving import (
     quiesce,
     reset_device_cache,
 )
+from tests.e2e.tiering_driver import temp_files
 
 pytestmark = pytest.mark.e2e
 
@@ -162,10 +162,6 @@ def burst(server: Server, model: str) -> list[dict]:
         return [f.result(timeout=300) for f in futures]
 
 
-def temp_files(root: str) -> list[str]:
-    return [n for _, _, names in os.walk(root) for n in names if ".tmp" in n]
-
-
 @pytest.fixture(scope="module")
 def served(tiering_server) -> dict:
     server, client, model = tiering_server, tiering_server.client, tiering_server.model
@@ -238,17 +234,18 @@ def test_dropped_clients_aborted_their_requests_and_none_failed(served):
         assert served["after_burst"].get(gauge, 0.0) == 0, gauge
 
 
-def test_answers_after_the_burst_equal_those_without_offloading(served, reference):
-    assert [r["token_ids"] for r in served["warm"]] == reference
-    assert [r["token_ids"] for r in served["after"]] == reference
-    first = [reference[3 * d] for d in range(len(PROMPTS_BY_DOC))]
-    assert [r["token_ids"] for r in served["first_questions"]] == first
+def test_answers_after_the_burst_equal_those_without_offloading(
+    served, reference, first_answers
+):
+    assert token_ids(served["warm"]) == reference
+    assert token_ids(served["after"]) == reference
+    assert token_ids(served["first_questions"]) == first_answers
 
 
 def test_prefixes_were_loaded_from_the_tiers(served):
     # The device cache was reset: the documents came back from CPU or fs.
     assert all(r["cached_tokens"] >= 512 for r in served["first_questions"])
-    read = delta(served, "vllm:kv_offload_tiering_read_bytes_total", "before", "end")
+    read = delta(served, "vllm:kv_offload_tiering_read_bytes_total")
     assert read > 0, "no fs tier load happened"
 
 
@@ -295,9 +292,7 @@ def test_metrics_tell_a_router_the_cpu_tier_size_and_occupancy(served):
         delta(served, "vllm:kv_offload_cpu_pool_evictions_total", "start", "before")
         >= 4
     )
-    assert (
-        delta(served, "vllm:kv_offload_cpu_pool_evictions_total", "before", "end") > 0
-    )
+    assert delta(served, "vllm:kv_offload_cpu_pool_evictions_total") > 0
 
 
 def test_nothing_leaked(served):

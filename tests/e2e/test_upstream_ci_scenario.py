@@ -203,7 +203,8 @@ def drive(scenario: dict) -> dict:
     import zmq
     from vllm import LLM
 
-    from tests.e2e.run_scenario import kv_transfer_config, shutdown_engine
+    from tests.e2e.run_scenario import kv_transfer_config
+    from vllm_ascend.kv_offload.testing import engine
 
     subscriber = load_subscriber()
     port = scenario["port"]
@@ -231,7 +232,7 @@ def drive(scenario: dict) -> dict:
     finally:
         sock.close(linger=0)
         ctx.term()
-        shutdown_engine(llm)
+        engine.shutdown(llm)
 
 
 SPECS = ["NPUOffloadingSpec", "NPUTieringOffloadingSpec"]

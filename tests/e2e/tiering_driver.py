@@ -27,11 +27,17 @@ from vllm_ascend.kv_offload.testing import engine
 TIER_WRITE_BYTES = "vllm:kv_offload_tiering_write_bytes"
 
 
-def _files(root: str) -> list[str]:
+def block_files(root: str) -> list[str]:
+    """The fs tier's block files under ``root``, sorted."""
     out = []
     for d, _, names in os.walk(root):
         out += [os.path.join(d, n) for n in names if n.endswith(".bin")]
     return sorted(out)
+
+
+def temp_files(root: str) -> list[str]:
+    """Names of the temporary files a write left under ``root``."""
+    return [n for _, _, names in os.walk(root) for n in names if ".tmp" in n]
 
 
 def _meet(mine: str, others: list[str], timeout: float = 600.0) -> None:
@@ -85,7 +91,7 @@ def run(scenario: dict) -> dict:
     # Cascades to the fs tier are submitted at the end of a scheduler step.
     engine.settle(llm, TIER_WRITE_BYTES, steady_rounds=3, max_rounds=60, pause_s=0.1)
     totals = engine.counters()
-    files = _files(root) if root and os.path.isdir(root) else []
+    files = block_files(root) if root and os.path.isdir(root) else []
 
     # Time for the engine core's own teardown: what it logs is checked.
     engine.shutdown(llm)
