@@ -58,7 +58,7 @@ def _change_storage(action: str, storage: str) -> None:
         shutil.rmtree(storage, ignore_errors=True)
     elif action == "restore_without_a_layer":
         # What the P/D connector wrote since it was hidden (the flush
-        # requests of settle_stores) gives way to the hidden directory.
+        # requests of engine.settle) gives way to the hidden directory.
         shutil.rmtree(storage, ignore_errors=True)
         os.rename(hidden, storage)
         for folder in os.listdir(storage):
