@@ -3,12 +3,17 @@ bounded directory at the same time (each engine in-process in its own
 scenario process).
 
 Engines A and B (separate processes, small CPU tiers) serve the same eight
-documents in opposite orders, twice, with the device prefix cache reset
-between rounds, so the second round loads from the fs tier what the CPU
-tier dropped, while both engines store and evict in the shared directory.
-Outputs must equal offloading off; the directory must stay within
-``max_bytes`` (plus the amortization slack), evictions must show in vLLM's
-offloading metrics, and every remaining file must be a whole block file.
+documents in opposite orders, both storing and evicting in the shared
+directory. Then each serves a document of its own: those are the newest
+files once both rounds have reached the tier (a round begins when every
+engine's previous one has). Then each serves the other's document: in no CPU
+tier of its own, so loaded from the directory whatever the first round's
+interleaving evicted (a round of hits writes nothing, so evicts nothing).
+Last, the eight documents again, loads and evictions interleaved. The device
+prefix cache is reset between rounds. Outputs must equal offloading off; the
+directory must stay within ``max_bytes`` (plus the amortization slack),
+evictions must show in vLLM's offloading metrics, and every remaining file
+must be a whole block file.
 """
 
 from __future__ import annotations
@@ -18,7 +23,14 @@ import threading
 
 import pytest
 
-from tests.e2e.conftest import ENGINE, in_process, run_scenario, tiering, token_ids
+from tests.e2e.conftest import (
+    ENGINE,
+    cached,
+    in_process,
+    run_scenario,
+    tiering,
+    token_ids,
+)
 from tests.e2e.tiering_driver import block_files, temp_files
 from vllm_ascend.kv_offload.testing.tiny_model import make_prompt
 from vllm_ascend.kv_offload.tiering.block_file import HEADER_BYTES
@@ -31,6 +43,11 @@ FILE_BYTES = HEADER_BYTES + 2 * 2 * 2 * 32 * 128 * 4
 BOUND_FILES = 12
 DOCS = [make_prompt(512, seed=300 + d) for d in range(8)]  # 4 blocks each
 PROMPTS = [f"{doc} {make_prompt(20, seed=400 + i)}" for i, doc in enumerate(DOCS)]
+OWN = {
+    w: f"{make_prompt(512, seed=500 + i)} {make_prompt(20, seed=600 + i)}"
+    for i, w in enumerate("ab")
+}
+OTHER = {"a": "b", "b": "a"}
 
 
 def bounded(root: str) -> dict:
@@ -42,7 +59,7 @@ def bounded(root: str) -> dict:
 def test_two_engines_share_one_bounded_directory(scenario_dir):
     root = str(scenario_dir / "tier-bounded")
     ready = {w: str(scenario_dir / f"bound-{w}.ready") for w in "ab"}
-    prompts = {"a": PROMPTS, "b": PROMPTS[::-1]}
+    docs = {"a": PROMPTS, "b": PROMPTS[::-1]}
     scenarios = {
         w: in_process(
             {
@@ -50,14 +67,14 @@ def test_two_engines_share_one_bounded_directory(scenario_dir):
                 "engine": ENGINE,
                 "offload": bounded(root),
                 "root_dir": root,
-                "prompts": prompts[w],
-                "rounds": 2,
-                "barrier": {"mine": ready[w], "others": [ready["ab".replace(w, "")]]},
+                "rounds": [docs[w], [OWN[w]], [OWN[OTHER[w]]], docs[w]],
+                "barrier": {"mine": ready[w], "others": [ready[OTHER[w]]]},
             }
         )
         for w in "ab"
     }
-    scenarios["ref"] = in_process({"offload": None, "phases": [{"prompts": PROMPTS}]})
+    reference = [*PROMPTS, OWN["a"], OWN["b"]]
+    scenarios["ref"] = in_process({"offload": None, "phases": [{"prompts": reference}]})
     results: dict[str, dict | BaseException] = {}
 
     def run(name: str) -> None:
@@ -75,17 +92,17 @@ def test_two_engines_share_one_bounded_directory(scenario_dir):
         if isinstance(result, BaseException):
             raise result
 
-    expected = token_ids(results["ref"]["phases"][0])
+    ref = dict(zip(reference, token_ids(results["ref"]["phases"][0]), strict=True))
     a, b = results["a"], results["b"]
-    assert token_ids(a) == expected * 2
-    assert token_ids(b) == expected[::-1] * 2
-
-    # Files were loaded back from the tier (round two), and evicted.
-    for engine in (a, b):
+    for w, engine in (("a", a), ("b", b)):
+        served = [*docs[w], OWN[w], OWN[OTHER[w]], *docs[w]]
+        assert token_ids(engine) == [ref[p] for p in served]
+        # The other engine's document came from the directory.
+        assert cached(engine)[len(docs[w]) + 1] >= 512
         assert engine["counters"]["vllm:kv_offload_tiering_read_bytes"] > 0
     evicted = sum(e["counters"].get(EVICTED_BLOCKS, 0) for e in (a, b))
     assert evicted > 0
-    # 32 distinct blocks were stored, at most the bound and the slack stay.
+    # 40 distinct blocks were stored, at most the bound and the slack stay.
     files = block_files(root)
     total = sum(os.path.getsize(p) for p in files)
     slack = 2 * max(1, BOUND_FILES // 8) * FILE_BYTES

@@ -8,10 +8,11 @@ ran and after it shut down. Optional: ``before`` (an action run before the
 engine starts: ``{"stale_region": engine_id}`` plants a region file and
 our mark, as a run killed while starting leaves them),
 ``remove_root_after_start`` (the fs directory disappears once the engine
-is up), ``rounds`` (the prompts again, device prefix cache
-reset in between), ``barrier`` (``{"mine": path, "others": [paths]}``:
-engines started together begin serving together, and each later round
-begins once every engine's previous round has reached the tier).
+is up), ``rounds`` (lists of prompts served in turn instead of
+``prompts``, the device prefix cache reset in between), ``barrier``
+(``{"mine": path, "others": [paths]}``: engines started together begin
+serving together, and each later round begins once every engine's
+previous round has reached the tier).
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def run(scenario: dict) -> dict:
     if barrier:
         _meet(barrier["mine"], barrier["others"])
     results = []
-    for round_ in range(scenario.get("rounds", 1)):
+    for round_, prompts in enumerate(scenario.get("rounds") or [scenario["prompts"]]):
         if round_:
             engine.settle(llm)
             if barrier:  # every engine's round written to the tier first
@@ -84,7 +85,7 @@ def run(scenario: dict) -> dict:
                     [f"{o}.{round_}" for o in barrier["others"]],
                 )
             engine.reset_prefix_cache(llm)
-        for prompt in scenario["prompts"]:
+        for prompt in prompts:
             out = engine.generate(llm, prompt, 16, ignore_eos=True)
             results.append(request_record(out))
     engine.settle(llm)
