@@ -36,32 +36,31 @@ from vllm_ascend.kv_offload.npu import (
 )
 
 
-@pytest.mark.parametrize("bpc", [1, 2, 4])
-def test_guide_num_cpu_blocks_counts_blocks_of_block_size_tokens(bpc):
-    spec = NPUOffloadingSpec(make_config(GUIDE_EXTRA, blocks_per_chunk=bpc))
-    assert spec.num_chunks == 1000
-    assert spec.blocks_per_chunk == bpc
-
-
-def test_cpu_bytes_to_use_is_accepted_as_in_vllm():
-    block = cpu_block_bytes(make_config({}))
-    assert block == 65536
-    spec = NPUOffloadingSpec(make_config({"cpu_bytes_to_use": 10 * block + 5}))
-    assert spec.num_chunks == 10
+@pytest.mark.parametrize(
+    "extra, bpc, num_chunks",
+    [
+        # The guide's num_cpu_blocks counts blocks of block_size tokens.
+        (GUIDE_EXTRA, 1, 1000),
+        (GUIDE_EXTRA, 2, 1000),
+        (GUIDE_EXTRA, 4, 1000),
+        # cpu_bytes_to_use as in vLLM: whole CPU blocks of 65536 bytes.
+        ({"cpu_bytes_to_use": 10 * BLOCK + 5}, 1, 10),
+        # Both sizes, agreeing (disagreeing: SPEC_CASES, "set only one").
+        ({"num_cpu_blocks": 4, "cpu_bytes_to_use": 4 * BLOCK}, 1, 4),
+    ],
+)
+def test_the_pool_size_settings_give_the_chunks_vllm_means(extra, bpc, num_chunks):
+    spec = NPUOffloadingSpec(make_config(extra, blocks_per_chunk=bpc))
+    assert (spec.num_chunks, spec.blocks_per_chunk) == (num_chunks, bpc)
 
 
 def test_cpu_block_bytes_covers_all_workers_and_sub_blocks():
+    assert cpu_block_bytes(make_config({})) == BLOCK == 65536
     config = make_config({}, worker_kv_bytes_per_block=1000, blocks_per_chunk=3)
     # 3000 bytes rounded up to vLLM's 4096-byte alignment.
     assert cpu_block_bytes(config) == 4096
     config = make_config({}, worker_kv_bytes_per_block=65536, world_size=2)
     assert cpu_block_bytes(config) == 131072
-
-
-def test_both_sizes_agreeing_is_fine():
-    # Disagreeing: SPEC_CASES ("set only one").
-    ok = {"num_cpu_blocks": 4, "cpu_bytes_to_use": 4 * 65536}
-    assert NPUOffloadingSpec(make_config(ok)).num_chunks == 4
 
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])
@@ -189,8 +188,11 @@ def test_connector_rejects_bad_values_naming_key_value_and_fix(
         ({"blocks_per_chunk": 2}, [16, 32]),
         ({}, [16, 32]),
         ({"num_cpu_blocks": 1000}, []),
+        # A custom policy module may name its own policy.
+        ({**GUIDE_EXTRA, "cache_policy_module_path": "my.policy",
+          "eviction_policy": "mine"}, [128]),
     ],
-)
+)  # fmt: skip
 def test_connector_accepts_good_values(extra, sizes):
     validate_connector_config("kv_both", extra, sizes)
 
@@ -240,33 +242,26 @@ def refusals(extra: dict) -> list[str]:
     return messages
 
 
-@pytest.mark.parametrize(
-    "extra, typo, meant",
-    [
-        ({**GUIDE, "eviction_polcy": "arc"}, "eviction_polcy", "eviction_policy"),
-        ({**GUIDE, "store_treshold": 2}, "store_treshold", "store_threshold"),
-        ({"num_cpu_blocks": 8, "blocksize": 128}, "blocksize", "block_size"),
-        (
-            {"cpu_bytes_to_use": 8 * BLOCK, "num_cpu_block": 8},
-            "num_cpu_block",
-            "num_cpu_blocks",
-        ),
-    ],
-)
-def test_a_misspelt_key_fails_naming_the_key_it_resembles(extra, typo, meant):
-    for message in refusals(extra):
-        assert f"'{typo}'" in message and f"did you mean '{meant}'?" in message
-
-
-def test_an_unknown_key_unlike_any_other_lists_the_known_keys():
-    for message in refusals({**GUIDE, "colour": "blue"}):
-        assert "'colour'" in message
-        assert "num_cpu_blocks" in message and "offload_prompt_only" in message
-
-
-@pytest.mark.parametrize(
-    "key, value, fragments",
-    [
+# (extra_config, fragments), refused by both start-up checks.
+REFUSED_BY_BOTH = [
+    # A misspelt key: named, with the known key it resembles.
+    ({**GUIDE, "eviction_polcy": "arc"},
+     ["'eviction_polcy'", "did you mean 'eviction_policy'?"]),
+    ({**GUIDE, "store_treshold": 2},
+     ["'store_treshold'", "did you mean 'store_threshold'?"]),
+    ({"num_cpu_blocks": 8, "blocksize": 128},
+     ["'blocksize'", "did you mean 'block_size'?"]),
+    ({"cpu_bytes_to_use": 8 * BLOCK, "num_cpu_block": 8},
+     ["'num_cpu_block'", "did you mean 'num_cpu_blocks'?"]),
+    # vLLM's canonical layout is a tiering worker's; ours store each rank's
+    # KV in its device layout, so the key would be accepted and ignored
+    # (refused by the guide's spec as by tiering).
+    ({**GUIDE, "canonical_layout": True},
+     ["['canonical_layout']=True is not supported", "remove canonical_layout"]),
+] + [
+    # vLLM's keys, type-checked naming key, value and fix: (key, value, fragments).
+    ({**GUIDE, key: value}, [f"['{key}']", *fragments])
+    for key, value, fragments in [
         ("offload_prompt_only", "false", ["='false'", "boolean", "to False"]),
         ("offload_prompt_only", 0, ["=0", "boolean", "to False"]),
         ("self_describing_kv_events", "yes", ["='yes'", "boolean", "to True"]),
@@ -283,11 +278,20 @@ def test_an_unknown_key_unlike_any_other_lists_the_known_keys():
         ("max_load_wait_ratio", "1", ["='1'", "a finite number", "=1.0"]),
         ("max_load_wait_ratio", -0.5, ["=-0.5", ">= 0", "max_load_wait_ratio=1.0"]),
         ("max_load_wait_ratio", float("inf"), ["=inf", "a finite number"]),
-    ],
-)
-def test_vllms_keys_are_type_checked_naming_key_value_and_fix(key, value, fragments):
-    for message in refusals({**GUIDE, key: value}):
-        _assert_names(message, [f"['{key}']", *fragments])
+    ]
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("extra, fragments", REFUSED_BY_BOTH)
+def test_both_checks_refuse_bad_keys_naming_key_value_and_fix(extra, fragments):
+    for message in refusals(extra):
+        _assert_names(message, fragments)
+
+
+def test_an_unknown_key_unlike_any_other_lists_the_known_keys():
+    for message in refusals({**GUIDE, "colour": "blue"}):
+        assert "'colour'" in message
+        assert "num_cpu_blocks" in message and "offload_prompt_only" in message
 
 
 @pytest.mark.parametrize("key", sorted(KEYS))
@@ -314,23 +318,6 @@ def test_the_guides_keys_and_vllms_keys_keep_working():
     assert spec.kv_events_config.self_describing_kv_events is True
     manager = spec.get_manager().inner
     assert (manager.store_threshold, manager.max_tracker_size) == (2, 100)
-
-
-def test_canonical_layout_is_refused_by_the_guides_spec_as_by_tiering():
-    """vLLM's canonical layout is a tiering worker's; ours store each rank's
-    KV in its device layout, so the key would be accepted and ignored."""
-    for message in refusals({**GUIDE, "canonical_layout": True}):
-        assert "['canonical_layout']=True is not supported" in message
-        assert "remove canonical_layout" in message
-
-
-def test_a_custom_policy_module_may_name_its_own_policy():
-    extra = {
-        **GUIDE,
-        "cache_policy_module_path": "my_package.my_policy",
-        "eviction_policy": "mine",
-    }
-    validate_connector_config("kv_both", extra, [128])
 
 
 def test_configs_of_other_specs_are_not_checked(monkeypatch):
