@@ -28,18 +28,14 @@ from vllm.v1.kv_offload.base import (
     ReqContext,
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
-from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
 from tests.unit.conftest import make_connector, new_engine_id
 from tests.unit.kv_helpers import make_config, worker_report
 from vllm_ascend.kv_offload import pool_metrics
 from vllm_ascend.kv_offload.manager import FailureAwareManager
 from vllm_ascend.kv_offload.npu import NPUOffloadingSpec
-from vllm_ascend.kv_offload.pool_metrics import PoolCapacity
 from vllm_ascend.kv_offload.scheduler_side import FailureRouter
 from vllm_ascend.kv_offload.tiering.spec import NPUTieringOffloadingSpec
-
-BLOCK_BYTES = 1 << 20
 
 
 def reduced(manager: FailureAwareManager) -> dict[str, float]:
@@ -66,26 +62,6 @@ def test_the_spec_declares_the_pool_series_beside_vllms(spec_cls):
     assert info.labelnames == ("memory_kind", "pinned", "pieces", "copy_path")
 
 
-def test_stats_report_capacity_occupancy_and_evictions():
-    m = FailureAwareManager(
-        CPUOffloadingManager(num_chunks=4), PoolCapacity(4, 4 * BLOCK_BYTES)
-    )
-    first = reduced(m)
-    assert first[pool_metrics.CAPACITY_BLOCKS] == 4
-    assert first[pool_metrics.CAPACITY_BYTES] == 4 * BLOCK_BYTES
-    assert first[pool_metrics.BLOCKS_IN_USE] == 0
-    assert first[pool_metrics.EVICTIONS] == 0
-
-    store(m, "a", "b", "c")
-    assert reduced(m)[pool_metrics.BLOCKS_IN_USE] == 3
-    store(m, "d", "e", "f")  # two of a, b, c make room
-    after = reduced(m)
-    assert after[pool_metrics.BLOCKS_IN_USE] == 4
-    assert after[pool_metrics.EVICTIONS] == 2
-    # A counter's increase is per interval: nothing new evicted since.
-    assert reduced(m)[pool_metrics.EVICTIONS] == 0
-
-
 POOL_SERIES = (
     pool_metrics.CAPACITY_BLOCKS,
     pool_metrics.CAPACITY_BYTES,
@@ -96,64 +72,71 @@ POOL_SERIES = (
 )
 
 
-def four_block_manager(spec_cls, events: bool = False):
-    """The scheduler-side manager of ``spec_cls``: 4 CPU blocks of 64 KiB
-    (the tiering one on its own shared region)."""
-    config = dataclasses.replace(
-        make_config({"num_cpu_blocks": 4, "block_size": 128}),
-        enable_kv_cache_events=events,
-        engine_id=new_engine_id(),
-    )
-    return spec_cls(config).get_manager()
+@pytest.fixture
+def four_block_manager():
+    """Builds the scheduler-side manager of a spec: 4 CPU blocks of 64 KiB
+    (the tiering one on its own shared region); shut down at teardown."""
+    made = []
+
+    def build(spec_cls, events: bool = False):
+        config = dataclasses.replace(
+            make_config({"num_cpu_blocks": 4, "block_size": 128}),
+            enable_kv_cache_events=events,
+            engine_id=new_engine_id(),
+        )
+        made.append(spec_cls(config).get_manager())
+        return made[-1]
+
+    yield build
+    for manager in made:
+        manager.shutdown()
 
 
 @pytest.fixture(params=[NPUOffloadingSpec, NPUTieringOffloadingSpec])
-def spec_manager(request):
+def spec_manager(request, four_block_manager):
     """Each of our specs' manager, KV events on."""
-    manager = four_block_manager(request.param, events=True)
-    yield manager
-    manager.shutdown()
+    return four_block_manager(request.param, events=True)
 
 
 def workload(manager) -> list[dict[str, float]]:
-    """Six blocks through four, then a reset: the pool series after each."""
-    store(manager, "a", "b", "c")
+    """Six blocks through four, then a reset: the pool series before, after
+    each store, once more with nothing new, and after the reset."""
     series = [reduced(manager)]
-    store(manager, "d", "e", "f")
+    store(manager, "a", "b", "c")
     series.append(reduced(manager))
+    store(manager, "d", "e", "f")  # two of a, b, c make room
+    series += [reduced(manager), reduced(manager)]
     manager.reset_cache()
     series.append(reduced(manager))
     return [{name: s[name] for name in POOL_SERIES} for s in series]
 
 
-def test_both_specs_report_the_same_pool_series_for_the_same_workload():
-    """The tiering spec's CPU tier is the pool: same series, same values."""
-    results = []
-    for spec_cls in (NPUOffloadingSpec, NPUTieringOffloadingSpec):
-        manager = four_block_manager(spec_cls)
-        try:
-            results.append(workload(manager))
-        finally:
-            manager.shutdown()
-    plain, tiering = results
+def test_both_specs_report_the_same_pool_series_for_the_same_workload(
+    four_block_manager,
+):
+    """Capacity, occupancy and evictions; the tiering spec's CPU tier is the
+    pool: same series, same values."""
+    plain, tiering = (
+        workload(four_block_manager(spec_cls))
+        for spec_cls in (NPUOffloadingSpec, NPUTieringOffloadingSpec)
+    )
     assert tiering == plain
-    assert [s[pool_metrics.BLOCKS_IN_USE] for s in plain] == [3, 4, 0]
-    assert [s[pool_metrics.EVICTIONS] for s in plain] == [0, 2, 0]
+    assert [s[pool_metrics.BLOCKS_IN_USE] for s in plain] == [0, 3, 4, 4, 0]
+    # A counter's increase is per interval: nothing new evicted since.
+    assert [s[pool_metrics.EVICTIONS] for s in plain] == [0, 0, 2, 0, 0]
+    assert {s[pool_metrics.CAPACITY_BLOCKS] for s in plain} == {4}
     assert plain[0][pool_metrics.CAPACITY_BYTES] == 4 * 65536
 
 
-def test_promotions_into_the_cpu_tier_count_their_evictions():
+def test_promotions_into_the_cpu_tier_count_their_evictions(four_block_manager):
     manager = four_block_manager(NPUTieringOffloadingSpec)
-    try:
-        store(manager, "a", "b", "c", "d")
-        reduced(manager)
-        # A promotion (secondary tier -> CPU tier) needs a block: one evicted.
-        ctx = ReqContext(req_id="p")
-        manager.on_new_request(ctx)
-        assert manager.inner.primary_tier.prepare_write([b"e"], ctx) is not None
-        assert reduced(manager)[pool_metrics.EVICTIONS] == 1
-    finally:
-        manager.shutdown()
+    store(manager, "a", "b", "c", "d")
+    reduced(manager)
+    # A promotion (secondary tier -> CPU tier) needs a block: one evicted.
+    ctx = ReqContext(req_id="p")
+    manager.on_new_request(ctx)
+    assert manager.inner.primary_tier.prepare_write([b"e"], ctx) is not None
+    assert reduced(manager)[pool_metrics.EVICTIONS] == 1
 
 
 def cpu_events(manager) -> list[tuple[bool, set]]:
