@@ -22,7 +22,6 @@ to the version, so a process can tell that it runs with the overlay.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import zipfile
@@ -109,20 +108,10 @@ def skip_unless_core_supported() -> None:
         )
 
 
-def _cache_root() -> Path:
-    root = os.environ.get("VLLM_ASCEND_KV_OFFLOAD_CACHE")
-    if root:
-        return Path(root)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg) if xdg else Path.home() / ".cache"
-    return base / "vllm-ascend-kv-offload"
-
-
 def _wheel(cache: Path) -> Path:
     wheels = sorted(cache.glob(f"vllm-{VERSION}-*.whl"))
     if wheels:
         return wheels[0]
-    cache.mkdir(parents=True, exist_ok=True)
     pip = "pip download --quiet --no-deps --only-binary=:all: --python-version=3.11"
     pip += f" --platform=manylinux_2_28_x86_64 vllm=={VERSION} --dest"
     subprocess.run([sys.executable, "-m", *pip.split(), str(cache)], check=True)
@@ -131,7 +120,9 @@ def _wheel(cache: Path) -> Path:
 
 def overlay_dir() -> Path:
     """The overlay (built once, then reused); put it first on PYTHONPATH."""
-    cache = _cache_root()
+    from tests.packaging.upstream import cache_root
+
+    cache = cache_root()  # the upstream sdist's cache (created)
     out = cache / f"vllm-{VERSION}-offloading-overlay"
     if (out / "sitecustomize.py").exists():
         return out
