@@ -25,7 +25,6 @@ from tests.unit.model_configs import (
     DEEPSEEK_V2_LITE,
     LLAMA3_8B,
     QWEN3_0_6B,
-    write_model,
 )
 from vllm_ascend.kv_offload import doctor, ops, self_check
 from vllm_ascend.kv_offload.copy_paths import candidate_paths
@@ -44,8 +43,8 @@ def run_doctor(*args: str) -> tuple[int, str]:
     return rc, out.getvalue()
 
 
-def model_dir(tmp_path_factory, name, config) -> str:
-    return str(write_model(tmp_path_factory.mktemp(name), config))
+def without(config: dict, *keys: str) -> dict:
+    return {k: v for k, v in config.items() if k not in keys}
 
 
 def doctor_on(tmp_path, config: dict, *args: str) -> tuple[int, list[str]]:
@@ -56,12 +55,15 @@ def doctor_on(tmp_path, config: dict, *args: str) -> tuple[int, list[str]]:
     return rc, out.splitlines()
 
 
+def doctor_json(tmp_path, config: dict, *args: str) -> tuple[int, dict]:
+    """The doctor's exit status and ``--json`` report (``doctor_on``)."""
+    rc, lines = doctor_on(tmp_path, config, "--json", *args)
+    return rc, json.loads("\n".join(lines))
+
+
 @pytest.fixture(scope="module")
 def qwen3_json(tmp_path_factory):
-    rc, out = run_doctor(
-        "--model", model_dir(tmp_path_factory, "qwen3", QWEN3_0_6B), "--json", *FAST
-    )
-    return rc, json.loads(out)
+    return doctor_json(tmp_path_factory.mktemp("qwen3"), QWEN3_0_6B, *FAST)
 
 
 def test_healthy_cpu_machine_exits_zero(qwen3_json):
@@ -114,10 +116,9 @@ def test_json_reports_versions_allocation_and_verified_bandwidth(qwen3_json):
         assert r["verified"] == dict.fromkeys(["loop", *op], True)
 
 
-def test_text_output_has_one_line_per_check(tmp_path_factory):
-    rc, out = run_doctor(
-        "--model", model_dir(tmp_path_factory, "llama", LLAMA3_8B), *FAST
-    )
+def test_text_output_has_one_line_per_check(tmp_path):
+    rc, lines = doctor_on(tmp_path, LLAMA3_8B, *FAST)
+    out = "\n".join(lines)
     assert rc == 0, out
     for name in ("versions", "vllm", "platform", "backends", "copy path"):
         assert f"] {name}" in out
@@ -125,14 +126,12 @@ def test_text_output_has_one_line_per_check(tmp_path_factory):
         assert f"] {name}" in out
     # 2 * 32 layers * 8 KV heads * 128 * 2 bytes * 128 tokens.
     assert "16,777,216 bytes" in out
-    assert out.rstrip().splitlines()[-1].startswith("OK")
+    assert lines[-1].startswith("OK")
 
 
-def test_unsizable_model_exits_nonzero_naming_the_key(tmp_path_factory):
-    broken = {k: v for k, v in QWEN3_0_6B.items() if k != "num_hidden_layers"}
-    model = model_dir(tmp_path_factory, "broken", broken)
-    rc, out = run_doctor("--model", model, "--json", *NO_COPY_CHECKS)
-    report = json.loads(out)
+def test_unsizable_model_exits_nonzero_naming_the_key(tmp_path):
+    broken = without(QWEN3_0_6B, "num_hidden_layers")
+    rc, report = doctor_json(tmp_path, broken, *NO_COPY_CHECKS)
     assert rc == 1
     assert report["ok"] is False
     assert "num_hidden_layers" in report["sizing"]["error"]
@@ -249,10 +248,6 @@ def sizing_lines(lines: list[str]) -> list[str]:
     return [line for line in lines if line[7:].startswith("sizing")]
 
 
-def without(config: dict, *keys: str) -> dict:
-    return {k: v for k, v in config.items() if k not in keys}
-
-
 @pytest.mark.parametrize(
     "config, line",
     [
@@ -342,10 +337,8 @@ def test_copy_checks_allocate_a_bounded_amount_whatever_the_model(
         return real(device, fragment_sizes)
 
     monkeypatch.setattr(self_check, "run_self_check", spy)
-    args = ["--alloc-mib", "0", "--bandwidth-mib", "1", "--rounds", "1", "--json"]
-    args += ["--kv-cache-dtype", "float32"]
-    rc, lines = doctor_on(tmp_path, config, *args)
-    report = json.loads("\n".join(lines))
+    args = ["--alloc-mib", "0", "--bandwidth-mib", "1", "--rounds", "1"]
+    rc, report = doctor_json(tmp_path, config, *args, "--kv-cache-dtype", "float32")
     assert rc == 0, report["checks"]
     assert report["sizing"]["fragment_bytes"] == [128 << 20, 128 << 20]
     assert checked and max(max(c) for c in checked) <= 8 << 20
@@ -376,8 +369,7 @@ GPT2 = {
     ids=["gpt2-own-key-names", "mla"],
 )
 def test_a_model_is_sized_as_vllm_reads_it(tmp_path, config, attention, block_bytes):
-    rc, lines = doctor_on(tmp_path, config, *NO_COPY_CHECKS, "--json")
-    report = json.loads("\n".join(lines))
+    rc, report = doctor_json(tmp_path, config, *NO_COPY_CHECKS)
     assert rc == 0, report["checks"]
     assert report["bytes_per_cpu_block"] == block_bytes
     assert report["sizing"]["attention"] == attention
