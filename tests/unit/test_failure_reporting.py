@@ -99,9 +99,6 @@ class WorkerSide:
         c.clear_connector_metadata()
         return results, errors, worker_meta
 
-    def close(self):
-        self.c.shutdown()
-
 
 @pytest.fixture
 def side_factory():
@@ -113,7 +110,7 @@ def side_factory():
 
     yield make
     for side in made:
-        side.close()
+        side.c.shutdown()
 
 
 @pytest.mark.parametrize("faults", ["load:1", "load_submit:1"])
@@ -387,14 +384,6 @@ def request(req_id: str, *hashes: str) -> SimpleNamespace:
     )
 
 
-class RecordingKVCacheManager:
-    def __init__(self):
-        self.evicted: list[set[int]] = []
-
-    def evict_blocks(self, block_ids: set[int]) -> None:
-        self.evicted.append(block_ids)
-
-
 def blocks(*ids: int) -> SimpleNamespace:
     return SimpleNamespace(get_block_ids=lambda: (list(ids),))
 
@@ -431,12 +420,12 @@ def test_no_request_reaches_the_blocks_of_a_sync_load_in_flight():
 
 def test_a_failed_sync_load_leaves_the_device_prefix_cache():
     q = SyncLoadQuarantine(BLOCK)
-    manager = RecordingKVCacheManager()
-    q.bind(manager)
+    evicted: list[set[int]] = []
+    q.bind(SimpleNamespace(evict_blocks=evicted.append))  # vLLM's KV cache manager
     quarantined_sync_load(q, request("a", "d0", "d1", "d2"))
     q.on_metadata(metadata(load_jobs={1: sync_load("a", 11, 12)}))
     q.release(1, failed=True)
-    assert manager.evicted == [{11, 12}]  # not block 10, a good device hit
+    assert evicted == [{11, 12}]  # not block 10, a good device hit
     assert not q.must_wait(request("b", "d0", "d1"))
 
 
