@@ -258,6 +258,10 @@ REFUSED_BY_BOTH = [
     # (refused by the guide's spec as by tiering).
     ({**GUIDE, "canonical_layout": True},
      ["['canonical_layout']=True is not supported", "remove canonical_layout"]),
+    # The self-check's copy path setting, checked like every key.
+    ({**GUIDE, "copy_path": "fast"},
+     ["kv_connector_extra_config['copy_path']='fast' is not supported",
+      "auto, native, torch"]),
 ] + [
     # vLLM's keys, type-checked naming key, value and fix: (key, value, fragments).
     ({**GUIDE, key: value}, [f"['{key}']", *fragments])
@@ -310,6 +314,7 @@ def test_the_guides_keys_and_vllms_keys_keep_working():
         "self_describing_kv_events": True,
         "canonical_layout": False,
         "sync_load_budget_bytes": 0,
+        "copy_path": "torch",
     }
     validate_connector_config("kv_both", extra, [128])
     spec = NPUOffloadingSpec(make_config(extra))

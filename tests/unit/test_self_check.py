@@ -20,7 +20,7 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
 from tests.unit.kv_helpers import make_kv_caches, make_worker, running
 from vllm_ascend.kv_offload import ops, self_check
-from vllm_ascend.kv_offload.config import OffloadConfigError, check_keys
+from vllm_ascend.kv_offload.config import OffloadConfigError
 from vllm_ascend.kv_offload.copy_paths import (
     TORCH,
     VLLM_BATCH,
@@ -65,12 +65,11 @@ PATH_NAMES = ["first", "second", TORCH]
 
 
 def faulty(faults: dict[str, str]) -> list[CopyPath]:
-    """``PATH_NAMES``' paths, each with the fault named for it."""
+    """``PATH_NAMES``' paths, each with the fault named for it (the first
+    two copy as the CPU's best candidate, the torch path as itself)."""
     best = candidate_paths("cpu")[0].name
     return [
-        FaultyPath(n, "cpu", fault=faults.get(n, ""), copies_like=best)
-        if n != TORCH
-        else FaultyPath(n, "cpu", fault=faults.get(n, ""))
+        FaultyPath(n, "cpu", fault=faults.get(n, ""), copies_like=best * (n != TORCH))
         for n in PATH_NAMES
     ]
 
@@ -179,16 +178,6 @@ def test_the_self_check_verifies_the_vllm_path_like_any_other(warnings):
     result = run_self_check("cpu", PAGES, paths=[bad])
     assert not result.passed and result.swap is None
     assert f"{VLLM_BATCH}: " in result.failure and "wrong bytes" in result.failure
-
-
-def test_copy_path_setting_is_checked_like_every_key():
-    check_keys({"copy_path": "torch"})
-    with pytest.raises(OffloadConfigError) as error:
-        check_keys({"copy_path": "fast"})
-    assert "kv_connector_extra_config['copy_path']='fast' is not supported" in str(
-        error.value
-    )
-    assert "auto, native, torch" in str(error.value)
 
 
 def test_self_check_passes_on_the_best_path_and_reports_it():
