@@ -116,12 +116,10 @@ class FaultInjector:
         )
         return faults
 
-    def count(self, kind: str) -> int:
-        return sum(1 for k, _ in self.injected if k == kind)
-
     def _draw(self, kind: str, job_id: int) -> bool:
         rate, limit = self.rates.get(kind, (0.0, None))
-        if rate <= 0 or (limit is not None and self.count(kind) >= limit):
+        count = sum(k == kind for k, _ in self.injected)
+        if rate <= 0 or (limit is not None and count >= limit):
             return False
         if self.rng.random() >= rate:
             return False
