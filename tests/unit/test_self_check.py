@@ -65,8 +65,7 @@ PATH_NAMES = ["first", "second", TORCH]
 
 
 def faulty(faults: dict[str, str]) -> list[CopyPath]:
-    """``PATH_NAMES``' paths, each with the fault named for it (the first
-    two copy as the CPU's best candidate, the torch path as itself)."""
+    """``PATH_NAMES``' paths, each with the fault named for it."""
     best = candidate_paths("cpu")[0].name
     return [
         FaultyPath(n, "cpu", fault=faults.get(n, ""), copies_like=best * (n != TORCH))
