@@ -315,37 +315,72 @@ def test_auto_takes_a_share_of_what_the_guard_accepts_next_to_the_engine():
         auto_num_cpu_blocks(14_680_064, 0, gib, share=0)
 
 
+def _cpu_backend_quantised_dtypes() -> list[str]:
+    """The quantised KV dtypes vLLM's CPU attention backend declares, read
+    from vLLM (not a copy of its list)."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    return [d for d in CPUAttentionBackend.supported_kv_cache_dtypes if d != "auto"]
+
+
 @pytest.mark.parametrize(
-    ("config", "tp"),
+    ("config", "tp", "kv_cache_dtype"),
     [
-        (QWEN3_0_6B, 1),
-        (QWEN3_0_6B, 2),
-        (LLAMA3_8B, 4),
-        (DEEPSEEK_V2_LITE, 2),
-        (tiny_qwen3_config(), 1),
+        (QWEN3_0_6B, 1, "auto"),
+        (QWEN3_0_6B, 2, "auto"),
+        (LLAMA3_8B, 4, "auto"),
+        (DEEPSEEK_V2_LITE, 2, "auto"),
+        (tiny_qwen3_config(), 1, "auto"),
+        # Quantised KV, against the pages vLLM's CPU backend allocates.
+        *[
+            (config, 1, dtype)
+            for config in (QWEN3_0_6B, tiny_qwen3_config())
+            for dtype in _cpu_backend_quantised_dtypes()
+        ],
     ],
 )
 def test_formula_matches_vllms_model_config_and_kv_spec(
-    tmp_path, vllm_model_config, config, tp, size_kv
+    tmp_path, vllm_model_config, config, tp, kv_cache_dtype, size_kv
 ):
     from vllm.config import ParallelConfig
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+    from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MLAAttentionSpec,
+        get_kv_quant_mode,
+    )
 
     mc = vllm_model_config(write_model(tmp_path, config))
     parallel = ParallelConfig(tensor_parallel_size=tp)
-    ours = size_kv(config, tensor_parallel_size=tp)
+    ours = size_kv(config, tensor_parallel_size=tp, kv_cache_dtype=kv_cache_dtype)
     heads = mc.get_num_kv_heads(parallel)
     assert heads == ours.kv_heads_per_worker
     assert mc.get_head_size() == ours.head_size
     assert mc.get_num_layers(ParallelConfig()) == ours.num_attention_layers
     assert mc.use_mla == (ours.attention == "mla")
-    assert str(mc.dtype).removeprefix("torch.") == ours.kv_cache_dtype
-    spec_cls = MLAAttentionSpec if mc.use_mla else FullAttentionSpec
-    spec = spec_cls(
-        block_size=ours.block_size,
-        num_kv_heads=heads,
-        head_size=mc.get_head_size(),
-        dtype=mc.dtype,
-    )
+    if kv_cache_dtype == "auto":
+        assert str(mc.dtype).removeprefix("torch.") == ours.kv_cache_dtype
+    if mc.use_mla:
+        spec = MLAAttentionSpec(
+            block_size=ours.block_size,
+            num_kv_heads=heads,
+            head_size=mc.get_head_size(),
+            dtype=mc.dtype,
+        )
+    else:
+        # As vLLM's attention layer builds it for this dtype, then as the
+        # CPU backend customises it (it adds no scale bytes: fp8 scales are
+        # per-tensor floats on the layer, not part of the KV cache).
+        spec = CPUAttentionBackend.customize_spec(
+            FullAttentionSpec(
+                block_size=ours.block_size,
+                num_kv_heads=heads,
+                head_size=mc.get_head_size(),
+                dtype=kv_cache_dtype_str_to_dtype(kv_cache_dtype, mc),
+                kv_quant_mode=get_kv_quant_mode(kv_cache_dtype),
+            )
+        )
     layers = ours.num_attention_layers
     assert spec.page_size_bytes * layers == ours.worker_bytes_per_cpu_block
+    assert ours.dtype_bytes == spec.dtype.itemsize
