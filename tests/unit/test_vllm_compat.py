@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.test_public_seams import _private
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "vllm_ascend" / "kv_offload"
 
@@ -205,10 +207,6 @@ def test_private_vllm_names_still_mean_what_vllm_compat_assumes(code: str) -> No
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-1000:]
     want = "0.33.0" if code == "0.33" else "installed"
     assert f"offloading code: {want}" in proc.stdout
-
-
-def _private(name: str) -> bool:
-    return name.startswith("_") and not name.startswith("__")
 
 
 def private_vllm_uses(sources: dict[str, str]) -> dict[str, set[str]]:
