@@ -124,9 +124,6 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-loadavg = os.getloadavg
-
-
 def write_json(path: Path, result) -> None:
     """``result`` as indented JSON (numpy scalars as plain numbers)."""
 
@@ -148,7 +145,7 @@ def load_samples(period_s: float = 5.0) -> Iterator[list[tuple[float, ...]]]:
 
     def sample() -> None:
         while True:
-            samples.append(loadavg())
+            samples.append(os.getloadavg())
             if stop.wait(period_s):
                 return
 

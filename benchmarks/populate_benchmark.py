@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import loadavg, write_json
+from benchmarks.common import write_json
 from vllm_ascend.kv_offload import populate
 
 GiB = 2**30
@@ -160,7 +160,7 @@ def run(args: argparse.Namespace, nbytes: int) -> list[Trial]:
         for name in order:
             time.sleep(args.settle)
             wall, cpu, huge = trial(table[name], nbytes)
-            trials.append(Trial(name, r, wall, cpu, huge, loadavg()[0]))
+            trials.append(Trial(name, r, wall, cpu, huge, os.getloadavg()[0]))
             print(
                 f"round {r} {name:42s} {wall:6.3f} s/GiB (CPU {cpu:.3f}) "
                 f"huge {huge:4.0%} load {trials[-1].load1:.2f}",

@@ -99,20 +99,6 @@ def timed(key: str, fn):
     return wrapper
 
 
-def _timed_copy(kind: str, copy):
-    """The copy job as its queue's thread runs it (no stack: top level)."""
-
-    def run():
-        w0, c0 = time.perf_counter_ns(), time.thread_time_ns()
-        try:
-            return copy()
-        finally:
-            _add(f"copy.{kind}", time.perf_counter_ns() - w0,
-                 time.thread_time_ns() - c0)  # fmt: skip
-
-    return run
-
-
 def _patch(module) -> None:
     cls_name, methods = TARGETS[module.__name__]
     cls = getattr(module, cls_name)
@@ -135,7 +121,8 @@ def _patch_copies(worker_cls) -> None:
 
     def timed_submit(self, job_id, copy):
         kind = getattr(_local, "kind", None) or "job"
-        return submit(self, job_id, _timed_copy(kind, copy))
+        # Timed where its queue's thread runs it: at the top of that stack.
+        return submit(self, job_id, timed(f"copy.{kind}", copy))
 
     queue_cls.submit = timed_submit
     for name, kind in (("submit_store", "store"), ("submit_load", "load")):
