@@ -97,26 +97,18 @@ def workloads(args: argparse.Namespace, sizes: Sizes) -> list[Workload]:
     )
     n_rep = sizes.num_prefixes * sizes.repeats
     n_small = max(2 * max(args.concurrency), n_rep // 3)
-    last = args.concurrency[-1]
-    out = [
-        Workload(f"{kind}_c{c}", kind, c, n_rep, rep, prompt_len)
-        for kind in ("prefix_repetition", "hog")
-        for c in args.concurrency
+    shared = _random(sizes.suffix_len, sizes.output_len, sizes.prefix_len)
+    plan = [  # kind, concurrencies, prompts, dataset arguments
+        ("prefix_repetition", args.concurrency, n_rep, rep),
+        ("hog", args.concurrency, n_rep, rep),
+        ("shared_prefix", args.concurrency[-1:], n_small, shared),
+        ("no_reuse", args.concurrency, n_small, _random(prompt_len, sizes.output_len)),
     ]
-    out.append(
-        Workload(
-            f"shared_prefix_c{last}", "shared_prefix", last, n_small,
-            _random(sizes.suffix_len, sizes.output_len, sizes.prefix_len),
-            prompt_len,
-        )
-    )  # fmt: skip
-    out += [
-        Workload(
-            f"no_reuse_c{c}", "no_reuse", c, n_small,
-            _random(prompt_len, sizes.output_len), prompt_len,
-        )
-        for c in args.concurrency
-    ]  # fmt: skip
+    out = [
+        Workload(f"{kind}_c{c}", kind, c, n, dataset, prompt_len)
+        for kind, concurrencies, n, dataset in plan
+        for c in concurrencies
+    ]
     turns = args.mt_conversations * args.mt_turns
     # History grows by ~140 user + ~100 answer tokens a turn: ~mid-way on average.
     mt_len = args.mt_system_len + 240 * (args.mt_turns + 1) // 2
