@@ -97,7 +97,6 @@ def _scheduler(impl: str, args: argparse.Namespace):
             kv_connector_extra_config=extra,
         ),
     )
-    kv_cache_config.num_blocks = num_blocks
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     return Scheduler(
         vllm_config=vllm_config,
