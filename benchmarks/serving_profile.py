@@ -64,7 +64,7 @@ SPLIT = {
     "connector worker calls, rest": [c + m for c in CONN for m in WORKER_HOOKS],
     "model forward": ["Worker.execute_model", "Worker.sample_tokens"],
     "rest of the engine step": ["EngineCore.step", "EngineCore.step_with_batch_queue"],
-    "copies (copy threads)": ["copy.store", "copy.load", "copy.job"],
+    "copies (copy threads)": ["copy.store", "copy.load", "copy.expedited_load"],
 }
 ON_ENGINE_THREAD = [k for k in SPLIT if not k.startswith("copies")]
 
