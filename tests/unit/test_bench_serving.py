@@ -254,7 +254,6 @@ def test_every_workload_kind_is_planned_and_off_and_on_share_the_flags():
         "no_reuse",
         "multi_turn",
     }
-    assert '"spec_module_path": "vllm_ascend.kv_offload.npu"' in offload_config(10)
     off = serve_flags(sizes.device_blocks, 16)
     on = serve_flags(sizes.device_blocks, 16, sizes.cpu_blocks)
     assert on == off + ["--kv-transfer-config", offload_config(sizes.cpu_blocks)]
