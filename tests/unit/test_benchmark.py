@@ -18,11 +18,17 @@ COPY_FIELDS = set(
 )
 
 
-def run_json(capsys, *extra: str) -> list[dict]:
-    argv = ["--device", "cpu", "--num-fragments", "16", "--repeats", "2", "--json"]
+def run_benchmark(capsys, *extra: str) -> str:
+    """Its output on cpu: 16 fragments per row, 2 repeats, no layout jobs."""
+    argv = ["--device", "cpu", "--num-fragments", "16", "--repeats", "2"]
     argv += ["--settle-ms", "0", "--layout-blocks", "0"]
     assert benchmark.main(argv + list(extra)) == 0
-    return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    return capsys.readouterr().out
+
+
+def run_json(capsys, *extra: str) -> list[dict]:
+    out = run_benchmark(capsys, "--json", *extra)
+    return [json.loads(line) for line in out.splitlines()]
 
 
 def test_cpu_rows_are_complete_and_verified(capsys):
@@ -58,11 +64,9 @@ def test_cpu_rows_are_complete_and_verified(capsys):
 
 
 def test_table_output(capsys):
-    argv = ["--device", "cpu", "--num-fragments", "8", "--repeats", "1"]
-    argv += ["--fragment-bytes", "2K", "--descriptor-fragments", "80"]
-    argv += ["--layout-blocks", "0"]
-    assert benchmark.main(argv) == 0
-    out = capsys.readouterr().out
+    out = run_benchmark(
+        capsys, "--fragment-bytes", "2K", "--descriptor-fragments", "80"
+    )
     assert "contiguous" in out and "us/fragment" in out
     assert "2 KiB" in out
 
