@@ -46,6 +46,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
 
 from benchmarks.common import (  # noqa: E402
@@ -53,7 +55,6 @@ from benchmarks.common import (  # noqa: E402
     add_model_args,
     add_output_args,
     model_args,
-    percentile,
     write_json,
 )
 from vllm_ascend.kv_offload.testing import engine  # noqa: E402 (no vLLM import)
@@ -217,8 +218,8 @@ def summarize(trials: list[dict], lengths: list[int]) -> list[dict]:
             if xs:
                 loads = [t[case + "_load"] for t in ts]
                 row[case] = {
-                    "median": percentile(xs, 50),
-                    "p90": percentile(xs, 90),
+                    "median": float(np.percentile(xs, 50)),
+                    "p90": float(np.percentile(xs, 90)),
                     "load": (min(loads), max(loads)),
                 }
         row["cold_over_cpu"] = row["cold"]["median"] / row["cpu"]["median"]

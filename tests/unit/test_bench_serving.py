@@ -211,10 +211,12 @@ def test_the_openmp_binding_is_read_from_vllms_server_log():
 
 
 def test_multi_turn_requests_are_summarized_like_bench_serve():
+    from vllm.benchmarks.lib.endpoint_request_func import RequestFuncOutput as Out
+
     outs = [
-        {"success": True, "ttft": 0.1, "latency": 1.1, "output_tokens": 11},
-        {"success": True, "ttft": 0.3, "latency": 2.3, "output_tokens": 21},
-        {"success": False, "ttft": 0.0, "latency": 0.0, "output_tokens": 0},
+        Out(success=True, ttft=0.1, latency=1.1, output_tokens=11),
+        Out(success=True, ttft=0.3, latency=2.3, output_tokens=21),
+        Out(success=False, ttft=0.0, latency=0.0, output_tokens=0),
     ]
     s = wl.summarize_requests(outs, duration_s=4.0)
     assert (s["completed"], s["failed"]) == (2, 1)
