@@ -31,10 +31,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 from typing import Any
 
-from benchmarks.common import add_int_args, loadavg
+from benchmarks.common import add_int_args
 from benchmarks.serving_probe import sitecustomize as probe
 from benchmarks.serving_probe.sitecustomize import SCHEDULER_HOOKS
 from vllm_ascend.kv_offload.testing.engine import GUIDE_EXTRA_CONFIG
@@ -96,7 +97,6 @@ def _scheduler(impl: str, args: argparse.Namespace):
             kv_connector_extra_config=extra,
         ),
     )
-    kv_cache_config.num_blocks = num_blocks
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     return Scheduler(
         vllm_config=vllm_config,
@@ -201,7 +201,7 @@ def main() -> None:
 
     plugin.register()  # what vLLM's general plugins do at start-up
     impls = ["ours", "vllm"] if args.impl == "both" else [args.impl]
-    load_start = loadavg()
+    load_start = os.getloadavg()
     rows = []
     for r in range(args.rounds):
         # Alternate which goes first, so drift in the machine's load
@@ -219,7 +219,7 @@ def main() -> None:
                     f"({row['store_jobs']} store jobs); prefill + next step "
                     f"{row['prefill_us']:.0f} us"
                 )
-    print(f"load average: start {load_start}, end {loadavg()}")
+    print(f"load average: start {load_start}, end {os.getloadavg()}")
     for impl in impls:
         medians = [row["median_us"] for row in rows if row["impl"] == impl]
         prefills = [row["prefill_us"] for row in rows if row["impl"] == impl]

@@ -41,7 +41,6 @@ from benchmarks.common import (  # noqa: E402
     add_output_args,
     cpu_hog,
     load_samples,
-    loadavg,
     model_args,
     write_json,
 )
@@ -179,7 +178,7 @@ def run(args) -> dict:
         "sizes": {**asdict(sizes), "num_prefixes": sizes.num_prefixes},
         "workloads": [asdict(w) for w in plan],
         "nproc": os.cpu_count(),
-        "loadavg_start": loadavg(),
+        "loadavg_start": os.getloadavg(),
         "records": [],
         "servers": [],
         "greedy": {},
@@ -204,7 +203,7 @@ def run(args) -> dict:
                 if args.json:  # what has been measured so far survives
                     write_json(args.json, result)
     result["seconds"] = time.perf_counter() - t_start
-    result["loadavg_end"] = loadavg()
+    result["loadavg_end"] = os.getloadavg()
     return result
 
 

@@ -46,15 +46,15 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
 
 from benchmarks.common import (  # noqa: E402
     SMALL_MODEL,
     add_model_args,
     add_output_args,
-    loadavg,
     model_args,
-    percentile,
     write_json,
 )
 from vllm_ascend.kv_offload.testing import engine  # noqa: E402 (no vLLM import)
@@ -103,14 +103,14 @@ def write(llm, cfg: dict, prompt: str, length: int) -> dict:
     blocks are in the CPU tier (and, with the fs tier, in files)."""
     expected = length // CPU_BLOCK_TOKENS * cfg["block_bytes"]
     c0 = engine.counters()
-    row = {"cold": timed_hit(llm, prompt, 0), "cold_load": loadavg()[0]}
+    row = {"cold": timed_hit(llm, prompt, 0), "cold_load": os.getloadavg()[0]}
     engine.settle(llm)
     stored = delta(c0, engine.counters(), engine.STORE_BYTES)
     assert stored >= expected, f"{stored} of {expected} bytes stored"
-    row.update(device=timed_hit(llm, prompt, length), device_load=loadavg()[0])
+    row.update(device=timed_hit(llm, prompt, length), device_load=os.getloadavg()[0])
     engine.reset_prefix_cache(llm)
     c1 = engine.counters()
-    row.update(cpu=timed_hit(llm, prompt, length), cpu_load=loadavg()[0])
+    row.update(cpu=timed_hit(llm, prompt, length), cpu_load=os.getloadavg()[0])
     engine.settle(llm, LOAD_BYTES)  # a load's stats come with a later step
     c2 = engine.counters()
     assert delta(c1, c2, LOAD_BYTES) == expected, (c1, c2)
@@ -125,7 +125,7 @@ def write(llm, cfg: dict, prompt: str, length: int) -> dict:
 def read(llm, cfg: dict, prompt: str, length: int) -> dict:
     """The fs-tier hit of a prompt that another engine wrote."""
     c0 = engine.counters()
-    row = {"fs": timed_hit(llm, prompt, length), "fs_load": loadavg()[0]}
+    row = {"fs": timed_hit(llm, prompt, length), "fs_load": os.getloadavg()[0]}
     engine.settle(llm, TIER_READ)
     c1 = engine.counters()
     expected = length // CPU_BLOCK_TOKENS * cfg["block_bytes"]
@@ -218,8 +218,8 @@ def summarize(trials: list[dict], lengths: list[int]) -> list[dict]:
             if xs:
                 loads = [t[case + "_load"] for t in ts]
                 row[case] = {
-                    "median": percentile(xs, 50),
-                    "p90": percentile(xs, 90),
+                    "median": float(np.percentile(xs, 50)),
+                    "p90": float(np.percentile(xs, 90)),
                     "load": (min(loads), max(loads)),
                 }
         row["cold_over_cpu"] = row["cold"]["median"] / row["cpu"]["median"]
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     model = model_args(args)
     max_len = max(args.lengths) + 1
-    t0, load_start = time.perf_counter(), loadavg()
+    t0, load_start = time.perf_counter(), os.getloadavg()
     model_path = model.ensure(max(32768, 1 << (2 * max_len).bit_length()))
     kv_per_token = model.kv_bytes_per_token(args.dtype)
     with contextlib.ExitStack() as stack:
@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> None:
         "trials": trials,
         "summary": summary,
         "fs_read_bandwidth": bandwidth,
-        "loadavg": {"start": load_start, "end": loadavg()},
+        "loadavg": {"start": load_start, "end": os.getloadavg()},
         "seconds": time.perf_counter() - t0,
     }
     if args.json:

@@ -1,5 +1,5 @@
 """What the benchmarks share: the generated model's arguments, the CLI flags
-for them, percentiles, the load average they report beside figures, and the
+for them, the load average they report beside figures, and the
 one busy core ("hog") some of them run beside what they measure.
 
 ``ModelArgs`` is the command-line face of the tiny model's
@@ -20,8 +20,6 @@ import threading
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-
-import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -119,14 +117,6 @@ def add_output_args(p: argparse.ArgumentParser, logs: str = "engine logs") -> No
     p.add_argument("--log-dir", type=Path, default=None, help=logs)
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default method); NaN of none."""
-    return float(np.percentile(values, q)) if values else float("nan")
-
-
-loadavg = os.getloadavg
-
-
 def write_json(path: Path, result) -> None:
     """``result`` as indented JSON (numpy scalars as plain numbers)."""
 
@@ -148,7 +138,7 @@ def load_samples(period_s: float = 5.0) -> Iterator[list[tuple[float, ...]]]:
 
     def sample() -> None:
         while True:
-            samples.append(loadavg())
+            samples.append(os.getloadavg())
             if stop.wait(period_s):
                 return
 

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import loadavg, write_json
+from benchmarks.common import write_json
 from vllm_ascend.kv_offload import populate
 
 GiB = 2**30
@@ -69,11 +69,8 @@ def before(region: mmap.mmap, addr: int, nbytes: int) -> None:
     region.madvise(populate.MADV_POPULATE_WRITE)
 
 
-def after(threads: int, huge: bool) -> Callable[[mmap.mmap, int, int], None]:
-    def run(region: mmap.mmap, addr: int, nbytes: int) -> None:
-        populate.populate(addr, nbytes, threads, huge_pages=huge)
-
-    return run
+def after(threads: int, huge: bool, region: mmap.mmap, addr: int, nbytes: int) -> None:
+    populate.populate(addr, nbytes, threads, huge_pages=huge)
 
 
 def trial(fault_in, nbytes: int) -> tuple[float, float, float]:
@@ -147,7 +144,7 @@ def variants(threads: list[int]) -> dict[str, Callable]:
             name = f"populate: {n} thread{'s' * (n > 1)}, {pages} pages"
             if (n, huge) == default:
                 name += " (default)"
-            found[name] = after(n, huge)
+            found[name] = partial(after, n, huge)
     return found
 
 
@@ -160,7 +157,7 @@ def run(args: argparse.Namespace, nbytes: int) -> list[Trial]:
         for name in order:
             time.sleep(args.settle)
             wall, cpu, huge = trial(table[name], nbytes)
-            trials.append(Trial(name, r, wall, cpu, huge, loadavg()[0]))
+            trials.append(Trial(name, r, wall, cpu, huge, os.getloadavg()[0]))
             print(
                 f"round {r} {name:42s} {wall:6.3f} s/GiB (CPU {cpu:.3f}) "
                 f"huge {huge:4.0%} load {trials[-1].load1:.2f}",
@@ -175,19 +172,16 @@ def report(trials: list[Trial], names: list[str]) -> str:
         "| huge pages | load (1 min) |",
         "|---|---|---|---|---|---|---|",
     ]
-    medians = {
-        n: statistics.median(t.s_per_gib for t in trials if t.variant == n)
-        for n in names
-    }
-    base = medians[names[0]]
+    base = statistics.median(t.s_per_gib for t in trials if t.variant == names[0])
     for n in names:
         mine = [t for t in trials if t.variant == n]
         values, loads = [t.s_per_gib for t in mine], [t.load1 for t in mine]
+        median = statistics.median(values)
         huge = statistics.median(t.huge_share for t in mine)
         cpu = statistics.median(t.cpu_s_per_gib for t in mine)
         rows.append(
-            f"| {n} | {medians[n]:.3f} | {min(values):.3f}-{max(values):.3f} | "
-            f"{base / medians[n]:.2f} | {cpu:.3f} | {huge:.0%} | "
+            f"| {n} | {median:.3f} | {min(values):.3f}-{max(values):.3f} | "
+            f"{base / median:.2f} | {cpu:.3f} | {huge:.0%} | "
             f"{min(loads):.2f}-{max(loads):.2f} |"
         )
     return "\n".join(rows)

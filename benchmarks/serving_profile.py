@@ -8,8 +8,9 @@
 Starts ``vllm serve`` (``serving_server.ServingServer``) with offloading
 off and on (the guide's ``--kv-transfer-config`` as is:
 ``serving_server.offload_config``), alternating the order between rounds,
-and runs vLLM's own client (``serving_workloads.run_bench_serve``) with
-``--dataset-name prefix_repetition`` against each. The servers load ``serving_probe/``
+and runs vLLM's own client (``bench_serving.run_workload``: both prefix
+caches emptied first) with ``--dataset-name prefix_repetition`` against
+each (``--hog``: beside one busy core). The servers load ``serving_probe/``
 (a ``sitecustomize`` on their ``PYTHONPATH`` only), which times the engine
 core's calls from outside the runtime package; this script diffs its
 totals around the workload and splits each engine step into scheduling,
@@ -37,22 +38,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # run as a script
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
 
+from benchmarks import bench_serving as bs  # noqa: E402
 from benchmarks import serving_server  # noqa: E402
 from benchmarks import serving_workloads as wl  # noqa: E402
-from benchmarks.common import (  # noqa: E402
-    SMALL_MODEL,
-    add_int_args,
-    cpu_hog,
-    load_samples,
-    loadavg,
-    write_json,
-)
+from benchmarks.common import SMALL_MODEL, add_int_args, write_json  # noqa: E402
 from benchmarks.serving_probe.sitecustomize import SCHEDULER_HOOKS, WORKER_HOOKS  # noqa: E402
 from vllm_ascend.kv_offload.testing import server  # noqa: E402
 
@@ -71,16 +64,17 @@ SPLIT = {
     "connector worker calls, rest": [c + m for c in CONN for m in WORKER_HOOKS],
     "model forward": ["Worker.execute_model", "Worker.sample_tokens"],
     "rest of the engine step": ["EngineCore.step", "EngineCore.step_with_batch_queue"],
-    "copies (copy threads)": ["copy.store", "copy.load", "copy.job"],
+    "copies (copy threads)": ["copy.store", "copy.load", "copy.expedited_load"],
 }
 ON_ENGINE_THREAD = [k for k in SPLIT if not k.startswith("copies")]
 
 
 def workload(args) -> wl.Workload:
+    """``prefix_repetition``; beside one busy core (``hog``) with ``--hog``."""
     dataset = wl.prefix_repetition(
         args.prefix_len, args.suffix_len, args.prefixes, args.output_len
     )
-    kind = "prefix_repetition"
+    kind = "hog" if args.hog else "prefix_repetition"
     return wl.Workload(kind, kind, args.concurrency, args.num_prompts, dataset)
 
 
@@ -193,17 +187,14 @@ def run_one(args, model: str, variant: str, pythonpath: str, tmp: Path) -> dict:
                     stdout=subprocess.DEVNULL,
                     stderr=open(tmp / f"pyspy-{role}.log", "w"),
                 )  # fmt: skip
-        with load_samples() as load, cpu_hog(3600) if args.hog else nullcontext():
-            bench = wl.run_bench_serve(
-                srv.base, model, workload(args), 0, tmp / "bench.log"
-            )
+        rec = bs.run_workload(srv, model, workload(args), args, 0, tmp / "bench.log")
         for spy in spies.values():
             spy.send_signal(signal.SIGINT)
             spy.wait(timeout=120)
         after = snapshots(probe_dir)
     finally:
         srv.stop()
-    rec = {"variant": variant, "bench": bench, "loadavg": load}
+    rec["variant"] = variant
     d = diff(before, after)
     rec.update(split(d))
     rec["detail"] = d["stats"]
@@ -214,8 +205,7 @@ def run_one(args, model: str, variant: str, pythonpath: str, tmp: Path) -> dict:
 
 
 def mean_load(rec: dict) -> float:
-    xs = [s[0] for s in rec["loadavg"]]
-    return sum(xs) / max(1, len(xs))
+    return sum(rec["loadavg_1m"]) / max(1, len(rec["loadavg_1m"]))
 
 
 def report(records: list[dict]) -> str:
@@ -284,6 +274,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--before", type=Path, help="also 'on' with this worktree's package first"
     )
     p.add_argument("--hog", action="store_true", help="one busy core beside it")
+    p.set_defaults(hog_s=3600)  # the busy core's time limit (bench_serving's)
     p.add_argument("--py-spy", default=None, help="py-spy binary: profile 'on'")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--log-dir", type=Path, default=None)
@@ -300,7 +291,7 @@ def main(argv=None) -> None:
     if args.before:
         paths["before"] = os.pathsep.join([str(args.before.resolve()), base_path])
     records = []
-    print(f"[serving_profile] logs {log_dir}; load {loadavg()}", flush=True)
+    print(f"[serving_profile] logs {log_dir}; load {os.getloadavg()}", flush=True)
     for rnd in range(args.rounds):
         order = list(paths) if rnd % 2 == 0 else list(paths)[::-1]
         for variant in order:

@@ -12,11 +12,10 @@ import argparse
 import asyncio
 import contextlib
 import random
+import sys
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
-
-from benchmarks.common import percentile
 
 BLOCK_TOKENS = 128  # the guide's block_size, also the device block size here
 KINDS = ("prefix_repetition", "hog", "shared_prefix", "no_reuse", "multi_turn")
@@ -97,26 +96,18 @@ def workloads(args: argparse.Namespace, sizes: Sizes) -> list[Workload]:
     )
     n_rep = sizes.num_prefixes * sizes.repeats
     n_small = max(2 * max(args.concurrency), n_rep // 3)
-    last = args.concurrency[-1]
-    out = [
-        Workload(f"{kind}_c{c}", kind, c, n_rep, rep, prompt_len)
-        for kind in ("prefix_repetition", "hog")
-        for c in args.concurrency
+    shared = _random(sizes.suffix_len, sizes.output_len, sizes.prefix_len)
+    plan = [  # kind, concurrencies, prompts, dataset arguments
+        ("prefix_repetition", args.concurrency, n_rep, rep),
+        ("hog", args.concurrency, n_rep, rep),
+        ("shared_prefix", args.concurrency[-1:], n_small, shared),
+        ("no_reuse", args.concurrency, n_small, _random(prompt_len, sizes.output_len)),
     ]
-    out.append(
-        Workload(
-            f"shared_prefix_c{last}", "shared_prefix", last, n_small,
-            _random(sizes.suffix_len, sizes.output_len, sizes.prefix_len),
-            prompt_len,
-        )
-    )  # fmt: skip
-    out += [
-        Workload(
-            f"no_reuse_c{c}", "no_reuse", c, n_small,
-            _random(prompt_len, sizes.output_len), prompt_len,
-        )
-        for c in args.concurrency
-    ]  # fmt: skip
+    out = [
+        Workload(f"{kind}_c{c}", kind, c, n, dataset, prompt_len)
+        for kind, concurrencies, n, dataset in plan
+        for c in concurrencies
+    ]
     turns = args.mt_conversations * args.mt_turns
     # History grows by ~140 user + ~100 answer tokens a turn: ~mid-way on average.
     mt_len = args.mt_system_len + 240 * (args.mt_turns + 1) // 2
@@ -217,7 +208,7 @@ async def multi_turn(base_url: str, model: str, args, seed: int):
     """A replay in the shape of vLLM's multi-turn benchmark (not in the
     wheel): ``args.mt_clients`` clients, each sending one conversation's
     turns in order with the history as the prompt. Returns each request's
-    ``RequestFuncOutput`` figures as dicts and the seconds it all took."""
+    ``RequestFuncOutput`` and the seconds it all took."""
     import aiohttp
     from vllm.benchmarks.lib.endpoint_request_func import (
         RequestFuncInput,
@@ -228,7 +219,7 @@ async def multi_turn(base_url: str, model: str, args, seed: int):
     todo: asyncio.Queue = asyncio.Queue()
     for conv in convs:
         todo.put_nowait(conv)
-    outputs: list[dict] = []
+    outputs: list = []
 
     async def client(session):
         while not todo.empty():
@@ -245,10 +236,8 @@ async def multi_turn(base_url: str, model: str, args, seed: int):
                     extra_body={"temperature": 0.0},
                 )
                 out = await async_request_openai_completions(request, session)
-                outputs.append(
-                    dict(success=out.success, ttft=out.ttft, latency=out.latency,
-                         output_tokens=out.output_tokens or answer_len)
-                )  # fmt: skip
+                out.output_tokens = out.output_tokens or answer_len
+                outputs.append(out)
                 history = f"{history} {out.generated_text}"
 
     timeout = aiohttp.ClientTimeout(total=6 * 3600)
@@ -258,29 +247,17 @@ async def multi_turn(base_url: str, model: str, args, seed: int):
         return outputs, time.perf_counter() - t0
 
 
-def summarize_requests(outputs: list[dict], duration_s: float) -> dict:
-    """bench serve's figures for requests we sent ourselves (multi-turn):
-    ``outputs`` are vLLM's ``RequestFuncOutput`` fields as dicts."""
-    ok = [o for o in outputs if o["success"]]
-    ttft = [o["ttft"] * 1e3 for o in ok]
-    tpot = [
-        (o["latency"] - o["ttft"]) / (o["output_tokens"] - 1) * 1e3
-        for o in ok
-        if o["output_tokens"] > 1
-    ]
-    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
-    return {
-        "completed": len(ok),
-        "failed": len(outputs) - len(ok),
-        "req_per_s": len(ok) / duration_s,
-        "out_tok_per_s": sum(o["output_tokens"] for o in ok) / duration_s,
-        "ttft_mean_ms": mean(ttft),
-        "ttft_median_ms": percentile(ttft, 50),
-        "ttft_p99_ms": percentile(ttft, 99),
-        "ttft_max_ms": max(ttft, default=float("nan")),
-        "tpot_mean_ms": mean(tpot),
-        "tpot_median_ms": percentile(tpot, 50),
-    }
+def summarize_requests(outputs: list, duration_s: float) -> dict:
+    """bench serve's figures, by its own ``calculate_metrics``, for requests
+    we sent ourselves (multi-turn: vLLM's ``RequestFuncOutput``s)."""
+    from vllm.benchmarks.serve import calculate_metrics
+
+    with contextlib.redirect_stdout(sys.stderr):  # its failed requests, tips
+        m, _ = calculate_metrics([], outputs, duration_s, None, [99, 100], {})
+    ttft = dict(m.percentiles_ttft_ms)
+    return parse_bench_result(
+        {**vars(m), "p99_ttft_ms": ttft[99], "p100_ttft_ms": ttft[100]}
+    )
 
 
 def fixed_prompts(n: int) -> list[str]:

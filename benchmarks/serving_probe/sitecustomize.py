@@ -99,20 +99,6 @@ def timed(key: str, fn):
     return wrapper
 
 
-def _timed_copy(kind: str, copy):
-    """The copy job as its queue's thread runs it (no stack: top level)."""
-
-    def run():
-        w0, c0 = time.perf_counter_ns(), time.thread_time_ns()
-        try:
-            return copy()
-        finally:
-            _add(f"copy.{kind}", time.perf_counter_ns() - w0,
-                 time.thread_time_ns() - c0)  # fmt: skip
-
-    return run
-
-
 def _patch(module) -> None:
     cls_name, methods = TARGETS[module.__name__]
     cls = getattr(module, cls_name)
@@ -126,29 +112,14 @@ def _patch(module) -> None:
 
 
 def _patch_copies(worker_cls) -> None:
-    """Times each job's copy on the thread that runs it: the job's function
-    is wrapped as ``submit_store``/``submit_load`` hand it to the queue."""
-    from vllm_ascend.kv_offload import transfer_queue
+    """Times each job's copy on the thread that runs it (at the top of that
+    thread's stack): the worker's ``_copy_job`` seam returns it wrapped."""
+    make = worker_cls._copy_job
 
-    queue_cls = transfer_queue.ThreadTransferQueue
-    submit = queue_cls.submit
+    def copy_job(self, kind: str, job_id: int, desc):
+        return timed(f"copy.{kind}", make(self, kind, job_id, desc))
 
-    def timed_submit(self, job_id, copy):
-        kind = getattr(_local, "kind", None) or "job"
-        return submit(self, job_id, _timed_copy(kind, copy))
-
-    queue_cls.submit = timed_submit
-    for name, kind in (("submit_store", "store"), ("submit_load", "load")):
-        fn = getattr(worker_cls, name)
-
-        def tagged(self, *args, _fn=fn, _kind=kind, **kwargs):
-            _local.kind = _kind
-            try:
-                return _fn(self, *args, **kwargs)
-            finally:
-                _local.kind = None
-
-        setattr(worker_cls, name, functools.wraps(fn)(tagged))
+    worker_cls._copy_job = functools.wraps(make)(copy_job)
 
 
 class _PostImport(importlib.abc.MetaPathFinder):
