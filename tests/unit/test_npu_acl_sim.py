@@ -620,7 +620,9 @@ def test_sim_a_registered_region_is_copied_on_the_batch_path(
 ) -> None:
     """Pageable: refused by the copy backend. Registered through the core:
     page-locked host memory known to ACL, copied by a queued batch call.
-    Unregistered: pageable (refused) again."""
+    Unregistered: copies still queued fault (the simulation itself: why the
+    worker unregisters only after its copies have completed, at shutdown),
+    and it is pageable (refused) again."""
     n, size = 64, 256
     region = Region(2 * n * size)
     device = np.random.default_rng(1).integers(0, 256, 2 * n * size, np.uint8)
@@ -642,7 +644,10 @@ def test_sim_a_registered_region_is_copied_on_the_batch_path(
     assert sim.stat("sync_copies") == 0
     np.testing.assert_array_equal(job.dst_buf, job.want)
 
+    job.run(sim, sync=False)
     sim.host_unregister(region.addr)
+    assert sim.sync() == ACL_ERROR_RT_COPY_DATA
+    assert sim.stat("faulted_entries") == n
     assert sim.stat(HOST_UNREGISTER) == 1
     assert sim.location_of(region.addr) == LOC_UNREGISTERED
     with pytest.raises(RuntimeError, match="host side is not page-locked"):
@@ -726,20 +731,6 @@ def test_sim_a_runtime_without_host_register_v2_is_named(sim_libs) -> None:
         RuntimeError, match="this CANN runtime has no aclrtHostRegisterV2"
     ):
         sim.host_register(region.addr, region.nbytes)
-
-
-def test_sim_unregistering_under_queued_copies_faults_them(sim: SimAcl) -> None:
-    """The simulation itself: why the region is unregistered only after the
-    copies from and to it have completed (the worker's shutdown)."""
-    n, size = 16, 256
-    region = Region(2 * n * size)
-    device = np.zeros(2 * n * size, np.uint8)
-    sim.register(device, LOC_DEVICE, device_id=0)
-    sim.host_register(region.addr, region.nbytes)
-    Job(region.buf, device, n, size).run(sim, sync=False)
-    sim.host_unregister(region.addr)
-    assert sim.sync() == ACL_ERROR_RT_COPY_DATA
-    assert sim.stat("faulted_entries") == n
 
 
 def test_sim_host_register_follows_the_documented_rules(sim: SimAcl) -> None:
