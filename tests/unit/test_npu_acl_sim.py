@@ -438,21 +438,25 @@ def test_sim_too_small_workspace_is_refused_before_anything_is_enqueued(
     assert sim.stat(BATCH) == 0 and sim.stat("pending") == 0
 
 
-@pytest.mark.parametrize("runtime", ["batch_unsupported", "no_batch_symbol"])
-def test_sim_unsupported_batch_api_falls_back_to_per_copy_loop(
-    sim_libs, runtime: str
-) -> None:
-    sim = sim_libs["batch" if runtime == "batch_unsupported" else "nobatch"]
+@pytest.mark.parametrize(
+    "runtime", ["batch_unsupported", "no_batch_symbol", "per_copy"]
+)
+def test_sim_per_copy_loop_without_the_batch_api(sim_libs, runtime: str) -> None:
+    """A batch API that answers "not supported", a runtime without its
+    symbol (both: the fallback) and the core's per_copy argument (the op's
+    choice for one call) copy with one aclrtMemcpyAsync per region."""
+    sim = sim_libs["nobatch" if runtime == "no_batch_symbol" else "batch"]
     sim.reset()
     if runtime == "batch_unsupported":
         sim.set(batch_unsupported=1)
     n, size = 5000, 16
     pools = Pools(sim, 2 * n * size)
-    probes = 1 if runtime == "batch_unsupported" else 0  # a missing symbol: none
+    probes = int(runtime == "batch_unsupported")  # no symbol, per_copy: none
+    fallback = runtime != "per_copy"
     for job, direction in enumerate(("d2h", "h2d")):
         bufs = (pools.device, pools.pinned)
         copy = Job(*(bufs if direction == "d2h" else bufs[::-1]), n, size, seed=job)
-        report = copy.run(sim)
+        report = copy.run(sim, per_copy=not fallback)
         # Only the first job finds out (and its caller logs it); the second
         # does not ask the batch API again.
         # The first job of a runtime that has the symbol sizes its workspace
@@ -460,7 +464,7 @@ def test_sim_unsupported_batch_api_falls_back_to_per_copy_loop(
         workspace = batch_workspace_bytes(n) if job == 0 and probes else 0
         assert report == {
             "direction": direction,
-            "fallback_started": job == 0,
+            "fallback_started": fallback and job == 0,
             "batch_calls": 0,
             "single_calls": n,
             "workspace_bytes": workspace,
@@ -471,6 +475,9 @@ def test_sim_unsupported_batch_api_falls_back_to_per_copy_loop(
         # look the pointers up again on every copy).
         assert sim.stat("last_kind") == (D2H if direction == "d2h" else H2D)
         np.testing.assert_array_equal(copy.dst_buf, copy.want)
+    if not fallback:  # a choice of that call only: the next call batches again
+        report = copy.run(sim)
+        assert report["batch_calls"] == 2 and not report["fallback_started"]
 
 
 @pytest.mark.parametrize("direction", ["h2d", "d2h"])
@@ -982,17 +989,3 @@ def test_sim_acl_malloc_host_is_freed_only_after_its_last_view(sim) -> None:
     assert sim.stat(FREE_HOST) == 0  # a view still reads it
     del view
     assert sim.stat(FREE_HOST) == 1
-
-
-# --- the per-copy choice (kv_offload_swap_blocks' per_copy argument) --------
-
-
-def test_sim_per_copy_argument_copies_without_the_batch_api(sim) -> None:
-    pools, job = pools_job(sim, 64, 512)
-    report = job.run(sim, per_copy=True)
-    assert sim.stat(BATCH) == 0 and report["single_calls"] == 64
-    assert report["workspace_bytes"] == 0
-    assert np.array_equal(pools.device, job.want)
-    # A choice of that call only: the next call batches again.
-    report = job.run(sim)
-    assert report["batch_calls"] == 1 and not report["fallback_started"]
