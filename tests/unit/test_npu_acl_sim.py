@@ -162,13 +162,6 @@ class SimAcl:
     def host_free(self, addr: int) -> None:
         self.core("host_free", addr)
 
-    def limit_host_memory(
-        self, max_bytes: int = 0, alignment: int = 4096, a5: bool = False
-    ) -> None:
-        """What real runtimes refuse: one call of more than ``max_bytes``
-        (0: any size), an address off ``alignment``, PINNED on A5."""
-        self.set(max_host_bytes=max_bytes, host_alignment=alignment, a5=a5)
-
     def location_of(self, addr: int) -> int:
         return self.lib.simacl_location_of(addr)
 
@@ -766,13 +759,14 @@ def test_sim_enforces_the_host_memory_limits_of_real_runtimes(sim: SimAcl) -> No
     """Configurable from the tests: a per-call size limit (a 910B host
     refused one aclrtMallocHost above ~200-250 GB with 207001), Ascend SVM's
     64 KiB alignment, and A5, which rejects PINNED (107000) and takes MAPPED
-    alone. Off by default, and after a reset."""
+    alone (simacl_set's max_host_bytes, host_alignment and a5). Off by
+    default, and after a reset."""
     region = Region(8 * SVM)
     register, malloc = sim.lib.aclrtHostRegisterV2, sim.lib.aclrtMallocHost
     aligned = region.addr + (-region.addr % SVM)  # a 64 KiB boundary
     off = aligned + 4096  # page-aligned, not 64 KiB-aligned
 
-    sim.limit_host_memory(max_bytes=2 * SVM, alignment=SVM)
+    sim.set(max_host_bytes=2 * SVM, host_alignment=SVM)
     assert register(off, 4096, MAPPED_PINNED) == ACL_ERROR_RT_ADDR_UNALIGNED
     assert register(aligned, 3 * SVM, MAPPED_PINNED) == ACL_ERROR_RT_MEMORY_ALLOCATION
     assert register(aligned, 2 * SVM, MAPPED_PINNED) == 0
@@ -781,7 +775,7 @@ def test_sim_enforces_the_host_memory_limits_of_real_runtimes(sim: SimAcl) -> No
     assert malloc(ctypes.byref(ptr), 2 * SVM) == 0 and ptr.value % SVM == 0
     sim.host_free(ptr.value)
 
-    sim.limit_host_memory(a5=True)
+    sim.set(a5=1)  # the limits above kept
     second = aligned + 4 * SVM
     for flags in (MAPPED_PINNED, ACL_HOST_REG_PINNED):
         assert register(second, SVM, flags) == ACL_ERROR_RT_PARAM_INVALID
@@ -887,7 +881,7 @@ def test_sim_npu_pool_memory_is_acl_malloc_host_of_the_exact_size(sim) -> None:
 def test_sim_npu_pool_memory_is_pageable_when_acl_refuses_both(sim, monkeypatch):
     warnings = []
     monkeypatch.setattr(host_memory.logger, "warning", lambda *a: warnings.append(a))
-    sim.limit_host_memory(max_bytes=4096)  # less than the pool's one unit
+    sim.set(max_host_bytes=4096)  # less than the pool's one unit
     memory = npu_memory(sim, 2, 4096)
     assert (memory.kind, memory.pinned) == (host_memory.PAGEABLE, False)
     message = warnings[-1][0] % warnings[-1][1:]
@@ -932,7 +926,7 @@ def round_trip(sim: SimAcl, memory, rows: int, row_bytes: int) -> None:
     pool.release()  # as the worker does: gives ``memory`` back
 
 
-LIMITED = {"max_bytes": 600 * 1024, "alignment": SVM}  # less than a 1 MiB piece
+LIMITED = {"max_host_bytes": 600 * 1024, "host_alignment": SVM}  # < a 1 MiB piece
 # 64 rows of 4 KiB in 1 MiB pieces: 16 units of one row, 64 KiB apart (SVM
 # alignment); two rows in one piece (the default size).
 PIECES, ONE_PIECE = (64, 2**20), (2, DEFAULT_PIECE_BYTES)
@@ -950,7 +944,7 @@ PIECES, ONE_PIECE = (64, 2**20), (2, DEFAULT_PIECE_BYTES)
                      FREE_HOST, id="malloc-host-retried-smaller"),
         # A5: PINNED refused (107000), MAPPED alone accepted, pieces larger
         # than the runtime takes registered at half the size.
-        pytest.param({**LIMITED, "a5": True}, False, PIECES,
+        pytest.param({**LIMITED, "a5": 1}, False, PIECES,
                      acl_host.ACL_REGISTERED_MAPPED, ACL_HOST_REG_MAPPED, 8, 0,
                      HOST_UNREGISTER, id="a5"),
     ],
@@ -964,7 +958,7 @@ def test_sim_npu_pool_memory_is_pinned_in_aligned_pieces_whatever_acl_refuses(
     if limits is None:
         sim.inject(MALLOC_HOST, 1, ACL_ERROR_RT_INTERNAL_ERROR)
     else:
-        sim.limit_host_memory(**limits)
+        sim.set(**limits)
     rows, piece_bytes = layout
     memory = npu_memory(sim, rows, 4096, malloc=malloc, piece_bytes=piece_bytes)
     assert (memory.kind, memory.pinned, memory.pieces) == (kind, True, pieces)
