@@ -111,22 +111,18 @@ def scattered_case(
     return src, dst, list(zip(*sides, sizes, strict=True))
 
 
-def assert_no_workspace(workspace: torch.Tensor) -> None:
-    """The "cpu" backend is synchronous: nothing outlives the call (ops.h)."""
-    assert isinstance(workspace, torch.Tensor)
-    assert workspace.device.type == "cpu" and workspace.dtype == torch.uint8
-    assert workspace.shape == (0,)
-
-
 def run_copy(
     swap: Swap, src: torch.Tensor, dst: torch.Tensor, frags: list[tuple[int, int, int]]
 ) -> int:
     """Copies (src_offset, dst_offset, size) fragments between two int8
     tensors; checks that dst then holds exactly what the fragments put there
-    and that the op's workspace is empty; returns the op's copy count."""
+    and that the op's workspace is empty (the "cpu" backend is synchronous:
+    nothing outlives the call, ops.h); returns the op's copy count."""
     expected, args = after(src, dst, frags)
     copies, workspace = swap(*args)
-    assert_no_workspace(workspace)
+    assert isinstance(workspace, torch.Tensor)
+    assert workspace.device.type == "cpu" and workspace.dtype == torch.uint8
+    assert workspace.shape == (0,)
     assert torch.equal(dst, expected)
     return copies
 
@@ -148,13 +144,8 @@ def test_copies_scattered_fragments_of_mixed_sizes_byte_exact(swap: Swap) -> Non
     rng = random.Random(1)
     sizes = [rng.choice([1, 3, 64, 511, 4096, 65536, 300_000]) for _ in range(200)]
     src, dst, frags = scattered_case(sizes, rng, max_gap=100)
-
+    # byte-exact, and the poisoned bytes between the fragments unchanged
     run_copy(swap, src, dst, frags)
-
-    written = torch.zeros_like(dst, dtype=torch.bool)
-    for _, d, n in frags:
-        written[d : d + n] = True
-    assert (dst[~written] == POISON).all(), "bytes outside the fragments changed"
 
 
 @pytest.mark.parametrize(
