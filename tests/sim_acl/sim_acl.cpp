@@ -193,19 +193,19 @@ bool is_device(const aclrtMemLocation& loc) {
 // names registered memory as `attr` declares (and may be copied), else the
 // error (SIM CHOICE) with why not in *why. Only reads the arrays and the
 // registry, so it is safe on any contents.
-aclError check_entry(const State& s, void** dsts, size_t* destMaxs, void** srcs,
-                     size_t* sizes, size_t i, const aclrtMemcpyBatchAttr& attr,
+aclError check_entry(const State& s, const Task& t, size_t i,
                      std::string* why) {
   *why = "entry " + std::to_string(i) + ": ";
-  if (srcs[i] == nullptr || dsts[i] == nullptr || sizes[i] == 0 ||
-      sizes[i] > destMaxs[i]) {
+  if (t.srcs[i] == nullptr || t.dsts[i] == nullptr || t.sizes[i] == 0 ||
+      t.sizes[i] > t.destMaxs[i]) {
     *why += "null address, zero size or size > destMax";
     return ACL_ERROR_INVALID_PARAM;
   }
   aclrtMemLocation src, dst;
-  if (!locate(s, srcs[i], sizes[i], &src) ||
-      !locate(s, dsts[i], sizes[i], &dst) || !same_location(attr.srcLoc, src) ||
-      !same_location(attr.dstLoc, dst)) {
+  if (!locate(s, t.srcs[i], t.sizes[i], &src) ||
+      !locate(s, t.dsts[i], t.sizes[i], &dst) ||
+      !same_location(t.attrs->srcLoc, src) ||
+      !same_location(t.attrs->dstLoc, dst)) {
     *why += "memory location differs from attrs[0]";
     return ACL_ERROR_RT_INVALID_MEMORY_TYPE;
   }
@@ -222,8 +222,7 @@ size_t execute(State& s, const Task& t) {
   size_t faults = 0;
   for (size_t i = 0; i < t.numBatches; ++i) {
     std::string why;
-    if (check_entry(s, t.dsts, t.destMaxs, t.srcs, t.sizes, i, *t.attrs,
-                    &why) != ACL_SUCCESS) {
+    if (check_entry(s, t, i, &why) != ACL_SUCCESS) {
       ++faults;
       s.last_error = "SIMULATED ACL: batch copy faulted at execution, " + why +
                      " (were its arrays freed or reused before the copy ran?)";
@@ -243,9 +242,14 @@ size_t drain(State& s, aclrtStream stream) {
   return faults;
 }
 
-// Documented: a copy with a pageable host side is synchronous, i.e. runs now
-// (after the work queued before it, which a synchronous copy waits for).
-void run_synchronously(State& s, aclrtStream stream, const Task& task) {
+// Queues `task` on `stream`; documented: a copy with a `pageable` host side
+// is synchronous, i.e. runs now (after the work queued before it, which a
+// synchronous copy waits for).
+void enqueue(State& s, aclrtStream stream, const Task& task, bool pageable) {
+  if (!pageable) {
+    s.streams[stream].push_back(task);
+    return;
+  }
   drain(s, stream);
   s.stats["faulted_entries"] += static_cast<int64_t>(execute(s, task));
   s.stats["sync_copies"] +=
@@ -410,26 +414,20 @@ aclError aclrtMemcpyBatchAsync(void** dsts, size_t* destMaxs, void** srcs,
     return error(s, ACL_ERROR_INVALID_PARAM,
                  "a batch copies host-to-device or device-to-host only");
   }
-  // Check every entry before copying any (SIM CHOICE: all or nothing).
-  for (size_t i = 0; i < numBatches; ++i) {
-    std::string why;
-    const aclError code =
-        check_entry(s, dsts, destMaxs, srcs, sizes, i, attrs[0], &why);
-    if (code != ACL_SUCCESS) {
-      *failIndex = i;
-      return error(s, code, why);
-    }
-  }
   Task task;
   task.batch = true;
   task.dsts = dsts, task.destMaxs = destMaxs, task.srcs = srcs;
   task.sizes = sizes, task.numBatches = numBatches, task.attrs = attrs;
-  const aclrtMemLocation& host = d2h ? attrs[0].dstLoc : attrs[0].srcLoc;
-  if (host.type == ACL_MEM_LOCATION_TYPE_UNREGISTERED) {
-    run_synchronously(s, stream, task);
-  } else {
-    s.streams[stream].push_back(task);
+  // Check every entry before copying any (SIM CHOICE: all or nothing).
+  for (size_t i = 0; i < numBatches; ++i) {
+    std::string why;
+    if (const aclError code = check_entry(s, task, i, &why); code != 0) {
+      *failIndex = i;
+      return error(s, code, why);
+    }
   }
+  const aclrtMemLocation& host = d2h ? attrs[0].dstLoc : attrs[0].srcLoc;
+  enqueue(s, stream, task, host.type == ACL_MEM_LOCATION_TYPE_UNREGISTERED);
   return ACL_SUCCESS;
 }
 #endif
@@ -462,13 +460,9 @@ aclError aclrtMemcpyAsync(void* dst, size_t destMax, const void* src,
     return error(s, ACL_ERROR_RT_INVALID_MEMORY_TYPE,  // SIM CHOICE
                  "memory locations do not match kind " + std::to_string(kind));
   }
-  const Task task{dst, src, count};
-  if (from.type == ACL_MEM_LOCATION_TYPE_UNREGISTERED ||
-      to.type == ACL_MEM_LOCATION_TYPE_UNREGISTERED) {
-    run_synchronously(s, stream, task);  // pageable, as for the batch API
-  } else {
-    s.streams[stream].push_back(task);
-  }
+  enqueue(s, stream, Task{dst, src, count},  // pageable: as for the batch API
+          from.type == ACL_MEM_LOCATION_TYPE_UNREGISTERED ||
+              to.type == ACL_MEM_LOCATION_TYPE_UNREGISTERED);
   return ACL_SUCCESS;
 }
 
