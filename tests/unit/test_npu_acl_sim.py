@@ -180,16 +180,11 @@ class SimAcl:
         free_workspace_at_return: bool = False,
         per_copy: bool = False,
     ) -> dict:
-        """Runs AclBatchCopier::copy on the regions; raises RuntimeError.
-
-        The harness gives the core a workspace of ``workspace_bytes`` (-1:
-        what the core asks for) and keeps it until the stream has run, unless
-        ``free_workspace_at_return`` (the op's behaviour before workspaces:
-        its arrays were locals) frees, i.e. poisons, it when copy() returns.
-        ``per_copy``: the core's argument of that name (the op's).
-        With ``sync`` the stream is then synchronized (as the transfer queue
-        waits for the job's end event) and a failed synchronize raises.
-        """
+        """Runs AclBatchCopier::copy on the regions through simacl_core_copy
+        (the workspace and per_copy arguments: sim_acl.cpp), raising its
+        error; with ``sync`` the stream is then synchronized (as the transfer
+        queue waits for the job's end event) and a failed synchronize raises.
+        Returns what copy() reported."""
         n = len(sizes)
         frags = np.arange(n) if fragments is None else fragments
         cols = [np.ascontiguousarray(c, dtype=np.uint64) for c in (src, dst, sizes)]
