@@ -5,32 +5,21 @@
 // (aclrtSynchronizeStream), in submission order. Compiled against the real
 // declarations (torch-npu wheel's acl/acl_rt.h), so signatures match.
 //
-// Semantics follow the CANN documentation of aclrtMemcpyBatchAsync,
-// aclrtMemcpyAsync, aclrtMemLocationType and aclrtMemcpyBatchAttr:
-//  - batch: dsts/srcs/sizes have numBatches entries; rsv must be 0; one
-//    direction per batch, host-to-device or device-to-host;
-//    failIndex names the bad entry for memory-attribute / direction checks
-//    and is SIZE_MAX for errors not tied to an entry; pageable host memory
-//    (ACL_MEM_LOCATION_TYPE_UNREGISTERED) is copied synchronously.
-//  - aclrtMemcpyAsync with ACL_MEMCPY_HOST_TO_HOST returns
-//    ACL_ERROR_RT_FEATURE_NOT_SUPPORT.
-// Only what the npu backend calls is simulated: one attribute set per batch
-// (numAttrs == 1, attrsIndexes[0] == 0; anything else is
-// ACL_ERROR_INVALID_PARAM) and the kinds HOST_TO_DEVICE and DEVICE_TO_HOST.
-// Where the docs are silent the simulation makes a choice, marked SIM
-// CHOICE: the 4096-entry cap, the error codes of failed checks, that a
-// failing batch copies nothing, and WHEN the runtime reads a batch's host
-// arrays. The docs do not say that aclrtMemcpyBatchAsync copies dsts,
-// destMaxs, srcs, sizes, attrs and attrsIndexes at enqueue, so the simulation
-// takes the least favourable reading: it validates them at enqueue (errors
-// are returned by the call, as documented) but keeps only the POINTERS, and
-// reads the arrays again when the copy executes, at aclrtSynchronizeStream.
-// A caller that frees or reuses them before then gets copies of whatever the
-// arrays hold by that time; an entry that no longer names the registered
-// memory its attrs declare is skipped (a device would fault) and the
-// synchronize returns ACL_ERROR_RT_COPY_DATA (SIM CHOICE). Copies with a
-// pageable host side run at enqueue, as documented ("if the memory is not
-// page-locked, synchronous copying will be performed").
+// What it follows of the CANN documentation of aclrtMemcpyBatchAsync,
+// aclrtMemcpyAsync, aclrtMemLocationType and aclrtMemcpyBatchAttr, and the
+// choices it makes where the docs are silent, marked SIM CHOICE below (the
+// 4096-entry cap, the error codes of failed checks, that a failing batch
+// copies nothing, and WHEN the runtime reads a batch's host arrays):
+// docs/npu_backend.md. The least favourable reading of the latter: a batch
+// is validated at enqueue (errors are returned by the call, as documented),
+// but only the POINTERS to its arrays are kept, and the arrays are read
+// again when the copy executes; an entry that no longer names the memory its
+// attrs declare is then skipped (a device would fault) and the synchronize
+// returns ACL_ERROR_RT_COPY_DATA. Copies with a pageable host side run at
+// enqueue, as documented. Only what the npu backend calls is simulated: one
+// attribute set per batch (numAttrs == 1, attrsIndexes[0] == 0) and the
+// kinds HOST_TO_DEVICE and DEVICE_TO_HOST; anything else is
+// ACL_ERROR_INVALID_PARAM.
 //
 // Host registration (aclrtHostRegisterV2 / aclrtHostUnregister), following
 // the CANN docs: "register pageable host memory (malloc, new, a default
@@ -40,15 +29,11 @@
 // reports ACL_MEM_LOCATION_TYPE_HOST for it (SIM CHOICE: the docs do not say
 // what it reports; simacl_set's "host_register_location" changes it), and
 // copies from or to it are queued like any pinned copy. Unregistering makes it
-// pageable again; copies still queued then fault when they run. SIM CHOICES:
-// the codes ACL_ERROR_RT_ADDR_UNALIGNED (unaligned), ACL_ERROR_INVALID_PARAM
-// (null, size 0, flag 0 or with bits other than MAPPED / PINNED; MAPPED
-// alone is accepted, as A5 requires),
-// ACL_ERROR_HOST_MEMORY_ALREADY_REGISTERED (overlaps any registered range)
-// and ACL_ERROR_HOST_MEMORY_NOT_REGISTERED (unregister of an address that
-// is not the start of a host registration); the two last are the header's
-// own names for these cases. What a real runtime does on kernels <= 5.10
-// (the docs: pageable memory "causes exceptions" there) is not modelled.
+// pageable again; copies still queued then fault when they run. SIM CHOICE:
+// the error code of each check (flag 0, or with bits other than MAPPED /
+// PINNED, is refused; MAPPED alone is accepted, as A5 requires). What a real
+// runtime does on kernels <= 5.10 (the docs: pageable memory "causes
+// exceptions" there) is not modelled.
 //
 // Below the ACL functions, for pytest (ctypes, tests/unit/test_npu_acl_sim.py)
 // and none of them in CANN: the simulation's test hooks (simacl_*) and a
@@ -65,6 +50,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -109,26 +95,21 @@ struct State {
   std::map<uintptr_t, Range> ranges;                // keyed by start address
   std::map<aclrtStream, std::deque<Task>> streams;  // queued, not yet run
   // simacl_stat's counters and records, every name it knows (calls are
-  // counted by API name; "pending" is computed).
-  std::map<std::string, int64_t> stats{{"aclrtPointerGetAttributes", 0},
-                                       {"aclrtHostRegisterV2", 0},
-                                       {"aclrtMallocHost", 0},
-                                       {"aclrtFreeHost", 0},
-                                       {"aclrtHostUnregister", 0},
-                                       {"aclrtMemcpyBatchAsync", 0},
-                                       {"aclrtMemcpyAsync", 0},
-                                       {"aclrtSynchronizeStream", 0},
-                                       {"max_entries", 0},
-                                       {"sync_copies", 0},
-                                       {"faulted_entries", 0},
-                                       {"last_stream", 0},
-                                       {"last_kind", -1},
-                                       {"last_register_flag", -1},
-                                       {"report.direction", 0},
-                                       {"report.fallback_started", 0},
-                                       {"report.batch_calls", 0},
-                                       {"report.single_calls", 0},
-                                       {"report.workspace_bytes", 0}};
+  // counted by API name; "pending" is computed): 0, the two last_* -1.
+  std::map<std::string, int64_t> stats = [] {
+    std::map<std::string, int64_t> m{{"last_kind", -1},
+                                     {"last_register_flag", -1}};
+    for (const char* name :
+         {"aclrtPointerGetAttributes", "aclrtHostRegisterV2", "aclrtMallocHost",
+          "aclrtFreeHost", "aclrtHostUnregister", "aclrtMemcpyBatchAsync",
+          "aclrtMemcpyAsync", "aclrtSynchronizeStream", "max_entries",
+          "sync_copies", "faulted_entries", "last_stream", "report.direction",
+          "report.fallback_started", "report.batch_calls",
+          "report.single_calls", "report.workspace_bytes"}) {
+      m[name] = 0;
+    }
+    return m;
+  }();
   // One armed failure per ACL function (armed while nth_call != 0).
   std::map<std::string, Injection> injections;
   size_t fired_fail_index = SIZE_MAX;  // of the failure that fired last
@@ -156,18 +137,17 @@ aclError error(State& s, aclError code, const std::string& msg) {
   return code;
 }
 
-// Counts the call; true (with *code set) when an injected failure fires.
-bool count_call(State& s, const char* api, aclError* code) {
+// Counts the call; the code of an injected failure that fires on it.
+std::optional<aclError> count_call(State& s, const char* api) {
   const auto n = static_cast<size_t>(++s.stats[api]);
   const auto it = s.injections.find(api);
-  if (it == s.injections.end() || it->second.nth_call != n) return false;
+  if (it == s.injections.end() || it->second.nth_call != n) return {};
   const Injection fired = it->second;
   s.injections.erase(it);  // one shot
   s.fired_fail_index = fired.fail_index;
-  *code = error(
+  return error(
       s, fired.code,
       std::string("injected failure of ") + api + " call " + std::to_string(n));
-  return true;
 }
 
 // Location of the bytes [p, p + n): the registered range holding all of
@@ -187,15 +167,15 @@ bool locate(const State& s, const void* ptr, size_t n, aclrtMemLocation* out) {
   return it == s.ranges.end() || it->first - p >= n;
 }
 
-// simacl_set's "max_host_bytes": true (with *code set) when one call
-// of `api` asks for more than it.
-bool over_host_limit(State& s, uint64_t size, const char* api, aclError* code) {
-  if (s.max_host_bytes == 0 || size <= s.max_host_bytes) return false;
-  *code = error(s, ACL_ERROR_RT_MEMORY_ALLOCATION,
-                std::to_string(size) + " bytes in one " + api +
-                    ", more than the simulated limit of " +
-                    std::to_string(s.max_host_bytes));
-  return true;
+// simacl_set's "max_host_bytes": the error when one call of `api` asks for
+// more than it.
+std::optional<aclError> over_host_limit(State& s, uint64_t size,
+                                        const char* api) {
+  if (s.max_host_bytes == 0 || size <= s.max_host_bytes) return {};
+  return error(s, ACL_ERROR_RT_MEMORY_ALLOCATION,
+               std::to_string(size) + " bytes in one " + api +
+                   ", more than the simulated limit of " +
+                   std::to_string(s.max_host_bytes));
 }
 
 bool is_device(const aclrtMemLocation& loc) {
@@ -213,19 +193,19 @@ bool is_device(const aclrtMemLocation& loc) {
 // names registered memory as `attr` declares (and may be copied), else the
 // error (SIM CHOICE) with why not in *why. Only reads the arrays and the
 // registry, so it is safe on any contents.
-aclError check_entry(const State& s, void** dsts, size_t* destMaxs, void** srcs,
-                     size_t* sizes, size_t i, const aclrtMemcpyBatchAttr& attr,
+aclError check_entry(const State& s, const Task& t, size_t i,
                      std::string* why) {
   *why = "entry " + std::to_string(i) + ": ";
-  if (srcs[i] == nullptr || dsts[i] == nullptr || sizes[i] == 0 ||
-      sizes[i] > destMaxs[i]) {
+  if (t.srcs[i] == nullptr || t.dsts[i] == nullptr || t.sizes[i] == 0 ||
+      t.sizes[i] > t.destMaxs[i]) {
     *why += "null address, zero size or size > destMax";
     return ACL_ERROR_INVALID_PARAM;
   }
   aclrtMemLocation src, dst;
-  if (!locate(s, srcs[i], sizes[i], &src) ||
-      !locate(s, dsts[i], sizes[i], &dst) || !same_location(attr.srcLoc, src) ||
-      !same_location(attr.dstLoc, dst)) {
+  if (!locate(s, t.srcs[i], t.sizes[i], &src) ||
+      !locate(s, t.dsts[i], t.sizes[i], &dst) ||
+      !same_location(t.attrs->srcLoc, src) ||
+      !same_location(t.attrs->dstLoc, dst)) {
     *why += "memory location differs from attrs[0]";
     return ACL_ERROR_RT_INVALID_MEMORY_TYPE;
   }
@@ -242,8 +222,7 @@ size_t execute(State& s, const Task& t) {
   size_t faults = 0;
   for (size_t i = 0; i < t.numBatches; ++i) {
     std::string why;
-    if (check_entry(s, t.dsts, t.destMaxs, t.srcs, t.sizes, i, *t.attrs,
-                    &why) != ACL_SUCCESS) {
+    if (check_entry(s, t, i, &why) != ACL_SUCCESS) {
       ++faults;
       s.last_error = "SIMULATED ACL: batch copy faulted at execution, " + why +
                      " (were its arrays freed or reused before the copy ran?)";
@@ -263,9 +242,14 @@ size_t drain(State& s, aclrtStream stream) {
   return faults;
 }
 
-// Documented: a copy with a pageable host side is synchronous, i.e. runs now
-// (after the work queued before it, which a synchronous copy waits for).
-void run_synchronously(State& s, aclrtStream stream, const Task& task) {
+// Queues `task` on `stream`; documented: a copy with a `pageable` host side
+// is synchronous, i.e. runs now (after the work queued before it, which a
+// synchronous copy waits for).
+void enqueue(State& s, aclrtStream stream, const Task& task, bool pageable) {
+  if (!pageable) {
+    s.streams[stream].push_back(task);
+    return;
+  }
   drain(s, stream);
   s.stats["faulted_entries"] += static_cast<int64_t>(execute(s, task));
   s.stats["sync_copies"] +=
@@ -279,8 +263,8 @@ extern "C" {
 aclError aclrtPointerGetAttributes(const void* ptr,
                                    aclrtPtrAttributes* attributes) {
   auto [lock, s] = Locked{};
-  aclError code;
-  if (count_call(s, "aclrtPointerGetAttributes", &code)) return code;
+  if (const auto code = count_call(s, "aclrtPointerGetAttributes"))
+    return *code;
   if (ptr == nullptr || attributes == nullptr) {
     return error(s, ACL_ERROR_INVALID_PARAM, "null ptr or attributes");
   }
@@ -294,8 +278,7 @@ aclError aclrtPointerGetAttributes(const void* ptr,
 aclError aclrtHostRegisterV2(void* ptr, uint64_t size, uint32_t flag) {
   auto [lock, s] = Locked{};
   s.stats["last_register_flag"] = flag;
-  aclError code;
-  if (count_call(s, "aclrtHostRegisterV2", &code)) return code;
+  if (const auto code = count_call(s, "aclrtHostRegisterV2")) return *code;
   const auto p = reinterpret_cast<uintptr_t>(ptr);
   if (ptr == nullptr || size == 0) {
     return error(s, ACL_ERROR_INVALID_PARAM, "null ptr or size 0");
@@ -318,7 +301,8 @@ aclError aclrtHostRegisterV2(void* ptr, uint64_t size, uint32_t flag) {
                  "host address is not " + std::to_string(s.host_alignment) +
                      "-byte aligned");
   }
-  if (over_host_limit(s, size, "aclrtHostRegisterV2", &code)) return code;
+  if (const auto code = over_host_limit(s, size, "aclrtHostRegisterV2"))
+    return *code;
   // Any overlap with a registered range (host registration or test hook).
   auto it = s.ranges.lower_bound(p);
   const bool overlaps_next = it != s.ranges.end() && it->first < p + size;
@@ -339,12 +323,12 @@ aclError aclrtHostRegisterV2(void* ptr, uint64_t size, uint32_t flag) {
 // runtime (SIM CHOICE: 4 KiB-aligned, reported as ACL_MEM_LOCATION_TYPE_HOST).
 aclError aclrtMallocHost(void** hostPtr, size_t size) {
   auto [lock, s] = Locked{};
-  aclError code;
-  if (count_call(s, "aclrtMallocHost", &code)) return code;
+  if (const auto code = count_call(s, "aclrtMallocHost")) return *code;
   if (hostPtr == nullptr || size == 0) {
     return error(s, ACL_ERROR_INVALID_PARAM, "null hostPtr or size 0");
   }
-  if (over_host_limit(s, size, "aclrtMallocHost", &code)) return code;
+  if (const auto code = over_host_limit(s, size, "aclrtMallocHost"))
+    return *code;
   const size_t align = s.host_alignment;
   const size_t rounded = (size + align - 1) / align * align;
   void* p = std::aligned_alloc(align, rounded);
@@ -360,8 +344,7 @@ aclError aclrtMallocHost(void** hostPtr, size_t size) {
 
 aclError aclrtFreeHost(void* hostPtr) {
   auto [lock, s] = Locked{};
-  aclError code;
-  if (count_call(s, "aclrtFreeHost", &code)) return code;
+  if (const auto code = count_call(s, "aclrtFreeHost")) return *code;
   const auto it = s.ranges.find(reinterpret_cast<uintptr_t>(hostPtr));
   if (it == s.ranges.end() || !it->second.malloc_host) {
     return error(s, ACL_ERROR_INVALID_PARAM,
@@ -374,8 +357,7 @@ aclError aclrtFreeHost(void* hostPtr) {
 
 aclError aclrtHostUnregister(void* ptr) {
   auto [lock, s] = Locked{};
-  aclError code;
-  if (count_call(s, "aclrtHostUnregister", &code)) return code;
+  if (const auto code = count_call(s, "aclrtHostUnregister")) return *code;
   const auto it = s.ranges.find(reinterpret_cast<uintptr_t>(ptr));
   if (it == s.ranges.end() || !it->second.host_registered) {
     return error(s, ACL_ERROR_HOST_MEMORY_NOT_REGISTERED,
@@ -395,15 +377,14 @@ aclError aclrtMemcpyBatchAsync(void** dsts, size_t* destMaxs, void** srcs,
   s.stats["last_stream"] = reinterpret_cast<int64_t>(stream);
   int64_t& max_entries = s.stats["max_entries"];
   max_entries = std::max(max_entries, static_cast<int64_t>(numBatches));
-  aclError code;
-  const bool injected = count_call(s, "aclrtMemcpyBatchAsync", &code);
+  const auto injected = count_call(s, "aclrtMemcpyBatchAsync");
   if (failIndex == nullptr) {
     return error(s, ACL_ERROR_INVALID_PARAM, "failIndex is null");
   }
   *failIndex = SIZE_MAX;  // documented value for "no specific entry"
   if (injected) {
     *failIndex = s.fired_fail_index;
-    return code;
+    return *injected;
   }
   if (s.batch_unsupported) {
     return error(s, ACL_ERROR_RT_FEATURE_NOT_SUPPORT,
@@ -433,25 +414,20 @@ aclError aclrtMemcpyBatchAsync(void** dsts, size_t* destMaxs, void** srcs,
     return error(s, ACL_ERROR_INVALID_PARAM,
                  "a batch copies host-to-device or device-to-host only");
   }
-  // Check every entry before copying any (SIM CHOICE: all or nothing).
-  for (size_t i = 0; i < numBatches; ++i) {
-    std::string why;
-    code = check_entry(s, dsts, destMaxs, srcs, sizes, i, attrs[0], &why);
-    if (code != ACL_SUCCESS) {
-      *failIndex = i;
-      return error(s, code, why);
-    }
-  }
   Task task;
   task.batch = true;
   task.dsts = dsts, task.destMaxs = destMaxs, task.srcs = srcs;
   task.sizes = sizes, task.numBatches = numBatches, task.attrs = attrs;
-  const aclrtMemLocation& host = d2h ? attrs[0].dstLoc : attrs[0].srcLoc;
-  if (host.type == ACL_MEM_LOCATION_TYPE_UNREGISTERED) {
-    run_synchronously(s, stream, task);
-  } else {
-    s.streams[stream].push_back(task);
+  // Check every entry before copying any (SIM CHOICE: all or nothing).
+  for (size_t i = 0; i < numBatches; ++i) {
+    std::string why;
+    if (const aclError code = check_entry(s, task, i, &why); code != 0) {
+      *failIndex = i;
+      return error(s, code, why);
+    }
   }
+  const aclrtMemLocation& host = d2h ? attrs[0].dstLoc : attrs[0].srcLoc;
+  enqueue(s, stream, task, host.type == ACL_MEM_LOCATION_TYPE_UNREGISTERED);
   return ACL_SUCCESS;
 }
 #endif
@@ -462,8 +438,7 @@ aclError aclrtMemcpyAsync(void* dst, size_t destMax, const void* src,
   auto [lock, s] = Locked{};
   s.stats["last_stream"] = reinterpret_cast<int64_t>(stream);
   s.stats["last_kind"] = kind;
-  aclError code;
-  if (count_call(s, "aclrtMemcpyAsync", &code)) return code;
+  if (const auto code = count_call(s, "aclrtMemcpyAsync")) return *code;
   if (dst == nullptr || src == nullptr || count > destMax) {
     return error(s, ACL_ERROR_INVALID_PARAM, "null address or count > destMax");
   }
@@ -485,20 +460,15 @@ aclError aclrtMemcpyAsync(void* dst, size_t destMax, const void* src,
     return error(s, ACL_ERROR_RT_INVALID_MEMORY_TYPE,  // SIM CHOICE
                  "memory locations do not match kind " + std::to_string(kind));
   }
-  const Task task{dst, src, count};
-  if (from.type == ACL_MEM_LOCATION_TYPE_UNREGISTERED ||
-      to.type == ACL_MEM_LOCATION_TYPE_UNREGISTERED) {
-    run_synchronously(s, stream, task);  // pageable, as for the batch API
-  } else {
-    s.streams[stream].push_back(task);
-  }
+  enqueue(s, stream, Task{dst, src, count},  // pageable: as for the batch API
+          from.type == ACL_MEM_LOCATION_TYPE_UNREGISTERED ||
+              to.type == ACL_MEM_LOCATION_TYPE_UNREGISTERED);
   return ACL_SUCCESS;
 }
 
 aclError aclrtSynchronizeStream(aclrtStream stream) {
   auto [lock, s] = Locked{};
-  aclError code;
-  if (count_call(s, "aclrtSynchronizeStream", &code)) return code;
+  if (const auto code = count_call(s, "aclrtSynchronizeStream")) return *code;
   // SIM CHOICE: ACL_ERROR_RT_COPY_DATA; last_error is set by execute.
   return drain(s, stream) == 0 ? ACL_SUCCESS : ACL_ERROR_RT_COPY_DATA;
 }

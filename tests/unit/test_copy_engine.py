@@ -33,9 +33,14 @@ def cpu_page_addr(pool, tensor_idx, cpu_block, slot):
 
 
 def test_one_fragment_per_block_and_tensor_with_exact_addresses():
+    """A store copies device pages to CPU slots; a load swaps source and
+    destination."""
     kv, engine, pool = engine_for(bpc=1)
     spec = GPULoadStoreSpec([5, 9], group_sizes=[2], block_indices=[0])
     desc = engine.build(spec, np.array([3, 1]), to_cpu=True)
+    load = engine.build(spec, np.array([3, 1]), to_cpu=False)
+    assert torch.equal(desc.src, load.dst)
+    assert torch.equal(desc.dst, load.src)
 
     assert desc.num_fragments == 2 * len(PAGES)
     assert desc.num_bytes == 2 * sum(PAGES)
@@ -47,15 +52,6 @@ def test_one_fragment_per_block_and_tensor_with_exact_addresses():
             assert dst[i] == cpu_page_addr(pool, t, cpu_block, 0)
             assert sizes[i] == page
             i += 1
-
-
-def test_load_swaps_source_and_destination():
-    _, engine, _ = engine_for(bpc=1)
-    spec = GPULoadStoreSpec([5, 9], group_sizes=[2], block_indices=[0])
-    store = engine.build(spec, np.array([3, 1]), to_cpu=True)
-    load = engine.build(spec, np.array([3, 1]), to_cpu=False)
-    assert torch.equal(store.src, load.dst)
-    assert torch.equal(store.dst, load.src)
 
 
 @pytest.mark.parametrize(

@@ -36,6 +36,7 @@ from tests.unit.kv_helpers import make_kv_caches
 from vllm_ascend.kv_offload import acl_host, host_memory, ops
 from vllm_ascend.kv_offload.copy_engine import CopyEngine
 from vllm_ascend.kv_offload.cpu_pool import CpuBlockPool, PoolLayout
+from vllm_ascend.kv_offload.host_pieces import DEFAULT_PIECE_BYTES
 
 ROOT = Path(__file__).resolve().parents[2]
 SIM_SRC = ROOT / "tests" / "sim_acl"
@@ -57,7 +58,6 @@ SINGLE = "aclrtMemcpyAsync"
 ATTRS = "aclrtPointerGetAttributes"
 SYNC = "aclrtSynchronizeStream"
 ACL_ERROR_RT_COPY_DATA = 507052  # the simulation's error for a faulted copy
-POISON = 0xA5
 ACL_HOST_REG_MAPPED = 0x2
 ACL_HOST_REG_PINNED = 0x10000000
 MAPPED_PINNED = ACL_HOST_REG_MAPPED | ACL_HOST_REG_PINNED
@@ -68,11 +68,10 @@ ACL_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 507910
 ACL_ERROR_HOST_MEMORY_NOT_REGISTERED = 507911
 HOST_REGISTER = "aclrtHostRegisterV2"
 HOST_UNREGISTER = "aclrtHostUnregister"
+MALLOC_HOST, FREE_HOST = "aclrtMallocHost", "aclrtFreeHost"
 # What AclBatchCopier::copy reported, as the harness records it (simacl_stat).
 REPORT = ("direction", "fallback_started", "batch_calls", "single_calls")
 REPORT += ("workspace_bytes",)  # the workspace the harness gave copy()
-
-
 UNKNOWN_STAT = -(2**63)  # simacl_stat's answer for a name it does not know
 
 
@@ -97,8 +96,15 @@ class SimAcl:
             "core_host_free": [u64, *err],
             "location_of": [ptr],
             "core_sync": [ptr],
+            # ACL functions tests call directly (the nobatch runtime: no V2)
+            HOST_REGISTER: [ptr, u64, u32],
+            HOST_UNREGISTER: [ptr],
+            MALLOC_HOST: [ctypes.POINTER(ptr), size],
+            SINGLE: [ptr, size, ptr, size, i32, ptr],
         }.items():
-            getattr(lib, f"simacl_{fn}").argtypes = argtypes
+            name = fn if fn.startswith("acl") else f"simacl_{fn}"
+            if hasattr(lib, name):
+                getattr(lib, name).argtypes = argtypes
         lib.simacl_stat.restype = i64
         # ctypes arrays handed to the simulated runtime directly (_raw_batch):
         # it may read them until the stream runs, so they live until reset.
@@ -156,13 +162,6 @@ class SimAcl:
     def host_free(self, addr: int) -> None:
         self.core("host_free", addr)
 
-    def limit_host_memory(
-        self, max_bytes: int = 0, alignment: int = 4096, a5: bool = False
-    ) -> None:
-        """What real runtimes refuse: one call of more than ``max_bytes``
-        (0: any size), an address off ``alignment``, PINNED on A5."""
-        self.set(max_host_bytes=max_bytes, host_alignment=alignment, a5=a5)
-
     def location_of(self, addr: int) -> int:
         return self.lib.simacl_location_of(addr)
 
@@ -181,16 +180,11 @@ class SimAcl:
         free_workspace_at_return: bool = False,
         per_copy: bool = False,
     ) -> dict:
-        """Runs AclBatchCopier::copy on the regions; raises RuntimeError.
-
-        The harness gives the core a workspace of ``workspace_bytes`` (-1:
-        what the core asks for) and keeps it until the stream has run, unless
-        ``free_workspace_at_return`` (the op's behaviour before workspaces:
-        its arrays were locals) frees, i.e. poisons, it when copy() returns.
-        ``per_copy``: the core's argument of that name (the op's).
-        With ``sync`` the stream is then synchronized (as the transfer queue
-        waits for the job's end event) and a failed synchronize raises.
-        """
+        """Runs AclBatchCopier::copy on the regions through simacl_core_copy
+        (the workspace and per_copy arguments: sim_acl.cpp), raising its
+        error; with ``sync`` the stream is then synchronized (as the transfer
+        queue waits for the job's end event) and a failed synchronize raises.
+        Returns what copy() reported."""
         n = len(sizes)
         frags = np.arange(n) if fragments is None else fragments
         cols = [np.ascontiguousarray(c, dtype=np.uint64) for c in (src, dst, sizes)]
@@ -281,13 +275,6 @@ class Pools:
         return buf.ctypes.data + np.asarray(offset, dtype=np.uint64)
 
 
-def scattered(n: int, size: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Source and destination offsets of n disjoint, non-adjacent slots of
-    `size` bytes (stride 2 * size), in shuffled order on each side."""
-    rng = np.random.default_rng(seed)
-    return rng.permutation(n) * 2 * size, rng.permutation(n) * 2 * size
-
-
 def batch_workspace_bytes(n: int) -> int:
     """What the core asks its caller for, n regions: one aclrtMemcpyBatchAttr
     (32 bytes) and its attrsIndexes entry (8), then srcs, dsts and sizes (8
@@ -295,24 +282,27 @@ def batch_workspace_bytes(n: int) -> int:
     return 32 + 8 + 3 * 8 * n
 
 
-def expected_after(src_buf, dst_buf, src_off, dst_off, size) -> np.ndarray:
-    want = dst_buf.copy()
-    for s, d in zip(src_off.tolist(), dst_off.tolist(), strict=True):
-        want[d : d + size] = src_buf[s : s + size]
-    return want
-
-
 class Job:
-    """n regions of ``size`` bytes scattered (``scattered``) from ``src_buf``
-    to ``dst_buf``: their addresses, and what ``dst_buf`` holds once they
-    are copied (``want``)."""
+    """n regions of ``size`` bytes from ``src_buf`` to ``dst_buf``, in
+    disjoint, non-adjacent slots (stride 2 * size) shuffled on each side:
+    their addresses, and what ``dst_buf`` holds once they are copied
+    (``want``)."""
 
     def __init__(self, src_buf, dst_buf, n: int, size: int, seed: int = 0) -> None:
+        rng = np.random.default_rng(seed)
         self.src_buf, self.dst_buf, self.size = src_buf, dst_buf, size
-        self.src_off, self.dst_off = scattered(n, size, seed)
+        self.src_off, self.dst_off = [rng.permutation(n) * 2 * size for _ in range(2)]
         self.src = Pools.addr(src_buf, self.src_off)
         self.dst = Pools.addr(dst_buf, self.dst_off)
-        self.want = expected_after(src_buf, dst_buf, self.src_off, self.dst_off, size)
+        self.want = self.after(dst_buf, n)
+
+    def after(self, dst_before: np.ndarray, k: int) -> np.ndarray:
+        """What ``dst_before`` holds once the job's first k regions are copied."""
+        want = dst_before.copy()
+        offsets = zip(self.src_off[:k].tolist(), self.dst_off[:k].tolist(), strict=True)
+        for s, d in offsets:
+            want[d : d + self.size] = self.src_buf[s : s + self.size]
+        return want
 
     def run(self, sim: SimAcl, **kwargs) -> dict:
         """``SimAcl.copy`` of the job (its keyword arguments: ``kwargs``)."""
@@ -348,9 +338,7 @@ def test_sim_bad_entry_in_second_batch_names_the_callers_fragment(sim: SimAcl) -
     # throws (as the op's tensor is freed), so the core had to wait for them.
     assert sim.stat(SYNC) == 1 and sim.stat("pending") == 0
     assert sim.stat("faulted_entries") == 0
-    src_off, dst_off = job.src_off[:4096], job.dst_off[:4096]
-    done = expected_after(pools.pinned, before, src_off, dst_off, size)
-    np.testing.assert_array_equal(pools.device, done)
+    np.testing.assert_array_equal(pools.device, job.after(before, 4096))
 
 
 # --- descriptor lifetime --------------------------------------------------
@@ -438,21 +426,25 @@ def test_sim_too_small_workspace_is_refused_before_anything_is_enqueued(
     assert sim.stat(BATCH) == 0 and sim.stat("pending") == 0
 
 
-@pytest.mark.parametrize("runtime", ["batch_unsupported", "no_batch_symbol"])
-def test_sim_unsupported_batch_api_falls_back_to_per_copy_loop(
-    sim_libs, runtime: str
-) -> None:
-    sim = sim_libs["batch" if runtime == "batch_unsupported" else "nobatch"]
+@pytest.mark.parametrize(
+    "runtime", ["batch_unsupported", "no_batch_symbol", "per_copy"]
+)
+def test_sim_per_copy_loop_without_the_batch_api(sim_libs, runtime: str) -> None:
+    """A batch API that answers "not supported", a runtime without its
+    symbol (both: the fallback) and the core's per_copy argument (the op's
+    choice for one call) copy with one aclrtMemcpyAsync per region."""
+    sim = sim_libs["nobatch" if runtime == "no_batch_symbol" else "batch"]
     sim.reset()
     if runtime == "batch_unsupported":
         sim.set(batch_unsupported=1)
     n, size = 5000, 16
     pools = Pools(sim, 2 * n * size)
-    probes = 1 if runtime == "batch_unsupported" else 0  # a missing symbol: none
+    probes = int(runtime == "batch_unsupported")  # no symbol, per_copy: none
+    fallback = runtime != "per_copy"
     for job, direction in enumerate(("d2h", "h2d")):
         bufs = (pools.device, pools.pinned)
         copy = Job(*(bufs if direction == "d2h" else bufs[::-1]), n, size, seed=job)
-        report = copy.run(sim)
+        report = copy.run(sim, per_copy=not fallback)
         # Only the first job finds out (and its caller logs it); the second
         # does not ask the batch API again.
         # The first job of a runtime that has the symbol sizes its workspace
@@ -460,7 +452,7 @@ def test_sim_unsupported_batch_api_falls_back_to_per_copy_loop(
         workspace = batch_workspace_bytes(n) if job == 0 and probes else 0
         assert report == {
             "direction": direction,
-            "fallback_started": job == 0,
+            "fallback_started": fallback and job == 0,
             "batch_calls": 0,
             "single_calls": n,
             "workspace_bytes": workspace,
@@ -471,6 +463,9 @@ def test_sim_unsupported_batch_api_falls_back_to_per_copy_loop(
         # look the pointers up again on every copy).
         assert sim.stat("last_kind") == (D2H if direction == "d2h" else H2D)
         np.testing.assert_array_equal(copy.dst_buf, copy.want)
+    if not fallback:  # a choice of that call only: the next call batches again
+        report = copy.run(sim)
+        assert report["batch_calls"] == 2 and not report["fallback_started"]
 
 
 @pytest.mark.parametrize("direction", ["h2d", "d2h"])
@@ -591,8 +586,7 @@ def test_sim_runtime_follows_the_documented_rules(sim: SimAcl) -> None:
     assert sim.stat("pending") == 0
     np.testing.assert_array_equal(pools.device[:8], pools.pageable[:8])
 
-    memcpy, ptr = sim.lib.aclrtMemcpyAsync, ctypes.c_void_p
-    memcpy.argtypes = [ptr, ctypes.c_size_t] * 2 + [ctypes.c_int, ptr]
+    memcpy = sim.lib.aclrtMemcpyAsync
     # Host-to-host is documented to return "feature not supported".
     assert memcpy(pin + 64, 8, pin, 8, H2H, STREAM) == ACL_ERROR_RT_FEATURE_NOT_SUPPORT
     assert memcpy(dev, 8, pin, 8, D2H, STREAM) == ACL_ERROR_RT_INVALID_MEMORY_TYPE
@@ -621,7 +615,9 @@ def test_sim_a_registered_region_is_copied_on_the_batch_path(
 ) -> None:
     """Pageable: refused by the copy backend. Registered through the core:
     page-locked host memory known to ACL, copied by a queued batch call.
-    Unregistered: pageable (refused) again."""
+    Unregistered: copies still queued fault (the simulation itself: why the
+    worker unregisters only after its copies have completed, at shutdown),
+    and it is pageable (refused) again."""
     n, size = 64, 256
     region = Region(2 * n * size)
     device = np.random.default_rng(1).integers(0, 256, 2 * n * size, np.uint8)
@@ -643,7 +639,10 @@ def test_sim_a_registered_region_is_copied_on_the_batch_path(
     assert sim.stat("sync_copies") == 0
     np.testing.assert_array_equal(job.dst_buf, job.want)
 
+    job.run(sim, sync=False)
     sim.host_unregister(region.addr)
+    assert sim.sync() == ACL_ERROR_RT_COPY_DATA
+    assert sim.stat("faulted_entries") == n
     assert sim.stat(HOST_UNREGISTER) == 1
     assert sim.location_of(region.addr) == LOC_UNREGISTERED
     with pytest.raises(RuntimeError, match="host side is not page-locked"):
@@ -729,26 +728,9 @@ def test_sim_a_runtime_without_host_register_v2_is_named(sim_libs) -> None:
         sim.host_register(region.addr, region.nbytes)
 
 
-def test_sim_unregistering_under_queued_copies_faults_them(sim: SimAcl) -> None:
-    """The simulation itself: why the region is unregistered only after the
-    copies from and to it have completed (the worker's shutdown)."""
-    n, size = 16, 256
-    region = Region(2 * n * size)
-    device = np.zeros(2 * n * size, np.uint8)
-    sim.register(device, LOC_DEVICE, device_id=0)
-    sim.host_register(region.addr, region.nbytes)
-    Job(region.buf, device, n, size).run(sim, sync=False)
-    sim.host_unregister(region.addr)
-    assert sim.sync() == ACL_ERROR_RT_COPY_DATA
-    assert sim.stat("faulted_entries") == n
-
-
 def test_sim_host_register_follows_the_documented_rules(sim: SimAcl) -> None:
     region = Region(8 * 4096)
-    register = sim.lib.aclrtHostRegisterV2
-    register.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32]
-    unregister = sim.lib.aclrtHostUnregister
-    unregister.argtypes = [ctypes.c_void_p]
+    register, unregister = sim.lib.aclrtHostRegisterV2, sim.lib.aclrtHostUnregister
     a = region.addr
     assert register(a + 64, 4096, ACL_HOST_REG_PINNED) == ACL_ERROR_RT_ADDR_UNALIGNED
     assert register(a, 4096, 0) == ACL_ERROR_INVALID_PARAM
@@ -772,16 +754,14 @@ def test_sim_enforces_the_host_memory_limits_of_real_runtimes(sim: SimAcl) -> No
     """Configurable from the tests: a per-call size limit (a 910B host
     refused one aclrtMallocHost above ~200-250 GB with 207001), Ascend SVM's
     64 KiB alignment, and A5, which rejects PINNED (107000) and takes MAPPED
-    alone. Off by default, and after a reset."""
+    alone (simacl_set's max_host_bytes, host_alignment and a5). Off by
+    default, and after a reset."""
     region = Region(8 * SVM)
-    register = sim.lib.aclrtHostRegisterV2
-    register.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32]
-    malloc = sim.lib.aclrtMallocHost
-    malloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+    register, malloc = sim.lib.aclrtHostRegisterV2, sim.lib.aclrtMallocHost
     aligned = region.addr + (-region.addr % SVM)  # a 64 KiB boundary
     off = aligned + 4096  # page-aligned, not 64 KiB-aligned
 
-    sim.limit_host_memory(max_bytes=2 * SVM, alignment=SVM)
+    sim.set(max_host_bytes=2 * SVM, host_alignment=SVM)
     assert register(off, 4096, MAPPED_PINNED) == ACL_ERROR_RT_ADDR_UNALIGNED
     assert register(aligned, 3 * SVM, MAPPED_PINNED) == ACL_ERROR_RT_MEMORY_ALLOCATION
     assert register(aligned, 2 * SVM, MAPPED_PINNED) == 0
@@ -790,7 +770,7 @@ def test_sim_enforces_the_host_memory_limits_of_real_runtimes(sim: SimAcl) -> No
     assert malloc(ctypes.byref(ptr), 2 * SVM) == 0 and ptr.value % SVM == 0
     sim.host_free(ptr.value)
 
-    sim.limit_host_memory(a5=True)
+    sim.set(a5=1)  # the limits above kept
     second = aligned + 4 * SVM
     for flags in (MAPPED_PINNED, ACL_HOST_REG_PINNED):
         assert register(second, SVM, flags) == ACL_ERROR_RT_PARAM_INVALID
@@ -833,26 +813,20 @@ def test_sim_constants_match_the_acl_headers(torch_npu_dir) -> None:
     for name in ("ACL_HOST_REG_MAPPED", "ACL_HOST_REG_PINNED"):
         found = re.search(rf"#define\s+{name}\s+(0x[0-9A-Fa-f]+)UL", text)
         assert found and int(found.group(1), 16) == globals()[name], name
-    assert re.search(
+    # The declarations and enum orders the simulation and this module assume.
+    for pattern in (
         r"aclError aclrtHostRegisterV2\(void \*ptr, uint64_t size, uint32_t flag\)",
-        text,
-    )
-    assert re.search(r"aclError aclrtHostUnregister\(void \*ptr\)", text)
-    assert re.search(
+        r"aclError aclrtHostUnregister\(void \*ptr\)",
         r"ACL_MEM_LOCATION_TYPE_HOST = 0[^\n]*\n\s*ACL_MEM_LOCATION_TYPE_DEVICE,"
         r"\s*\n\s*ACL_MEM_LOCATION_TYPE_UNREGISTERED,",
-        text,
-    )
-    assert re.search(
         r"ACL_MEMCPY_HOST_TO_HOST,\s*ACL_MEMCPY_HOST_TO_DEVICE,\s*"
         r"ACL_MEMCPY_DEVICE_TO_HOST,",
-        text,
-    )
+    ):
+        assert re.search(pattern, text), pattern
 
 
 # --- the CPU block pool's memory on npu (host_memory.py) --------------------
 
-MALLOC_HOST, FREE_HOST = "aclrtMallocHost", "aclrtFreeHost"
 NEW_KERNEL, OLD_KERNEL = "6.8.0-generic", "5.10.0-60.18.0.50.oe2203.aarch64"
 
 
@@ -894,23 +868,10 @@ def test_sim_npu_pool_memory_is_acl_malloc_host_of_the_exact_size(sim) -> None:
     assert sim.location_of(base) == LOC_UNREGISTERED
 
 
-def test_sim_npu_pool_memory_falls_back_to_a_registered_mmap(sim) -> None:
-    sim.inject(MALLOC_HOST, 1, ACL_ERROR_RT_INTERNAL_ERROR)
-    memory = npu_memory(sim, 2, 4096)
-    assert (memory.kind, memory.pinned) == (acl_host.ACL_REGISTERED, True)
-    assert sim.stat("last_register_flag") == MAPPED_PINNED
-    base = memory.units[0].data_ptr()
-    assert base % SVM == 0  # Ascend SVM's alignment
-    assert sim.location_of(base) == LOC_HOST
-    memory.release()
-    assert sim.stat(HOST_UNREGISTER) == 1
-    assert sim.location_of(base) == LOC_UNREGISTERED
-
-
 def test_sim_npu_pool_memory_is_pageable_when_acl_refuses_both(sim, monkeypatch):
     warnings = []
     monkeypatch.setattr(host_memory.logger, "warning", lambda *a: warnings.append(a))
-    sim.limit_host_memory(max_bytes=4096)  # less than the pool's one unit
+    sim.set(max_host_bytes=4096)  # less than the pool's one unit
     memory = npu_memory(sim, 2, 4096)
     assert (memory.kind, memory.pinned) == (host_memory.PAGEABLE, False)
     message = warnings[-1][0] % warnings[-1][1:]
@@ -955,42 +916,54 @@ def round_trip(sim: SimAcl, memory, rows: int, row_bytes: int) -> None:
     pool.release()  # as the worker does: gives ``memory`` back
 
 
-def test_sim_a_refused_malloc_host_piece_is_retried_smaller_and_stays_pinned(
-    sim,
+LIMITED = {"max_host_bytes": 600 * 1024, "host_alignment": SVM}  # < a 1 MiB piece
+# 64 rows of 4 KiB in 1 MiB pieces: 16 units of one row, 64 KiB apart (SVM
+# alignment); two rows in one piece (the default size).
+PIECES, ONE_PIECE = (64, 2**20), (2, DEFAULT_PIECE_BYTES)
+
+
+@pytest.mark.parametrize(
+    ("limits", "malloc", "layout", "kind", "flag", "pieces", "mallocs", "freed_by"),
+    [
+        # aclrtMallocHost fails (one piece): an mmap, registered MAPPED|PINNED.
+        pytest.param(None, True, ONE_PIECE, acl_host.ACL_REGISTERED,
+                     MAPPED_PINNED, 1, 1, HOST_UNREGISTER, id="malloc-host-fails"),
+        # A piece over the runtime's per-call limit (207001) is allocated as
+        # two of half the size: the refused one, then 8 halves.
+        pytest.param(LIMITED, True, PIECES, acl_host.ACL_MALLOC_HOST, -1, 8, 1 + 8,
+                     FREE_HOST, id="malloc-host-retried-smaller"),
+        # A5: PINNED refused (107000), MAPPED alone accepted, pieces larger
+        # than the runtime takes registered at half the size.
+        pytest.param({**LIMITED, "a5": 1}, False, PIECES,
+                     acl_host.ACL_REGISTERED_MAPPED, ACL_HOST_REG_MAPPED, 8, 0,
+                     HOST_UNREGISTER, id="a5"),
+    ],
+)  # fmt: skip
+def test_sim_npu_pool_memory_is_pinned_in_aligned_pieces_whatever_acl_refuses(
+    sim, limits, malloc, layout, kind, flag, pieces, mallocs, freed_by
 ) -> None:
-    """A piece aclrtMallocHost refuses (more than the runtime's per-call
-    limit, error 207001) is allocated as two of half the size; the pool is
-    page-locked, every row of it, and byte-exact through the runtime."""
-    sim.limit_host_memory(max_bytes=600 * 1024, alignment=SVM)
-    # 1 MiB pieces: 16 units of one 4 KiB row, 64 KiB apart (SVM alignment).
-    memory = npu_memory(sim, 64, 4096, piece_bytes=2**20)
-    assert (memory.kind, memory.pinned) == (acl_host.ACL_MALLOC_HOST, True)
-    assert memory.pieces == 8 and set(memory.piece_bytes) == {512 * 1024}
-    assert sim.stat(MALLOC_HOST) == 1 + 8  # the refused one, then 8 halves
+    """Every row of the pool page-locked, each unit 64 KiB-aligned (Ascend
+    SVM; the simulation refuses any other address when limited), byte-exact
+    through the runtime, and every piece given back at release."""
+    if limits is None:
+        sim.inject(MALLOC_HOST, 1, ACL_ERROR_RT_INTERNAL_ERROR)
+    else:
+        sim.set(**limits)
+    rows, piece_bytes = layout
+    memory = npu_memory(sim, rows, 4096, malloc=malloc, piece_bytes=piece_bytes)
+    assert (memory.kind, memory.pinned, memory.pieces) == (kind, True, pieces)
+    if kind == acl_host.ACL_MALLOC_HOST:
+        assert set(memory.piece_bytes) == {512 * 1024}
+    assert sim.stat("last_register_flag") == flag
+    assert sim.stat(MALLOC_HOST) == mallocs
     units = [(u.data_ptr(), u.numel()) for u in memory.units]
     assert all(addr % SVM == 0 for addr, _ in units)
-    assert all(sim.location_of(addr + n - 1) == LOC_HOST for addr, n in units)
-    round_trip(sim, memory, 64, 4096)
+    for addr, n in units:
+        assert sim.location_of(addr) == sim.location_of(addr + n - 1) == LOC_HOST
+    round_trip(sim, memory, rows, 4096)
     gc.collect()
-    assert sim.stat(FREE_HOST) == 8
-
-
-def test_sim_on_a5_the_pool_is_registered_mapped_in_smaller_aligned_pieces(
-    sim,
-) -> None:
-    """A5: PINNED refused (107000), MAPPED alone accepted; pieces larger than
-    the runtime takes are registered at half the size, each 64 KiB-aligned
-    (the simulation refuses any other address)."""
-    sim.limit_host_memory(max_bytes=600 * 1024, alignment=SVM, a5=True)
-    memory = npu_memory(sim, 64, 4096, malloc=False, piece_bytes=2**20)
-    assert (memory.kind, memory.pinned) == (acl_host.ACL_REGISTERED_MAPPED, True)
-    assert memory.pieces == 8
-    assert sim.stat("last_register_flag") == ACL_HOST_REG_MAPPED
-    assert all(sim.location_of(u.data_ptr()) == LOC_HOST for u in memory.units)
-    units = [u.data_ptr() for u in memory.units]
-    round_trip(sim, memory, 64, 4096)
-    assert sim.stat(HOST_UNREGISTER) == 8
-    assert all(sim.location_of(a) == LOC_UNREGISTERED for a in units)
+    assert sim.stat(freed_by) == pieces
+    assert all(sim.location_of(addr) == LOC_UNREGISTERED for addr, _ in units)
 
 
 def test_sim_acl_malloc_host_is_freed_only_after_its_last_view(sim) -> None:
@@ -1000,17 +973,3 @@ def test_sim_acl_malloc_host_is_freed_only_after_its_last_view(sim) -> None:
     assert sim.stat(FREE_HOST) == 0  # a view still reads it
     del view
     assert sim.stat(FREE_HOST) == 1
-
-
-# --- the per-copy choice (kv_offload_swap_blocks' per_copy argument) --------
-
-
-def test_sim_per_copy_argument_copies_without_the_batch_api(sim) -> None:
-    pools, job = pools_job(sim, 64, 512)
-    report = job.run(sim, per_copy=True)
-    assert sim.stat(BATCH) == 0 and report["single_calls"] == 64
-    assert report["workspace_bytes"] == 0
-    assert np.array_equal(pools.device, job.want)
-    # A choice of that call only: the next call batches again.
-    report = job.run(sim)
-    assert report["batch_calls"] == 1 and not report["fallback_started"]
