@@ -118,12 +118,12 @@ class FaultInjector:
 
     def _draw(self, kind: str, job_id: int) -> bool:
         rate, limit = self.rates.get(kind, (0.0, None))
-        count = sum(k == kind for k, _ in self.injected)
-        if rate <= 0 or (limit is not None and count >= limit):
-            return False
-        if self.rng.random() >= rate:
-            return False
-        with self._lock:
+        with self._lock:  # copy threads draw at once: the cap holds for all
+            count = sum(k == kind for k, _ in self.injected)
+            if rate <= 0 or (limit is not None and count >= limit):
+                return False
+            if self.rng.random() >= rate:
+                return False
             self.injected.append((kind, job_id))
             if self.log_path:
                 with open(self.log_path, "a") as f:

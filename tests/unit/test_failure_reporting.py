@@ -435,3 +435,29 @@ def test_an_async_hit_is_not_quarantined():
     q.on_lookup(loader, 0, (2 * BLOCK, True))  # loaded before it is scheduled
     q.on_alloc(loader, blocks(3, 4), 2 * BLOCK)
     assert not q.must_wait(request("b", "d0", "d1"))
+
+
+def test_a_fault_cap_holds_when_two_copy_threads_draw_at_once():
+    faults = FaultInjector.parse("load:1:1")
+    both_drawing = threading.Barrier(2, timeout=1)
+
+    class MeetingRng:
+        """Each draw waits (at most 1 s) for the other thread's draw."""
+
+        def random(self) -> float:
+            try:
+                both_drawing.wait()
+            except threading.BrokenBarrierError:
+                pass  # the other thread waits for this one's draw first
+            return 0.0
+
+    faults.rng = MeetingRng()
+    threads = [
+        threading.Thread(target=faults.apply, args=("load", job, None, None, False))
+        for job in (1, 2)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(faults.injected) == 1
