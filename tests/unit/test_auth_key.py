@@ -150,16 +150,17 @@ def test_identity_json_holds_no_key_id_a_guess_can_check_cheaply(
     tmp_path, fs_tier_spec
 ):
     spec = fs_tier_spec()
-    _, plain = published_identity(tmp_path, spec, None)
+    plain_name, plain = published_identity(tmp_path, spec, None)
     name, keyed = published_identity(tmp_path, spec, AUTH_KEY)
     other_key = base64.b64encode(bytes(range(100, 132)))
     other_name, other = published_identity(tmp_path, spec, other_key)
     # The key id is the only key-derived value, and it differs by key, so
-    # deployments with different keys use different directories.
+    # keyed tiers and deployments with different keys use their own
+    # directories.
     for published in (keyed, other):
         assert {k: v for k, v in published.items() if k != "auth_key_id"} == plain
     assert keyed["auth_key_id"]["value"] != other["auth_key_id"]["value"]
-    assert name != other_name
+    assert len({plain_name, name, other_name}) == 3
     # Checking a guess means a scrypt of at least OWASP's cost (128 MiB,
     # N=2^17, r=8), salted with this identity's digest: no table of
     # guesses made for one model and layout serves another.

@@ -21,11 +21,13 @@ import pytest
 from vllm.v1.kv_offload.base import make_offload_key
 
 from tests.unit.conftest import finished_job, fs_job, payload
-from tests.unit.tier_helpers import AUTH_KEY, IDENTITY, fs_tier, key_file, row_view
+from tests.unit.tier_helpers import AUTH_KEY, IDENTITY, fs_tier, row_view
 from tests.unit.tier_helpers import KEY_ID as KEY
+from vllm_ascend.kv_offload.tiering import block_file
 from vllm_ascend.kv_offload.tiering.block_file import (
     HEADER_BYTES,
     HEADER_STRUCT,
+    key_digest,
     read_block,
     remove_stale_temp_files,
     temp_name,
@@ -166,55 +168,83 @@ def test_the_tier_counts_a_fifo_as_a_miss_and_shuts_down(tier):
     assert finished
 
 
-# -- integrity against forgery: the deployment key --------------------------
+# -- what a block file must be to be loaded: intact, this identity's and
+# block's, and keyed with the deployment key where one is set ----------------
 
 
-def _forge(path: str, other: memoryview) -> None:
-    """Keeps the header (identity, key), puts another payload, fixes the
-    CRC32: what anyone who can write the directory can do."""
-    with open(path, "r+b") as f:
-        header = bytearray(f.read(HEADER_BYTES))
-        fields = list(HEADER_STRUCT.unpack_from(header, 0))
-        fields[3] = zlib.crc32(other)
-        HEADER_STRUCT.pack_into(header, 0, *fields)
-        f.seek(0)
-        f.write(bytes(header) + bytes(other))
+def _forge(f, size: int) -> None:
+    """Keeps the header (identity, key), puts another payload (fill 9), fixes
+    the CRC32: what anyone who can write the directory can do."""
+    other = payload(fill=9)
+    header = bytearray(f.read(HEADER_BYTES))
+    fields = list(HEADER_STRUCT.unpack_from(header, 0))
+    fields[3] = zlib.crc32(other)
+    HEADER_STRUCT.pack_into(header, 0, *fields)
+    f.seek(0)
+    f.write(bytes(header) + bytes(other))
 
 
-def test_a_forged_file_is_loaded_without_a_key(tmp_path):
-    """The documented trust boundary: without a key, write access to the
-    directory is write access to every reader's KV."""
+OTHER = {"key": key_digest(make_offload_key(b"\x02" * 32, 0))}
+KEYED, KEYED_OTHER = {"auth_key": AUTH_KEY}, {"auth_key": b"k" * 32}
+# Written with key, damage(file, size), read_block's arguments other than
+# (identity, key digest, no key): the payload loaded (its fill) or why the
+# file is refused.
+BLOCK_FILES = {
+    "intact": (None, None, {}, 7),
+    "keyed": (AUTH_KEY, None, KEYED, 7),
+    "truncated": (None, lambda f, n: f.truncate(n - 1), {}, "size"),
+    "extended": (None, lambda f, n: f.truncate(n + 1), {}, "size"),
+    "payload-byte-flipped": (
+        None, lambda f, n: (f.seek(n - 1), f.write(b"\xff")), {}, "checksum mismatch"
+    ),
+    "magic-overwritten": (
+        None, lambda f, n: (f.seek(0), f.write(b"X")), {}, "not a KV block file"
+    ),
+    "another-identity": (None, None, {"identity": bytes(32)}, "another identity"),
+    "another-block": (None, None, OTHER, "another block"),
+    # The documented trust boundary: without a key, write access to the
+    # directory is write access to every reader's KV.
+    "forged-without-a-key": (None, _forge, {}, 9),
+    "forged-with-a-key": (AUTH_KEY, _forge, KEYED, "HMAC"),
+    "unkeyed-read-with-a-key": (None, None, KEYED, "HMAC"),
+    "unkeyed-read-with-another-key": (None, None, KEYED_OTHER, "HMAC"),
+    "keyed-read-with-another-key": (AUTH_KEY, None, KEYED_OTHER, "HMAC"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "written_with, damage, read_as, loaded", BLOCK_FILES.values(), ids=BLOCK_FILES
+)
+def test_a_block_file_is_loaded_only_as_written_for_this_reader(
+    tmp_path, written_with, damage, read_as, loaded
+):
+    """A written block reads back; a second write of it is skipped; a
+    damaged, forged or foreign file is refused (a miss), keyed or not."""
+    path, data, out = str(tmp_path / "a" / "b.bin"), payload(), payload(fill=0)
+    assert write_block(path, data, IDENTITY, KEY, 0, auth_key=written_with)
+    assert os.path.getsize(path) == HEADER_BYTES + len(data)
+    assert not write_block(path, data, IDENTITY, KEY, 0)  # exists: skipped
+    if damage:
+        with open(path, "r+b") as f:
+            damage(f, os.path.getsize(path))
+    read = {"identity": IDENTITY, "key": KEY, "o_direct": 0, **read_as}
+    if isinstance(loaded, str):
+        with pytest.raises(StoredBlockError, match=loaded):
+            read_block(path, out, **read)
+    else:
+        read_block(path, out, **read)
+        assert bytes(out) == bytes(payload(fill=loaded))
+
+
+def test_a_failed_write_leaves_no_file(tmp_path, monkeypatch):
+    def full(fd, buffers):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(block_file.os, "writev", full)
     path = str(tmp_path / "b.bin")
-    write_block(path, payload(fill=7), IDENTITY, KEY, 0)
-    _forge(path, payload(fill=9))
-    out = payload(fill=0)
-    read_block(path, out, IDENTITY, KEY, 0)
-    assert bytes(out) == bytes(payload(fill=9))
-
-
-def test_with_a_key_a_forged_or_unkeyed_file_is_a_miss(tmp_path):
-    path = str(tmp_path / "b.bin")
-    write_block(path, payload(fill=7), IDENTITY, KEY, 0, auth_key=AUTH_KEY)
-    out = payload(fill=0)
-    read_block(path, out, IDENTITY, KEY, 0, auth_key=AUTH_KEY)
-    assert bytes(out) == bytes(payload(fill=7))
-    _forge(path, payload(fill=9))
-    with pytest.raises(StoredBlockError, match="HMAC"):
-        read_block(path, payload(fill=0), IDENTITY, KEY, 0, auth_key=AUTH_KEY)
-    os.remove(path)
-    write_block(path, payload(fill=7), IDENTITY, KEY, 0)  # written without the key
-    with pytest.raises(StoredBlockError, match="HMAC"):
-        read_block(path, payload(fill=0), IDENTITY, KEY, 0, auth_key=AUTH_KEY)
-    with pytest.raises(StoredBlockError, match="HMAC"):
-        read_block(path, payload(fill=0), IDENTITY, KEY, 0, auth_key=b"k" * 32)
-
-
-def test_keyed_tiers_use_their_own_identity_directory(tmp_path, fs_tier_spec):
-    spec = fs_tier_spec()
-    plain = {"root_dir": str(tmp_path)}
-    keyed = {**plain, "auth_key_file": key_file(tmp_path)}
-    assert tier_dir_usable(plain, spec) and tier_dir_usable(keyed, spec)
-    assert len([p for p in os.listdir(tmp_path) if p.startswith("ascend-kv-")]) == 2
+    with pytest.raises(OSError, match="No space"):
+        write_block(path, payload(), IDENTITY, KEY, 0)
+    assert os.listdir(tmp_path) == []
 
 
 # -- a tier directory that cannot be used is dropped at start --------------
@@ -245,57 +275,43 @@ def test_a_tier_directory_that_cannot_be_created_drops_the_tier_with_one_line(
         assert tier_dir_usable({"root_dir": str(tmp_path / "kv")}, spec)
 
 
-@pytest.fixture
-def read_only_mount(tmp_path):
-    """A tmpfs at tmp_path/ro, remounted read-only by ``freeze()`` (root
-    ignores permission bits, so only a read-only mount stops a write)."""
-    mount = tmp_path / "ro"
+def test_a_read_only_root_is_read_its_stores_fail_without_vllms_dirs_dropped(
+    tmp_path, fs_tier_spec, caplog
+):
+    """Root ignores permission bits, so only a read-only mount (a tmpfs
+    remounted read-only) stops a write: a root there that holds vLLM's
+    directories is read and its stores fail; an empty one drops the tier."""
+    mount, empty = tmp_path / "ro", tmp_path / "ro" / "empty"
     mount.mkdir()
     command = ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)]
     if subprocess.run(command, capture_output=True).returncode != 0:
         pytest.skip("cannot mount a tmpfs here (needs CAP_SYS_ADMIN)")
-
-    def freeze() -> None:
-        subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
-
-    yield mount, freeze
-    subprocess.run(["umount", str(mount)], check=False)
-
-
-def test_a_read_only_root_without_vllms_directories_drops_the_tier(
-    read_only_mount, fs_tier_spec, caplog
-):
-    mount, freeze = read_only_mount
-    freeze()
-    assert not tier_dir_usable({"root_dir": str(mount)}, fs_tier_spec())
-    assert "Read-only file system" in caplog.text
-
-
-def test_a_read_only_root_with_them_is_read_and_its_stores_fail(
-    read_only_mount, fs_tier_spec
-):
-    mount, freeze = read_only_mount
-    spec = fs_tier_spec()
-    assert tier_dir_usable({"root_dir": str(mount)}, spec)
-    view = row_view()
-    buf = view.obj  # the mapping under the view's rows
-    writer = fs_tier(spec, mount, view)
-    stored, fresh = make_offload_key(b"\x06" * 32, 0), make_offload_key(b"\x07" * 32, 0)
-    buf[:4096] = b"\x03" * 4096
-    writer.submit_store(fs_job(1, stored, False))
-    assert finished_job(writer, 1).success
-    writer.shutdown()
-    freeze()
-    assert tier_dir_usable({"root_dir": str(mount)}, spec)  # a reader
-    reader = fs_tier(spec, mount, view)
     try:
-        buf[:4096] = bytes(4096)
-        reader.submit_load(fs_job(2, stored, True))
-        assert finished_job(reader, 2).success and buf[:4096] == b"\x03" * 4096
-        reader.submit_store(fs_job(3, fresh, False))
-        assert not finished_job(reader, 3).success  # the store path: EROFS, counted
+        empty.mkdir()
+        spec, view = fs_tier_spec(), row_view()
+        buf = view.obj  # the mapping under the view's rows
+        assert tier_dir_usable({"root_dir": str(mount)}, spec)
+        writer = fs_tier(spec, mount, view)
+        stored, fresh = (make_offload_key(bytes([i]) * 32, 0) for i in (6, 7))
+        buf[:4096] = b"\x03" * 4096
+        writer.submit_store(fs_job(1, stored, False))
+        assert finished_job(writer, 1).success
+        writer.shutdown()
+        subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
+        assert not tier_dir_usable({"root_dir": str(empty)}, spec)
+        assert "Read-only file system" in caplog.text
+        assert tier_dir_usable({"root_dir": str(mount)}, spec)  # a reader
+        reader = fs_tier(spec, mount, view)
+        try:
+            buf[:4096] = bytes(4096)
+            reader.submit_load(fs_job(2, stored, True))
+            assert finished_job(reader, 2).success and buf[:4096] == b"\x03" * 4096
+            reader.submit_store(fs_job(3, fresh, False))
+            assert not finished_job(reader, 3).success  # the store: EROFS, counted
+        finally:
+            reader.shutdown()
     finally:
-        reader.shutdown()
+        subprocess.run(["umount", str(mount)], check=False)
 
 
 # -- temp files ---------------------------------------------------------------

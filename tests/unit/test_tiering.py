@@ -9,15 +9,14 @@ import os
 from types import SimpleNamespace
 
 import pytest
-from vllm.v1.kv_offload.base import make_offload_key
 from vllm.v1.kv_offload.config import (
     OffloadingCacheConfig,
     OffloadingModelConfig,
 )
 
-from tests.unit.conftest import TIERING, new_engine_id, payload
+from tests.unit.conftest import TIERING, new_engine_id
 from tests.unit.kv_helpers import cpu_queues, make_config, make_kv_caches
-from tests.unit.tier_helpers import IDENTITY, KEY_ID, refusal, tiering_spec
+from tests.unit.tier_helpers import refusal, tiering_spec
 from tests.vllm_version import VLLM_VERSION
 from vllm_ascend.kv_offload import ops, region_worker
 from vllm_ascend.kv_offload.acl_host import kernel_registers_pageable_memory
@@ -32,19 +31,11 @@ from vllm_ascend.kv_offload.region import (
     slot_pool,
 )
 from vllm_ascend.kv_offload.self_check import SelfCheckResult
-from vllm_ascend.kv_offload.tiering import block_file
-from vllm_ascend.kv_offload.tiering.block_file import (
-    HEADER_BYTES,
-    key_digest,
-    read_block,
-    write_block,
-)
 from vllm_ascend.kv_offload.tiering.identity import identity_digest, storage_identity
 from vllm_ascend.kv_offload.tiering.spec import (
     NPUTieringOffloadingSpec,
     check_tiering_config,
 )
-from vllm_ascend.kv_offload.tiering.tier_paths import StoredBlockError
 
 
 def offloading_config(tp: int = 1, dtype: str = "float32", **changes):
@@ -71,57 +62,6 @@ def test_identity_separates_what_makes_bytes_incompatible():
         {"cache": OffloadingCacheConfig(128, 2)},
     ):
         assert digest(offloading_config(**changed)) != base, changed
-
-
-# -- verified files -----------------------------------------------------------
-
-
-def test_a_written_block_reads_back(tmp_path):
-    path = str(tmp_path / "a" / "b.bin")
-    data = payload()
-    assert write_block(path, data, IDENTITY, KEY_ID, 0)
-    assert os.path.getsize(path) == HEADER_BYTES + len(data)
-    assert not write_block(path, data, IDENTITY, KEY_ID, 0)  # exists: skipped
-    out = payload(fill=0)
-    read_block(path, out, IDENTITY, KEY_ID, 0)
-    assert bytes(out) == bytes(data)
-
-
-OTHER_KEY_ID = key_digest(make_offload_key(b"\x02" * 32, 0))
-
-
-@pytest.mark.parametrize(
-    "damage, read_as, reason",
-    [
-        (lambda f, n: f.truncate(n - 1), None, "size"),
-        (lambda f, n: f.truncate(n + 1), None, "size"),
-        (lambda f, n: (f.seek(n - 1), f.write(b"\xff")), None, "checksum mismatch"),
-        (lambda f, n: (f.seek(0), f.write(b"X")), None, "not a KV block file"),
-        (None, (bytes(32), KEY_ID), "another identity"),
-        (None, (IDENTITY, OTHER_KEY_ID), "another block"),
-    ],
-)
-def test_damaged_files_and_files_of_another_identity_or_key_are_refused(
-    tmp_path, damage, read_as, reason
-):
-    path = str(tmp_path / "b.bin")
-    write_block(path, payload(), IDENTITY, KEY_ID, 0)
-    if damage:
-        with open(path, "r+b") as f:
-            damage(f, os.path.getsize(path))
-    with pytest.raises(StoredBlockError, match=reason):
-        read_block(path, payload(fill=0), *(read_as or (IDENTITY, KEY_ID)), 0)
-
-
-def test_a_failed_write_leaves_no_file(tmp_path, monkeypatch):
-    def full(fd, buffers):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(block_file.os, "writev", full)
-    path = str(tmp_path / "b.bin")
-    with pytest.raises(OSError, match="No space"):
-        write_block(path, payload(), IDENTITY, KEY_ID, 0)
-    assert os.listdir(tmp_path) == []
 
 
 # -- configuration ------------------------------------------------------------
