@@ -67,6 +67,7 @@ def test_identity_separates_what_makes_bytes_incompatible():
 # -- configuration ------------------------------------------------------------
 
 FS_TIER = {"type": "fs", "root_dir": "/x"}
+SHARED_ID_REFUSED = r"\['secondary_tiers'\]\[0\]\['identity'\]=.*my-deployment-v3"
 
 
 @pytest.mark.parametrize(
@@ -88,6 +89,11 @@ FS_TIER = {"type": "fs", "root_dir": "/x"}
         *[
             ({"secondary_tiers": [{"type": "obj", k: "x"}]}, "read by 'fs' tiers only")
             for k in ("identity", "auth_key_file")
+        ],
+        # A shared id: named by its setting, with an example of a good one.
+        *[
+            ({"secondary_tiers": [{**FS_TIER, "identity": bad}]}, SHARED_ID_REFUSED)
+            for bad in ("", " dep", "dep/v3", "a" * 129, 3, ["dep"])
         ],
     ],
 )
@@ -116,14 +122,12 @@ def test_tiering_keys_need_the_tiering_spec_or_a_subclass():
     assert our_spec_class(custom) is CustomTieringSpec
     assert our_spec_class(npu) is NPUOffloadingSpec
     for spec in (TIERING, custom):
-        check_keys({**spec, "secondary_tiers": tiers}, spec_keys(spec))
+        keys = our_spec_class(spec).extra_config_keys
+        check_keys({**spec, "secondary_tiers": tiers}, keys)
     with pytest.raises(OffloadConfigError, match=r"Spec only \(or a subclass"):
-        check_keys({**npu, "secondary_tiers": tiers}, spec_keys(npu))
-
-
-def spec_keys(extra: dict) -> frozenset:
-    """The extra-config keys the spec ``extra`` names accepts."""
-    return our_spec_class(extra).extra_config_keys
+        check_keys(
+            {**npu, "secondary_tiers": tiers}, NPUOffloadingSpec.extra_config_keys
+        )
 
 
 # -- registering the region: npu (ACL, through our op) and cuda (vLLM's) ----
@@ -170,19 +174,28 @@ def kernel_release(monkeypatch):
     return pretend
 
 
+MAPPED, PINNED = 0x2, 0x10000000  # ACL_HOST_REG_MAPPED, ACL_HOST_REG_PINNED
+
+
 @pytest.fixture
-def acl_calls(monkeypatch, kernel_release):
+def acl(monkeypatch, kernel_release):
     """ops.host_register / host_unregister replaced by recorders (no NPU
-    here); the tiering worker built with no copy engine, CPU queues and no
+    here) of the region of engine ``acl.engine_id``: ``calls``, the
+    ``flags`` asked for; ``refuse(size, flags)`` names an ACL error to raise
+    or None. The tiering worker built with no copy engine, CPU queues and no
     self-check (no npu streams here), through its constructor's arguments."""
-    calls = []
+    acl = SimpleNamespace(calls=[], flags=[], refuse=lambda size, flags: None)
+    acl.engine_id = new_engine_id("unit-npu")
 
     def register(addr, size, device, flags):
-        calls.append(("register", addr, size, device))
+        acl.flags.append(flags)
+        if error := acl.refuse(size, flags):
+            raise RuntimeError(error)
+        acl.calls.append(("register", addr, size, device))
 
-    def unregister(addr, device):
-        path = calls[0][4] if len(calls[0]) > 4 else None
-        calls.append(("unregister", addr, device, os.path.exists(path or "")))
+    def unregister(addr, device):  # and whether the region is still there
+        mapped = os.path.exists(region_path(acl.engine_id))
+        acl.calls.append(("unregister", addr, device, mapped))
 
     def worker(*args, real=region_worker.RegionWorker, **kwargs):
         engine = SimpleNamespace(use=lambda swap: None, buffers=lambda: [])
@@ -193,63 +206,56 @@ def acl_calls(monkeypatch, kernel_release):
     monkeypatch.setattr(ops, "host_unregister", unregister)
     monkeypatch.setattr(region_worker, "RegionWorker", worker)
     kernel_release("6.8.0-generic")
-    return calls
+    return acl
 
 
-def test_npu_worker_registers_the_region_and_unregisters_it_before_unmapping(
-    acl_calls,
-):
-    page = mmap.PAGESIZE
-    spec = tiering_spec(new_engine_id("unit-npu"), 2 * page)
-    worker = spec.get_worker(_kv_caches("npu", page))
-    region = worker.region
-    base, size = region.base_tensor.data_ptr(), region.total_size_bytes
-    assert acl_calls == [("register", base, size, "npu")]
-    assert size == 4 * 2 * page and worker.pool.pinned
-    acl_calls[0] += (region.mmap_path,)  # unregister checks the file is there
-    worker.shutdown()
-    # Unregistered once, while the region was still mapped; then unmapped.
-    assert acl_calls[1] == ("unregister", base, "npu", True)
-    assert len(acl_calls) == 2
-    assert region.mmap_obj is None and not os.path.exists(region.mmap_path)
+def refused_on_a5_above(limit: int):
+    """What an A5 runtime taking at most ``limit`` bytes a piece says."""
+    return lambda size, flags: (
+        "ACL error 107000 (PINNED, as on A5)" if flags & PINNED
+        else "ACL error 207001 (more than the runtime takes)" if size > limit
+        else None
+    )  # fmt: skip
 
 
-def test_npu_region_is_registered_in_pieces_smaller_where_refused_mapped_on_a5(
-    acl_calls, monkeypatch
+@pytest.mark.parametrize(
+    "piece_bytes, refuse, pieces, flags",
+    [
+        (None, None, 1, [MAPPED | PINNED]),
+        # 128 KiB pieces refused, 64 KiB pieces taken. 128 KiB: PINNED
+        # refused, MAPPED too (size); 64 KiB: PINNED refused, MAPPED taken,
+        # and from then on PINNED is not asked for again.
+        (128 << 10, refused_on_a5_above(64 << 10), 8,
+         [MAPPED | PINNED, MAPPED] * 2 + [MAPPED] * 7),
+    ],
+    ids=["one-piece", "smaller-where-refused-mapped-on-a5"],
+)  # fmt: skip
+def test_npu_region_is_registered_in_pieces_unregistered_before_unmapping(
+    acl, piece_bytes, refuse, pieces, flags
 ):
     """The pool's rule for the region: pieces of whole rows of at most
     host_piece_bytes; a piece the runtime refuses is retried at half its
     size; where PINNED is refused (A5), MAPPED alone. Every piece is
-    unregistered before the region is unmapped."""
-    mapped, pinned, limit = 0x2, 0x10000000, 64 * 2**10
-    flags_seen = []
-
-    def register(addr, size, device, flags):
-        flags_seen.append(flags)
-        if flags & pinned:
-            raise RuntimeError("ACL error 107000 (PINNED, as on A5)")
-        if size > limit:
-            raise RuntimeError("ACL error 207001 (more than the runtime takes)")
-        acl_calls.append(("register", addr, size, device))
-
-    monkeypatch.setattr(ops, "host_register", register)
-    page = 8192
-    spec = tiering_spec(new_engine_id("unit-npu"), page, 64, host_piece_bytes=2 * limit)
-    worker = spec.get_worker(_kv_caches("npu", page // 2))
+    unregistered, while the region is still mapped, then it is unmapped."""
+    acl.refuse = refuse or acl.refuse
+    row = 8192
+    extra = {"host_piece_bytes": piece_bytes} if piece_bytes else {}
+    spec = tiering_spec(acl.engine_id, row, 64, **extra)
+    worker = spec.get_worker(_kv_caches("npu", row // 2))
     region = worker.region
-    base = region.base_tensor.data_ptr()
-    assert region.total_size_bytes == 64 * page == 8 * limit
-    # 128 KiB pieces refused, 64 KiB pieces taken: whole rows, back to back.
-    assert acl_calls == [("register", base + i * limit, limit, "npu") for i in range(8)]
-    # 128 KiB: PINNED refused, MAPPED too (size); 64 KiB: PINNED refused,
-    # MAPPED taken, and from then on PINNED is not asked for again.
-    both = mapped | pinned
-    assert flags_seen == [both, mapped, both, mapped] + [mapped] * 7
-    assert worker.pool.pinned
+    base, size = region.base_tensor.data_ptr(), region.total_size_bytes
+    piece = size // pieces
+    assert size == 64 * row and worker.pool.pinned
+    # Whole rows, back to back.
+    assert acl.calls == [
+        ("register", base + i * piece, piece, "npu") for i in range(pieces)
+    ]
+    assert acl.flags == flags
     worker.shutdown()
-    unregistered = [c[1] for c in acl_calls[8:]]
-    assert unregistered == [base + i * limit for i in reversed(range(8))]
-    assert region.mmap_obj is None
+    assert acl.calls[pieces:] == [
+        ("unregister", base + i * piece, "npu", True) for i in reversed(range(pieces))
+    ]
+    assert region.mmap_obj is None and not os.path.exists(region.mmap_path)
 
 
 ACL_REFUSED = "kv_offload_host_register(device='npu'): ACL error 507899"
@@ -265,20 +271,16 @@ ACL_REFUSED = "kv_offload_host_register(device='npu'): ACL error 507899"
     ids=["acl-refuses", "kernel-cannot-lock-pageable-memory"],
 )  # fmt: skip
 def test_a_refused_npu_registration_is_a_clear_error_and_leaves_nothing(
-    acl_calls, kernel_release, monkeypatch, release, acl_error, wrong
+    acl, kernel_release, release, acl_error, wrong
 ):
-    def refuse(addr, size, device, flags):
-        raise RuntimeError(acl_error)
-
     kernel_release(release)
-    monkeypatch.setattr(ops, "host_register", refuse)
+    acl.refuse = lambda size, flags: acl_error
     page = mmap.PAGESIZE
-    engine_id = new_engine_id("unit-npu")
-    spec = tiering_spec(engine_id, 2 * page)
+    spec = tiering_spec(acl.engine_id, 2 * page)
     msg = refusal(lambda: spec.get_worker(_kv_caches("npu", page)))
     assert all(w in msg for w in wrong), msg
-    assert not os.path.exists(region_path(engine_id))
-    assert acl_calls == []  # nothing registered, nothing to unregister
+    assert not os.path.exists(region_path(acl.engine_id))
+    assert acl.calls == []  # nothing registered, nothing to unregister
     assert kernel_registers_pageable_memory("5.15.0-91-generic")
     assert kernel_registers_pageable_memory("6.1.0")
     assert not kernel_registers_pageable_memory("4.19.90-24.4.v2101.ky10")
