@@ -71,31 +71,33 @@ def test_what_changes_the_kv_changes_the_identity(model_dir, change):
     assert identity(model_dir, **change) != identity(model_dir)
 
 
-def test_dummy_weights_are_unidentified_and_never_shared_across_processes(model_dir):
-    weights = identity(model_dir, load_format="dummy")["weights"]
-    assert "dummy" in weights["unidentified"]
-    assert weights["nonce"] == identity_module.PROCESS_NONCE
+def test_unidentified_weights_are_never_shared_across_processes(model_dir, tmp_path):
+    """Dummy weights, a directory without weight files: a nonce of this
+    process instead of a fingerprint."""
+    (tmp_path / "config.json").write_text("{}")
+    for weights, why in (
+        (identity(model_dir, load_format="dummy")["weights"], "dummy"),
+        (fingerprint_weights(str(tmp_path)), "no weight files"),
+    ):
+        assert why in weights["unidentified"]
+        assert weights["nonce"] == identity_module.PROCESS_NONCE
     # Each process draws its own nonce when it imports the module.
     reimported = importlib.reload(identity_module)
     assert reimported.PROCESS_NONCE != weights["nonce"]
 
 
-def test_other_weights_under_the_same_config_json_change_only_the_weights(
+def test_copies_of_weights_match_other_weights_change_only_the_weights(
     model_dir, tmp_path
 ):
     copy = tmp_path / "model"
     shutil.copytree(model_dir, copy)
+    assert fingerprint_weights(str(copy)) == fingerprint_weights(model_dir)  # copies
     before = identity(str(copy))
     config_json = (copy / "config.json").read_bytes()
     ensure_tiny_model(copy, TinyModelSpec(seed=1))  # the weights rewritten
     assert (copy / "config.json").read_bytes() == config_json
     after = identity(str(copy))
     assert {k for k in before if before[k] != after[k]} == {"weights"}
-
-
-def test_copies_of_the_same_weights_have_the_same_fingerprint(model_dir, tmp_path):
-    shutil.copytree(model_dir, tmp_path / "copy")
-    assert fingerprint_weights(str(tmp_path / "copy")) == fingerprint_weights(model_dir)
 
 
 def _sparse_checkpoint(path, size: int, header: dict) -> int:
@@ -124,13 +126,6 @@ def test_a_large_checkpoint_is_fingerprinted_from_its_header_and_samples(tmp_pat
     header["w"]["dtype"] = "F16"  # same size, another header
     _sparse_checkpoint(shard, 64 << 30, header)
     assert fingerprint_weights(str(tmp_path)) not in (first, second)
-
-
-def test_a_directory_without_weight_files_is_unidentified(tmp_path):
-    (tmp_path / "config.json").write_text("{}")
-    weights = fingerprint_weights(str(tmp_path))
-    assert "no weight files" in weights["unidentified"]
-    assert weights["nonce"] == identity_module.PROCESS_NONCE
 
 
 def test_a_hub_id_is_identified_by_the_commit_of_its_cached_snapshot(
