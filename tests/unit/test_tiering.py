@@ -209,52 +209,35 @@ def acl(monkeypatch, kernel_release):
     return acl
 
 
-def refused_on_a5_above(limit: int):
-    """What an A5 runtime taking at most ``limit`` bytes a piece says."""
-    return lambda size, flags: (
-        "ACL error 107000 (PINNED, as on A5)" if flags & PINNED
-        else "ACL error 207001 (more than the runtime takes)" if size > limit
-        else None
-    )  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    "piece_bytes, refuse, pieces, flags",
-    [
-        (None, None, 1, [MAPPED | PINNED]),
-        # 128 KiB pieces refused, 64 KiB pieces taken. 128 KiB: PINNED
-        # refused, MAPPED too (size); 64 KiB: PINNED refused, MAPPED taken,
-        # and from then on PINNED is not asked for again.
-        (128 << 10, refused_on_a5_above(64 << 10), 8,
-         [MAPPED | PINNED, MAPPED] * 2 + [MAPPED] * 7),
-    ],
-    ids=["one-piece", "smaller-where-refused-mapped-on-a5"],
-)  # fmt: skip
-def test_npu_region_is_registered_in_pieces_unregistered_before_unmapping(
-    acl, piece_bytes, refuse, pieces, flags
-):
+@pytest.mark.parametrize("on_a5", [False, True], ids=["one-piece", "a5"])
+def test_npu_region_is_registered_in_pieces_unregistered_before_unmapping(acl, on_a5):
     """The pool's rule for the region: pieces of whole rows of at most
     host_piece_bytes; a piece the runtime refuses is retried at half its
     size; where PINNED is refused (A5), MAPPED alone. Every piece is
     unregistered, while the region is still mapped, then it is unmapped."""
-    acl.refuse = refuse or acl.refuse
-    row = 8192
-    extra = {"host_piece_bytes": piece_bytes} if piece_bytes else {}
+    row, limit = 8192, 64 << 10
+    if on_a5:  # 128 KiB pieces asked for, 64 KiB at most taken, no PINNED
+        acl.refuse = lambda size, flags: (
+            "ACL error 107000 (PINNED, as on A5)" if flags & PINNED
+            else "ACL error 207001 (more than the runtime takes)" if size > limit
+            else None
+        )  # fmt: skip
+    extra = {"host_piece_bytes": 2 * limit} if on_a5 else {}
     spec = tiering_spec(acl.engine_id, row, 64, **extra)
     worker = spec.get_worker(_kv_caches("npu", row // 2))
     region = worker.region
     base, size = region.base_tensor.data_ptr(), region.total_size_bytes
-    piece = size // pieces
-    assert size == 64 * row and worker.pool.pinned
-    # Whole rows, back to back.
-    assert acl.calls == [
-        ("register", base + i * piece, piece, "npu") for i in range(pieces)
-    ]
-    assert acl.flags == flags
+    assert size == 64 * row == 8 * limit and worker.pool.pinned
+    # Whole rows, back to back; on A5, 128 KiB: PINNED refused, MAPPED too
+    # (size); 64 KiB: PINNED refused, MAPPED taken, and from then on PINNED
+    # is not asked for again.
+    pieces = range(base, base + size, limit if on_a5 else size)
+    assert acl.calls == [("register", a, pieces.step, "npu") for a in pieces]
+    both = MAPPED | PINNED
+    assert acl.flags == ([both, MAPPED] * 2 + [MAPPED] * 7 if on_a5 else [both])
     worker.shutdown()
-    assert acl.calls[pieces:] == [
-        ("unregister", base + i * piece, "npu", True) for i in reversed(range(pieces))
-    ]
+    unregistered = [("unregister", a, "npu", True) for a in reversed(pieces)]
+    assert acl.calls[len(pieces) :] == unregistered
     assert region.mmap_obj is None and not os.path.exists(region.mmap_path)
 
 
