@@ -65,83 +65,77 @@ def release_fifo(path: str) -> None:
 # -- no symlink followed, nothing but regular files opened ------------------
 
 
-@pytest.mark.parametrize("written_through_link", [True, False])
-def test_a_symlinked_directory_neither_redirects_writes_nor_is_read_through(
-    tmp_path, written_through_link
-):
-    root, outside = tmp_path / "tier", tmp_path / "outside"
-    root.mkdir()
-    outside.mkdir()
-    (root / "sub").symlink_to(outside)
-    path, seen = str(root / "sub" / "b.bin"), []
-    if written_through_link:
-        assert write_block(
-            path, payload(), IDENTITY, KEY, 0, root=str(root),
-            on_bad_entry=lambda p, found: seen.append(found),
-        )  # fmt: skip
-        assert os.listdir(outside) == []
-        assert (root / "sub").is_dir() and not (root / "sub").is_symlink()
-        assert seen == ["a symlink in place of a directory"]
-        read_block(path, payload(fill=0), IDENTITY, KEY, 0, root=str(root))
-        return
-    write_block(str(outside / "b.bin"), payload(), IDENTITY, KEY, 0)
-    with pytest.raises(BadEntryError, match="symlink in place of a directory"):
-        read_block(path, payload(fill=0), IDENTITY, KEY, 0, root=str(root))
-    assert not (root / "sub").exists() and (outside / "b.bin").exists()
+def _symlink_to_a_block_file(path, outside):
+    write_block(str(outside / "elsewhere.bin"), payload(), IDENTITY, KEY, 0)
+    path.symlink_to(outside / "elsewhere.bin")
+    return path
 
 
-def _make_symlink_to_file(path, tmp_path):
-    write_block(str(tmp_path / "elsewhere.bin"), payload(), IDENTITY, KEY, 0)
-    path.symlink_to(tmp_path / "elsewhere.bin")
-
-
-def _make_socket(path, tmp_path):
+def _socket(path, outside):
     with socket.socket(socket.AF_UNIX) as sock:
         sock.bind(str(path))
+    return path
 
 
+def _symlinked_directory(path, outside):
+    """The directory on the way a symlink to ``outside``, where a block file
+    of the same name is."""
+    write_block(str(outside / path.name), payload(), IDENTITY, KEY, 0)
+    path.parent.rmdir()
+    path.parent.symlink_to(outside, target_is_directory=True)
+    return path.parent
+
+
+# What anyone who can write the directory may put in place of block file
+# ``path`` or of a directory on its way, ``outside`` the root: the entry
+# made, what the tier reports it as.
+IN_PLACE = "in place of a block file"
 BAD_ENTRIES = {
-    "symlink to a valid block file": _make_symlink_to_file,
-    "FIFO": lambda path, _: os.mkfifo(path),
-    "socket": _make_socket,
-    "directory": lambda path, _: path.mkdir(),
-    "symlink to a device": lambda path, _: path.symlink_to("/dev/zero"),
-}
+    "symlink to a valid block file": (_symlink_to_a_block_file, IN_PLACE),
+    "FIFO": (lambda path, _: os.mkfifo(path) or path, IN_PLACE),
+    "socket": (_socket, IN_PLACE),
+    "directory": (lambda path, _: path.mkdir() or path, IN_PLACE),
+    "symlink to a device": (lambda p, _: p.symlink_to("/dev/zero") or p, IN_PLACE),
+    "symlinked directory": (_symlinked_directory, "a symlink in place of a directory"),
+}  # fmt: skip
 
 
-@pytest.mark.parametrize("make", BAD_ENTRIES.values(), ids=BAD_ENTRIES.keys())
-def test_a_bad_entry_in_place_of_a_block_is_a_miss_removed_and_rewritable(
-    tmp_path, make
+@pytest.mark.parametrize("first", ["read", "write"])
+@pytest.mark.parametrize("make, why", BAD_ENTRIES.values(), ids=BAD_ENTRIES.keys())
+def test_a_bad_entry_is_never_followed_a_miss_removed_or_replaced_by_a_write(
+    tmp_path, make, why, first
 ):
-    root = tmp_path / "tier"
-    root.mkdir()
-    path = root / "b.bin"
-    make(path, tmp_path)
-    seen = []
-    try:
-        finished, result = in_thread(
-            read_block, str(path), payload(fill=0), IDENTITY, KEY, 0, root=str(root),
-            on_bad_entry=lambda p, found: seen.append(found),
-        )  # fmt: skip
-    finally:
-        release_fifo(str(path))
-    assert finished, "the read blocked"
-    assert isinstance(result, BadEntryError), result
-    assert len(seen) == 1 and "in place of a block file" in seen[0]
-    assert not os.path.lexists(path)  # removed
-    assert write_block(str(path), payload(), IDENTITY, KEY, 0, root=str(root))
+    """A read does not block and is a miss that removes the entry; a write
+    replaces it instead of skipping it; either reports it once and nothing
+    outside the root is read or written."""
+    root, outside = tmp_path / "tier", tmp_path / "outside"
+    (root / "sub").mkdir(parents=True)
+    outside.mkdir()
+    path = root / "sub" / "b.bin"
+    entry = make(path, outside)
+    before = {p.name: p.read_bytes() for p in outside.iterdir()}
+    seen, hook = [], lambda p, found: seen.append(found)
+    if first == "read":
+        try:
+            finished, result = in_thread(
+                read_block, str(path), payload(fill=0), IDENTITY, KEY, 0,
+                root=str(root), on_bad_entry=hook,
+            )  # fmt: skip
+        finally:
+            release_fifo(str(path))
+        assert finished, "the read blocked"
+        assert isinstance(result, BadEntryError) and why in str(result), result
+        assert not os.path.lexists(entry)  # removed
+        assert write_block(str(path), payload(), IDENTITY, KEY, 0, root=str(root))
+    else:
+        written = write_block(
+            str(path), payload(), IDENTITY, KEY, 0, root=str(root), on_bad_entry=hook
+        )
+        assert written and not entry.is_symlink()
+        assert path.is_file() and not path.is_symlink()
+    assert len(seen) == 1 and why in seen[0]
+    assert {p.name: p.read_bytes() for p in outside.iterdir()} == before
     read_block(str(path), payload(fill=0), IDENTITY, KEY, 0, root=str(root))
-
-
-def test_a_write_replaces_a_bad_entry_instead_of_skipping_it(tmp_path):
-    root = tmp_path / "tier"
-    root.mkdir()
-    target = tmp_path / "victim"
-    target.write_bytes(b"precious")
-    (root / "b.bin").symlink_to(target)
-    assert write_block(str(root / "b.bin"), payload(), IDENTITY, KEY, 0, root=str(root))
-    assert target.read_bytes() == b"precious"
-    assert not (root / "b.bin").is_symlink()
 
 
 def test_paths_outside_the_root_are_refused(tmp_path):
