@@ -27,8 +27,6 @@ from vllm_ascend.kv_offload.region import (
     AclRegionRegistration,
     close_region,
     region_path,
-    register_with_cuda,
-    slot_pool,
 )
 from vllm_ascend.kv_offload.self_check import SelfCheckResult
 from vllm_ascend.kv_offload.tiering.identity import identity_digest, storage_identity
@@ -192,16 +190,19 @@ def acl(monkeypatch, kernel_release):
         if error := acl.refuse(size, flags):
             raise RuntimeError(error)
         acl.calls.append(("register", addr, size, device))
+        return True  # taken (what vLLM's host_register says)
 
-    def unregister(addr, device):  # and whether the region is still there
-        mapped = os.path.exists(region_path(acl.engine_id))
-        acl.calls.append(("unregister", addr, device, mapped))
+    def unregister(addr, device):  # and whether the region is still mapped
+        acl.calls.append(("unregister", addr, device, acl.region.mmap_obj is not None))
 
-    def worker(*args, real=region_worker.RegionWorker, **kwargs):
+    def worker(kv_caches, region, *args, real=region_worker.RegionWorker, **kw):
+        acl.region = region
         engine = SimpleNamespace(use=lambda swap: None, buffers=lambda: [])
         queues, check = cpu_queues(), _passed_self_check
-        return real(*args, engine=engine, queues=queues, self_check=check, **kwargs)
+        kw.update(engine=engine, queues=queues, self_check=check)
+        return real(kv_caches, region, *args, **kw)
 
+    acl.register, acl.unregister = register, unregister
     monkeypatch.setattr(ops, "host_register", register)
     monkeypatch.setattr(ops, "host_unregister", unregister)
     monkeypatch.setattr(region_worker, "RegionWorker", worker)
@@ -209,34 +210,71 @@ def acl(monkeypatch, kernel_release):
     return acl
 
 
-@pytest.mark.parametrize("on_a5", [False, True], ids=["one-piece", "a5"])
-def test_npu_region_is_registered_in_pieces_unregistered_before_unmapping(acl, on_a5):
-    """The pool's rule for the region: pieces of whole rows of at most
+ROW = 8192  # the region's: 64 rows, 512 KiB
+PIECE = 64 << 10  # what the runtime takes at most a piece on A5
+
+
+# cuda: vLLM's own pin_mmap_region/cleanup, as the installed release does
+# them: 0.32 moved them onto host_register/host_unregister (intercepted
+# here); 0.30 (one torch.cuda.cudart() call) and 0.31 (CudaRTLibrary chunks)
+# call the CUDA runtime directly, and only on a CUDA platform.
+@pytest.mark.parametrize(
+    "device, on_a5, step, flags",
+    [
+        ("npu", False, 64 * ROW, [MAPPED | PINNED]),
+        # 128 KiB: PINNED refused, MAPPED too (size); 64 KiB: PINNED
+        # refused, MAPPED taken, and from then on PINNED is not asked for.
+        ("npu", True, PIECE, [MAPPED | PINNED, MAPPED] * 2 + [MAPPED] * 7),
+        # Chunks of 24 rows: 3 for 64 rows, the last short.
+        pytest.param("cuda", False, 3 * PIECE, [0] * 3, marks=pytest.mark.skipif(
+            VLLM_VERSION < (0, 32),
+            reason="vLLM < 0.32 registers through the CUDA runtime directly, "
+            "only on a CUDA platform (no host_register/host_unregister to "
+            "intercept)",
+        )),
+    ],
+    ids=["npu", "npu-a5", "cuda"],
+)  # fmt: skip
+def test_the_region_is_registered_in_pieces_unregistered_before_unmapping(
+    acl, monkeypatch, device, on_a5, step, flags
+):
+    """npu: the pool's rule for the region: pieces of whole rows of at most
     host_piece_bytes; a piece the runtime refuses is retried at half its
-    size; where PINNED is refused (A5), MAPPED alone. Every piece is
-    unregistered, while the region is still mapped, then it is unmapped."""
-    row, limit = 8192, 64 << 10
-    if on_a5:  # 128 KiB pieces asked for, 64 KiB at most taken, no PINNED
+    size; where PINNED is refused (A5), MAPPED alone. cuda: vLLM's own
+    pin_mmap_region (row-aligned chunks). Every piece is unregistered while
+    the region is still mapped, then it is unmapped."""
+    if on_a5:  # 128 KiB pieces asked for
         acl.refuse = lambda size, flags: (
             "ACL error 107000 (PINNED, as on A5)" if flags & PINNED
-            else "ACL error 207001 (more than the runtime takes)" if size > limit
+            else "ACL error 207001 (more than the runtime takes)" if size > PIECE
             else None
         )  # fmt: skip
-    extra = {"host_piece_bytes": 2 * limit} if on_a5 else {}
-    spec = tiering_spec(acl.engine_id, row, 64, **extra)
-    worker = spec.get_worker(_kv_caches("npu", row // 2))
+    if device == "cuda":  # vLLM's calls into the recorders
+        from vllm.utils import torch_utils
+        from vllm.v1.kv_offload.cpu import gpu_worker, shared_offload_region
+
+        monkeypatch.setattr(torch_utils, "PIN_MEMORY", True)
+        monkeypatch.setattr(gpu_worker, "MAX_HOST_REGISTER_CHUNK_BYTES", step)
+        register, unregister = acl.register, acl.unregister
+        monkeypatch.setattr(
+            gpu_worker, "host_register", lambda a, n: register(a, n, "cuda", 0)
+        )
+        monkeypatch.setattr(
+            shared_offload_region, "host_unregister", lambda a: unregister(a, "cuda")
+        )
+    extra = {"host_piece_bytes": 2 * PIECE} if on_a5 else {}
+    spec = tiering_spec(acl.engine_id, ROW, 64, **extra)
+    worker = spec.get_worker(_kv_caches(device, ROW // 2))
     region = worker.region
     base, size = region.base_tensor.data_ptr(), region.total_size_bytes
-    assert size == 64 * row == 8 * limit and worker.pool.pinned
-    # Whole rows, back to back; on A5, 128 KiB: PINNED refused, MAPPED too
-    # (size); 64 KiB: PINNED refused, MAPPED taken, and from then on PINNED
-    # is not asked for again.
-    pieces = range(base, base + size, limit if on_a5 else size)
-    assert acl.calls == [("register", a, pieces.step, "npu") for a in pieces]
-    both = MAPPED | PINNED
-    assert acl.flags == ([both, MAPPED] * 2 + [MAPPED] * 7 if on_a5 else [both])
+    assert size == 64 * ROW and worker.pool.pinned
+    assert region.is_pinned == (device == "cuda")  # ours on npu, vLLM's on cuda
+    # Whole rows, back to back.
+    pieces = [(a, min(step, base + size - a)) for a in range(base, base + size, step)]
+    assert acl.calls == [("register", a, n, device) for a, n in pieces]
+    assert acl.flags == flags
     worker.shutdown()
-    unregistered = [("unregister", a, "npu", True) for a in reversed(pieces)]
+    unregistered = [("unregister", a, device, True) for a, _ in reversed(pieces)]
     assert acl.calls[len(pieces) :] == unregistered
     assert region.mmap_obj is None and not os.path.exists(region.mmap_path)
 
@@ -289,51 +327,3 @@ def test_a_failing_unregister_is_logged_and_the_region_still_unmapped(
     assert "ACL error 507911" in caplog.text
     assert region.mmap_obj is None and not os.path.exists(region.mmap_path)
     registration.release()  # once only: nothing happens
-
-
-# vLLM's own pin_mmap_region/cleanup, as the installed release does them:
-# 0.32 moved them onto host_register/host_unregister (intercepted here);
-# 0.30 (one torch.cuda.cudart() call) and 0.31 (CudaRTLibrary chunks) call the
-# CUDA runtime directly, and only on a CUDA platform.
-@pytest.mark.skipif(
-    VLLM_VERSION < (0, 32),
-    reason="vLLM < 0.32 registers through the CUDA runtime directly, only on "
-    "a CUDA platform (no host_register/host_unregister to intercept)",
-)
-def test_cuda_registration_is_vllms_pin_mmap_region(monkeypatch, shared_region):
-    """On cuda the region is registered by vLLM's own pin_mmap_region (row-
-    aligned chunks) and unregistered by the region's cleanup before unmap."""
-    from vllm.utils import torch_utils
-    from vllm.v1.kv_offload.cpu import gpu_worker, shared_offload_region
-
-    calls = []
-
-    def register(addr, size):
-        calls.append(("register", addr, size))
-        return True
-
-    def unregister(addr):
-        calls.append(("unregister", addr, region.mmap_obj is not None))
-
-    monkeypatch.setattr(torch_utils, "PIN_MEMORY", True)
-    monkeypatch.setattr(gpu_worker, "host_register", register)
-    monkeypatch.setattr(shared_offload_region, "host_unregister", unregister)
-    page = mmap.PAGESIZE
-    # Chunks of 2 rows, as vLLM cuts 64 GiB ones: 3 chunks for 5 rows.
-    monkeypatch.setattr(gpu_worker, "MAX_HOST_REGISTER_CHUNK_BYTES", 2 * page)
-    region, mark = shared_region(5, kv_bytes_per_chunk=page, cpu_page_size=page)
-    base = region.base_tensor.data_ptr()
-    pool = slot_pool(region, [page], 1, 0, page, page)
-    register_with_cuda(region, pool)
-    assert calls == [
-        ("register", base, 2 * page),
-        ("register", base + 2 * page, 2 * page),
-        ("register", base + 4 * page, page),
-    ]
-    assert pool.pinned and region.is_pinned
-    close_region(region, None, mark)
-    assert calls[3:] == [
-        ("unregister", base + 4 * page, True),
-        ("unregister", base + 2 * page, True),
-        ("unregister", base, True),
-    ]
