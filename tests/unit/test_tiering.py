@@ -24,8 +24,6 @@ from vllm_ascend.kv_offload.config import OffloadConfigError, check_keys
 from vllm_ascend.kv_offload.connector import our_spec_class
 from vllm_ascend.kv_offload.npu import NPUOffloadingSpec
 from vllm_ascend.kv_offload.region import (
-    AclRegionRegistration,
-    close_region,
     region_path,
 )
 from vllm_ascend.kv_offload.self_check import SelfCheckResult
@@ -180,9 +178,11 @@ def acl(monkeypatch, kernel_release):
     """ops.host_register / host_unregister replaced by recorders (no NPU
     here) of the region of engine ``acl.engine_id``: ``calls``, the
     ``flags`` asked for; ``refuse(size, flags)`` names an ACL error to raise
-    or None. The tiering worker built with no copy engine, CPU queues and no
-    self-check (no npu streams here), through its constructor's arguments."""
+    or None, ``unregister_error`` one for every unregister. The tiering
+    worker built with no copy engine, CPU queues and no self-check (no npu
+    streams here), through its constructor's arguments."""
     acl = SimpleNamespace(calls=[], flags=[], refuse=lambda size, flags: None)
+    acl.unregister_error = None
     acl.engine_id = new_engine_id("unit-npu")
 
     def register(addr, size, device, flags):
@@ -194,6 +194,8 @@ def acl(monkeypatch, kernel_release):
 
     def unregister(addr, device):  # and whether the region is still mapped
         acl.calls.append(("unregister", addr, device, acl.region.mmap_obj is not None))
+        if acl.unregister_error:
+            raise RuntimeError(acl.unregister_error)
 
     def worker(kv_caches, region, *args, real=region_worker.RegionWorker, **kw):
         acl.region = region
@@ -219,30 +221,33 @@ PIECE = 64 << 10  # what the runtime takes at most a piece on A5
 # here); 0.30 (one torch.cuda.cudart() call) and 0.31 (CudaRTLibrary chunks)
 # call the CUDA runtime directly, and only on a CUDA platform.
 @pytest.mark.parametrize(
-    "device, on_a5, step, flags",
+    "device, on_a5, step, flags, unregister_error",
     [
-        ("npu", False, 64 * ROW, [MAPPED | PINNED]),
+        ("npu", False, 64 * ROW, [MAPPED | PINNED], None),
         # 128 KiB: PINNED refused, MAPPED too (size); 64 KiB: PINNED
         # refused, MAPPED taken, and from then on PINNED is not asked for.
-        ("npu", True, PIECE, [MAPPED | PINNED, MAPPED] * 2 + [MAPPED] * 7),
+        ("npu", True, PIECE, [MAPPED | PINNED, MAPPED] * 2 + [MAPPED] * 7, None),
+        ("npu", False, 64 * ROW, [MAPPED | PINNED], "ACL error 507911"),
         # Chunks of 24 rows: 3 for 64 rows, the last short.
-        pytest.param("cuda", False, 3 * PIECE, [0] * 3, marks=pytest.mark.skipif(
+        pytest.param("cuda", False, 3 * PIECE, [0] * 3, None, marks=pytest.mark.skipif(
             VLLM_VERSION < (0, 32),
             reason="vLLM < 0.32 registers through the CUDA runtime directly, "
             "only on a CUDA platform (no host_register/host_unregister to "
             "intercept)",
         )),
     ],
-    ids=["npu", "npu-a5", "cuda"],
+    ids=["npu", "npu-a5", "npu-unregister-fails", "cuda"],
 )  # fmt: skip
 def test_the_region_is_registered_in_pieces_unregistered_before_unmapping(
-    acl, monkeypatch, device, on_a5, step, flags
+    acl, monkeypatch, caplog, device, on_a5, step, flags, unregister_error
 ):
     """npu: the pool's rule for the region: pieces of whole rows of at most
     host_piece_bytes; a piece the runtime refuses is retried at half its
     size; where PINNED is refused (A5), MAPPED alone. cuda: vLLM's own
     pin_mmap_region (row-aligned chunks). Every piece is unregistered while
-    the region is still mapped, then it is unmapped."""
+    the region is still mapped, then it is unmapped (a failing unregister
+    logged)."""
+    acl.unregister_error = unregister_error
     if on_a5:  # 128 KiB pieces asked for
         acl.refuse = lambda size, flags: (
             "ACL error 107000 (PINNED, as on A5)" if flags & PINNED
@@ -277,6 +282,11 @@ def test_the_region_is_registered_in_pieces_unregistered_before_unmapping(
     unregistered = [("unregister", a, device, True) for a, _ in reversed(pieces)]
     assert acl.calls[len(pieces) :] == unregistered
     assert region.mmap_obj is None and not os.path.exists(region.mmap_path)
+    if unregister_error:
+        assert "unregistering the shared region" in caplog.text
+        assert unregister_error in caplog.text
+        worker.registration.release()  # once only: nothing happens
+        assert len(acl.calls) == 2 * len(pieces)
 
 
 ACL_REFUSED = "kv_offload_host_register(device='npu'): ACL error 507899"
@@ -305,25 +315,3 @@ def test_a_refused_npu_registration_is_a_clear_error_and_leaves_nothing(
     assert kernel_registers_pageable_memory("5.15.0-91-generic")
     assert kernel_registers_pageable_memory("6.1.0")
     assert not kernel_registers_pageable_memory("4.19.90-24.4.v2101.ky10")
-
-
-def test_a_failing_unregister_is_logged_and_the_region_still_unmapped(
-    caplog, shared_region
-):
-    page = mmap.PAGESIZE
-    region, mark = shared_region(2, kv_bytes_per_chunk=page, cpu_page_size=page)
-
-    def unregister(addr, device):
-        raise RuntimeError("ACL error 507911")
-
-    registration = AclRegionRegistration(
-        region,
-        register=lambda addr, size, device, flags: None,
-        unregister=unregister,
-        kernel_release="6.1",
-    )
-    close_region(region, registration, mark)
-    assert "unregistering the shared region" in caplog.text
-    assert "ACL error 507911" in caplog.text
-    assert region.mmap_obj is None and not os.path.exists(region.mmap_path)
-    registration.release()  # once only: nothing happens
