@@ -138,12 +138,6 @@ def test_a_bad_entry_is_never_followed_a_miss_removed_or_replaced_by_a_write(
     read_block(str(path), payload(fill=0), IDENTITY, KEY, 0, root=str(root))
 
 
-def test_paths_outside_the_root_are_refused(tmp_path):
-    root = str(tmp_path / "tier")
-    with pytest.raises(StoredBlockError, match="not under the tier root"):
-        write_block(str(tmp_path / "x.bin"), payload(), IDENTITY, KEY, 0, root=root)
-
-
 def test_the_tier_counts_a_fifo_as_a_miss_and_shuts_down(tier):
     key = make_offload_key(b"\x05" * 32, 0)
     path = tier.file_mapper.get_file_name(key)
@@ -230,14 +224,19 @@ def test_a_block_file_is_loaded_only_as_written_for_this_reader(
         assert bytes(out) == bytes(payload(fill=loaded))
 
 
-def test_a_failed_write_leaves_no_file(tmp_path, monkeypatch):
+def test_a_write_outside_the_root_is_refused_and_a_failed_one_leaves_no_file(
+    tmp_path, monkeypatch
+):
+    with pytest.raises(StoredBlockError, match="not under the tier root"):
+        root = str(tmp_path / "tier")
+        write_block(str(tmp_path / "x.bin"), payload(), IDENTITY, KEY, 0, root=root)
+
     def full(fd, buffers):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(block_file.os, "writev", full)
-    path = str(tmp_path / "b.bin")
     with pytest.raises(OSError, match="No space"):
-        write_block(path, payload(), IDENTITY, KEY, 0)
+        write_block(str(tmp_path / "b.bin"), payload(), IDENTITY, KEY, 0)
     assert os.listdir(tmp_path) == []
 
 

@@ -48,12 +48,6 @@ def identity(model: str, **changes) -> dict:
     return model_identity(resolved(model, **changes))
 
 
-def test_the_same_config_twice_gives_the_same_identity(model_dir):
-    first = identity(model_dir)
-    assert identity(model_dir) == first
-    assert first["weights"]["files"] == 1  # model.safetensors, fingerprinted
-
-
 @pytest.mark.parametrize(
     "change",
     [
@@ -86,13 +80,16 @@ def test_unidentified_weights_are_never_shared_across_processes(model_dir, tmp_p
     assert reimported.PROCESS_NONCE != weights["nonce"]
 
 
-def test_copies_of_weights_match_other_weights_change_only_the_weights(
+def test_the_same_config_and_weights_give_the_same_identity_other_weights_not(
     model_dir, tmp_path
 ):
+    """Twice, or a copy; other weights change the weights part only."""
     copy = tmp_path / "model"
     shutil.copytree(model_dir, copy)
     assert fingerprint_weights(str(copy)) == fingerprint_weights(model_dir)  # copies
     before = identity(str(copy))
+    assert identity(str(copy)) == before
+    assert before["weights"]["files"] == 1  # model.safetensors, fingerprinted
     config_json = (copy / "config.json").read_bytes()
     ensure_tiny_model(copy, TinyModelSpec(seed=1))  # the weights rewritten
     assert (copy / "config.json").read_bytes() == config_json
