@@ -227,8 +227,8 @@ def test_a_block_file_is_loaded_only_as_written_for_this_reader(
 def test_a_write_outside_the_root_is_refused_and_a_failed_one_leaves_no_file(
     tmp_path, monkeypatch
 ):
+    root = str(tmp_path / "tier")
     with pytest.raises(StoredBlockError, match="not under the tier root"):
-        root = str(tmp_path / "tier")
         write_block(str(tmp_path / "x.bin"), payload(), IDENTITY, KEY, 0, root=root)
 
     def full(fd, buffers):
