@@ -158,27 +158,16 @@ def test_the_tiering_worker_copies_by_the_copy_path_setting():
     assert not os.path.exists(region_path(engine_id))
 
 
-@pytest.fixture
-def kernel_release(monkeypatch):
-    """Sets the kernel release this process reports (``os.uname``)."""
-
-    def pretend(release: str) -> None:
-        real = os.uname()
-        fake = os.uname_result((real.sysname, real.nodename, release, *real[3:]))
-        monkeypatch.setattr(os, "uname", lambda: fake)
-
-    return pretend
-
-
 MAPPED, PINNED = 0x2, 0x10000000  # ACL_HOST_REG_MAPPED, ACL_HOST_REG_PINNED
 
 
 @pytest.fixture
-def acl(monkeypatch, kernel_release):
+def acl(monkeypatch):
     """ops.host_register / host_unregister replaced by recorders (no NPU
     here) of the region of engine ``acl.engine_id``: ``calls``, the
     ``flags`` asked for; ``refuse(size, flags)`` names an ACL error to raise
-    or None, ``unregister_error`` one for every unregister. The tiering
+    or None, ``unregister_error`` one for every unregister;
+    ``kernel_release(release)`` sets what ``os.uname`` reports. The tiering
     worker built with no copy engine, CPU queues and no self-check (no npu
     streams here), through its constructor's arguments."""
     acl = SimpleNamespace(calls=[], flags=[], refuse=lambda size, flags: None)
@@ -204,7 +193,13 @@ def acl(monkeypatch, kernel_release):
         kw.update(engine=engine, queues=queues, self_check=check)
         return real(kv_caches, region, *args, **kw)
 
+    def kernel_release(release: str) -> None:
+        real = os.uname()
+        fake = os.uname_result((real.sysname, real.nodename, release, *real[3:]))
+        monkeypatch.setattr(os, "uname", lambda: fake)
+
     acl.register, acl.unregister = register, unregister
+    acl.kernel_release = kernel_release
     monkeypatch.setattr(ops, "host_register", register)
     monkeypatch.setattr(ops, "host_unregister", unregister)
     monkeypatch.setattr(region_worker, "RegionWorker", worker)
@@ -302,9 +297,9 @@ ACL_REFUSED = "kv_offload_host_register(device='npu'): ACL error 507899"
     ids=["acl-refuses", "kernel-cannot-lock-pageable-memory"],
 )  # fmt: skip
 def test_a_refused_npu_registration_is_a_clear_error_and_leaves_nothing(
-    acl, kernel_release, release, acl_error, wrong
+    acl, release, acl_error, wrong
 ):
-    kernel_release(release)
+    acl.kernel_release(release)
     acl.refuse = lambda size, flags: acl_error
     page = mmap.PAGESIZE
     spec = tiering_spec(acl.engine_id, 2 * page)
