@@ -338,9 +338,7 @@ def _write_and_verify(root: str, who: str, n: int) -> None:
     buf = payload(PAYLOAD_BYTES, 0)
     for i in range(n):
         name = f"{who}{i:04d}"
-        path = block_path(root, name)
-        write_block(path, payload(PAYLOAD_BYTES, 3), IDENTITY, key_of(name), 0)
-        read_block(path, buf, IDENTITY, key_of(name), 0)
+        read_block(store(root, name, fill=3), buf, IDENTITY, key_of(name), 0)
 
 
 def test_processes_forked_after_a_write_keep_their_own_buffers(tmp_path):
