@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from tests.unit.tier_helpers import AUTH_KEY, fs_tier, key_file
+from tests.unit.tier_helpers import AUTH_KEY, fs_tier, key_file, refusal
 from vllm_ascend.kv_offload.config import OffloadConfigError
 from vllm_ascend.kv_offload.tiering.auth_key import read_auth_key
 from vllm_ascend.kv_offload.tiering.fs import tier_dir_usable
@@ -21,16 +21,17 @@ from vllm_ascend.kv_offload.tiering.identity import IDENTITY_FILE
 from vllm_ascend.kv_offload.tiering.spec import check_tiering_config
 
 SETTING = "['auth_key_file']"
+AT_MOST_4_KIB = "bytes; a key file holds at most 4096"
 
 
-def refusal(tmp_path, path: str) -> str:
+def refused(tmp_path, path: str) -> str:
     """The message of the config check refusing key file ``path``."""
     tiers = [{"type": "fs", "root_dir": str(tmp_path), "auth_key_file": path}]
-    with pytest.raises(OffloadConfigError) as info:
-        check_tiering_config({"secondary_tiers": tiers})
-    return str(info.value)
+    return refusal(lambda: check_tiering_config({"secondary_tiers": tiers}))
 
 
+# What the file holds (bytes; a size: that many NUL bytes, sparse; None:
+# no file; "dir": a directory), its mode, what the refusal says is wrong.
 NOT_A_KEY = {
     "world-readable": (AUTH_KEY, 0o644, "accessible to every user"),
     "missing": (None, 0o600, "cannot be read"),
@@ -42,50 +43,53 @@ NOT_A_KEY = {
     "digits": (b"0123456789" * 40, 0o600, "10 distinct byte values"),
     # 32 hex digits are at most 128 bits; their frequencies say fewer.
     "short-hex": (b"3f9c0e1ab27d4c58e6f1a0b9c3d72e4f", 0o600, "too little entropy"),
+    # Over 4 KiB: refused by its size, never opened (a blob, even 2 GiB).
+    **{
+        f"{n}-bytes": (n, 0o600, f"holds {n} {AT_MOST_4_KIB}")
+        for n in (4097, 64 << 10, 2 << 30)
+    },
 }
 
 
 @pytest.mark.parametrize("data, mode, wrong", NOT_A_KEY.values(), ids=NOT_A_KEY)
 def test_a_file_that_is_not_a_key_is_refused_naming_the_setting_and_the_fix(
-    tmp_path, data, mode, wrong
+    tmp_path, opened_paths, data, mode, wrong
 ):
-    """Missing, not a regular file, readable by everyone, too short or too
-    uniform: refused naming the setting, the file and the fix, never the key."""
+    """Missing, not a regular file, readable by everyone, too large, too short
+    or too uniform: refused naming the setting, the file and the fix, never
+    the key."""
     path = str(tmp_path / "kv.key")
     if data == "dir":
         os.mkdir(path, mode)
+    elif isinstance(data, int):
+        os.truncate(key_file(tmp_path, b"", mode=mode), data)  # NUL bytes, no disk
     elif data is not None:
         path = key_file(tmp_path, data + b"\n", mode=mode)
-    message = refusal(tmp_path, path)
+    opened_paths.clear()
+    message = refused(tmp_path, path)
     assert wrong in message
     assert SETTING in message and repr(path) in message
     assert "openssl rand -base64 32 > FILE; chmod 600 FILE" in message
-    if data not in (None, "dir"):
+    if isinstance(data, bytes):
         assert data.decode(errors="replace") not in message
+    if isinstance(data, int):
+        assert path not in opened_paths  # stat, then refused: never opened
 
 
-@pytest.mark.parametrize("size", [4097, 64 << 10, 2 << 30])
-def test_a_key_file_over_4_kib_is_refused_without_being_read(
-    tmp_path, size, opened_paths
+def test_a_random_key_made_as_the_docs_say_is_accepted_and_read_again_if_changed(
+    tmp_path,
 ):
-    path = key_file(tmp_path, b"", name="blob.key")
-    os.truncate(path, size)  # NUL bytes, no disk
-    opened_paths.clear()
-    message = refusal(tmp_path, path)
-    assert f"holds {size} bytes; a key file holds at most 4096" in message
-    assert SETTING in message and "blob.key" in message
-    assert "openssl rand -base64 32" in message
-    assert path not in opened_paths  # stat, then refused: never opened
-
-
-def test_a_random_key_made_as_the_docs_say_is_accepted(tmp_path):
     path = tmp_path / "kv.key"
     subprocess.run(
         f"openssl rand -base64 32 > {path}; chmod 600 {path}", shell=True, check=True
     )
     key = read_auth_key(str(path), "setting")
     assert key == path.read_bytes().strip() and len(key) == 44
+    # The same file changed: read again.
     assert read_auth_key(key_file(tmp_path), "setting") == AUTH_KEY
+    other = base64.b64encode(bytes(range(7, 71)))
+    key_file(tmp_path, other)
+    assert read_auth_key(str(path), "setting") == other
 
 
 @pytest.mark.parametrize(
@@ -111,14 +115,6 @@ def test_random_keys_of_one_generator_are_all_accepted_or_all_refused(
         except OffloadConfigError:
             outcomes.add(False)
     assert outcomes == {accepted}
-
-
-def test_a_changed_key_file_is_read_again(tmp_path):
-    path = key_file(tmp_path, AUTH_KEY)
-    assert read_auth_key(path, "setting") == AUTH_KEY
-    other = base64.b64encode(bytes(range(7, 71)))
-    key_file(tmp_path, other)
-    assert read_auth_key(path, "setting") == other
 
 
 def test_the_key_is_read_once_per_process(tmp_path, fs_tier_spec, opened_paths):
@@ -150,16 +146,17 @@ def test_identity_json_holds_no_key_id_a_guess_can_check_cheaply(
     tmp_path, fs_tier_spec
 ):
     spec = fs_tier_spec()
-    _, plain = published_identity(tmp_path, spec, None)
+    plain_name, plain = published_identity(tmp_path, spec, None)
     name, keyed = published_identity(tmp_path, spec, AUTH_KEY)
     other_key = base64.b64encode(bytes(range(100, 132)))
     other_name, other = published_identity(tmp_path, spec, other_key)
     # The key id is the only key-derived value, and it differs by key, so
-    # deployments with different keys use different directories.
+    # keyed tiers and deployments with different keys use their own
+    # directories.
     for published in (keyed, other):
         assert {k: v for k, v in published.items() if k != "auth_key_id"} == plain
     assert keyed["auth_key_id"]["value"] != other["auth_key_id"]["value"]
-    assert name != other_name
+    assert len({plain_name, name, other_name}) == 3
     # Checking a guess means a scrypt of at least OWASP's cost (128 MiB,
     # N=2^17, r=8), salted with this identity's digest: no table of
     # guesses made for one model and layout serves another.

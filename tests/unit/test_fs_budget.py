@@ -8,7 +8,6 @@ files."""
 from __future__ import annotations
 
 import fcntl
-import multiprocessing
 import os
 import random
 import threading
@@ -17,6 +16,7 @@ import time
 import pytest
 
 from tests.unit.conftest import TIERING, payload
+from tests.unit.tier_helpers import FORK, IDENTITY
 from vllm_ascend.kv_offload.config import OffloadConfigError
 from vllm_ascend.kv_offload.tiering import fs_budget
 from vllm_ascend.kv_offload.tiering.block_file import (
@@ -38,7 +38,6 @@ from vllm_ascend.kv_offload.tiering.spec import (
 )
 from vllm_ascend.kv_offload.tiering.tier_paths import StoredBlockError
 
-IDENTITY = bytes(32)
 PAYLOAD_BYTES = 2 * 4096
 FILE_BYTES = HEADER_BYTES + PAYLOAD_BYTES
 BOUND_FILES = 24  # the bound of the tests of several writers
@@ -85,6 +84,15 @@ def bounded(root, files: int = 6) -> FsTierBudget:
 
 def counter(stats, name: str) -> float:
     return stats.reduce().get(name, 0.0) if stats else 0.0
+
+
+def store_noted(root: str, budget: FsTierBudget, n: int) -> int:
+    """Stores ``n`` blocks, each newer, noted as a writer notes them; the
+    bytes of the block files then under ``root``."""
+    for i in range(n):
+        age(store(root, f"s{i:03d}"), 1000 - i)
+        budget.note_stored(FILE_BYTES)
+    return sum(os.path.getsize(p) for p in block_files(root))
 
 
 # -- configuration ------------------------------------------------------------
@@ -138,11 +146,7 @@ def test_stores_trigger_the_scan_amortized(tmp_path):
     scans = []
     real_scan = budget.scan
     budget.scan = lambda wait=False: scans.append(1) or real_scan(wait)
-    for i in range(256):
-        path = store(root, f"s{i:03d}")
-        age(path, 1000 - i)
-        budget.note_stored(FILE_BYTES)
-    assert sum(os.path.getsize(p) for p in block_files(root)) < 64 * FILE_BYTES
+    assert store_noted(root, budget, 256) < 64 * FILE_BYTES
     # Not a scan per store: at the bound, or an eighth of it written.
     assert 1 <= len(scans) <= 256 // 4
 
@@ -187,38 +191,29 @@ def test_a_file_removed_by_another_evictor_is_tolerated(tmp_path, monkeypatch):
     assert counter(budget.take_stats(), EVICTED_BLOCKS) == 4  # ours only
 
 
-def scan_with(budget, monkeypatch, after_listing) -> None:
-    """``budget.scan()`` with ``after_listing()`` run right after the scan
-    listed the directory (what another engine does meanwhile)."""
-    real_list = fs_budget.block_files
-    monkeypatch.setattr(
-        fs_budget, "block_files", lambda *a: (real_list(*a), after_listing())[0]
-    )
-    budget.scan()
-
-
-def test_a_file_used_again_during_the_scan_is_kept(tmp_path, monkeypatch):
-    paths = aged_blocks(tmp_path)
-    budget = bounded(tmp_path)
-    scan_with(budget, monkeypatch, lambda: budget.touch(paths[0]))  # a read
-    assert os.path.exists(paths[0])
-
-
-def test_a_directory_swapped_for_a_symlink_after_the_listing_is_not_followed(
-    tmp_path, monkeypatch
+@pytest.mark.parametrize("meanwhile", ["read", "swapped"])
+def test_what_another_engine_does_after_the_listing_is_seen(
+    tmp_path, monkeypatch, meanwhile
 ):
-    root = tmp_path / "tier"
-    outside = tmp_path / "outside"
+    """The oldest file read again during the scan (after the listing) is
+    kept; its directory swapped for a symlink then is not followed."""
+    root, outside = tmp_path / "tier", tmp_path / "outside"
     outside.mkdir()
-    aged_blocks(root, name="b{}")  # one file in each of root/b0 ... root/b9
+    paths = aged_blocks(root, name="b{}")  # one file in each of root/b0 ... b9
+    budget = bounded(root)
 
     def swap():
         # Same files (same inodes, same mtimes), now reached through a link.
         os.rename(root / "b0", outside / "b0")
         (root / "b0").symlink_to(outside / "b0", target_is_directory=True)
 
-    scan_with(bounded(root), monkeypatch, swap)
-    assert (outside / "b0" / "b0.bin").exists()
+    after_listing = {"read": lambda: budget.touch(paths[0]), "swapped": swap}[meanwhile]
+    real_list = fs_budget.block_files
+    monkeypatch.setattr(
+        fs_budget, "block_files", lambda *a: (real_list(*a), after_listing())[0]
+    )
+    budget.scan()
+    assert os.path.exists(paths[0] if meanwhile == "read" else outside / "b0/b0.bin")
 
 
 def test_an_engine_that_stalls_holding_the_lock_does_not_let_others_pass_the_bound(
@@ -234,12 +229,9 @@ def test_an_engine_that_stalls_holding_the_lock_does_not_let_others_pass_the_bou
     stalled = threading.Timer(0.5, other.close)  # releases the flock
     stalled.start()
     try:
-        for i in range(4 * BOUND_FILES):
-            age(store(root, f"s{i:03d}"), 1000 - i)
-            budget.note_stored(FILE_BYTES)
+        total = store_noted(root, budget, 4 * BOUND_FILES)
     finally:
         stalled.join()
-    total = sum(os.path.getsize(p) for p in block_files(root))
     assert total <= BOUND_FILES * FILE_BYTES + (BOUND_FILES // 8) * FILE_BYTES
 
 
@@ -307,11 +299,10 @@ def _reader(root: str, stop, bad) -> None:
 def test_two_writers_and_a_reader_share_one_bounded_directory(tmp_path):
     root = str(tmp_path / "tier")
     logs = [str(tmp_path / f"{w}.log") for w in "ab"]
-    ctx = multiprocessing.get_context("fork")
-    stop, bad = ctx.Event(), ctx.Queue()
-    reader = ctx.Process(target=_reader, args=(root, stop, bad))
+    stop, bad = FORK.Event(), FORK.Queue()
+    reader = FORK.Process(target=_reader, args=(root, stop, bad))
     writers = [
-        ctx.Process(target=_writer, args=(root, w, 8, log))
+        FORK.Process(target=_writer, args=(root, w, 8, log))
         for w, log in zip("ab", logs, strict=True)
     ]
     reader.start()
@@ -347,9 +338,7 @@ def _write_and_verify(root: str, who: str, n: int) -> None:
     buf = payload(PAYLOAD_BYTES, 0)
     for i in range(n):
         name = f"{who}{i:04d}"
-        path = block_path(root, name)
-        write_block(path, payload(PAYLOAD_BYTES, 3), IDENTITY, key_of(name), 0)
-        read_block(path, buf, IDENTITY, key_of(name), 0)
+        read_block(store(root, name, fill=3), buf, IDENTITY, key_of(name), 0)
 
 
 def test_processes_forked_after_a_write_keep_their_own_buffers(tmp_path):
@@ -357,9 +346,8 @@ def test_processes_forked_after_a_write_keep_their_own_buffers(tmp_path):
     # forks its workers) must not share the header page with its parent.
     root = str(tmp_path)
     store(root, "parent")
-    ctx = multiprocessing.get_context("fork")
     children = [
-        ctx.Process(target=_write_and_verify, args=(root, w, 300)) for w in "xy"
+        FORK.Process(target=_write_and_verify, args=(root, w, 300)) for w in "xy"
     ]
     for c in children:
         c.start()

@@ -21,11 +21,13 @@ import pytest
 from vllm.v1.kv_offload.base import make_offload_key
 
 from tests.unit.conftest import finished_job, fs_job, payload
-from tests.unit.tier_helpers import AUTH_KEY, IDENTITY, fs_tier, key_file, row_view
+from tests.unit.tier_helpers import AUTH_KEY, IDENTITY, fs_tier, row_view
 from tests.unit.tier_helpers import KEY_ID as KEY
+from vllm_ascend.kv_offload.tiering import block_file
 from vllm_ascend.kv_offload.tiering.block_file import (
     HEADER_BYTES,
     HEADER_STRUCT,
+    key_digest,
     read_block,
     remove_stale_temp_files,
     temp_name,
@@ -63,89 +65,77 @@ def release_fifo(path: str) -> None:
 # -- no symlink followed, nothing but regular files opened ------------------
 
 
-@pytest.mark.parametrize("written_through_link", [True, False])
-def test_a_symlinked_directory_neither_redirects_writes_nor_is_read_through(
-    tmp_path, written_through_link
-):
-    root, outside = tmp_path / "tier", tmp_path / "outside"
-    root.mkdir()
-    outside.mkdir()
-    (root / "sub").symlink_to(outside)
-    path, seen = str(root / "sub" / "b.bin"), []
-    if written_through_link:
-        assert write_block(
-            path, payload(), IDENTITY, KEY, 0, root=str(root),
-            on_bad_entry=lambda p, found: seen.append(found),
-        )  # fmt: skip
-        assert os.listdir(outside) == []
-        assert (root / "sub").is_dir() and not (root / "sub").is_symlink()
-        assert seen == ["a symlink in place of a directory"]
-        read_block(path, payload(fill=0), IDENTITY, KEY, 0, root=str(root))
-        return
-    write_block(str(outside / "b.bin"), payload(), IDENTITY, KEY, 0)
-    with pytest.raises(BadEntryError, match="symlink in place of a directory"):
-        read_block(path, payload(fill=0), IDENTITY, KEY, 0, root=str(root))
-    assert not (root / "sub").exists() and (outside / "b.bin").exists()
+def _symlink_to_a_block_file(path, outside):
+    write_block(str(outside / "elsewhere.bin"), payload(), IDENTITY, KEY, 0)
+    path.symlink_to(outside / "elsewhere.bin")
+    return path
 
 
-def _make_symlink_to_file(path, tmp_path):
-    write_block(str(tmp_path / "elsewhere.bin"), payload(), IDENTITY, KEY, 0)
-    path.symlink_to(tmp_path / "elsewhere.bin")
-
-
-def _make_socket(path, tmp_path):
+def _socket(path, outside):
     with socket.socket(socket.AF_UNIX) as sock:
         sock.bind(str(path))
+    return path
 
 
+def _symlinked_directory(path, outside):
+    """The directory on the way a symlink to ``outside``, where a block file
+    of the same name is."""
+    write_block(str(outside / path.name), payload(), IDENTITY, KEY, 0)
+    path.parent.rmdir()
+    path.parent.symlink_to(outside, target_is_directory=True)
+    return path.parent
+
+
+# What anyone who can write the directory may put in place of block file
+# ``path`` or of a directory on its way, ``outside`` the root: the entry
+# made, what the tier reports it as.
+IN_PLACE = "in place of a block file"
 BAD_ENTRIES = {
-    "symlink to a valid block file": _make_symlink_to_file,
-    "FIFO": lambda path, _: os.mkfifo(path),
-    "socket": _make_socket,
-    "directory": lambda path, _: path.mkdir(),
-    "symlink to a device": lambda path, _: path.symlink_to("/dev/zero"),
-}
+    "symlink to a valid block file": (_symlink_to_a_block_file, IN_PLACE),
+    "FIFO": (lambda path, _: os.mkfifo(path) or path, IN_PLACE),
+    "socket": (_socket, IN_PLACE),
+    "directory": (lambda path, _: path.mkdir() or path, IN_PLACE),
+    "symlink to a device": (lambda p, _: p.symlink_to("/dev/zero") or p, IN_PLACE),
+    "symlinked directory": (_symlinked_directory, "a symlink in place of a directory"),
+}  # fmt: skip
 
 
-@pytest.mark.parametrize("make", BAD_ENTRIES.values(), ids=BAD_ENTRIES.keys())
-def test_a_bad_entry_in_place_of_a_block_is_a_miss_removed_and_rewritable(
-    tmp_path, make
+@pytest.mark.parametrize("first", ["read", "write"])
+@pytest.mark.parametrize("make, why", BAD_ENTRIES.values(), ids=BAD_ENTRIES.keys())
+def test_a_bad_entry_is_never_followed_a_miss_removed_or_replaced_by_a_write(
+    tmp_path, make, why, first
 ):
-    root = tmp_path / "tier"
-    root.mkdir()
-    path = root / "b.bin"
-    make(path, tmp_path)
-    seen = []
-    try:
-        finished, result = in_thread(
-            read_block, str(path), payload(fill=0), IDENTITY, KEY, 0, root=str(root),
-            on_bad_entry=lambda p, found: seen.append(found),
-        )  # fmt: skip
-    finally:
-        release_fifo(str(path))
-    assert finished, "the read blocked"
-    assert isinstance(result, BadEntryError), result
-    assert len(seen) == 1 and "in place of a block file" in seen[0]
-    assert not os.path.lexists(path)  # removed
-    assert write_block(str(path), payload(), IDENTITY, KEY, 0, root=str(root))
+    """A read does not block and is a miss that removes the entry; a write
+    replaces it instead of skipping it; either reports it once and nothing
+    outside the root is read or written."""
+    root, outside = tmp_path / "tier", tmp_path / "outside"
+    (root / "sub").mkdir(parents=True)
+    outside.mkdir()
+    path = root / "sub" / "b.bin"
+    entry = make(path, outside)
+    before = {p.name: p.read_bytes() for p in outside.iterdir()}
+    seen, hook = [], lambda p, found: seen.append(found)
+    if first == "read":
+        try:
+            finished, result = in_thread(
+                read_block, str(path), payload(fill=0), IDENTITY, KEY, 0,
+                root=str(root), on_bad_entry=hook,
+            )  # fmt: skip
+        finally:
+            release_fifo(str(path))
+        assert finished, "the read blocked"
+        assert isinstance(result, BadEntryError) and why in str(result), result
+        assert not os.path.lexists(entry)  # removed
+        assert write_block(str(path), payload(), IDENTITY, KEY, 0, root=str(root))
+    else:
+        written = write_block(
+            str(path), payload(), IDENTITY, KEY, 0, root=str(root), on_bad_entry=hook
+        )
+        assert written and not entry.is_symlink()
+        assert path.is_file() and not path.is_symlink()
+    assert len(seen) == 1 and why in seen[0]
+    assert {p.name: p.read_bytes() for p in outside.iterdir()} == before
     read_block(str(path), payload(fill=0), IDENTITY, KEY, 0, root=str(root))
-
-
-def test_a_write_replaces_a_bad_entry_instead_of_skipping_it(tmp_path):
-    root = tmp_path / "tier"
-    root.mkdir()
-    target = tmp_path / "victim"
-    target.write_bytes(b"precious")
-    (root / "b.bin").symlink_to(target)
-    assert write_block(str(root / "b.bin"), payload(), IDENTITY, KEY, 0, root=str(root))
-    assert target.read_bytes() == b"precious"
-    assert not (root / "b.bin").is_symlink()
-
-
-def test_paths_outside_the_root_are_refused(tmp_path):
-    root = str(tmp_path / "tier")
-    with pytest.raises(StoredBlockError, match="not under the tier root"):
-        write_block(str(tmp_path / "x.bin"), payload(), IDENTITY, KEY, 0, root=root)
 
 
 def test_the_tier_counts_a_fifo_as_a_miss_and_shuts_down(tier):
@@ -166,55 +156,88 @@ def test_the_tier_counts_a_fifo_as_a_miss_and_shuts_down(tier):
     assert finished
 
 
-# -- integrity against forgery: the deployment key --------------------------
+# -- what a block file must be to be loaded: intact, this identity's and
+# block's, and keyed with the deployment key where one is set ----------------
 
 
-def _forge(path: str, other: memoryview) -> None:
-    """Keeps the header (identity, key), puts another payload, fixes the
-    CRC32: what anyone who can write the directory can do."""
-    with open(path, "r+b") as f:
-        header = bytearray(f.read(HEADER_BYTES))
-        fields = list(HEADER_STRUCT.unpack_from(header, 0))
-        fields[3] = zlib.crc32(other)
-        HEADER_STRUCT.pack_into(header, 0, *fields)
-        f.seek(0)
-        f.write(bytes(header) + bytes(other))
+def _forge(f, size: int) -> None:
+    """Keeps the header (identity, key), puts another payload (fill 9), fixes
+    the CRC32: what anyone who can write the directory can do."""
+    other = payload(fill=9)
+    header = bytearray(f.read(HEADER_BYTES))
+    fields = list(HEADER_STRUCT.unpack_from(header, 0))
+    fields[3] = zlib.crc32(other)
+    HEADER_STRUCT.pack_into(header, 0, *fields)
+    f.seek(0)
+    f.write(bytes(header) + bytes(other))
 
 
-def test_a_forged_file_is_loaded_without_a_key(tmp_path):
-    """The documented trust boundary: without a key, write access to the
-    directory is write access to every reader's KV."""
-    path = str(tmp_path / "b.bin")
-    write_block(path, payload(fill=7), IDENTITY, KEY, 0)
-    _forge(path, payload(fill=9))
-    out = payload(fill=0)
-    read_block(path, out, IDENTITY, KEY, 0)
-    assert bytes(out) == bytes(payload(fill=9))
+OTHER = {"key": key_digest(make_offload_key(b"\x02" * 32, 0))}
+KEYED, KEYED_OTHER = {"auth_key": AUTH_KEY}, {"auth_key": b"k" * 32}
+# Written with key, damage(file, size), read_block's arguments other than
+# (identity, key digest, no key): the payload loaded (its fill) or why the
+# file is refused.
+BLOCK_FILES = {
+    "intact": (None, None, {}, 7),
+    "keyed": (AUTH_KEY, None, KEYED, 7),
+    "truncated": (None, lambda f, n: f.truncate(n - 1), {}, "size"),
+    "extended": (None, lambda f, n: f.truncate(n + 1), {}, "size"),
+    "payload-byte-flipped": (
+        None, lambda f, n: (f.seek(n - 1), f.write(b"\xff")), {}, "checksum mismatch"
+    ),
+    "magic-overwritten": (
+        None, lambda f, n: (f.seek(0), f.write(b"X")), {}, "not a KV block file"
+    ),
+    "another-identity": (None, None, {"identity": bytes(32)}, "another identity"),
+    "another-block": (None, None, OTHER, "another block"),
+    # The documented trust boundary: without a key, write access to the
+    # directory is write access to every reader's KV.
+    "forged-without-a-key": (None, _forge, {}, 9),
+    "forged-with-a-key": (AUTH_KEY, _forge, KEYED, "HMAC"),
+    "unkeyed-read-with-a-key": (None, None, KEYED, "HMAC"),
+    "unkeyed-read-with-another-key": (None, None, KEYED_OTHER, "HMAC"),
+    "keyed-read-with-another-key": (AUTH_KEY, None, KEYED_OTHER, "HMAC"),
+}  # fmt: skip
 
 
-def test_with_a_key_a_forged_or_unkeyed_file_is_a_miss(tmp_path):
-    path = str(tmp_path / "b.bin")
-    write_block(path, payload(fill=7), IDENTITY, KEY, 0, auth_key=AUTH_KEY)
-    out = payload(fill=0)
-    read_block(path, out, IDENTITY, KEY, 0, auth_key=AUTH_KEY)
-    assert bytes(out) == bytes(payload(fill=7))
-    _forge(path, payload(fill=9))
-    with pytest.raises(StoredBlockError, match="HMAC"):
-        read_block(path, payload(fill=0), IDENTITY, KEY, 0, auth_key=AUTH_KEY)
-    os.remove(path)
-    write_block(path, payload(fill=7), IDENTITY, KEY, 0)  # written without the key
-    with pytest.raises(StoredBlockError, match="HMAC"):
-        read_block(path, payload(fill=0), IDENTITY, KEY, 0, auth_key=AUTH_KEY)
-    with pytest.raises(StoredBlockError, match="HMAC"):
-        read_block(path, payload(fill=0), IDENTITY, KEY, 0, auth_key=b"k" * 32)
+@pytest.mark.parametrize(
+    "written_with, damage, read_as, loaded", BLOCK_FILES.values(), ids=BLOCK_FILES
+)
+def test_a_block_file_is_loaded_only_as_written_for_this_reader(
+    tmp_path, written_with, damage, read_as, loaded
+):
+    """A written block reads back; a second write of it is skipped; a
+    damaged, forged or foreign file is refused (a miss), keyed or not."""
+    path, data, out = str(tmp_path / "a" / "b.bin"), payload(), payload(fill=0)
+    assert write_block(path, data, IDENTITY, KEY, 0, auth_key=written_with)
+    assert os.path.getsize(path) == HEADER_BYTES + len(data)
+    assert not write_block(path, data, IDENTITY, KEY, 0)  # exists: skipped
+    if damage:
+        with open(path, "r+b") as f:
+            damage(f, os.path.getsize(path))
+    read = {"identity": IDENTITY, "key": KEY, "o_direct": 0, **read_as}
+    if isinstance(loaded, str):
+        with pytest.raises(StoredBlockError, match=loaded):
+            read_block(path, out, **read)
+    else:
+        read_block(path, out, **read)
+        assert bytes(out) == bytes(payload(fill=loaded))
 
 
-def test_keyed_tiers_use_their_own_identity_directory(tmp_path, fs_tier_spec):
-    spec = fs_tier_spec()
-    plain = {"root_dir": str(tmp_path)}
-    keyed = {**plain, "auth_key_file": key_file(tmp_path)}
-    assert tier_dir_usable(plain, spec) and tier_dir_usable(keyed, spec)
-    assert len([p for p in os.listdir(tmp_path) if p.startswith("ascend-kv-")]) == 2
+def test_a_write_outside_the_root_is_refused_and_a_failed_one_leaves_no_file(
+    tmp_path, monkeypatch
+):
+    root = str(tmp_path / "tier")
+    with pytest.raises(StoredBlockError, match="not under the tier root"):
+        write_block(str(tmp_path / "x.bin"), payload(), IDENTITY, KEY, 0, root=root)
+
+    def full(fd, buffers):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(block_file.os, "writev", full)
+    with pytest.raises(OSError, match="No space"):
+        write_block(str(tmp_path / "b.bin"), payload(), IDENTITY, KEY, 0)
+    assert os.listdir(tmp_path) == []
 
 
 # -- a tier directory that cannot be used is dropped at start --------------
@@ -245,57 +268,43 @@ def test_a_tier_directory_that_cannot_be_created_drops_the_tier_with_one_line(
         assert tier_dir_usable({"root_dir": str(tmp_path / "kv")}, spec)
 
 
-@pytest.fixture
-def read_only_mount(tmp_path):
-    """A tmpfs at tmp_path/ro, remounted read-only by ``freeze()`` (root
-    ignores permission bits, so only a read-only mount stops a write)."""
-    mount = tmp_path / "ro"
+def test_a_read_only_root_is_read_its_stores_fail_without_vllms_dirs_dropped(
+    tmp_path, fs_tier_spec, caplog
+):
+    """Root ignores permission bits, so only a read-only mount (a tmpfs
+    remounted read-only) stops a write: a root there that holds vLLM's
+    directories is read and its stores fail; an empty one drops the tier."""
+    mount, empty = tmp_path / "ro", tmp_path / "ro" / "empty"
     mount.mkdir()
     command = ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)]
     if subprocess.run(command, capture_output=True).returncode != 0:
         pytest.skip("cannot mount a tmpfs here (needs CAP_SYS_ADMIN)")
-
-    def freeze() -> None:
-        subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
-
-    yield mount, freeze
-    subprocess.run(["umount", str(mount)], check=False)
-
-
-def test_a_read_only_root_without_vllms_directories_drops_the_tier(
-    read_only_mount, fs_tier_spec, caplog
-):
-    mount, freeze = read_only_mount
-    freeze()
-    assert not tier_dir_usable({"root_dir": str(mount)}, fs_tier_spec())
-    assert "Read-only file system" in caplog.text
-
-
-def test_a_read_only_root_with_them_is_read_and_its_stores_fail(
-    read_only_mount, fs_tier_spec
-):
-    mount, freeze = read_only_mount
-    spec = fs_tier_spec()
-    assert tier_dir_usable({"root_dir": str(mount)}, spec)
-    view = row_view()
-    buf = view.obj  # the mapping under the view's rows
-    writer = fs_tier(spec, mount, view)
-    stored, fresh = make_offload_key(b"\x06" * 32, 0), make_offload_key(b"\x07" * 32, 0)
-    buf[:4096] = b"\x03" * 4096
-    writer.submit_store(fs_job(1, stored, False))
-    assert finished_job(writer, 1).success
-    writer.shutdown()
-    freeze()
-    assert tier_dir_usable({"root_dir": str(mount)}, spec)  # a reader
-    reader = fs_tier(spec, mount, view)
     try:
-        buf[:4096] = bytes(4096)
-        reader.submit_load(fs_job(2, stored, True))
-        assert finished_job(reader, 2).success and buf[:4096] == b"\x03" * 4096
-        reader.submit_store(fs_job(3, fresh, False))
-        assert not finished_job(reader, 3).success  # the store path: EROFS, counted
+        empty.mkdir()
+        spec, view = fs_tier_spec(), row_view()
+        buf = view.obj  # the mapping under the view's rows
+        assert tier_dir_usable({"root_dir": str(mount)}, spec)
+        writer = fs_tier(spec, mount, view)
+        stored, fresh = (make_offload_key(bytes([i]) * 32, 0) for i in (6, 7))
+        buf[:4096] = b"\x03" * 4096
+        writer.submit_store(fs_job(1, stored, False))
+        assert finished_job(writer, 1).success
+        writer.shutdown()
+        subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
+        assert not tier_dir_usable({"root_dir": str(empty)}, spec)
+        assert "Read-only file system" in caplog.text
+        assert tier_dir_usable({"root_dir": str(mount)}, spec)  # a reader
+        reader = fs_tier(spec, mount, view)
+        try:
+            buf[:4096] = bytes(4096)
+            reader.submit_load(fs_job(2, stored, True))
+            assert finished_job(reader, 2).success and buf[:4096] == b"\x03" * 4096
+            reader.submit_store(fs_job(3, fresh, False))
+            assert not finished_job(reader, 3).success  # the store: EROFS, counted
+        finally:
+            reader.shutdown()
     finally:
-        reader.shutdown()
+        subprocess.run(["umount", str(mount)], check=False)
 
 
 # -- temp files ---------------------------------------------------------------

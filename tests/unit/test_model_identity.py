@@ -14,7 +14,6 @@ from types import SimpleNamespace
 import pytest
 
 from tests.unit.conftest import TIERING, make_connector
-from vllm_ascend.kv_offload.config import OffloadConfigError
 from vllm_ascend.kv_offload.testing.tiny_model import TinyModelSpec, ensure_tiny_model
 from vllm_ascend.kv_offload.tiering import identity as identity_module
 from vllm_ascend.kv_offload.tiering.identity import (
@@ -24,7 +23,6 @@ from vllm_ascend.kv_offload.tiering.identity import (
     tier_identity,
     weights_identity,
 )
-from vllm_ascend.kv_offload.tiering.spec import check_tiering_config
 
 ROPE_OVERRIDE = {"rope_parameters": {"rope_theta": 1000.0, "rope_type": "default"}}
 
@@ -50,12 +48,6 @@ def identity(model: str, **changes) -> dict:
     return model_identity(resolved(model, **changes))
 
 
-def test_the_same_config_twice_gives_the_same_identity(model_dir):
-    first = identity(model_dir)
-    assert identity(model_dir) == first
-    assert first["weights"]["files"] == 1  # model.safetensors, fingerprinted
-
-
 @pytest.mark.parametrize(
     "change",
     [
@@ -73,31 +65,36 @@ def test_what_changes_the_kv_changes_the_identity(model_dir, change):
     assert identity(model_dir, **change) != identity(model_dir)
 
 
-def test_dummy_weights_are_unidentified_and_never_shared_across_processes(model_dir):
-    weights = identity(model_dir, load_format="dummy")["weights"]
-    assert "dummy" in weights["unidentified"]
-    assert weights["nonce"] == identity_module.PROCESS_NONCE
+def test_unidentified_weights_are_never_shared_across_processes(model_dir, tmp_path):
+    """Dummy weights, a directory without weight files: a nonce of this
+    process instead of a fingerprint."""
+    (tmp_path / "config.json").write_text("{}")
+    for weights, why in (
+        (identity(model_dir, load_format="dummy")["weights"], "dummy"),
+        (fingerprint_weights(str(tmp_path)), "no weight files"),
+    ):
+        assert why in weights["unidentified"]
+        assert weights["nonce"] == identity_module.PROCESS_NONCE
     # Each process draws its own nonce when it imports the module.
     reimported = importlib.reload(identity_module)
     assert reimported.PROCESS_NONCE != weights["nonce"]
 
 
-def test_other_weights_under_the_same_config_json_change_only_the_weights(
+def test_the_same_config_and_weights_give_the_same_identity_other_weights_not(
     model_dir, tmp_path
 ):
+    """Twice, or a copy; other weights change the weights part only."""
     copy = tmp_path / "model"
     shutil.copytree(model_dir, copy)
+    assert fingerprint_weights(str(copy)) == fingerprint_weights(model_dir)  # copies
     before = identity(str(copy))
+    assert identity(str(copy)) == before
+    assert before["weights"]["files"] == 1  # model.safetensors, fingerprinted
     config_json = (copy / "config.json").read_bytes()
     ensure_tiny_model(copy, TinyModelSpec(seed=1))  # the weights rewritten
     assert (copy / "config.json").read_bytes() == config_json
     after = identity(str(copy))
     assert {k for k in before if before[k] != after[k]} == {"weights"}
-
-
-def test_copies_of_the_same_weights_have_the_same_fingerprint(model_dir, tmp_path):
-    shutil.copytree(model_dir, tmp_path / "copy")
-    assert fingerprint_weights(str(tmp_path / "copy")) == fingerprint_weights(model_dir)
 
 
 def _sparse_checkpoint(path, size: int, header: dict) -> int:
@@ -126,13 +123,6 @@ def test_a_large_checkpoint_is_fingerprinted_from_its_header_and_samples(tmp_pat
     header["w"]["dtype"] = "F16"  # same size, another header
     _sparse_checkpoint(shard, 64 << 30, header)
     assert fingerprint_weights(str(tmp_path)) not in (first, second)
-
-
-def test_a_directory_without_weight_files_is_unidentified(tmp_path):
-    (tmp_path / "config.json").write_text("{}")
-    weights = fingerprint_weights(str(tmp_path))
-    assert "no weight files" in weights["unidentified"]
-    assert weights["nonce"] == identity_module.PROCESS_NONCE
 
 
 def test_a_hub_id_is_identified_by_the_commit_of_its_cached_snapshot(
@@ -171,15 +161,6 @@ def test_a_shared_id_names_the_weights_and_nothing_else(model_dir):
     assert with_shared_id(base, "dep-v3") != with_shared_id(base, "dep-v4")
     overridden = identity(model_dir, hf_overrides=ROPE_OVERRIDE)
     assert with_shared_id(overridden, "dep-v3") != with_shared_id(base, "dep-v3")
-
-
-@pytest.mark.parametrize("bad", ["", " dep", "dep/v3", "a" * 129, 3, ["dep"]])
-def test_a_bad_shared_id_is_refused_naming_the_setting(bad):
-    tier = {"type": "fs", "root_dir": "/x", "identity": bad}
-    with pytest.raises(OffloadConfigError) as info:
-        check_tiering_config({**TIERING, "secondary_tiers": [tier]})
-    assert "['secondary_tiers'][0]['identity']" in str(info.value)
-    assert "my-deployment-v3" in str(info.value)
 
 
 def test_the_connector_gives_the_tier_vllms_resolved_model_config(model_dir, tmp_path):

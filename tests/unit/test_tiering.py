@@ -9,15 +9,14 @@ import os
 from types import SimpleNamespace
 
 import pytest
-from vllm.v1.kv_offload.base import make_offload_key
 from vllm.v1.kv_offload.config import (
     OffloadingCacheConfig,
     OffloadingModelConfig,
 )
 
-from tests.unit.conftest import TIERING, new_engine_id, payload
+from tests.unit.conftest import TIERING, new_engine_id
 from tests.unit.kv_helpers import cpu_queues, make_config, make_kv_caches
-from tests.unit.tier_helpers import IDENTITY, KEY_ID, refusal, tiering_spec
+from tests.unit.tier_helpers import refusal, tiering_spec
 from tests.vllm_version import VLLM_VERSION
 from vllm_ascend.kv_offload import ops, region_worker
 from vllm_ascend.kv_offload.acl_host import kernel_registers_pageable_memory
@@ -25,26 +24,14 @@ from vllm_ascend.kv_offload.config import OffloadConfigError, check_keys
 from vllm_ascend.kv_offload.connector import our_spec_class
 from vllm_ascend.kv_offload.npu import NPUOffloadingSpec
 from vllm_ascend.kv_offload.region import (
-    AclRegionRegistration,
-    close_region,
     region_path,
-    register_with_cuda,
-    slot_pool,
 )
 from vllm_ascend.kv_offload.self_check import SelfCheckResult
-from vllm_ascend.kv_offload.tiering import block_file
-from vllm_ascend.kv_offload.tiering.block_file import (
-    HEADER_BYTES,
-    key_digest,
-    read_block,
-    write_block,
-)
 from vllm_ascend.kv_offload.tiering.identity import identity_digest, storage_identity
 from vllm_ascend.kv_offload.tiering.spec import (
     NPUTieringOffloadingSpec,
     check_tiering_config,
 )
-from vllm_ascend.kv_offload.tiering.tier_paths import StoredBlockError
 
 
 def offloading_config(tp: int = 1, dtype: str = "float32", **changes):
@@ -73,60 +60,10 @@ def test_identity_separates_what_makes_bytes_incompatible():
         assert digest(offloading_config(**changed)) != base, changed
 
 
-# -- verified files -----------------------------------------------------------
-
-
-def test_a_written_block_reads_back(tmp_path):
-    path = str(tmp_path / "a" / "b.bin")
-    data = payload()
-    assert write_block(path, data, IDENTITY, KEY_ID, 0)
-    assert os.path.getsize(path) == HEADER_BYTES + len(data)
-    assert not write_block(path, data, IDENTITY, KEY_ID, 0)  # exists: skipped
-    out = payload(fill=0)
-    read_block(path, out, IDENTITY, KEY_ID, 0)
-    assert bytes(out) == bytes(data)
-
-
-OTHER_KEY_ID = key_digest(make_offload_key(b"\x02" * 32, 0))
-
-
-@pytest.mark.parametrize(
-    "damage, read_as, reason",
-    [
-        (lambda f, n: f.truncate(n - 1), None, "size"),
-        (lambda f, n: f.truncate(n + 1), None, "size"),
-        (lambda f, n: (f.seek(n - 1), f.write(b"\xff")), None, "checksum mismatch"),
-        (lambda f, n: (f.seek(0), f.write(b"X")), None, "not a KV block file"),
-        (None, (bytes(32), KEY_ID), "another identity"),
-        (None, (IDENTITY, OTHER_KEY_ID), "another block"),
-    ],
-)
-def test_damaged_files_and_files_of_another_identity_or_key_are_refused(
-    tmp_path, damage, read_as, reason
-):
-    path = str(tmp_path / "b.bin")
-    write_block(path, payload(), IDENTITY, KEY_ID, 0)
-    if damage:
-        with open(path, "r+b") as f:
-            damage(f, os.path.getsize(path))
-    with pytest.raises(StoredBlockError, match=reason):
-        read_block(path, payload(fill=0), *(read_as or (IDENTITY, KEY_ID)), 0)
-
-
-def test_a_failed_write_leaves_no_file(tmp_path, monkeypatch):
-    def full(fd, buffers):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(block_file.os, "writev", full)
-    path = str(tmp_path / "b.bin")
-    with pytest.raises(OSError, match="No space"):
-        write_block(path, payload(), IDENTITY, KEY_ID, 0)
-    assert os.listdir(tmp_path) == []
-
-
 # -- configuration ------------------------------------------------------------
 
 FS_TIER = {"type": "fs", "root_dir": "/x"}
+SHARED_ID_REFUSED = r"\['secondary_tiers'\]\[0\]\['identity'\]=.*my-deployment-v3"
 
 
 @pytest.mark.parametrize(
@@ -148,6 +85,11 @@ FS_TIER = {"type": "fs", "root_dir": "/x"}
         *[
             ({"secondary_tiers": [{"type": "obj", k: "x"}]}, "read by 'fs' tiers only")
             for k in ("identity", "auth_key_file")
+        ],
+        # A shared id: named by its setting, with an example of a good one.
+        *[
+            ({"secondary_tiers": [{**FS_TIER, "identity": bad}]}, SHARED_ID_REFUSED)
+            for bad in ("", " dep", "dep/v3", "a" * 129, 3, ["dep"])
         ],
     ],
 )
@@ -176,14 +118,12 @@ def test_tiering_keys_need_the_tiering_spec_or_a_subclass():
     assert our_spec_class(custom) is CustomTieringSpec
     assert our_spec_class(npu) is NPUOffloadingSpec
     for spec in (TIERING, custom):
-        check_keys({**spec, "secondary_tiers": tiers}, spec_keys(spec))
+        keys = our_spec_class(spec).extra_config_keys
+        check_keys({**spec, "secondary_tiers": tiers}, keys)
     with pytest.raises(OffloadConfigError, match=r"Spec only \(or a subclass"):
-        check_keys({**npu, "secondary_tiers": tiers}, spec_keys(npu))
-
-
-def spec_keys(extra: dict) -> frozenset:
-    """The extra-config keys the spec ``extra`` names accepts."""
-    return our_spec_class(extra).extra_config_keys
+        check_keys(
+            {**npu, "secondary_tiers": tiers}, NPUOffloadingSpec.extra_config_keys
+        )
 
 
 # -- registering the region: npu (ACL, through our op) and cuda (vLLM's) ----
@@ -218,98 +158,130 @@ def test_the_tiering_worker_copies_by_the_copy_path_setting():
     assert not os.path.exists(region_path(engine_id))
 
 
-@pytest.fixture
-def kernel_release(monkeypatch):
-    """Sets the kernel release this process reports (``os.uname``)."""
+MAPPED, PINNED = 0x2, 0x10000000  # ACL_HOST_REG_MAPPED, ACL_HOST_REG_PINNED
 
-    def pretend(release: str) -> None:
+
+@pytest.fixture
+def acl(monkeypatch):
+    """ops.host_register / host_unregister replaced by recorders (no NPU
+    here) of the region of engine ``acl.engine_id``: ``calls``, the
+    ``flags`` asked for; ``refuse(size, flags)`` names an ACL error to raise
+    or None, ``unregister_error`` one for every unregister;
+    ``kernel_release(release)`` sets what ``os.uname`` reports. The tiering
+    worker built with no copy engine, CPU queues and no self-check (no npu
+    streams here), through its constructor's arguments."""
+    acl = SimpleNamespace(calls=[], flags=[], refuse=lambda size, flags: None)
+    acl.unregister_error = None
+    acl.engine_id = new_engine_id("unit-npu")
+
+    def register(addr, size, device, flags):
+        acl.flags.append(flags)
+        if error := acl.refuse(size, flags):
+            raise RuntimeError(error)
+        acl.calls.append(("register", addr, size, device))
+        return True  # taken (what vLLM's host_register says)
+
+    def unregister(addr, device):  # and whether the region is still mapped
+        acl.calls.append(("unregister", addr, device, acl.region.mmap_obj is not None))
+        if acl.unregister_error:
+            raise RuntimeError(acl.unregister_error)
+
+    def worker(kv_caches, region, *args, real=region_worker.RegionWorker, **kw):
+        acl.region = region
+        engine = SimpleNamespace(use=lambda swap: None, buffers=lambda: [])
+        queues, check = cpu_queues(), _passed_self_check
+        kw.update(engine=engine, queues=queues, self_check=check)
+        return real(kv_caches, region, *args, **kw)
+
+    def kernel_release(release: str) -> None:
         real = os.uname()
         fake = os.uname_result((real.sysname, real.nodename, release, *real[3:]))
         monkeypatch.setattr(os, "uname", lambda: fake)
 
-    return pretend
-
-
-@pytest.fixture
-def acl_calls(monkeypatch, kernel_release):
-    """ops.host_register / host_unregister replaced by recorders (no NPU
-    here); the tiering worker built with no copy engine, CPU queues and no
-    self-check (no npu streams here), through its constructor's arguments."""
-    calls = []
-
-    def register(addr, size, device, flags):
-        calls.append(("register", addr, size, device))
-
-    def unregister(addr, device):
-        path = calls[0][4] if len(calls[0]) > 4 else None
-        calls.append(("unregister", addr, device, os.path.exists(path or "")))
-
-    def worker(*args, real=region_worker.RegionWorker, **kwargs):
-        engine = SimpleNamespace(use=lambda swap: None, buffers=lambda: [])
-        queues, check = cpu_queues(), _passed_self_check
-        return real(*args, engine=engine, queues=queues, self_check=check, **kwargs)
-
+    acl.register, acl.unregister = register, unregister
+    acl.kernel_release = kernel_release
     monkeypatch.setattr(ops, "host_register", register)
     monkeypatch.setattr(ops, "host_unregister", unregister)
     monkeypatch.setattr(region_worker, "RegionWorker", worker)
     kernel_release("6.8.0-generic")
-    return calls
+    return acl
 
 
-def test_npu_worker_registers_the_region_and_unregisters_it_before_unmapping(
-    acl_calls,
+ROW = 8192  # the region's: 64 rows, 512 KiB
+PIECE = 64 << 10  # what the runtime takes at most a piece on A5
+
+
+# cuda: vLLM's own pin_mmap_region/cleanup, as the installed release does
+# them: 0.32 moved them onto host_register/host_unregister (intercepted
+# here); 0.30 (one torch.cuda.cudart() call) and 0.31 (CudaRTLibrary chunks)
+# call the CUDA runtime directly, and only on a CUDA platform.
+@pytest.mark.parametrize(
+    "device, on_a5, step, flags, unregister_error",
+    [
+        ("npu", False, 64 * ROW, [MAPPED | PINNED], None),
+        # 128 KiB: PINNED refused, MAPPED too (size); 64 KiB: PINNED
+        # refused, MAPPED taken, and from then on PINNED is not asked for.
+        ("npu", True, PIECE, [MAPPED | PINNED, MAPPED] * 2 + [MAPPED] * 7, None),
+        ("npu", False, 64 * ROW, [MAPPED | PINNED], "ACL error 507911"),
+        # Chunks of 24 rows: 3 for 64 rows, the last short.
+        pytest.param("cuda", False, 3 * PIECE, [0] * 3, None, marks=pytest.mark.skipif(
+            VLLM_VERSION < (0, 32),
+            reason="vLLM < 0.32 registers through the CUDA runtime directly, "
+            "only on a CUDA platform (no host_register/host_unregister to "
+            "intercept)",
+        )),
+    ],
+    ids=["npu", "npu-a5", "npu-unregister-fails", "cuda"],
+)  # fmt: skip
+def test_the_region_is_registered_in_pieces_unregistered_before_unmapping(
+    acl, monkeypatch, caplog, device, on_a5, step, flags, unregister_error
 ):
-    page = mmap.PAGESIZE
-    spec = tiering_spec(new_engine_id("unit-npu"), 2 * page)
-    worker = spec.get_worker(_kv_caches("npu", page))
+    """npu: the pool's rule for the region: pieces of whole rows of at most
+    host_piece_bytes; a piece the runtime refuses is retried at half its
+    size; where PINNED is refused (A5), MAPPED alone. cuda: vLLM's own
+    pin_mmap_region (row-aligned chunks). Every piece is unregistered while
+    the region is still mapped, then it is unmapped (a failing unregister
+    logged)."""
+    acl.unregister_error = unregister_error
+    if on_a5:  # 128 KiB pieces asked for
+        acl.refuse = lambda size, flags: (
+            "ACL error 107000 (PINNED, as on A5)" if flags & PINNED
+            else "ACL error 207001 (more than the runtime takes)" if size > PIECE
+            else None
+        )  # fmt: skip
+    if device == "cuda":  # vLLM's calls into the recorders
+        from vllm.utils import torch_utils
+        from vllm.v1.kv_offload.cpu import gpu_worker, shared_offload_region
+
+        monkeypatch.setattr(torch_utils, "PIN_MEMORY", True)
+        monkeypatch.setattr(gpu_worker, "MAX_HOST_REGISTER_CHUNK_BYTES", step)
+        register, unregister = acl.register, acl.unregister
+        monkeypatch.setattr(
+            gpu_worker, "host_register", lambda a, n: register(a, n, "cuda", 0)
+        )
+        monkeypatch.setattr(
+            shared_offload_region, "host_unregister", lambda a: unregister(a, "cuda")
+        )
+    extra = {"host_piece_bytes": 2 * PIECE} if on_a5 else {}
+    spec = tiering_spec(acl.engine_id, ROW, 64, **extra)
+    worker = spec.get_worker(_kv_caches(device, ROW // 2))
     region = worker.region
     base, size = region.base_tensor.data_ptr(), region.total_size_bytes
-    assert acl_calls == [("register", base, size, "npu")]
-    assert size == 4 * 2 * page and worker.pool.pinned
-    acl_calls[0] += (region.mmap_path,)  # unregister checks the file is there
+    assert size == 64 * ROW and worker.pool.pinned
+    assert region.is_pinned == (device == "cuda")  # ours on npu, vLLM's on cuda
+    # Whole rows, back to back.
+    pieces = [(a, min(step, base + size - a)) for a in range(base, base + size, step)]
+    assert acl.calls == [("register", a, n, device) for a, n in pieces]
+    assert acl.flags == flags
     worker.shutdown()
-    # Unregistered once, while the region was still mapped; then unmapped.
-    assert acl_calls[1] == ("unregister", base, "npu", True)
-    assert len(acl_calls) == 2
+    unregistered = [("unregister", a, device, True) for a, _ in reversed(pieces)]
+    assert acl.calls[len(pieces) :] == unregistered
     assert region.mmap_obj is None and not os.path.exists(region.mmap_path)
-
-
-def test_npu_region_is_registered_in_pieces_smaller_where_refused_mapped_on_a5(
-    acl_calls, monkeypatch
-):
-    """The pool's rule for the region: pieces of whole rows of at most
-    host_piece_bytes; a piece the runtime refuses is retried at half its
-    size; where PINNED is refused (A5), MAPPED alone. Every piece is
-    unregistered before the region is unmapped."""
-    mapped, pinned, limit = 0x2, 0x10000000, 64 * 2**10
-    flags_seen = []
-
-    def register(addr, size, device, flags):
-        flags_seen.append(flags)
-        if flags & pinned:
-            raise RuntimeError("ACL error 107000 (PINNED, as on A5)")
-        if size > limit:
-            raise RuntimeError("ACL error 207001 (more than the runtime takes)")
-        acl_calls.append(("register", addr, size, device))
-
-    monkeypatch.setattr(ops, "host_register", register)
-    page = 8192
-    spec = tiering_spec(new_engine_id("unit-npu"), page, 64, host_piece_bytes=2 * limit)
-    worker = spec.get_worker(_kv_caches("npu", page // 2))
-    region = worker.region
-    base = region.base_tensor.data_ptr()
-    assert region.total_size_bytes == 64 * page == 8 * limit
-    # 128 KiB pieces refused, 64 KiB pieces taken: whole rows, back to back.
-    assert acl_calls == [("register", base + i * limit, limit, "npu") for i in range(8)]
-    # 128 KiB: PINNED refused, MAPPED too (size); 64 KiB: PINNED refused,
-    # MAPPED taken, and from then on PINNED is not asked for again.
-    both = mapped | pinned
-    assert flags_seen == [both, mapped, both, mapped] + [mapped] * 7
-    assert worker.pool.pinned
-    worker.shutdown()
-    unregistered = [c[1] for c in acl_calls[8:]]
-    assert unregistered == [base + i * limit for i in reversed(range(8))]
-    assert region.mmap_obj is None
+    if unregister_error:
+        assert "unregistering the shared region" in caplog.text
+        assert unregister_error in caplog.text
+        worker.registration.release()  # once only: nothing happens
+        assert len(acl.calls) == 2 * len(pieces)
 
 
 ACL_REFUSED = "kv_offload_host_register(device='npu'): ACL error 507899"
@@ -325,90 +297,16 @@ ACL_REFUSED = "kv_offload_host_register(device='npu'): ACL error 507899"
     ids=["acl-refuses", "kernel-cannot-lock-pageable-memory"],
 )  # fmt: skip
 def test_a_refused_npu_registration_is_a_clear_error_and_leaves_nothing(
-    acl_calls, kernel_release, monkeypatch, release, acl_error, wrong
+    acl, release, acl_error, wrong
 ):
-    def refuse(addr, size, device, flags):
-        raise RuntimeError(acl_error)
-
-    kernel_release(release)
-    monkeypatch.setattr(ops, "host_register", refuse)
+    acl.kernel_release(release)
+    acl.refuse = lambda size, flags: acl_error
     page = mmap.PAGESIZE
-    engine_id = new_engine_id("unit-npu")
-    spec = tiering_spec(engine_id, 2 * page)
+    spec = tiering_spec(acl.engine_id, 2 * page)
     msg = refusal(lambda: spec.get_worker(_kv_caches("npu", page)))
     assert all(w in msg for w in wrong), msg
-    assert not os.path.exists(region_path(engine_id))
-    assert acl_calls == []  # nothing registered, nothing to unregister
+    assert not os.path.exists(region_path(acl.engine_id))
+    assert acl.calls == []  # nothing registered, nothing to unregister
     assert kernel_registers_pageable_memory("5.15.0-91-generic")
     assert kernel_registers_pageable_memory("6.1.0")
     assert not kernel_registers_pageable_memory("4.19.90-24.4.v2101.ky10")
-
-
-def test_a_failing_unregister_is_logged_and_the_region_still_unmapped(
-    caplog, shared_region
-):
-    page = mmap.PAGESIZE
-    region, mark = shared_region(2, kv_bytes_per_chunk=page, cpu_page_size=page)
-
-    def unregister(addr, device):
-        raise RuntimeError("ACL error 507911")
-
-    registration = AclRegionRegistration(
-        region,
-        register=lambda addr, size, device, flags: None,
-        unregister=unregister,
-        kernel_release="6.1",
-    )
-    close_region(region, registration, mark)
-    assert "unregistering the shared region" in caplog.text
-    assert "ACL error 507911" in caplog.text
-    assert region.mmap_obj is None and not os.path.exists(region.mmap_path)
-    registration.release()  # once only: nothing happens
-
-
-# vLLM's own pin_mmap_region/cleanup, as the installed release does them:
-# 0.32 moved them onto host_register/host_unregister (intercepted here);
-# 0.30 (one torch.cuda.cudart() call) and 0.31 (CudaRTLibrary chunks) call the
-# CUDA runtime directly, and only on a CUDA platform.
-@pytest.mark.skipif(
-    VLLM_VERSION < (0, 32),
-    reason="vLLM < 0.32 registers through the CUDA runtime directly, only on "
-    "a CUDA platform (no host_register/host_unregister to intercept)",
-)
-def test_cuda_registration_is_vllms_pin_mmap_region(monkeypatch, shared_region):
-    """On cuda the region is registered by vLLM's own pin_mmap_region (row-
-    aligned chunks) and unregistered by the region's cleanup before unmap."""
-    from vllm.utils import torch_utils
-    from vllm.v1.kv_offload.cpu import gpu_worker, shared_offload_region
-
-    calls = []
-
-    def register(addr, size):
-        calls.append(("register", addr, size))
-        return True
-
-    def unregister(addr):
-        calls.append(("unregister", addr, region.mmap_obj is not None))
-
-    monkeypatch.setattr(torch_utils, "PIN_MEMORY", True)
-    monkeypatch.setattr(gpu_worker, "host_register", register)
-    monkeypatch.setattr(shared_offload_region, "host_unregister", unregister)
-    page = mmap.PAGESIZE
-    # Chunks of 2 rows, as vLLM cuts 64 GiB ones: 3 chunks for 5 rows.
-    monkeypatch.setattr(gpu_worker, "MAX_HOST_REGISTER_CHUNK_BYTES", 2 * page)
-    region, mark = shared_region(5, kv_bytes_per_chunk=page, cpu_page_size=page)
-    base = region.base_tensor.data_ptr()
-    pool = slot_pool(region, [page], 1, 0, page, page)
-    register_with_cuda(region, pool)
-    assert calls == [
-        ("register", base, 2 * page),
-        ("register", base + 2 * page, 2 * page),
-        ("register", base + 4 * page, page),
-    ]
-    assert pool.pinned and region.is_pinned
-    close_region(region, None, mark)
-    assert calls[3:] == [
-        ("unregister", base + 4 * page, True),
-        ("unregister", base + 2 * page, True),
-        ("unregister", base, True),
-    ]
