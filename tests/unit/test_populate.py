@@ -89,10 +89,7 @@ def test_chunks_cover_the_range_once_with_aligned_inner_edges(addr, nbytes, chun
     assert all(0 < n <= chunk for _, n in chunks)
     assert all(edge % chunk == 0 for edge in starts[1:])
     assert len(chunks) == len({s // chunk for s in starts})  # one per chunk
-
-
-def test_an_empty_range_has_no_chunks():
-    assert split(4096, 0, 8192) == []
+    assert split(addr, 0, chunk) == []  # an empty range has none
 
 
 # -- populating ---------------------------------------------------------------
@@ -139,25 +136,24 @@ def test_every_page_is_resident_and_zero_afterwards(
         assert not done.huge_pages
 
 
-def test_each_chunk_is_faulted_in_once_on_the_threads_asked_for(fresh_mapping):
-    addr, nbytes = fresh_mapping(SIZE)
+@pytest.mark.parametrize("size, threads", [(SIZE, 2), (CHUNK_BYTES // 2, 8)])
+def test_each_chunk_is_faulted_in_once_on_the_threads_asked_for(
+    fresh_mapping, size, threads
+):
+    """No more threads than chunks: half a chunk is one, or two where it
+    spans an edge."""
+    addr, nbytes = fresh_mapping(size)
     calls: list = []
-    done = populate.populate(addr, nbytes, 2, huge_pages=False, advise=recording(calls))
+    done = populate.populate(
+        addr, nbytes, threads, huge_pages=False, advise=recording(calls)
+    )
+    chunks = split(addr, nbytes)
     assert sorted(c[:3] for c in calls) == [
-        (s, n, MADV_POPULATE_WRITE) for s, n in split(addr, nbytes)
+        (s, n, MADV_POPULATE_WRITE) for s, n in chunks
     ]
-    assert done.threads == 2
-    # The caller's thread only waits: two threads of their own did the work.
-    assert threading.get_ident() not in {c[3] for c in calls}
-
-
-def test_no_more_threads_than_chunks(fresh_mapping):
-    addr, nbytes = fresh_mapping(CHUNK_BYTES // 2)
-    calls: list = []
-    done = populate.populate(addr, nbytes, 8, huge_pages=False, advise=recording(calls))
-    chunks = split(addr, nbytes)  # one, or two where it spans an edge
-    assert len(chunks) <= 2
-    assert done.threads == len(chunks) == len(calls)
+    assert done.threads == min(threads, len(chunks))
+    if done.threads > 1:  # the caller's thread only waits: they did the work
+        assert threading.get_ident() not in {c[3] for c in calls}
 
 
 @pytest.mark.skipif(
