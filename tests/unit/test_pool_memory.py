@@ -140,27 +140,6 @@ def test_a_pool_over_borrowed_memory_leaves_it_to_its_owner():
 # -- a pool in pieces ---------------------------------------------------------
 
 
-def units_of(pool: CpuBlockPool) -> list[tuple[int, int]]:
-    """(first address, end) of each unit of the pool's rows."""
-    return [(t.data_ptr(), t.data_ptr() + t.numel()) for t in pool.tensors]
-
-
-def test_a_small_piece_limit_cuts_the_pool_into_units_of_whole_rows():
-    pool = private_pool(PAGES, 1, 40, "cpu", piece_bytes=SMALL)
-    try:
-        row = sum(PAGES)
-        assert len(pool.tensors) == 40  # 64 KiB / 16 is less than a row
-        addresses = pool.row_addresses(np.arange(40))
-        for i, (start, end) in enumerate(units_of(pool)):
-            assert (start, end) == (addresses[i], addresses[i] + row)
-        # Never adjacent: a copy the op merges cannot run into the next unit.
-        assert (np.diff(addresses) > row).all()
-        assert pool.memory.nbytes == 40 * row == pool.nbytes
-    finally:
-        pool.release()
-    assert pool.released and pool.tensors == []
-
-
 def test_merged_copies_stop_at_unit_boundaries():
     """One tensor fills a row, so consecutive rows merge into one copy;
     they do so within a unit, never across the gap to the next."""
@@ -182,12 +161,19 @@ def test_merged_copies_stop_at_unit_boundaries():
 @pytest.mark.parametrize("copy_path", ["auto", "torch"])
 @pytest.mark.parametrize("bpc, first", [(1, 0), (2, 1)])
 def test_a_pool_of_many_pieces_is_byte_exact_through_the_worker(copy_path, bpc, first):
+    """A small piece limit cuts the pool into units of whole rows, one row a
+    unit here (64 KiB / 16 is less than a row), never adjacent: a copy the
+    op merges cannot run into the next unit."""
     kv = make_kv_caches(48, PAGES, seed=bpc)
     original = [t.tensor.clone() for t in kv.tensors]
     pool = private_pool(PAGES, bpc, 40, "cpu", piece_bytes=SMALL)
     worker = NPUOffloadingWorker(kv, pool=pool, copy_path=copy_path)
     try:
-        assert len(pool.tensors) > 8
+        row, addresses = bpc * sum(PAGES), pool.row_addresses(np.arange(40))
+        units = [(t.data_ptr(), t.data_ptr() + t.numel()) for t in pool.tensors]
+        assert units == [(a, a + row) for a in addresses.tolist()]
+        assert (np.diff(addresses) > row).all()
+        assert pool.memory.nbytes == 40 * row == pool.nbytes
         dev_blocks = list(range(3, 3 + 2 * 9, 2)) + [40, 41, 42]  # 12 blocks
         n_cpu = -(-(first + len(dev_blocks)) // bpc)
         # CPU blocks in every corner of the pool, not in order.
@@ -204,6 +190,7 @@ def test_a_pool_of_many_pieces_is_byte_exact_through_the_worker(copy_path, bpc, 
         assert worker.pool_info().pieces == pool.memory.pieces
     finally:
         worker.shutdown()
+    assert pool.released and pool.tensors == []
 
 
 # -- a 1 TiB pool ---------------------------------------------------------
@@ -286,9 +273,8 @@ def test_a_refused_piece_is_retried_at_half_its_size_down_to_one_unit():
     assert len(failures) == 1 and "207001" in failures[0]  # once, then smaller
     assert len(pieces) == -(-plan.num_units // 8)  # 16 units refused, 8 taken
     assert all(p.nbytes <= 40 * GiB for p in pieces)
-    given_back: list = []
     with pytest.raises(PiecesRefused) as refused:  # not even one unit: 4 GiB
-        take_pieces(plan, refusing_above(3 * GiB, plan, []), given_back.append)
+        take_pieces(plan, refusing_above(3 * GiB, plan, []), lambda h: None)
     assert len(refused.value.failures) == 5  # 64 -> 32 -> 16 -> 8 -> 4 GiB
 
 
