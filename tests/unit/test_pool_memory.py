@@ -306,7 +306,9 @@ def test_on_cuda_each_piece_is_registered_through_vllms_host_register(
 ):
     """cudaHostRegister per piece (vLLM's host_register, False when
     refused): a refused piece halved, every piece unregistered at release
-    before the mapping goes, also after one failed to (logged)."""
+    before the mapping goes, also after one failed to (logged). One start-up
+    line per pool (docs/host_memory.md), not one from the memory and another
+    from the pool repeating its kind and pieces."""
     from vllm.v1.kv_offload.cpu import host_register
 
     calls, limit = [], 300 * 2**10  # what the runtime takes at most
@@ -323,7 +325,9 @@ def test_on_cuda_each_piece_is_registered_through_vllms_host_register(
             raise RuntimeError("cudaHostUnregister failed")
 
     monkeypatch.setattr(host_register, "host_unregister", unregister)
-    memory = host_memory.allocate_host_memory(128, 4096, "cuda", piece_bytes=2**20)
+    with caplog.at_level("INFO"):
+        pool = private_pool([4096], 1, 128, "cuda", piece_bytes=2**20)
+    memory = pool.memory
     assert (memory.kind, memory.pinned) == (host_memory.CUDA_REGISTERED, True)
     taken = [(a, n) for op, a, n in calls if n <= limit]
     refused = [n for op, a, n in calls if n > limit]
@@ -333,27 +337,14 @@ def test_on_cuda_each_piece_is_registered_through_vllms_host_register(
     for unit in memory.units:
         start, end = unit.data_ptr(), unit.data_ptr() + unit.numel()
         assert sum(a <= start and end <= a + n for a, n in taken) == 1
+    info = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
+    (line,) = [m for m in info if "CPU block pool" in m]
+    assert line.startswith("KV offload: CPU block pool of 128 blocks x 4096 bytes")
+    assert f"of {host_memory.CUDA_REGISTERED} in {memory.pieces} pieces (" in line
     calls.clear()
-    memory.release()
+    pool.release()
     assert calls == [("unregister", a) for a, _ in reversed(taken)]
     assert "cudaHostUnregister failed" in caplog.text
-
-
-def test_a_pool_logs_one_line_naming_its_memory_and_pieces(monkeypatch, caplog):
-    """One start-up line per pool (docs/host_memory.md), not one from the
-    memory and another from the pool repeating its kind and pieces."""
-    from vllm.v1.kv_offload.cpu import host_register
-
-    monkeypatch.setattr(host_register, "host_register", lambda a, n: True)
-    monkeypatch.setattr(host_register, "host_unregister", lambda a: None)
-    with caplog.at_level("INFO"):
-        pool = private_pool([4096], 1, 512, "cuda", piece_bytes=2**20)
-    pieces = pool.memory.pieces
-    pool.release()
-    (line,) = [m for m in caplog.messages if "CPU block pool" in m]
-    assert line.startswith("KV offload: CPU block pool of 512 blocks x 4096 bytes")
-    assert pieces > 1
-    assert f"of {host_memory.CUDA_REGISTERED} in {pieces} pieces (" in line
 
 
 @pytest.mark.parametrize("doc", ["docs/host_memory.md", "docs/host_memory.zh.md"])
