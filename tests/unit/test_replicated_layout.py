@@ -57,10 +57,8 @@ def spec_of(rank: int, engine_id: str, replicated: bool = True) -> NPUOffloading
     )
 
 
-@pytest.fixture(autouse=True)
-def ledger(host_ledger_dir) -> str:
-    """The host's ledger of CPU pools, the test's own: no other pool."""
-    return host_ledger_dir
+# The host's ledger of CPU pools, the test's own: no other pool.
+pytestmark = pytest.mark.usefixtures("host_ledger_dir")
 
 
 @pytest.fixture
@@ -91,16 +89,24 @@ def on_every_rank(engine_id: str, start=None) -> tuple[list, list]:
         return kv, [f.result(timeout=120) for f in futures]
 
 
-def test_a_replicated_layout_is_sized_as_one_copy_for_all_workers():
-    shared = spec_of(0, "sizing", replicated=True)
-    private = spec_of(0, "sizing", replicated=False)
+def test_a_replicated_layout_is_sized_as_one_copy_for_all_workers(engine_id):
+    """Without the flag each worker keeps a private pool of its own memory."""
+    shared = spec_of(0, engine_id, replicated=True)
+    private = spec_of(1, engine_id, replicated=False)
     assert shared.replicated_layout and not private.replicated_layout
     assert shared.pool_capacity() == PoolCapacity(BLOCKS, BLOCKS * PAGE)
     assert private.pool_capacity() == PoolCapacity(BLOCKS, BLOCKS * TP * PAGE)
+    worker = private.get_worker(make_kv_caches(4, [PAGE]))
+    try:
+        assert not hasattr(worker, "region")
+        assert worker.pool.memory.kind != BORROWED
+        assert worker.pool.nbytes == BLOCKS * PAGE
+    finally:
+        worker.shutdown()
 
 
 def test_the_workers_share_one_copy_that_rank_0_writes_and_every_rank_loads(
-    engine_id, all_workers_barrier, ledger, monkeypatch
+    engine_id, all_workers_barrier, monkeypatch
 ):
     """Host memory for one copy, not two: both ranks start, and the guard
     ran once, in rank 0, which created the region."""
@@ -122,7 +128,7 @@ def test_the_workers_share_one_copy_that_rank_0_writes_and_every_rank_loads(
             assert w.pool.tensor_offsets.tolist() == [0]
             assert w.pool.row_bytes == w.pool.slot_bytes == PAGE
         assert not os.path.exists(region_path(engine_id))
-        assert [p.nbytes for p in host_ledger.live_pools(ledger)] == [BLOCKS * PAGE]
+        assert [p.nbytes for p in host_ledger.live_pools()] == [BLOCKS * PAGE]
 
         # Rank 0 stores device blocks 0, 1 into CPU blocks 2, 3.
         writer, reader = workers
@@ -142,7 +148,7 @@ def test_the_workers_share_one_copy_that_rank_0_writes_and_every_rank_loads(
     finally:
         for w in workers:
             w.shutdown()
-    assert host_ledger.live_pools(ledger) == []
+    assert host_ledger.live_pools() == []
 
 
 @pytest.mark.parametrize("rank, stores", [(0, [7]), (1, [])])
@@ -180,18 +186,6 @@ def test_a_copy_the_host_cannot_hold_is_refused_on_every_rank(
     assert f"({BLOCKS} blocks of {PAGE} bytes)" in rank_0
     assert f"lower num_cpu_blocks to {int(BLOCKS * 0.9)}" in rank_0
     assert "rank 0 did not create it" in rank_1
-
-
-def test_without_a_replicated_layout_each_worker_keeps_a_private_pool(engine_id):
-    worker = spec_of(1, engine_id, replicated=False).get_worker(
-        make_kv_caches(4, [PAGE])
-    )
-    try:
-        assert not hasattr(worker, "region")
-        assert worker.pool.memory.kind != BORROWED  # its own memory
-        assert worker.pool.nbytes == BLOCKS * PAGE
-    finally:
-        worker.shutdown()
 
 
 def test_ranks_on_one_slot_take_turns_at_their_self_check(
