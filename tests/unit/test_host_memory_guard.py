@@ -96,18 +96,15 @@ def unwritten_kv(blocks: int, page: int, device: str = "cpu") -> CanonicalKVCach
     )
 
 
-def test_the_scheduler_side_checks_no_memory(available):
-    """Built after the workers allocated their pools, it must not count them
-    (it used to, and refused pools that had been allocated fine)."""
+def test_the_scheduler_side_checks_no_memory_and_a_worker_checks_once(available):
+    """The scheduler side, built after the workers allocated their pools,
+    must not count them (it used to, and refused pools that had been
+    allocated fine); the largest pool that fits is allocated."""
     available(0)
-    spec = NPUOffloadingSpec(make_config({"num_cpu_blocks": 1000}))
-    assert spec.num_chunks == 1000
-    spec.get_manager()
-
-
-def test_the_largest_pool_that_fits_is_allocated_once(available):
-    available(GiB)  # 90 % of it holds 14745 blocks of 64 KiB
     spec = RecordingSpec(make_config({"num_cpu_blocks": 14745}))
+    assert spec.num_chunks == 14745
+    spec.get_manager()
+    available(GiB)  # 90 % of it holds 14745 blocks of 64 KiB
     worker = spec.get_worker(kv())
     assert PoolRecorder.built == [14745]
     available(0)  # checked once: the worker exists now

@@ -116,6 +116,7 @@ def test_an_allocation_the_host_refuses_names_num_cpu_blocks(monkeypatch):
 
 
 def test_private_and_region_pools_share_one_layout():
+    """A region's pool is that layout over borrowed memory, left to its owner."""
     pages = [100, 200]
     private = PoolLayout.of(pages, 2, 8)
     assert list(private.tensor_offsets) == [0, 200]
@@ -124,14 +125,10 @@ def test_private_and_region_pools_share_one_layout():
     region = PoolLayout.of(pages, 2, 8, slot_offset=1000, row_bytes=4096)
     assert list(region.tensor_offsets) == [1000, 1200]
     assert (region.row_bytes, region.slot_bytes) == (4096, 600)
-
-
-def test_a_pool_over_borrowed_memory_leaves_it_to_its_owner():
     base = torch.zeros(8 * 4096, dtype=torch.int8)
-    layout = PoolLayout.of([100, 200], 1, 8, slot_offset=1000, row_bytes=4096)
-    pool = CpuBlockPool(layout, borrowed(base, pinned=True))
+    pool = CpuBlockPool(region, borrowed(base, pinned=True))
     assert pool.base == base.data_ptr() and pool.pinned
-    assert pool.memory.kind == BORROWED and pool.nbytes == 8 * 300
+    assert pool.memory.kind == BORROWED and pool.nbytes == 8 * 600
     pool.release()
     pool.release()
     assert base.untyped_storage().nbytes() == 8 * 4096  # not ours to free
