@@ -95,19 +95,21 @@ def test_chunks_cover_the_range_once_with_aligned_inner_edges(addr, nbytes, chun
 # -- populating ---------------------------------------------------------------
 
 
-def recording(calls: list, fail: dict[int, int] | None = None):
-    """An ``advise`` that records (start, nbytes, advice, thread, CPUs) and
-    then raises OSError(fail[advice]) or calls madvise."""
+def populated(addr: int, nbytes: int, threads: int, huge=False, fail=None):
+    """``populate`` through an ``advise`` that records (start, nbytes,
+    advice, thread, CPUs) and then raises OSError(fail[advice]) or calls
+    madvise: what ``populate`` returned, and the calls."""
+    calls: list = []
 
-    def advise(start: int, nbytes: int, advice: int) -> None:
-        calls.append(
-            (start, nbytes, advice, threading.get_ident(), os.sched_getaffinity(0))
-        )
+    def advise(start: int, n: int, advice: int) -> None:
+        calls.append((start, n, advice, threading.get_ident(), os.sched_getaffinity(0)))
         if fail and advice in fail:
             raise OSError(fail[advice], os.strerror(fail[advice]))
-        populate.libc_madvise(start, nbytes, advice)
+        populate.libc_madvise(start, n, advice)
 
-    return advise
+    return populate.populate(
+        addr, nbytes, threads, huge_pages=huge, advise=advise
+    ), calls
 
 
 @pytest.mark.parametrize(
@@ -127,8 +129,7 @@ def test_every_page_is_resident_and_zero_afterwards(
 ):
     addr, nbytes = fresh_mapping(size)
     assert resident_pages(addr, nbytes) == 0
-    advise = recording([], fail)
-    done = populate.populate(addr, nbytes, threads, huge_pages=huge, advise=advise)
+    done, _ = populated(addr, nbytes, threads, huge, fail)
     assert all_resident_and_zero(addr, nbytes)
     assert done.threads == threads and done.nbytes == nbytes
     assert done.page_writes == page_writes
@@ -143,10 +144,7 @@ def test_each_chunk_is_faulted_in_once_on_the_threads_asked_for(
     """No more threads than chunks: half a chunk is one, or two where it
     spans an edge."""
     addr, nbytes = fresh_mapping(size)
-    calls: list = []
-    done = populate.populate(
-        addr, nbytes, threads, huge_pages=False, advise=recording(calls)
-    )
+    done, calls = populated(addr, nbytes, threads)
     chunks = split(addr, nbytes)
     assert sorted(c[:3] for c in calls) == [
         (s, n, MADV_POPULATE_WRITE) for s, n in chunks
@@ -165,16 +163,14 @@ def test_threads_run_outside_the_openmp_binding(fresh_mapping, monkeypatch):
     monkeypatch.setenv("GOMP_CPU_AFFINITY", str(first))  # OpenMP on `first`
     monkeypatch.delenv(populate.THREADS_ENV, raising=False)
     addr, nbytes = fresh_mapping(SIZE)
-    calls: list = []
-    populate.populate(addr, nbytes, 2, huge_pages=False, advise=recording(calls))
+    _, calls = populated(addr, nbytes, 2)
     assert calls and all(first not in c[4] for c in calls)
 
 
 def test_no_memory_left_is_a_memory_error_naming_the_size(fresh_mapping):
     addr, nbytes = fresh_mapping(SIZE)
-    advise = recording([], fail={MADV_POPULATE_WRITE: errno.ENOMEM})
     with pytest.raises(MemoryError, match=f"faulting {nbytes} bytes"):
-        populate.populate(addr, nbytes, 2, huge_pages=False, advise=advise)
+        populated(addr, nbytes, 2, fail={MADV_POPULATE_WRITE: errno.ENOMEM})
     # Not faulted in by page writes instead (the OOM killer's way).
     assert resident_pages(addr, nbytes) == 0
 
@@ -215,8 +211,7 @@ def thp_mode() -> str | None:
 @pytest.mark.parametrize("huge", [False, True])
 def test_huge_pages_are_asked_for_only_when_wanted(fresh_mapping, huge):
     addr, nbytes = fresh_mapping(SIZE)
-    calls: list = []
-    done = populate.populate(addr, nbytes, 1, huge_pages=huge, advise=recording(calls))
+    done, calls = populated(addr, nbytes, 1, huge)
     assert done.huge_pages == huge
     assert (smaps(addr)["THPeligible"] == "1") == huge
     assert ((addr, nbytes, MADV_HUGEPAGE) in [c[:3] for c in calls]) == huge
