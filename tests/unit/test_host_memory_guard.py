@@ -327,11 +327,18 @@ def test_nothing_is_left_in_dev_shm(monkeypatch):
 def test_a_released_pool_leaves_the_ledger_and_a_failed_allocation_too(
     host_ledger_dir, monkeypatch
 ):
-    worker = spec(16).get_worker(kv())
+    """What the ledger records is the pool's size, byte for byte; the spec
+    passes host_piece_bytes to the pool."""
+    extra = {"num_cpu_blocks": 10, "host_piece_bytes": 64 * 2**10}
+    config = make_config(extra, worker_kv_bytes_per_block=16384)
+    worker = NPUOffloadingSpec(config).get_worker(make_kv_caches(4, [4096, 12288]))
     (entry,) = host_ledger.live_pools()
+    pid = os.getpid()
     assert entry == Reserved(
-        MiB, allocated=True, engine_id="test-engine", pid=os.getpid()
+        10 * 16384, allocated=True, engine_id="test-engine", pid=pid
     )
+    assert entry.nbytes == worker.pool.memory.nbytes
+    assert len(worker.pool.tensors) == 10  # a row a unit: 64 KiB / 16 is less
     worker.shutdown()
     assert ledger_files(host_ledger_dir) == []
 

@@ -21,12 +21,11 @@ import pytest
 import torch
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
-from tests.unit.kv_helpers import make_config, make_kv_caches, store_then_load
+from tests.unit.kv_helpers import make_kv_caches, store_then_load
 from tests.unit.tier_helpers import smaps
 from vllm_ascend.kv_offload import cpu_pool, host_memory, ops
 from vllm_ascend.kv_offload.copy_engine import CopyEngine
 from vllm_ascend.kv_offload.cpu_pool import CpuBlockPool, PoolLayout, private_pool
-from vllm_ascend.kv_offload.host_ledger import live_pools
 from vllm_ascend.kv_offload.host_memory import BORROWED, HostMemory, borrowed
 from vllm_ascend.kv_offload.host_pieces import (
     DEFAULT_PIECE_BYTES,
@@ -35,7 +34,6 @@ from vllm_ascend.kv_offload.host_pieces import (
     PiecesRefused,
     take_pieces,
 )
-from vllm_ascend.kv_offload.npu import NPUOffloadingSpec
 from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
 
 PAGE = mmap.PAGESIZE
@@ -86,24 +84,6 @@ def test_cpu_pool_is_mapped_and_resident_at_exactly_its_size(pages, num_blocks):
     assert pool.released and pool.tensor is None
     assert smaps(base, starting=True) is None  # unmapped
     pool.release()  # idempotent
-
-
-def test_the_guard_counts_exactly_what_is_allocated(host_ledger_dir):
-    """What the host-memory guard checked and recorded in the host's ledger
-    is the pool's size, byte for byte; the spec passes host_piece_bytes to
-    the pool."""
-    kv = make_kv_caches(4, [4096, 12288])
-    extra = {"num_cpu_blocks": 10, "host_piece_bytes": SMALL}
-    spec = NPUOffloadingSpec(make_config(extra, worker_kv_bytes_per_block=16384))
-    reservation = spec.reserve_host_memory(kv)
-    pool = spec.allocate_pool(kv)
-    try:
-        recorded = [p.nbytes for p in live_pools(host_ledger_dir)]
-        assert recorded == [pool.memory.nbytes] == [10 * (4096 + 12288)]
-        assert len(pool.tensors) == 10  # a row a unit: 64 KiB / 16 is less
-    finally:
-        pool.release()
-        reservation.release()
 
 
 def test_an_allocation_the_host_refuses_names_num_cpu_blocks(monkeypatch):
