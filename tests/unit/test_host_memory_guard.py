@@ -34,7 +34,7 @@ from vllm.v1.kv_offload.base import (
 
 from tests.unit.kv_helpers import make_config, make_kv_caches
 from tests.unit.tier_helpers import FORK, forked, refusal
-from vllm_ascend.kv_offload import host_guard, host_ledger
+from vllm_ascend.kv_offload import cpu_pool, host_guard, host_ledger
 from vllm_ascend.kv_offload.host_guard import HOST_BUDGET_ENV, HostBudget
 from vllm_ascend.kv_offload.host_ledger import LEDGER_DIR_ENV, Reserved
 from vllm_ascend.kv_offload.npu import NPUOffloadingSpec, OffloadConfigError
@@ -342,11 +342,12 @@ def test_a_released_pool_leaves_the_ledger_and_a_failed_allocation_too(
     worker.shutdown()
     assert ledger_files(host_ledger_dir) == []
 
-    def no_memory(self, kv_caches):
+    def no_memory(*args, **kwargs):
         raise MemoryError("mmap: Cannot allocate memory")
 
-    monkeypatch.setattr(NPUOffloadingSpec, "allocate_pool", no_memory)
-    with pytest.raises(MemoryError):
+    # Memory the host refuses: the error names the setting to lower.
+    monkeypatch.setattr(cpu_pool, "allocate_host_memory", no_memory)
+    with pytest.raises(MemoryError, match="lower num_cpu_blocks"):
         spec(16).get_worker(kv())
     assert ledger_files(host_ledger_dir) == []
 
