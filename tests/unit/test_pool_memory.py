@@ -164,14 +164,13 @@ def test_a_pool_of_many_pieces_is_byte_exact_through_the_worker(copy_path, bpc, 
 # -- a 1 TiB pool ---------------------------------------------------------
 
 
-def refusing_above(limit: int, plan: PiecePlan, taken: list):
+def refusing_above(limit: int, plan: PiecePlan):
     """A runtime that refuses one call of more than ``limit`` bytes."""
 
     def take(first_unit: int, units: int) -> int:
         size = plan.piece_span(first_unit, units)
         if size > limit:
             raise RuntimeError(f"ACL error 207001 ({size} bytes)")
-        taken.append((first_unit, units, size))
         return first_unit
 
     return take
@@ -185,9 +184,8 @@ def test_a_1_tib_pool_is_planned_in_pieces_of_whole_rows(row_bytes):
     address is inside its unit, and rows of different units never adjacent."""
     rows = TiB // row_bytes
     plan = PiecePlan.of(rows, row_bytes, DEFAULT_PIECE_BYTES, SVM_ALIGNMENT)
-    taken: list = []
     pieces, failures = take_pieces(
-        plan, refusing_above(DEFAULT_PIECE_BYTES, plan, taken), lambda h: None
+        plan, refusing_above(DEFAULT_PIECE_BYTES, plan), lambda h: None
     )
     assert failures == []
     # 16 units a piece (the floor a refused piece halves down to is one),
@@ -233,16 +231,13 @@ def test_a_1_tib_pool_is_planned_in_pieces_of_whole_rows(row_bytes):
 
 def test_a_refused_piece_is_retried_at_half_its_size_down_to_one_unit():
     plan = PiecePlan.of(TiB // 2**25, 2**25, DEFAULT_PIECE_BYTES, SVM_ALIGNMENT)
-    taken: list = []
     # Refused above 40 GiB (vLLM's fork saw failures above 96-128 GiB).
-    pieces, failures = take_pieces(
-        plan, refusing_above(40 * GiB, plan, taken), lambda h: None
-    )
+    pieces, failures = take_pieces(plan, refusing_above(40 * GiB, plan), lambda h: None)
     assert len(failures) == 1 and "207001" in failures[0]  # once, then smaller
     assert len(pieces) == -(-plan.num_units // 8)  # 16 units refused, 8 taken
     assert all(p.nbytes <= 40 * GiB for p in pieces)
     with pytest.raises(PiecesRefused) as refused:  # not even one unit: 4 GiB
-        take_pieces(plan, refusing_above(3 * GiB, plan, []), lambda h: None)
+        take_pieces(plan, refusing_above(3 * GiB, plan), lambda h: None)
     assert len(refused.value.failures) == 5  # 64 -> 32 -> 16 -> 8 -> 4 GiB
 
 
