@@ -11,9 +11,9 @@ counted once whether or not it is allocated yet; a dead worker's record is
 removed by the next check.
 
 Host memory is faked (``host_guard.host_available_bytes``) where a test
-says so; ``RecordingSpec``'s worker is a recorder, so those tests allocate
-no pool. Other workers are specs of this package in separate processes
-(the real check, ``NPUOffloadingSpec.reserve_host_memory``). Each test has
+says so; ``RecordingSpec`` records the pools it is asked for, so those
+tests allocate none. Other workers are specs of this package in separate
+processes (the real check, ``NPUOffloadingSpec.reserve_host_memory``). Each test has
 a ledger of its own (``host_ledger_dir``), empty: no other worker on the
 host; except the one that checks /dev/shm is left clean.
 """
@@ -59,31 +59,22 @@ def reserve(num_cpu_blocks: int = 16, world_size: int = 1) -> host_ledger.Reserv
     return spec(num_cpu_blocks, world_size).reserve_host_memory(kv())
 
 
-class PoolRecorder:
-    """Stands in for the worker: records the pools it was built on."""
-
-    built: list[int] = []
-
-    def __init__(self, kv_caches, pool, copy_path: str = "auto"):
-        PoolRecorder.built.append(pool.num_blocks)
-
-
 class RecordingSpec(NPUOffloadingSpec):
-    """Allocates nothing: its pool is the layout the spec asked for."""
+    """Allocates nothing: records the pools it was asked for (their number
+    of blocks); its pool is the layout the spec asked for, its worker that
+    pool."""
 
-    worker_cls = PoolRecorder
+    allocated: list[int] = []
+    worker_cls = staticmethod(lambda kv_caches, pool, copy_path: pool)
 
     def allocate_pool(self, kv_caches):
-        return SimpleNamespace(
-            num_blocks=self.num_chunks,
-            release=lambda: None,
-            on_release=lambda callback: None,
-        )
+        RecordingSpec.allocated.append(self.num_chunks)
+        return SimpleNamespace(release=lambda: None, on_release=lambda cb: None)
 
 
 @pytest.fixture(autouse=True)
 def no_pools_yet(host_ledger_dir):
-    PoolRecorder.built = []
+    RecordingSpec.allocated = []
 
 
 def unwritten_kv(blocks: int, page: int, device: str = "cpu") -> CanonicalKVCaches:
@@ -106,7 +97,7 @@ def test_the_scheduler_side_checks_no_memory_and_a_worker_checks_once(available)
     spec.get_manager()
     available(GiB)  # 90 % of it holds 14745 blocks of 64 KiB
     worker = spec.get_worker(kv())
-    assert PoolRecorder.built == [14745]
+    assert RecordingSpec.allocated == [14745]
     available(0)  # checked once: the worker exists now
     assert spec.get_worker(kv()) is worker
 
@@ -214,7 +205,7 @@ def test_a_pool_that_does_not_fit_is_refused_naming_the_fix(
     message = refusal(lambda: spec.get_worker(case.kv_cache()))
     assert [s for s in case.says if s not in message] == [], message
     assert [s for s in case.not_says if s in message] == [], message
-    assert PoolRecorder.built == []
+    assert RecordingSpec.allocated == []
     assert len(ledger_files(host_ledger_dir)) == case.beside  # none of the refused
     for other in others:
         other.release()
