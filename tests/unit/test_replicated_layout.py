@@ -12,6 +12,7 @@ all workers is a ``threading.Barrier`` of the two.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -78,14 +79,16 @@ def all_workers_barrier(monkeypatch) -> threading.Barrier:
     return barrier
 
 
-def on_every_rank(engine_id: str, start=None) -> tuple[list, list]:
+def on_every_rank(engine_id: str, start=None, held=None) -> tuple[list, list]:
     """Each rank's KV cache and what ``start(rank, kv)`` returned (default:
     the rank's worker), run for each rank at once (as vLLM's workers
-    start)."""
+    start); none of them done while ``held`` (a context) is held."""
     kv = [make_kv_caches(4, [PAGE], seed=rank) for rank in range(TP)]
     start = start or (lambda rank, kv: spec_of(rank, engine_id).get_worker(kv[rank]))
     with ThreadPoolExecutor(TP) as pool:
-        futures = [pool.submit(start, rank, kv) for rank in range(TP)]
+        with held or contextlib.nullcontext():
+            futures = [pool.submit(start, rank, kv) for rank in range(TP)]
+            assert held is None or not wait(futures, timeout=0.5).done
         return kv, [f.result(timeout=120) for f in futures]
 
 
@@ -195,12 +198,5 @@ def test_ranks_on_one_slot_take_turns_at_their_self_check(
     while one process holds its turn on the region, no rank sharing the
     slot builds its worker."""
     region, _ = shared_region(BLOCKS, PAGE, PAGE, engine_id=engine_id)
-    kv = [make_kv_caches(4, [PAGE], seed=rank) for rank in range(TP)]
-    with ThreadPoolExecutor(TP) as pool, taking_turns(region):
-        futures = [
-            pool.submit(lambda r: spec_of(r, engine_id).get_worker(kv[r]), rank)
-            for rank in range(TP)
-        ]
-        assert not wait(futures, timeout=0.5).done
-    for f in futures:
-        f.result(timeout=120).shutdown()
+    for worker in on_every_rank(engine_id, held=taking_turns(region))[1]:
+        worker.shutdown()
