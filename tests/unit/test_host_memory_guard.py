@@ -13,9 +13,9 @@ removed by the next check.
 Host memory is faked (``host_guard.host_available_bytes``) where a test
 says so; ``RecordingSpec`` records the pools it is asked for, so those
 tests allocate none. Other workers are specs of this package in separate
-processes (the real check, ``NPUOffloadingSpec.reserve_host_memory``). Each test has
-a ledger of its own (``host_ledger_dir``), empty: no other worker on the
-host; except the one that checks /dev/shm is left clean.
+processes (the real check, ``NPUOffloadingSpec.reserve_host_memory``).
+Each test has a ledger of its own (``host_ledger_dir``), empty: no other
+worker on the host; except the one that checks /dev/shm is left clean.
 """
 
 from __future__ import annotations
