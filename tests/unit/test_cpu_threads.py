@@ -16,9 +16,9 @@ import sys
 import pytest
 
 from vllm_ascend.kv_offload import cpu_threads
-from vllm_ascend.kv_offload.cpu_threads import CpuTopology, reserved_cpu_setting
+from vllm_ascend.kv_offload.cpu_threads import CpuTopology
 
-ONE_NODE_TWO_CORES = CpuTopology({0: 2})
+RESERVED = "VLLM_CPU_NUM_OF_RESERVED_CPU"
 
 
 @pytest.mark.parametrize(
@@ -26,7 +26,7 @@ ONE_NODE_TWO_CORES = CpuTopology({0: 2})
     [
         ({}, {0: 2}, "1"),  # two cores, one node: one reserved, as without one
         # Explicit settings are left alone.
-        ({"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}, {0: 2}, None),  # the user's
+        ({RESERVED: "0"}, {0: 2}, None),  # the user's
         ({"VLLM_CPU_OMP_THREADS_BIND": "0-1"}, {0: 2}, None),  # reserve nothing
         ({"VLLM_CPU_OMP_THREADS_BIND": "nobind"}, {0: 2}, None),
         ({"VLLM_CPU_SIM_MULTI_NUMA": "1"}, {0: 2}, None),
@@ -40,16 +40,10 @@ ONE_NODE_TWO_CORES = CpuTopology({0: 2})
 def test_the_reservation_is_lowered_only_where_a_connectors_leaves_no_core(
     environ, cores_per_node, expected
 ):
-    assert reserved_cpu_setting(environ, CpuTopology(cores_per_node)) == expected
-
-
-def test_apply_sets_the_variable_and_never_overrides_it():
-    environ: dict[str, str] = {}
-    assert cpu_threads.apply(environ, lambda: ONE_NODE_TWO_CORES) == "1"
-    assert environ == {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
-    environ = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "2"}
-    assert cpu_threads.apply(environ, lambda: ONE_NODE_TWO_CORES) is None
-    assert environ == {"VLLM_CPU_NUM_OF_RESERVED_CPU": "2"}
+    """``apply`` sets the variable where it is lowered, and never overrides it."""
+    env = dict(environ)
+    assert cpu_threads.apply(env, lambda: CpuTopology(cores_per_node)) == expected
+    assert env == environ | ({} if expected is None else {RESERVED: expected})
 
 
 # Runs in a child pinned to two CPUs: the plugin entry point, then vLLM's own

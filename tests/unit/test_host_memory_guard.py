@@ -11,11 +11,11 @@ counted once whether or not it is allocated yet; a dead worker's record is
 removed by the next check.
 
 Host memory is faked (``host_guard.host_available_bytes``) where a test
-says so; ``RecordingSpec``'s worker is a recorder, so those tests allocate
-no pool. Other workers are specs of this package in separate processes
-(the real check, ``NPUOffloadingSpec.reserve_host_memory``). Each test has
-a ledger of its own (``host_ledger_dir``), empty: no other worker on the
-host; except the one that checks /dev/shm is left clean.
+says so; ``RecordingSpec`` records the pools it is asked for, so those
+tests allocate none. Other workers are specs of this package in separate
+processes (the real check, ``NPUOffloadingSpec.reserve_host_memory``).
+Each test has a ledger of its own (``host_ledger_dir``), empty: no other
+worker on the host; except the one that checks /dev/shm is left clean.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from vllm.v1.kv_offload.base import (
 
 from tests.unit.kv_helpers import make_config, make_kv_caches
 from tests.unit.tier_helpers import FORK, forked, refusal
-from vllm_ascend.kv_offload import host_guard, host_ledger
+from vllm_ascend.kv_offload import cpu_pool, host_guard, host_ledger
 from vllm_ascend.kv_offload.host_guard import HOST_BUDGET_ENV, HostBudget
-from vllm_ascend.kv_offload.host_ledger import Reserved
+from vllm_ascend.kv_offload.host_ledger import LEDGER_DIR_ENV, Reserved
 from vllm_ascend.kv_offload.npu import NPUOffloadingSpec, OffloadConfigError
 
 GiB, MiB = 2**30, 2**20
@@ -59,38 +59,22 @@ def reserve(num_cpu_blocks: int = 16, world_size: int = 1) -> host_ledger.Reserv
     return spec(num_cpu_blocks, world_size).reserve_host_memory(kv())
 
 
-class PoolRecorder:
-    """Stands in for the worker: records the pools it was built on."""
-
-    built: list[int] = []
-
-    def __init__(self, kv_caches, pool, copy_path: str = "auto"):
-        PoolRecorder.built.append(pool.num_blocks)
-
-
 class RecordingSpec(NPUOffloadingSpec):
-    """Allocates nothing: its pool is the layout the spec asked for."""
+    """Allocates nothing: records the pools it was asked for (their number
+    of blocks); its pool is the layout the spec asked for, its worker that
+    pool."""
 
-    worker_cls = PoolRecorder
+    allocated: list[int] = []
+    worker_cls = staticmethod(lambda kv_caches, pool, copy_path: pool)
 
     def allocate_pool(self, kv_caches):
-        return SimpleNamespace(
-            num_blocks=self.num_chunks,
-            release=lambda: None,
-            on_release=lambda callback: None,
-        )
+        RecordingSpec.allocated.append(self.num_chunks)
+        return SimpleNamespace(release=lambda: None, on_release=lambda cb: None)
 
 
 @pytest.fixture(autouse=True)
 def no_pools_yet(host_ledger_dir):
-    PoolRecorder.built = []
-
-
-def recording_worker(extra: dict, kv_cache=None, **config):
-    """The worker of a ``RecordingSpec`` of ``extra`` (``config``: more of
-    ``make_config``) on ``kv_cache`` (default: ``kv()``)."""
-    spec = RecordingSpec(make_config(extra, **config))
-    return spec.get_worker(kv() if kv_cache is None else kv_cache)
+    RecordingSpec.allocated = []
 
 
 def unwritten_kv(blocks: int, page: int, device: str = "cpu") -> CanonicalKVCaches:
@@ -103,102 +87,19 @@ def unwritten_kv(blocks: int, page: int, device: str = "cpu") -> CanonicalKVCach
     )
 
 
-def test_the_scheduler_side_checks_no_memory(available):
-    """Built after the workers allocated their pools, it must not count them
-    (it used to, and refused pools that had been allocated fine)."""
+def test_the_scheduler_side_checks_no_memory_and_a_worker_checks_once(available):
+    """The scheduler side, built after the workers allocated their pools,
+    must not count them (it used to, and refused pools that had been
+    allocated fine); the largest pool that fits is allocated."""
     available(0)
-    spec = NPUOffloadingSpec(make_config({"num_cpu_blocks": 1000}))
-    assert spec.num_chunks == 1000
-    spec.get_manager()
-
-
-def test_the_largest_pool_that_fits_is_allocated_and_one_block_more_is_not(
-    available,
-):
-    available(GiB)  # 90 % of it holds 14745 blocks of 64 KiB
-    message = refusal(lambda: recording_worker({"num_cpu_blocks": 14746}))
-    assert "['num_cpu_blocks']=14746" in message
-    assert "lower num_cpu_blocks to 14745" in message
-    assert "1.00 GiB of host memory available" in message
-    assert PoolRecorder.built == []  # refused before anything was allocated
-
     spec = RecordingSpec(make_config({"num_cpu_blocks": 14745}))
+    assert spec.num_chunks == 14745
+    spec.get_manager()
+    available(GiB)  # 90 % of it holds 14745 blocks of 64 KiB
     worker = spec.get_worker(kv())
-    assert PoolRecorder.built == [14745]
+    assert RecordingSpec.allocated == [14745]
     available(0)  # checked once: the worker exists now
     assert spec.get_worker(kv()) is worker
-
-
-def test_cpu_bytes_to_use_is_checked_in_its_own_terms(available):
-    available(GiB)
-    message = refusal(lambda: recording_worker({"cpu_bytes_to_use": 2 * GiB}))
-    assert f"['cpu_bytes_to_use']={2 * GiB}" in message
-    assert f"lower cpu_bytes_to_use to {14745 * BLOCK}" in message
-
-
-def test_memory_vllm_allocated_after_start_up_counts_and_the_fix_names_it(
-    available,
-):
-    """vLLM's CPU backend allocates its KV cache (host memory) after the
-    spec is built and before the pool: the pool must fit in what is left,
-    and the error says which of the two to lower, and to what."""
-    available(200 * MiB)  # when the spec is built
-    spec = RecordingSpec(make_config({"num_cpu_blocks": 2400}))  # 150 MiB
-    kv_cache = make_kv_caches(1024, [BLOCK])  # 64 MiB of host memory
-    available(136 * MiB)  # what the KV cache left
-    message = refusal(lambda: spec.get_worker(kv_cache))
-    assert "lower num_cpu_blocks to 1958" in message  # 90 % of 136 MiB
-    # 150 MiB fit in 90 % of 136 + 30.67 MiB: the KV cache may keep 33.33 MiB.
-    assert "takes 64.00 MiB of host memory" in message
-    assert "set kv_cache_memory_bytes to at most 34952533" in message
-    assert PoolRecorder.built == []
-
-
-def test_the_fix_for_vllm_cpu_kvcache_space_is_in_its_unit(available, monkeypatch):
-    """VLLM_CPU_KVCACHE_SPACE counts whole GiB: the fix says which value."""
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "8")
-    page = 64 * MiB
-    kv_cache = unwritten_kv(128, page)  # 8 GiB of KV cache
-    available(12 * GiB)  # what the KV cache left
-    pool = {"num_cpu_blocks": 240}  # 15 GiB
-    message = refusal(
-        lambda: recording_worker(pool, kv_cache, worker_kv_bytes_per_block=page)
-    )
-    assert "lower num_cpu_blocks to 172" in message  # 90 % of 12 GiB
-    # 15 GiB fit in 90 % of 12 + 4.67 GiB: 3 of the 8 GiB may stay.
-    assert "lower VLLM_CPU_KVCACHE_SPACE from 8 to 3" in message
-    assert PoolRecorder.built == []
-
-
-def test_a_kv_cache_outside_host_memory_is_not_offered_as_the_fix(available):
-    available(GiB)
-    meta = unwritten_kv(4, BLOCK, "meta")
-    message = refusal(lambda: recording_worker({"num_cpu_blocks": 20000}, meta))
-    assert "lower num_cpu_blocks to 14745" in message
-    assert "VLLM_CPU_KVCACHE_SPACE" not in message
-
-
-@pytest.mark.parametrize(
-    "chunk, fix",
-    [
-        ({}, "one device block (128 tokens) already"),
-        ({"block_size": 256}, "lower block_size from 256 to 128"),
-        ({"blocks_per_chunk": 2}, "lower blocks_per_chunk from 2 to 1"),
-    ],
-)
-def test_a_block_larger_than_the_limit_says_what_makes_blocks_smaller(
-    available, chunk, fix
-):
-    bpc = 2 if chunk else 1
-    available(bpc * BLOCK)  # 90 % of it holds no block
-    pool = {"num_cpu_blocks": 1, **chunk}
-    message = refusal(lambda: recording_worker(pool, blocks_per_chunk=bpc))
-    assert f"one CPU block ({bpc * BLOCK} bytes)" in message
-    assert fix in message
-    assert "num_cpu_blocks to 0" not in message
-
-
-# -- one budget for the workers of a host ----------------------------------
 
 
 def ledger_files(directory: str) -> list[str]:
@@ -209,22 +110,111 @@ def ledger_files(directory: str) -> list[str]:
     )
 
 
-def test_two_workers_whose_pools_fit_alone_but_not_together(host_ledger_dir, available):
-    """Tensor-parallel ranks of one engine, each checking its own pool: the
-    second sees the first's, is refused naming the total, and is told the
-    num_cpu_blocks both ranks fit with."""
-    available(GiB)  # 90 % of it: 14745 blocks of 64 KiB in all
-    first = reserve(10_000, world_size=2)
-    message = refusal(lambda: reserve(10_000, world_size=2))
-    assert "['num_cpu_blocks']=10000 asks for a CPU pool of 625.00 MiB" in message
-    assert "with the 1 other CPU pool of this host (625.00 MiB" in message
-    assert "the pools would take 1.22 GiB, more than 90% of the 1.00 GiB" in message
-    # Both ranks shrink: 2 x 7372 blocks of 64 KiB fit in 90 % of 1 GiB.
-    assert "lower num_cpu_blocks to 7372 (this engine's 2 workers" in message
-    assert len(ledger_files(host_ledger_dir)) == 1  # the refused one left none
-    first.release()
+def refused(
+    available, extra, says, kv_cache=kv, not_says=(), env=(), beside=0, *, id, **config
+):
+    """Case ``id``: a pool of ``extra`` (``config``: more of ``make_config``)
+    on ``kv_cache()``, refused with ``available`` bytes of host memory left
+    (``env``: set) and ``beside`` pools of the same already on the host;
+    the message says each of ``says`` and none of ``not_says``."""
+    case = dict(available=available, extra=extra, kv_cache=kv_cache, env=dict(env))
+    case.update(config=config, says=says, not_says=not_says, beside=beside)
+    return pytest.param(SimpleNamespace(**case), id=id)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        # 90 % of 1 GiB holds 14745 blocks of 64 KiB: one block more.
+        refused(GiB, {"num_cpu_blocks": 14746}, [
+            "['num_cpu_blocks']=14746", "lower num_cpu_blocks to 14745",
+            "1.00 GiB of host memory available",
+        ], id="one-block-more"),
+        # cpu_bytes_to_use is checked in its own terms.
+        refused(GiB, {"cpu_bytes_to_use": 2 * GiB}, [
+            f"['cpu_bytes_to_use']={2 * GiB}",
+            f"lower cpu_bytes_to_use to {14745 * BLOCK}",
+        ], id="cpu-bytes-to-use"),
+        # vLLM's CPU backend allocates its KV cache (64 MiB of host memory)
+        # after the spec is built and before the pool: the pool (150 MiB)
+        # must fit in what is left, and the error says which of the two to
+        # lower, and to what. 90 % of 136 MiB: 1958 blocks; 150 MiB fit in
+        # 90 % of 136 + 30.67 MiB: the KV cache may keep 33.33 MiB.
+        refused(136 * MiB, {"num_cpu_blocks": 2400}, [
+            "lower num_cpu_blocks to 1958", "takes 64.00 MiB of host memory",
+            "set kv_cache_memory_bytes to at most 34952533",
+        ], lambda: make_kv_caches(1024, [BLOCK]), id="kv-cache-after-start-up"),
+        # VLLM_CPU_KVCACHE_SPACE counts whole GiB: the fix says which value.
+        # 90 % of 12 GiB: 172 blocks of 64 MiB; 15 GiB fit in 90 % of 12 +
+        # 4.67 GiB: 3 of the 8 GiB of KV cache may stay.
+        refused(12 * GiB, {"num_cpu_blocks": 240}, [
+            "lower num_cpu_blocks to 172", "lower VLLM_CPU_KVCACHE_SPACE from 8 to 3",
+        ], lambda: unwritten_kv(128, 64 * MiB), env={"VLLM_CPU_KVCACHE_SPACE": "8"},
+            worker_kv_bytes_per_block=64 * MiB, id="vllm-cpu-kvcache-space"),
+        # A KV cache outside host memory is not offered as the fix.
+        refused(GiB, {"num_cpu_blocks": 20000}, ["lower num_cpu_blocks to 14745"],
+                lambda: unwritten_kv(4, BLOCK, "meta"), ["VLLM_CPU_KVCACHE_SPACE"],
+                id="kv-cache-not-on-host"),
+        # One block larger than the limit: what makes blocks smaller.
+        refused(BLOCK, {"num_cpu_blocks": 1}, [
+            f"one CPU block ({BLOCK} bytes)", "one device block (128 tokens) already",
+        ], not_says=["num_cpu_blocks to 0"], id="one-device-block"),
+        refused(2 * BLOCK, {"num_cpu_blocks": 1, "block_size": 256}, [
+            f"one CPU block ({2 * BLOCK} bytes)", "lower block_size from 256 to 128",
+        ], not_says=["num_cpu_blocks to 0"], blocks_per_chunk=2, id="block-size"),
+        refused(2 * BLOCK, {"num_cpu_blocks": 1, "blocks_per_chunk": 2}, [
+            f"one CPU block ({2 * BLOCK} bytes)", "lower blocks_per_chunk from 2 to 1",
+        ], not_says=["num_cpu_blocks to 0"], blocks_per_chunk=2, id="blocks-per-chunk"),
+        # Tensor-parallel ranks of one engine, each checking its own pool:
+        # the second sees the first's, is refused naming the total, and is
+        # told the num_cpu_blocks both ranks fit with: 2 x 7372 blocks of
+        # 64 KiB fit in 90 % of 1 GiB.
+        refused(GiB, {"num_cpu_blocks": 10_000}, [
+            "['num_cpu_blocks']=10000 asks for a CPU pool of 625.00 MiB",
+            "with the 1 other CPU pool of this host (625.00 MiB",
+            "the pools would take 1.22 GiB, more than 90% of the 1.00 GiB",
+            "lower num_cpu_blocks to 7372 (this engine's 2 workers",
+        ], beside=1, world_size=2, id="two-ranks"),
+        # The host budget setting caps all pools (two of 62.5 MiB here).
+        refused(64 * GiB, {"num_cpu_blocks": 1000}, [
+            "the pools would take 125.00 MiB, more than the host budget",
+            f"{HOST_BUDGET_ENV}=100.00 MiB",
+            "lower num_cpu_blocks to 800 (this engine's 2 workers",
+            f"raise {HOST_BUDGET_ENV} to at least {125 * MiB}",
+        ], env={HOST_BUDGET_ENV: "100MiB"}, beside=1, id="host-budget"),
+        # A host budget that is not a size, a ledger directory that does not
+        # exist.
+        refused(GiB, {"num_cpu_blocks": 10}, [f"{HOST_BUDGET_ENV}='lots'"],
+                env={HOST_BUDGET_ENV: "lots"}, id="bad-host-budget"),
+        refused(GiB, {"num_cpu_blocks": 10}, [f"{LEDGER_DIR_ENV}='/missing' is not"],
+                env={LEDGER_DIR_ENV: "/missing"}, id="no-ledger-directory"),
+    ],
+)  # fmt: skip
+def test_a_pool_that_does_not_fit_is_refused_naming_the_fix(
+    available, monkeypatch, host_ledger_dir, case
+):
+    """Checked when the worker is built, against the host memory available
+    then (none when the spec was built) and the pools of the host's other
+    workers, before anything is allocated or recorded."""
+    available(0)
+    spec = RecordingSpec(make_config(case.extra, **case.config))
+    for name, value in case.env.items():
+        monkeypatch.setenv(name, value)
+    available(case.available)
+    others = [spec.reserve_host_memory(kv()) for _ in range(case.beside)]
+    message = refusal(lambda: spec.get_worker(case.kv_cache()))
+    assert [s for s in case.says if s not in message] == [], message
+    assert [s for s in case.not_says if s in message] == [], message
+    assert RecordingSpec.allocated == []
+    assert len(ledger_files(host_ledger_dir)) == case.beside  # none of the refused
+    for other in others:
+        other.release()
     assert ledger_files(host_ledger_dir) == []
-    reserve(10_000, world_size=2).release()
+    if others:  # it fits alone
+        spec.reserve_host_memory(kv()).release()
+
+
+# -- one budget for the workers of a host ----------------------------------
 
 
 def test_a_pool_is_counted_once_whether_allocated_or_being_allocated():
@@ -252,33 +242,6 @@ def test_a_pool_is_counted_once_whether_allocated_or_being_allocated():
     assert "lower num_cpu_blocks to 81920" in host_guard.check_pool(
         request, HostBudget(10 * GiB, [pending])
     )
-
-
-def test_the_host_budget_setting_caps_all_pools_and_names_its_fix(
-    host_ledger_dir, monkeypatch
-):
-    monkeypatch.setenv(HOST_BUDGET_ENV, "100MiB")
-    first = reserve(1000)  # 62.5 MiB
-    message = refusal(lambda: reserve(1000))
-    assert "the pools would take 125.00 MiB, more than the host budget" in message
-    assert f"{HOST_BUDGET_ENV}=100.00 MiB" in message
-    assert "lower num_cpu_blocks to 800 (this engine's 2 workers" in message
-    assert f"raise {HOST_BUDGET_ENV} to at least {125 * MiB}" in message
-    first.release()
-
-
-@pytest.mark.parametrize(
-    "name, value", [(HOST_BUDGET_ENV, "lots"), (host_ledger.LEDGER_DIR_ENV, "/missing")]
-)
-def test_a_bad_budget_or_ledger_directory_is_refused_naming_it(
-    host_ledger_dir, monkeypatch, name, value
-):
-    """A host budget that is not a size, a ledger directory that does not
-    exist."""
-    monkeypatch.setenv(name, value)
-    with pytest.raises(OffloadConfigError, match=f"{name}='?{value}"):
-        reserve(10)
-    assert ledger_files(host_ledger_dir) == []
 
 
 def _reserve_and_hold(ledger: str, budget: str, go, results, done) -> None:
@@ -355,19 +318,27 @@ def test_nothing_is_left_in_dev_shm(monkeypatch):
 def test_a_released_pool_leaves_the_ledger_and_a_failed_allocation_too(
     host_ledger_dir, monkeypatch
 ):
-    worker = spec(16).get_worker(kv())
+    """What the ledger records is the pool's size, byte for byte; the spec
+    passes host_piece_bytes to the pool."""
+    extra = {"num_cpu_blocks": 10, "host_piece_bytes": 64 * 2**10}
+    config = make_config(extra, worker_kv_bytes_per_block=16384)
+    worker = NPUOffloadingSpec(config).get_worker(make_kv_caches(4, [4096, 12288]))
     (entry,) = host_ledger.live_pools()
+    pid = os.getpid()
     assert entry == Reserved(
-        MiB, allocated=True, engine_id="test-engine", pid=os.getpid()
+        10 * 16384, allocated=True, engine_id="test-engine", pid=pid
     )
+    assert entry.nbytes == worker.pool.memory.nbytes
+    assert len(worker.pool.tensors) == 10  # a row a unit: 64 KiB / 16 is less
     worker.shutdown()
     assert ledger_files(host_ledger_dir) == []
 
-    def no_memory(self, kv_caches):
+    def no_memory(*args, **kwargs):
         raise MemoryError("mmap: Cannot allocate memory")
 
-    monkeypatch.setattr(NPUOffloadingSpec, "allocate_pool", no_memory)
-    with pytest.raises(MemoryError):
+    # Memory the host refuses: the error names the setting to lower.
+    monkeypatch.setattr(cpu_pool, "allocate_host_memory", no_memory)
+    with pytest.raises(MemoryError, match="lower num_cpu_blocks"):
         spec(16).get_worker(kv())
     assert ledger_files(host_ledger_dir) == []
 

@@ -21,12 +21,11 @@ import pytest
 import torch
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
-from tests.unit.kv_helpers import make_config, make_kv_caches, store_then_load
+from tests.unit.kv_helpers import make_kv_caches, store_then_load
 from tests.unit.tier_helpers import smaps
-from vllm_ascend.kv_offload import cpu_pool, host_memory, ops
+from vllm_ascend.kv_offload import host_memory, ops
 from vllm_ascend.kv_offload.copy_engine import CopyEngine
 from vllm_ascend.kv_offload.cpu_pool import CpuBlockPool, PoolLayout, private_pool
-from vllm_ascend.kv_offload.host_ledger import live_pools
 from vllm_ascend.kv_offload.host_memory import BORROWED, HostMemory, borrowed
 from vllm_ascend.kv_offload.host_pieces import (
     DEFAULT_PIECE_BYTES,
@@ -35,7 +34,6 @@ from vllm_ascend.kv_offload.host_pieces import (
     PiecesRefused,
     take_pieces,
 )
-from vllm_ascend.kv_offload.npu import NPUOffloadingSpec
 from vllm_ascend.kv_offload.worker import NPUOffloadingWorker
 
 PAGE = mmap.PAGESIZE
@@ -88,34 +86,8 @@ def test_cpu_pool_is_mapped_and_resident_at_exactly_its_size(pages, num_blocks):
     pool.release()  # idempotent
 
 
-def test_the_guard_counts_exactly_what_is_allocated(host_ledger_dir):
-    """What the host-memory guard checked and recorded in the host's ledger
-    is the pool's size, byte for byte; the spec passes host_piece_bytes to
-    the pool."""
-    kv = make_kv_caches(4, [4096, 12288])
-    extra = {"num_cpu_blocks": 10, "host_piece_bytes": SMALL}
-    spec = NPUOffloadingSpec(make_config(extra, worker_kv_bytes_per_block=16384))
-    reservation = spec.reserve_host_memory(kv)
-    pool = spec.allocate_pool(kv)
-    try:
-        recorded = [p.nbytes for p in live_pools(host_ledger_dir)]
-        assert recorded == [pool.memory.nbytes] == [10 * (4096 + 12288)]
-        assert len(pool.tensors) == 10  # a row a unit: 64 KiB / 16 is less
-    finally:
-        pool.release()
-        reservation.release()
-
-
-def test_an_allocation_the_host_refuses_names_num_cpu_blocks(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise MemoryError("mmap: Cannot allocate memory")
-
-    monkeypatch.setattr(cpu_pool, "allocate_host_memory", refuse)
-    with pytest.raises(MemoryError, match="lower num_cpu_blocks"):
-        private_pool([256], 1, 10**6, "cpu")
-
-
 def test_private_and_region_pools_share_one_layout():
+    """A region's pool is that layout over borrowed memory, left to its owner."""
     pages = [100, 200]
     private = PoolLayout.of(pages, 2, 8)
     assert list(private.tensor_offsets) == [0, 200]
@@ -124,41 +96,16 @@ def test_private_and_region_pools_share_one_layout():
     region = PoolLayout.of(pages, 2, 8, slot_offset=1000, row_bytes=4096)
     assert list(region.tensor_offsets) == [1000, 1200]
     assert (region.row_bytes, region.slot_bytes) == (4096, 600)
-
-
-def test_a_pool_over_borrowed_memory_leaves_it_to_its_owner():
     base = torch.zeros(8 * 4096, dtype=torch.int8)
-    layout = PoolLayout.of([100, 200], 1, 8, slot_offset=1000, row_bytes=4096)
-    pool = CpuBlockPool(layout, borrowed(base, pinned=True))
+    pool = CpuBlockPool(region, borrowed(base, pinned=True))
     assert pool.base == base.data_ptr() and pool.pinned
-    assert pool.memory.kind == BORROWED and pool.nbytes == 8 * 300
+    assert pool.memory.kind == BORROWED and pool.nbytes == 8 * 600
     pool.release()
     pool.release()
     assert base.untyped_storage().nbytes() == 8 * 4096  # not ours to free
 
 
 # -- a pool in pieces ---------------------------------------------------------
-
-
-def units_of(pool: CpuBlockPool) -> list[tuple[int, int]]:
-    """(first address, end) of each unit of the pool's rows."""
-    return [(t.data_ptr(), t.data_ptr() + t.numel()) for t in pool.tensors]
-
-
-def test_a_small_piece_limit_cuts_the_pool_into_units_of_whole_rows():
-    pool = private_pool(PAGES, 1, 40, "cpu", piece_bytes=SMALL)
-    try:
-        row = sum(PAGES)
-        assert len(pool.tensors) == 40  # 64 KiB / 16 is less than a row
-        addresses = pool.row_addresses(np.arange(40))
-        for i, (start, end) in enumerate(units_of(pool)):
-            assert (start, end) == (addresses[i], addresses[i] + row)
-        # Never adjacent: a copy the op merges cannot run into the next unit.
-        assert (np.diff(addresses) > row).all()
-        assert pool.memory.nbytes == 40 * row == pool.nbytes
-    finally:
-        pool.release()
-    assert pool.released and pool.tensors == []
 
 
 def test_merged_copies_stop_at_unit_boundaries():
@@ -182,12 +129,19 @@ def test_merged_copies_stop_at_unit_boundaries():
 @pytest.mark.parametrize("copy_path", ["auto", "torch"])
 @pytest.mark.parametrize("bpc, first", [(1, 0), (2, 1)])
 def test_a_pool_of_many_pieces_is_byte_exact_through_the_worker(copy_path, bpc, first):
+    """A small piece limit cuts the pool into units of whole rows, one row a
+    unit here (64 KiB / 16 is less than a row), never adjacent: a copy the
+    op merges cannot run into the next unit."""
     kv = make_kv_caches(48, PAGES, seed=bpc)
     original = [t.tensor.clone() for t in kv.tensors]
     pool = private_pool(PAGES, bpc, 40, "cpu", piece_bytes=SMALL)
     worker = NPUOffloadingWorker(kv, pool=pool, copy_path=copy_path)
     try:
-        assert len(pool.tensors) > 8
+        row, addresses = bpc * sum(PAGES), pool.row_addresses(np.arange(40))
+        units = [(t.data_ptr(), t.data_ptr() + t.numel()) for t in pool.tensors]
+        assert units == [(a, a + row) for a in addresses.tolist()]
+        assert (np.diff(addresses) > row).all()
+        assert pool.memory.nbytes == 40 * row == pool.nbytes
         dev_blocks = list(range(3, 3 + 2 * 9, 2)) + [40, 41, 42]  # 12 blocks
         n_cpu = -(-(first + len(dev_blocks)) // bpc)
         # CPU blocks in every corner of the pool, not in order.
@@ -204,19 +158,19 @@ def test_a_pool_of_many_pieces_is_byte_exact_through_the_worker(copy_path, bpc, 
         assert worker.pool_info().pieces == pool.memory.pieces
     finally:
         worker.shutdown()
+    assert pool.released and pool.tensors == []
 
 
 # -- a 1 TiB pool ---------------------------------------------------------
 
 
-def refusing_above(limit: int, plan: PiecePlan, taken: list):
+def refusing_above(limit: int, plan: PiecePlan):
     """A runtime that refuses one call of more than ``limit`` bytes."""
 
     def take(first_unit: int, units: int) -> int:
         size = plan.piece_span(first_unit, units)
         if size > limit:
             raise RuntimeError(f"ACL error 207001 ({size} bytes)")
-        taken.append((first_unit, units, size))
         return first_unit
 
     return take
@@ -230,9 +184,8 @@ def test_a_1_tib_pool_is_planned_in_pieces_of_whole_rows(row_bytes):
     address is inside its unit, and rows of different units never adjacent."""
     rows = TiB // row_bytes
     plan = PiecePlan.of(rows, row_bytes, DEFAULT_PIECE_BYTES, SVM_ALIGNMENT)
-    taken: list = []
     pieces, failures = take_pieces(
-        plan, refusing_above(DEFAULT_PIECE_BYTES, plan, taken), lambda h: None
+        plan, refusing_above(DEFAULT_PIECE_BYTES, plan), lambda h: None
     )
     assert failures == []
     # 16 units a piece (the floor a refused piece halves down to is one),
@@ -278,17 +231,13 @@ def test_a_1_tib_pool_is_planned_in_pieces_of_whole_rows(row_bytes):
 
 def test_a_refused_piece_is_retried_at_half_its_size_down_to_one_unit():
     plan = PiecePlan.of(TiB // 2**25, 2**25, DEFAULT_PIECE_BYTES, SVM_ALIGNMENT)
-    taken: list = []
     # Refused above 40 GiB (vLLM's fork saw failures above 96-128 GiB).
-    pieces, failures = take_pieces(
-        plan, refusing_above(40 * GiB, plan, taken), lambda h: None
-    )
+    pieces, failures = take_pieces(plan, refusing_above(40 * GiB, plan), lambda h: None)
     assert len(failures) == 1 and "207001" in failures[0]  # once, then smaller
     assert len(pieces) == -(-plan.num_units // 8)  # 16 units refused, 8 taken
     assert all(p.nbytes <= 40 * GiB for p in pieces)
-    given_back: list = []
     with pytest.raises(PiecesRefused) as refused:  # not even one unit: 4 GiB
-        take_pieces(plan, refusing_above(3 * GiB, plan, []), given_back.append)
+        take_pieces(plan, refusing_above(3 * GiB, plan), lambda h: None)
     assert len(refused.value.failures) == 5  # 64 -> 32 -> 16 -> 8 -> 4 GiB
 
 
@@ -320,7 +269,9 @@ def test_on_cuda_each_piece_is_registered_through_vllms_host_register(
 ):
     """cudaHostRegister per piece (vLLM's host_register, False when
     refused): a refused piece halved, every piece unregistered at release
-    before the mapping goes, also after one failed to (logged)."""
+    before the mapping goes, also after one failed to (logged). One start-up
+    line per pool (docs/host_memory.md), not one from the memory and another
+    from the pool repeating its kind and pieces."""
     from vllm.v1.kv_offload.cpu import host_register
 
     calls, limit = [], 300 * 2**10  # what the runtime takes at most
@@ -337,7 +288,9 @@ def test_on_cuda_each_piece_is_registered_through_vllms_host_register(
             raise RuntimeError("cudaHostUnregister failed")
 
     monkeypatch.setattr(host_register, "host_unregister", unregister)
-    memory = host_memory.allocate_host_memory(128, 4096, "cuda", piece_bytes=2**20)
+    with caplog.at_level("INFO"):
+        pool = private_pool([4096], 1, 128, "cuda", piece_bytes=2**20)
+    memory = pool.memory
     assert (memory.kind, memory.pinned) == (host_memory.CUDA_REGISTERED, True)
     taken = [(a, n) for op, a, n in calls if n <= limit]
     refused = [n for op, a, n in calls if n > limit]
@@ -347,27 +300,14 @@ def test_on_cuda_each_piece_is_registered_through_vllms_host_register(
     for unit in memory.units:
         start, end = unit.data_ptr(), unit.data_ptr() + unit.numel()
         assert sum(a <= start and end <= a + n for a, n in taken) == 1
+    info = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
+    (line,) = [m for m in info if "CPU block pool" in m]
+    assert line.startswith("KV offload: CPU block pool of 128 blocks x 4096 bytes")
+    assert f"of {host_memory.CUDA_REGISTERED} in {memory.pieces} pieces (" in line
     calls.clear()
-    memory.release()
+    pool.release()
     assert calls == [("unregister", a) for a, _ in reversed(taken)]
     assert "cudaHostUnregister failed" in caplog.text
-
-
-def test_a_pool_logs_one_line_naming_its_memory_and_pieces(monkeypatch, caplog):
-    """One start-up line per pool (docs/host_memory.md), not one from the
-    memory and another from the pool repeating its kind and pieces."""
-    from vllm.v1.kv_offload.cpu import host_register
-
-    monkeypatch.setattr(host_register, "host_register", lambda a, n: True)
-    monkeypatch.setattr(host_register, "host_unregister", lambda a: None)
-    with caplog.at_level("INFO"):
-        pool = private_pool([4096], 1, 512, "cuda", piece_bytes=2**20)
-    pieces = pool.memory.pieces
-    pool.release()
-    (line,) = [m for m in caplog.messages if "CPU block pool" in m]
-    assert line.startswith("KV offload: CPU block pool of 512 blocks x 4096 bytes")
-    assert pieces > 1
-    assert f"of {host_memory.CUDA_REGISTERED} in {pieces} pieces (" in line
 
 
 @pytest.mark.parametrize("doc", ["docs/host_memory.md", "docs/host_memory.zh.md"])

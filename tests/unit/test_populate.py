@@ -89,28 +89,27 @@ def test_chunks_cover_the_range_once_with_aligned_inner_edges(addr, nbytes, chun
     assert all(0 < n <= chunk for _, n in chunks)
     assert all(edge % chunk == 0 for edge in starts[1:])
     assert len(chunks) == len({s // chunk for s in starts})  # one per chunk
-
-
-def test_an_empty_range_has_no_chunks():
-    assert split(4096, 0, 8192) == []
+    assert split(addr, 0, chunk) == []  # an empty range has none
 
 
 # -- populating ---------------------------------------------------------------
 
 
-def recording(calls: list, fail: dict[int, int] | None = None):
-    """An ``advise`` that records (start, nbytes, advice, thread, CPUs) and
-    then raises OSError(fail[advice]) or calls madvise."""
+def populated(addr: int, nbytes: int, threads: int, huge=False, fail=None):
+    """``populate`` through an ``advise`` that records (start, nbytes,
+    advice, thread, CPUs) and then raises OSError(fail[advice]) or calls
+    madvise: what ``populate`` returned, and the calls."""
+    calls: list = []
 
-    def advise(start: int, nbytes: int, advice: int) -> None:
-        calls.append(
-            (start, nbytes, advice, threading.get_ident(), os.sched_getaffinity(0))
-        )
+    def advise(start: int, n: int, advice: int) -> None:
+        calls.append((start, n, advice, threading.get_ident(), os.sched_getaffinity(0)))
         if fail and advice in fail:
             raise OSError(fail[advice], os.strerror(fail[advice]))
-        populate.libc_madvise(start, nbytes, advice)
+        populate.libc_madvise(start, n, advice)
 
-    return advise
+    return populate.populate(
+        addr, nbytes, threads, huge_pages=huge, advise=advise
+    ), calls
 
 
 @pytest.mark.parametrize(
@@ -130,8 +129,7 @@ def test_every_page_is_resident_and_zero_afterwards(
 ):
     addr, nbytes = fresh_mapping(size)
     assert resident_pages(addr, nbytes) == 0
-    advise = recording([], fail)
-    done = populate.populate(addr, nbytes, threads, huge_pages=huge, advise=advise)
+    done, _ = populated(addr, nbytes, threads, huge, fail)
     assert all_resident_and_zero(addr, nbytes)
     assert done.threads == threads and done.nbytes == nbytes
     assert done.page_writes == page_writes
@@ -139,25 +137,21 @@ def test_every_page_is_resident_and_zero_afterwards(
         assert not done.huge_pages
 
 
-def test_each_chunk_is_faulted_in_once_on_the_threads_asked_for(fresh_mapping):
-    addr, nbytes = fresh_mapping(SIZE)
-    calls: list = []
-    done = populate.populate(addr, nbytes, 2, huge_pages=False, advise=recording(calls))
+@pytest.mark.parametrize("size, threads", [(SIZE, 2), (CHUNK_BYTES // 2, 8)])
+def test_each_chunk_is_faulted_in_once_on_the_threads_asked_for(
+    fresh_mapping, size, threads
+):
+    """No more threads than chunks: half a chunk is one, or two where it
+    spans an edge."""
+    addr, nbytes = fresh_mapping(size)
+    done, calls = populated(addr, nbytes, threads)
+    chunks = split(addr, nbytes)
     assert sorted(c[:3] for c in calls) == [
-        (s, n, MADV_POPULATE_WRITE) for s, n in split(addr, nbytes)
+        (s, n, MADV_POPULATE_WRITE) for s, n in chunks
     ]
-    assert done.threads == 2
-    # The caller's thread only waits: two threads of their own did the work.
-    assert threading.get_ident() not in {c[3] for c in calls}
-
-
-def test_no_more_threads_than_chunks(fresh_mapping):
-    addr, nbytes = fresh_mapping(CHUNK_BYTES // 2)
-    calls: list = []
-    done = populate.populate(addr, nbytes, 8, huge_pages=False, advise=recording(calls))
-    chunks = split(addr, nbytes)  # one, or two where it spans an edge
-    assert len(chunks) <= 2
-    assert done.threads == len(chunks) == len(calls)
+    assert done.threads == min(threads, len(chunks))
+    if done.threads > 1:  # the caller's thread only waits: they did the work
+        assert threading.get_ident() not in {c[3] for c in calls}
 
 
 @pytest.mark.skipif(
@@ -169,16 +163,14 @@ def test_threads_run_outside_the_openmp_binding(fresh_mapping, monkeypatch):
     monkeypatch.setenv("GOMP_CPU_AFFINITY", str(first))  # OpenMP on `first`
     monkeypatch.delenv(populate.THREADS_ENV, raising=False)
     addr, nbytes = fresh_mapping(SIZE)
-    calls: list = []
-    populate.populate(addr, nbytes, 2, huge_pages=False, advise=recording(calls))
+    _, calls = populated(addr, nbytes, 2)
     assert calls and all(first not in c[4] for c in calls)
 
 
 def test_no_memory_left_is_a_memory_error_naming_the_size(fresh_mapping):
     addr, nbytes = fresh_mapping(SIZE)
-    advise = recording([], fail={MADV_POPULATE_WRITE: errno.ENOMEM})
     with pytest.raises(MemoryError, match=f"faulting {nbytes} bytes"):
-        populate.populate(addr, nbytes, 2, huge_pages=False, advise=advise)
+        populated(addr, nbytes, 2, fail={MADV_POPULATE_WRITE: errno.ENOMEM})
     # Not faulted in by page writes instead (the OOM killer's way).
     assert resident_pages(addr, nbytes) == 0
 
@@ -219,8 +211,7 @@ def thp_mode() -> str | None:
 @pytest.mark.parametrize("huge", [False, True])
 def test_huge_pages_are_asked_for_only_when_wanted(fresh_mapping, huge):
     addr, nbytes = fresh_mapping(SIZE)
-    calls: list = []
-    done = populate.populate(addr, nbytes, 1, huge_pages=huge, advise=recording(calls))
+    done, calls = populated(addr, nbytes, 1, huge)
     assert done.huge_pages == huge
     assert (smaps(addr)["THPeligible"] == "1") == huge
     assert ((addr, nbytes, MADV_HUGEPAGE) in [c[:3] for c in calls]) == huge

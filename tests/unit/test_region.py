@@ -12,16 +12,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
 from tests.unit.conftest import new_engine_id
 from tests.unit.tier_helpers import forked, tiering_spec
 from vllm_ascend.kv_offload.config import OffloadConfigError
 from vllm_ascend.kv_offload.region import (
     close_region,
-    hold_mark,
     mark_path,
-    open_region,
     region_path,
     slot_pool,
 )
@@ -32,7 +29,7 @@ PAGE = mmap.PAGESIZE
 def leftovers(engine_id: str) -> list[str]:
     """What is left in /dev/shm of ``engine_id``'s region: region, mark."""
     paths = [region_path(engine_id), mark_path(engine_id)]
-    return [os.path.basename(p) for p in paths if os.path.exists(p)]
+    return [p for p in paths if os.path.exists(p)]
 
 
 def write_leftovers(engine_id: str, with_mark: bool = True) -> None:
@@ -81,45 +78,19 @@ def test_region_pool_addresses_this_ranks_slot_of_each_row(shared_region):
 def test_a_worker_alone_removes_region_and_mark_when_it_closes(shared_region):
     engine_id = new_engine_id()
     region, mark = shared_region(2, PAGE, PAGE, engine_id=engine_id)
-    assert leftovers(engine_id) == [
-        os.path.basename(region_path(engine_id)),
-        os.path.basename(mark_path(engine_id)),
-    ]
+    assert leftovers(engine_id) == [region_path(engine_id), mark_path(engine_id)]
     close_region(region, None, mark)
     assert region.mmap_obj is None and leftovers(engine_id) == []
 
 
-def test_the_name_goes_once_the_scheduler_mapped_the_region(shared_region, caplog):
-    """The order of an engine: the worker creates the region, the scheduler's
-    manager joins it last and then releases the name; both mappings stay
-    one memory, and the worker's close has nothing left to remove."""
-    engine_id = new_engine_id()
-    worker_region, worker_mark = shared_region(2, PAGE, PAGE, engine_id=engine_id)
-    scheduler_mark = hold_mark(engine_id)
-    scheduler_region = SharedOffloadRegion(
-        engine_id=engine_id,
-        num_chunks=2,
-        rank=None,
-        kv_bytes_per_chunk=PAGE,
-        cpu_page_size=PAGE,
-    )
-    assert scheduler_mark.region_existed
-    scheduler_mark.release_name()
-    scheduler_mark.close()
-    assert leftovers(engine_id) == []
-    worker_region.base_tensor[PAGE + 3] = 42
-    assert int(scheduler_region.base_tensor[PAGE + 3]) == 42
-    scheduler_region.cleanup()
-    close_region(worker_region, None, worker_mark)
-    assert "Failed to unlink" not in caplog.text
-
-
-def test_the_specs_manager_releases_the_name_its_workers_mapped(shared_region):
-    """The spec's scheduler side (``get_manager``), after the worker opened
-    the region as ``get_worker`` does: the name is gone, the memory shared."""
+def test_the_specs_manager_releases_the_name_its_workers_mapped(shared_region, caplog):
+    """The order of an engine: the worker creates the region (as
+    ``get_worker`` does), the scheduler's manager (``get_manager``) joins it
+    last and then releases the name; both mappings stay one memory, and the
+    worker's close has nothing left to remove."""
     engine_id = new_engine_id()
     spec = tiering_spec(engine_id, PAGE, 2)
-    region, _ = shared_region(
+    region, mark = shared_region(
         spec.num_chunks,
         spec.kv_bytes_per_chunk,
         spec.cpu_page_size_per_worker,
@@ -127,10 +98,12 @@ def test_the_specs_manager_releases_the_name_its_workers_mapped(shared_region):
     )
     manager = spec.get_manager()
     assert leftovers(engine_id) == []
-    region.base_tensor[5] = 9
+    region.base_tensor[PAGE + 3] = 42
     view = manager.inner.primary_tier.get_kv_memoryview()
-    assert view[0, 5] == 9
+    assert view[1, 3] == 42
     manager.shutdown()
+    close_region(region, None, mark)
+    assert "Failed to unlink" not in caplog.text
 
 
 def test_a_scheduler_that_created_the_region_leaves_nothing_at_shutdown():
@@ -183,15 +156,7 @@ def test_a_killed_processs_region_is_gone_after_the_next_opening(
 ):
     """Whatever its engine id: the next opening of any region sweeps it."""
     killed = engine_ids()
-    proc = forked(
-        lambda: open_region(
-            engine_id=killed,
-            num_chunks=2,
-            rank=0,
-            kv_bytes_per_chunk=PAGE,
-            cpu_page_size=PAGE,
-        )  # fmt: skip
-    )
+    proc = forked(lambda: shared_region(2, PAGE, PAGE, engine_id=killed))
     assert len(leftovers(killed)) == 2
     proc.kill()  # SIGKILL
     proc.join()

@@ -12,6 +12,7 @@ all workers is a ``threading.Barrier`` of the two.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -57,10 +58,8 @@ def spec_of(rank: int, engine_id: str, replicated: bool = True) -> NPUOffloading
     )
 
 
-@pytest.fixture(autouse=True)
-def ledger(host_ledger_dir) -> str:
-    """The host's ledger of CPU pools, the test's own: no other pool."""
-    return host_ledger_dir
+# The host's ledger of CPU pools, the test's own: no other pool.
+pytestmark = pytest.mark.usefixtures("host_ledger_dir")
 
 
 @pytest.fixture
@@ -80,27 +79,37 @@ def all_workers_barrier(monkeypatch) -> threading.Barrier:
     return barrier
 
 
-def on_every_rank(engine_id: str, start=None) -> tuple[list, list]:
+def on_every_rank(engine_id: str, start=None, held=None) -> tuple[list, list]:
     """Each rank's KV cache and what ``start(rank, kv)`` returned (default:
     the rank's worker), run for each rank at once (as vLLM's workers
-    start)."""
+    start); none of them done while ``held`` (a context) is held."""
     kv = [make_kv_caches(4, [PAGE], seed=rank) for rank in range(TP)]
     start = start or (lambda rank, kv: spec_of(rank, engine_id).get_worker(kv[rank]))
     with ThreadPoolExecutor(TP) as pool:
-        futures = [pool.submit(start, rank, kv) for rank in range(TP)]
+        with held or contextlib.nullcontext():
+            futures = [pool.submit(start, rank, kv) for rank in range(TP)]
+            assert held is None or not wait(futures, timeout=0.5).done
         return kv, [f.result(timeout=120) for f in futures]
 
 
-def test_a_replicated_layout_is_sized_as_one_copy_for_all_workers():
-    shared = spec_of(0, "sizing", replicated=True)
-    private = spec_of(0, "sizing", replicated=False)
+def test_a_replicated_layout_is_sized_as_one_copy_for_all_workers(engine_id):
+    """Without the flag each worker keeps a private pool of its own memory."""
+    shared = spec_of(0, engine_id, replicated=True)
+    private = spec_of(1, engine_id, replicated=False)
     assert shared.replicated_layout and not private.replicated_layout
     assert shared.pool_capacity() == PoolCapacity(BLOCKS, BLOCKS * PAGE)
     assert private.pool_capacity() == PoolCapacity(BLOCKS, BLOCKS * TP * PAGE)
+    worker = private.get_worker(make_kv_caches(4, [PAGE]))
+    try:
+        assert not hasattr(worker, "region")
+        assert worker.pool.memory.kind != BORROWED
+        assert worker.pool.nbytes == BLOCKS * PAGE
+    finally:
+        worker.shutdown()
 
 
 def test_the_workers_share_one_copy_that_rank_0_writes_and_every_rank_loads(
-    engine_id, all_workers_barrier, ledger, monkeypatch
+    engine_id, all_workers_barrier, monkeypatch
 ):
     """Host memory for one copy, not two: both ranks start, and the guard
     ran once, in rank 0, which created the region."""
@@ -122,7 +131,7 @@ def test_the_workers_share_one_copy_that_rank_0_writes_and_every_rank_loads(
             assert w.pool.tensor_offsets.tolist() == [0]
             assert w.pool.row_bytes == w.pool.slot_bytes == PAGE
         assert not os.path.exists(region_path(engine_id))
-        assert [p.nbytes for p in host_ledger.live_pools(ledger)] == [BLOCKS * PAGE]
+        assert [p.nbytes for p in host_ledger.live_pools()] == [BLOCKS * PAGE]
 
         # Rank 0 stores device blocks 0, 1 into CPU blocks 2, 3.
         writer, reader = workers
@@ -142,7 +151,7 @@ def test_the_workers_share_one_copy_that_rank_0_writes_and_every_rank_loads(
     finally:
         for w in workers:
             w.shutdown()
-    assert host_ledger.live_pools(ledger) == []
+    assert host_ledger.live_pools() == []
 
 
 @pytest.mark.parametrize("rank, stores", [(0, [7]), (1, [])])
@@ -182,18 +191,6 @@ def test_a_copy_the_host_cannot_hold_is_refused_on_every_rank(
     assert "rank 0 did not create it" in rank_1
 
 
-def test_without_a_replicated_layout_each_worker_keeps_a_private_pool(engine_id):
-    worker = spec_of(1, engine_id, replicated=False).get_worker(
-        make_kv_caches(4, [PAGE])
-    )
-    try:
-        assert not hasattr(worker, "region")
-        assert worker.pool.memory.kind != BORROWED  # its own memory
-        assert worker.pool.nbytes == BLOCKS * PAGE
-    finally:
-        worker.shutdown()
-
-
 def test_ranks_on_one_slot_take_turns_at_their_self_check(
     engine_id, all_workers_barrier, shared_region
 ):
@@ -201,12 +198,5 @@ def test_ranks_on_one_slot_take_turns_at_their_self_check(
     while one process holds its turn on the region, no rank sharing the
     slot builds its worker."""
     region, _ = shared_region(BLOCKS, PAGE, PAGE, engine_id=engine_id)
-    kv = [make_kv_caches(4, [PAGE], seed=rank) for rank in range(TP)]
-    with ThreadPoolExecutor(TP) as pool, taking_turns(region):
-        futures = [
-            pool.submit(lambda r: spec_of(r, engine_id).get_worker(kv[r]), rank)
-            for rank in range(TP)
-        ]
-        assert not wait(futures, timeout=0.5).done
-    for f in futures:
-        f.result(timeout=120).shutdown()
+    for worker in on_every_rank(engine_id, held=taking_turns(region))[1]:
+        worker.shutdown()
