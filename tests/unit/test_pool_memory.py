@@ -66,15 +66,22 @@ SLACK = 2**20 + PAGE
 def test_cpu_pool_is_mapped_and_resident_at_exactly_its_size(pages, num_blocks):
     # A first pool warms up what allocating one initialises (torch, numpy).
     private_pool(pages, 1, 1, "cpu").release()
-    mapped0, resident0 = process_memory()
-    pool = private_pool(pages, 2, num_blocks, "cpu")
-    mapped1, resident1 = process_memory()
     asked = num_blocks * 2 * sum(pages)
+    # The process's totals also count what another thread maps meanwhile (a
+    # malloc arena is 64 MiB): of three pools, one must measure exactly.
+    for _ in range(3):
+        mapped0, resident0 = process_memory()
+        pool = private_pool(pages, 2, num_blocks, "cpu")
+        mapped1, resident1 = process_memory()
+        mapped, resident = mapped1 - mapped0, resident1 - resident0
+        if mapped < asked + SLACK and resident < asked + SLACK:
+            break
+        pool.release()
     assert pool.memory.nbytes == asked == pool.nbytes
     # The kernel maps whole pages; the mapping holds the pool and is
     # resident from the start (faulted in, not at the first store).
-    assert asked <= mapped1 - mapped0 < asked + SLACK
-    assert asked - SLACK < resident1 - resident0 < asked + SLACK
+    assert asked <= mapped < asked + SLACK
+    assert asked - SLACK < resident < asked + SLACK
     seen = smaps(pool.base, starting=True)  # may be merged with a neighbour
     assert seen is not None
     assert int(seen["Size"]) * 1024 >= asked and int(seen["Rss"]) * 1024 >= asked
