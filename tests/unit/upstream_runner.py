@@ -134,95 +134,64 @@ class _NotOnCpu:
         raise NotImplementedError(f"upstream {self.name} is not run on CPU")
 
 
-# name -> (what it stands for in upstream, why it is replaced)
-REPLACEMENTS = {
-    "self.device": (
-        "model_runner_v1.py:4882-4887,5184-5198 torch.zeros(..., device=self.device)",
-        "the NPU; torch.device('cpu') here",
-    ),
-    "get_layers_from_vllm_config": (
-        "model_runner_v1.py:41 (vllm.config): the model's attention layers",
-        "no model is built: returns the scenario's layers",
-    ),
-    "MLAAttention": (
-        "model_runner_v1.py:267 (vLLM's MLA layer)",
-        "a real layer needs a built model: MLALayer carries the two dims read",
-    ),
-    "AscendC8MXFPAttentionBackendImpl": (
-        "attention_c8_mxfp.py:472 (NPU attention impl)",
-        "C8MXFPImpl marks the C8-MXFP layers",
-    ),
-    "enable_fa_quant": (
-        "quantization/utils.py:268",
-        "asks the NPU's hardware profile (FP8_ATTENTION): scenario's answer",
-    ),
-    "requires_contiguous_pa_kv_cache": (
-        "attention/utils.py:215",
-        "NPU paged-attention kernel eligibility: scenario's answer",
-    ),
-    "get_current_hardware_profile": (
-        "device/hardware_profile.py (reads the SoC)",
-        "a profile that supports the scenario's capabilities",
-    ),
-    "is_deepseek_v41_cache": (
-        "models/deepseek_v41/cache_config.py:125",
-        "DeepSeek V4.1 caches are not covered: False",
-    ),
-    "is_glm5_next_cache_spec": (
-        "models/glm5next/kv_cache.py",
-        "GLM-Next caches are not covered: False",
-    ),
-    "get_layerwise_reuse_config": (
-        "kv_pool/ascend_store/layerwise_cache_layout.py:76",
-        "its answer for an OffloadingConnector config: None",
-    ),
-    "allocate_kvpp_cache": (
-        "model_runner_v1.py:237, called at :4964",
-        "not reached (KV pipeline parallelism off): fails if called",
-    ),
-    "allocate_kv_cache_tensors_for_sparse_kv_offload": (
-        "model_runner_v1.py:164",
-        "not reached (sparse KV offload off): fails if called",
-    ),
-    "reshape_kv_cache_tensors_for_sparse_kv_offload": (
-        "model_runner_v1.py:168",
-        "not reached (sparse KV offload off): fails if called",
-    ),
-    "view_glm5_next_cache": (
-        "model_runner_v1.py:179",
-        "not reached (no GLM-Next cache): fails if called",
-    ),
-    "v41_cache_layer_type": (
-        "model_runner_v1.py:288 (DeepseekV41CacheLayer)",
-        "a class no stand-in layer is an instance of",
-    ),
-    "extract_dsv4_layer_index": (
-        "utils.py, imported at model_runner_v1.py:4781",
-        "not reached (no model of type deepseek_v4): fails if called",
-    ),
-    "self.vllm_config": (
-        "NPUModelRunner.__init__: the VllmConfig",
-        "a namespace of the settings the code reads (KV transfer on, cache "
-        "dtype, resolved layout, quant config, model config)",
-    ),
-    "self.ascend_config": (
-        "model_runner_v1.py:426 get_ascend_config()",
-        "KV pipeline parallelism size 1, xlite graph off",
-    ),
-    "self.compilation_config": (
-        "vLLM's static forward context of the built model",
-        "the scenario's stand-in layers (Layer, MLALayer, C8MXFPLayer)",
-    ),
-    "is_sparse": (
-        "vLLM AttentionBackend.is_sparse, read at model_runner_v1.py:5014",
-        "True for upstream's SFA and indexer backends (BACKENDS)",
-    ),
-    "self._kv_cache_spec_attn_group_iterator": (
-        "vLLM GPUModelRunner; groups built by initialize_attn_backend",
-        "that picks NPU backends: the scenario's groups with upstream's "
-        "get_kv_cache_shape (BACKENDS)",
-    ),
-}
+# What stands in for upstream code or state that only exists on an NPU host,
+# by the name the runner methods read. Per entry: "name: what it stands for in
+# upstream (file:line)", then, indented, why it is replaced and by what.
+REPLACEMENTS = dict(
+    (name, f"{where.strip()}: {' '.join(why.split())}")
+    for name, where, why in re.findall(
+        r"^(\S+): (.+)\n((?:    .+\n)+)",
+        """\
+self.device: model_runner_v1.py:4882-4887,5184-5198 torch.zeros(..., device=self.device)
+    the NPU; torch.device('cpu') here
+get_layers_from_vllm_config: model_runner_v1.py:41 (vllm.config): attention layers
+    no model is built: returns the scenario's layers
+MLAAttention: model_runner_v1.py:267 (vLLM's MLA layer)
+    a real layer needs a built model: MLALayer carries the two dims read
+AscendC8MXFPAttentionBackendImpl: attention_c8_mxfp.py:472 (NPU attention impl)
+    C8MXFPImpl marks the C8-MXFP layers
+enable_fa_quant: quantization/utils.py:268
+    asks the NPU's hardware profile (FP8_ATTENTION): scenario's answer
+requires_contiguous_pa_kv_cache: attention/utils.py:215
+    NPU paged-attention kernel eligibility: scenario's answer
+get_current_hardware_profile: device/hardware_profile.py (reads the SoC)
+    a profile that supports the scenario's capabilities
+is_deepseek_v41_cache: models/deepseek_v41/cache_config.py:125
+    DeepSeek V4.1 caches are not covered: False
+is_glm5_next_cache_spec: models/glm5next/kv_cache.py
+    GLM-Next caches are not covered: False
+get_layerwise_reuse_config: kv_pool/ascend_store/layerwise_cache_layout.py:76
+    its answer for an OffloadingConnector config: None
+allocate_kvpp_cache: model_runner_v1.py:237, called at :4964
+    not reached (KV pipeline parallelism off): fails if called
+allocate_kv_cache_tensors_for_sparse_kv_offload: model_runner_v1.py:164
+    not reached (sparse KV offload off): fails if called
+reshape_kv_cache_tensors_for_sparse_kv_offload: model_runner_v1.py:168
+    not reached (sparse KV offload off): fails if called
+view_glm5_next_cache: model_runner_v1.py:179
+    not reached (no GLM-Next cache): fails if called
+v41_cache_layer_type: model_runner_v1.py:288 (DeepseekV41CacheLayer)
+    a class no stand-in layer is an instance of
+extract_dsv4_layer_index: utils.py, imported at model_runner_v1.py:4781
+    not reached (no model of type deepseek_v4): fails if called
+self.vllm_config: NPUModelRunner.__init__: the VllmConfig
+    a namespace of the settings the code reads (KV transfer on, cache dtype,
+    resolved layout, quant config, model config)
+self.ascend_config: model_runner_v1.py:426 get_ascend_config()
+    KV pipeline parallelism size 1, xlite graph off
+self.compilation_config: vLLM's static forward context of the built model
+    the scenario's stand-in layers (Layer, MLALayer, C8MXFPLayer)
+is_sparse: vLLM AttentionBackend.is_sparse, read at model_runner_v1.py:5014
+    True for upstream's SFA and indexer backends (BACKENDS)
+self._kv_cache_spec_attn_group_iterator: vLLM GPUModelRunner's attention groups
+    initialize_attn_backend builds them with NPU backends: the scenario's groups
+    with upstream's get_kv_cache_shape (BACKENDS)
+""",
+        re.M,
+    )
+)
+# Those the layouts here never reach: a stand-in that fails if called.
+NOT_ON_CPU = [n for n, why in REPLACEMENTS.items() if why.endswith("fails if called")]
 
 
 class _DropUpstreamImports(ast.NodeTransformer):
@@ -333,17 +302,9 @@ def load(root: Path) -> SimpleNamespace:
         "AscendC8MXFPAttentionBackendImpl": C8MXFPImpl,
         "is_deepseek_v41_cache": lambda specs: False,
         "is_glm5_next_cache_spec": lambda spec: False,
-        "view_glm5_next_cache": _NotOnCpu("view_glm5_next_cache"),
         "get_layerwise_reuse_config": lambda kv_transfer_config: None,
-        "allocate_kvpp_cache": _NotOnCpu("allocate_kvpp_cache"),
-        "allocate_kv_cache_tensors_for_sparse_kv_offload": _NotOnCpu(
-            "sparse KV offload allocation"
-        ),
-        "reshape_kv_cache_tensors_for_sparse_kv_offload": _NotOnCpu(
-            "sparse KV offload reshape"
-        ),
         "v41_cache_layer_type": type("NoV41Layer", (), {}),
-        "extract_dsv4_layer_index": _NotOnCpu("extract_dsv4_layer_index"),
+        **{n: _NotOnCpu(n) for n in NOT_ON_CPU},
     }
     for rel, names in (
         (PROFILE, ("HardwareCapability",)),
