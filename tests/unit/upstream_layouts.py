@@ -31,7 +31,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
 from tests.unit.kv_helpers import parts_of
-from tests.unit.upstream_runner import C8MXFPLayer, Layer, MLALayer
+from tests.unit.upstream_runner import C8MXFPImpl, Layer, MLALayer
 
 NUM_BLOCKS = 6
 
@@ -93,7 +93,7 @@ def _indexer(i: int) -> str:
 
 
 def _mla_layer() -> MLALayer:
-    return MLALayer(512, 64)  # kv_lora_rank, qk_rope_head_dim
+    return MLALayer(kv_lora_rank=512, qk_rope_head_dim=64)
 
 
 def _layers(spec, backend, stand_in=Layer, name=_attn, ids=range(2)) -> dict:
@@ -138,12 +138,9 @@ def scenarios(upstream) -> dict[str, Scenario]:
                 block_size=block_size, num_kv_heads=2, head_size=128, dtype=bf16
             )
         )
-        # Each layer's static V scales: one E8M0 byte per KV channel.
-        return _layers(
-            spec,
-            ATTN,
-            lambda: C8MXFPLayer(torch.randint(0, 256, (2 * 128,), dtype=torch.uint8)),
-        )
+        # Each layer's checkpoint's static V scales: one E8M0 byte per KV channel.
+        scales = lambda: torch.randint(0, 256, (2 * 128,), dtype=torch.uint8)  # noqa: E731
+        return _layers(spec, ATTN, lambda: Layer(C8MXFPImpl(), v_cache_scale=scales()))
 
     # :6207-6235: one int8 row of latent, bf16 rope and fp32 tile scales
     # (get_sfa_qsfa_packed_head_dim).
@@ -363,13 +360,8 @@ def build(upstream, scenario: Scenario, seed: int = 0) -> Built:
         kv_cache_config, kernel_block_sizes=scenario.kernel_block_sizes
     )
     gen = torch.Generator().manual_seed(seed)
-    for storage in {s.data_ptr(): s for s in _storages(kv_caches)}.values():
+    storages = [p.untyped_storage() for c in kv_caches.values() for p in parts_of(c)]
+    for storage in {s.data_ptr(): s for s in storages}.values():
         raw = torch.tensor([], dtype=torch.uint8).set_(storage)
         raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
     return Built(scenario, kv_cache_config, kv_caches)
-
-
-def _storages(kv_caches):
-    for cache in kv_caches.values():
-        for part in parts_of(cache):
-            yield part.untyped_storage()

@@ -87,11 +87,13 @@ SPARSE_BACKENDS = {"AscendSFABackend", "AscendSFAIndexerBackend"}
 class Layer:
     """Stands for a model layer in the static forward context: vLLM's
     ``bind_kv_cache`` (called by initialize_kv_cache_tensors,
-    model_runner_v1.py:4797) hands it its cache."""
+    model_runner_v1.py:4797) hands it its cache; ``attrs`` are what the
+    runner reads of the layer besides its ``impl``."""
 
-    def __init__(self, impl: Any = None):
+    def __init__(self, impl: Any = None, **attrs: Any):
         self.impl = impl
         self.kv_cache: Any = None
+        vars(self).update(attrs)
 
     def bind_kv_cache(self, kv_cache: Any) -> None:
         self.kv_cache = kv_cache
@@ -101,27 +103,13 @@ class MLALayer(Layer):
     """Stands for vLLM's ``MLAAttention`` layer: the runner reads its
     ``kv_lora_rank`` and ``qk_rope_head_dim`` (model_runner_v1.py:4853)."""
 
-    def __init__(self, kv_lora_rank: int, qk_rope_head_dim: int, impl: Any = None):
-        super().__init__(impl)
-        self.kv_lora_rank = kv_lora_rank
-        self.qk_rope_head_dim = qk_rope_head_dim
-
 
 class C8MXFPImpl:
     """Stands for ``AscendC8MXFPAttentionBackendImpl``
     (attention_c8_mxfp.py:472), an NPU attention impl: the runner only tests
     a layer's impl against it to find C8-MXFP layers
-    (model_runner_v1.py:4721)."""
-
-
-class C8MXFPLayer(Layer):
-    """A C8-MXFP attention layer: its checkpoint's static V scales
-    (``v_cache_scale``, one E8M0 byte per KV channel) are what upstream's
-    ``fill_mxfp_v_scale_cache`` writes into every page's V-scale section."""
-
-    def __init__(self, v_cache_scale: torch.Tensor):
-        super().__init__(C8MXFPImpl())
-        self.v_cache_scale = v_cache_scale
+    (model_runner_v1.py:4721), whose static V scales (``v_cache_scale``)
+    upstream's ``fill_mxfp_v_scale_cache`` writes into every page."""
 
 
 class _NotOnCpu:
@@ -180,7 +168,7 @@ self.vllm_config: NPUModelRunner.__init__: the VllmConfig
 self.ascend_config: model_runner_v1.py:426 get_ascend_config()
     KV pipeline parallelism size 1, xlite graph off
 self.compilation_config: vLLM's static forward context of the built model
-    the scenario's stand-in layers (Layer, MLALayer, C8MXFPLayer)
+    the scenario's stand-in layers (Layer, MLALayer)
 is_sparse: vLLM AttentionBackend.is_sparse, read at model_runner_v1.py:5014
     True for upstream's SFA and indexer backends (BACKENDS)
 self._kv_cache_spec_attn_group_iterator: vLLM GPUModelRunner's attention groups
