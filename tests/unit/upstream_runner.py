@@ -196,33 +196,31 @@ class _DropUpstreamImports(ast.NodeTransformer):
         return node
 
 
-def _top_level(root: Path, rel: str, names: Sequence[str]) -> list[ast.stmt]:
-    """The top-level definitions ``names`` of upstream's file ``rel``."""
+def _defs(
+    root: Path, rel: str, names: Sequence[str], cls: str | None = None
+) -> list[ast.stmt]:
+    """The definitions ``names`` at the top level of upstream's file ``rel``,
+    or among the methods of its class ``cls``."""
+    where, body = rel, ast.parse((root / rel).read_text()).body
+    if cls is not None:
+        where = f"{rel}:{cls}"
+        classes = [n for n in body if isinstance(n, ast.ClassDef) and n.name == cls]
+        if not classes:
+            raise LookupError(f"upstream {rel} no longer defines class {cls}")
+        body = classes[0].body
     found: dict[str, ast.stmt] = {}
-    for node in ast.parse((root / rel).read_text()).body:
+    for node in body:
         if isinstance(node, ast.FunctionDef | ast.ClassDef):
             found[node.name] = node
-        elif isinstance(node, ast.Assign | ast.AnnAssign):
+        elif isinstance(node, ast.Assign | ast.AnnAssign) and cls is None:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for t in targets:
                 if isinstance(t, ast.Name):
                     found[t.id] = node
     missing = [n for n in names if n not in found]
     if missing:
-        raise LookupError(f"upstream {rel} no longer defines {missing}")
+        raise LookupError(f"upstream {where} no longer defines {missing}")
     return [found[n] for n in names]
-
-
-def _methods(root: Path, rel: str, cls: str, names: Sequence[str]):
-    """The methods ``names`` of class ``cls`` in upstream's file ``rel``."""
-    for node in ast.parse((root / rel).read_text()).body:
-        if isinstance(node, ast.ClassDef) and node.name == cls:
-            by_name = {f.name: f for f in node.body if isinstance(f, ast.FunctionDef)}
-            missing = [n for n in names if n not in by_name]
-            if missing:
-                raise LookupError(f"upstream {rel}:{cls} no longer defines {missing}")
-            return [by_name[n] for n in names]
-    raise LookupError(f"upstream {rel} no longer defines class {cls}")
 
 
 def _exec(nodes: list[ast.stmt], namespace: dict[str, Any], origin: str) -> None:
@@ -300,15 +298,15 @@ def load(root: Path) -> SimpleNamespace:
         (ATTN_UTILS, ATTN_UTILS_NAMES),
         (MXFP, MXFP_NAMES),
     ):
-        _exec(_top_level(root, rel, names), ns, rel)
+        _exec(_defs(root, rel, names), ns, rel)
     backends = {}
     for name, rel in BACKENDS.items():
-        (shape_fn,) = _methods(root, rel, name, ["get_kv_cache_shape"])
+        (shape_fn,) = _defs(root, rel, ["get_kv_cache_shape"], name)
         is_sparse = ast.parse(f"def is_sparse():\n    return {name in SPARSE_BACKENDS}")
         backends[name] = _class(name, [shape_fn, *is_sparse.body], ns, rel)
-    quant = _methods(root, QUANT, "AscendModelSlimConfig", QUANT_METHODS)
+    quant = _defs(root, QUANT, QUANT_METHODS, "AscendModelSlimConfig")
     kv_quant = _class("ModelSlimKVQuant", quant, ns, QUANT)
-    runner = _methods(root, RUNNER, "NPUModelRunner", RUNNER_METHODS)
+    runner = _defs(root, RUNNER, RUNNER_METHODS, "NPUModelRunner")
     return SimpleNamespace(
         specs=specs,
         backends=backends,
