@@ -20,24 +20,12 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-import math
 import re
 import sys
 from collections.abc import Sequence
-from contextlib import AbstractContextManager, nullcontext
-from enum import Enum, auto
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
-
-import numpy as np
-import torch
-import vllm.envs
-from vllm.logger import logger
-from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
-from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionLayer
-from vllm.utils.torch_utils import get_dtype_size
-from vllm.v1 import kv_cache_interface
 
 RUNNER = "vllm_ascend/worker/model_runner_v1.py"
 # NPUModelRunner's methods that allocate and view the KV cache
@@ -82,6 +70,29 @@ BACKENDS = {
     "AscendSFAIndexerBackend": "vllm_ascend/attention/indexer.py",
 }
 SPARSE_BACKENDS = {"AscendSFABackend", "AscendSFAIndexerBackend"}
+# What the cut-out code imports (in upstream, at the top of its files), under
+# the names it uses; run in the namespace it is exec-ed in.
+IMPORTS = """
+import math
+import re
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
+from enum import Enum, auto
+from typing import Any
+
+import numpy as np
+import torch
+import vllm.envs as envs_vllm
+from vllm.logger import logger
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionLayer
+from vllm.utils.torch_utils import get_dtype_size
+from vllm.v1.kv_cache_interface import (
+    AttentionSpec, FullAttentionSpec, KVCacheConfig, KVCacheSpec, MambaSpec,
+    UniformTypeKVCacheSpecs,
+)
+"""
 
 
 class Layer:
@@ -253,27 +264,6 @@ def load(root: Path) -> SimpleNamespace:
     specs = _load_module(root, SPECS, "upstream_vllm_ascend_kv_cache_interface")
     ns: dict[str, Any] = {
         "__name__": "upstream_vllm_ascend",
-        "torch": torch,
-        "math": math,
-        "re": re,
-        "Enum": Enum,
-        "auto": auto,
-        "np": np,
-        "logger": logger,
-        "Any": Any,
-        "Sequence": Sequence,
-        "AbstractContextManager": AbstractContextManager,
-        "nullcontext": nullcontext,
-        "replace": __import__("dataclasses").replace,
-        "get_dtype_size": get_dtype_size,
-        **{
-            n: getattr(kv_cache_interface, n)
-            for n in "AttentionSpec FullAttentionSpec KVCacheConfig KVCacheSpec "
-            "MambaSpec UniformTypeKVCacheSpecs".split()
-        },
-        "AttentionLayerBase": AttentionLayerBase,
-        "CacheOnlyAttentionLayer": CacheOnlyAttentionLayer,
-        "envs_vllm": vllm.envs,
         "VllmConfig": object,  # annotations only
         **{
             n: getattr(specs, n)
@@ -292,6 +282,7 @@ def load(root: Path) -> SimpleNamespace:
         "v41_cache_layer_type": type("NoV41Layer", (), {}),
         **{n: _NotOnCpu(n) for n in NOT_ON_CPU},
     }
+    exec(IMPORTS, ns)
     for rel, names in (
         (PROFILE, ("HardwareCapability",)),
         (UTILS, UTILS_NAMES),
