@@ -32,8 +32,9 @@ def aligned_randn(shape, dtype, gen) -> torch.Tensor:
     return data
 
 
-def pair_layers(n, shapes, kind="attn", seed=0):
-    """``n`` layers of two bf16 parts each, of ``shapes`` per block."""
+def pair_layers(n, shapes=((2, 64), (2, 64)), kind="attn", seed=0):
+    """``n`` layers of two bf16 parts each, of ``shapes`` per block (default:
+    K and V of 2 heads of 64)."""
     gen = torch.Generator().manual_seed(seed)
     return {
         f"layers.{i}.{kind}": tuple(
@@ -41,10 +42,6 @@ def pair_layers(n, shapes, kind="attn", seed=0):
         )
         for i in range(n)
     }
-
-
-def kv_tuple_layers(n, heads=8, dim=128):
-    return pair_layers(n, [(heads, dim), (heads, dim)])
 
 
 def all_parts(kv_caches):
@@ -81,7 +78,7 @@ def round_trip(kv_caches, groups, bpc, group_sizes, block_indices):
 
 @pytest.mark.parametrize("bpc, first", [(1, 0), (2, 0), (4, 3)])
 def test_28_layers_of_bf16_k_v_tuples(bpc, first):
-    kv = kv_tuple_layers(28)
+    kv = pair_layers(28, [(8, 128)] * 2)
     canonical = round_trip(kv, [list(kv)], bpc, [4], [first])
     # K and V of every layer are separate parts of 128 x 8 x 128 bf16.
     assert len(canonical.tensors) == 56
@@ -98,7 +95,7 @@ def test_61_mla_layers_with_different_nope_and_rope_widths(bpc, first):
 
 
 def test_two_groups_with_different_block_counts_and_a_mamba_state():
-    kv = kv_tuple_layers(2, heads=2, dim=64)
+    kv = pair_layers(2)
     gen = torch.Generator().manual_seed(2)
     kv["layers.9.mamba"] = [
         aligned_randn((NUM_BLOCKS, 3, 1024), torch.bfloat16, gen),
@@ -111,7 +108,7 @@ def test_two_groups_with_different_block_counts_and_a_mamba_state():
 
 
 def test_layers_sharing_one_cache_are_transferred_once():
-    kv = kv_tuple_layers(2, heads=2, dim=64)
+    kv = pair_layers(2)
     kv["layers.1.attn"] = kv["layers.0.attn"]
     canonical = canonicalize(kv, [list(kv)], NUM_BLOCKS)
     assert len(canonical.tensors) == 2
@@ -119,7 +116,7 @@ def test_layers_sharing_one_cache_are_transferred_once():
 
 
 def test_views_share_memory_with_the_device_cache():
-    k, _ = kv_tuple_layers(1, heads=2, dim=64)["layers.0.attn"]
+    k, _ = pair_layers(1)["layers.0.attn"]
     view = block_view(k, NUM_BLOCKS, "k")
     assert view.data_ptr() == k.data_ptr()
     assert view.shape == (NUM_BLOCKS, BLOCK * 2 * 64 * 2)
@@ -157,7 +154,7 @@ KV_PAGE = BLOCK * 2 * 64 * 2
 
 
 def test_parts_must_add_up_to_the_page_of_vllms_kv_cache_spec():
-    kv = kv_tuple_layers(1, heads=2, dim=64)
+    kv = pair_layers(1)
     page = 2 * KV_PAGE  # K and V
     ok = canonicalize(kv, [list(kv)], NUM_BLOCKS, {"layers.0.attn": (page, page)})
     assert len(ok.tensors) == 2
