@@ -153,36 +153,35 @@ def test_is_registered_with_the_spec_bytes_and_every_part_survives_a_round_trip(
 
 
 # HF configs of the layouts sizing.py can size (dense and MLA attention; it
-# knows no scale tensors, Ascend indexers or mixed-dtype MLA), with the
-# --kv-cache-dtype each was built with.
-GQA_MODEL = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
-MLA_MODEL = {
+# knows no scale tensors, Ascend indexers or mixed-dtype MLA), each a model
+# vLLM's ModelConfig knows, with the --kv-cache-dtype each was built with.
+GQA = {
+    "model_type": "qwen3",
+    "architectures": ["Qwen3ForCausalLM"],
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+MLA = {
     "model_type": "deepseek_v2",
     "architectures": ["DeepseekV2ForCausalLM"],
     "num_attention_heads": 4,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
 }
-GQA_HEADS = {"num_attention_heads": 4, "num_key_value_heads": 2}
 SIZABLE = {
-    "bf16 (k, v)": (GQA_HEADS, "auto"),
-    "bf16 (k, v) interleaved in one allocation": (GQA_HEADS, "auto"),
-    "C8 INT8 dense (k, v)": (GQA_HEADS, "int8"),
-    "MLA (nope, rope)": ({"kv_lora_rank": 512, "qk_rope_head_dim": 64}, "auto"),
+    "bf16 (k, v)": (GQA, "auto"),
+    "bf16 (k, v) interleaved in one allocation": (GQA, "auto"),
+    "C8 INT8 dense (k, v)": (GQA, "int8"),
+    "MLA (nope, rope)": (MLA, "auto"),
 }
 
 
 @pytest.mark.parametrize("name", SIZABLE)
 def test_sizing_gives_the_bytes_per_cpu_block_the_pool_holds(upstream, name, size_kv):
     built = build(upstream, scenarios(upstream)[name])
-    config, kv_cache_dtype = SIZABLE[name]
+    model, kv_cache_dtype = SIZABLE[name]
     sizing = size_kv(
-        {
-            **config,
-            # A model vLLM's ModelConfig knows for each attention kind.
-            **(MLA_MODEL if "kv_lora_rank" in config else GQA_MODEL),
-            "num_hidden_layers": 2,
-            "head_dim": 64,
-            "torch_dtype": "bfloat16",
-        },
+        {**model, "num_hidden_layers": 2, "head_dim": 64, "torch_dtype": "bfloat16"},
         block_size=block_size(built),
         device_block_size=block_size(built),
         kv_cache_dtype=kv_cache_dtype,
