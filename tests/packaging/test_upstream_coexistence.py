@@ -265,17 +265,12 @@ def test_guide_example_with_both_installed(venv, upstream_alone, tiny_model, tmp
     ]
     engine = dict(_ENGINE, distributed_executor_backend="uni")
     spec, result = tmp_path / "on_off.json", tmp_path / "on_off.result.json"
-    spec.write_text(
-        json.dumps(
-            {
-                "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-                "sequence": [
-                    {"engine": engine, "offload": offload, "phases": phases}
-                    for offload in (GUIDE_EXTRA_CONFIG, None)
-                ],
-            }
-        )
-    )
+    sequence = [
+        {"engine": engine, "offload": offload, "phases": phases}
+        for offload in (GUIDE_EXTRA_CONFIG, None)
+    ]
+    env_in = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    spec.write_text(json.dumps({"env": env_in, "sequence": sequence}))
     driver = REPO / "tests" / "e2e" / "run_scenario.py"
     # Both run from scratch directories by file path: sys.path[0] is
     # examples/ (tests/e2e/), so nothing of the checkout's vllm_ascend/ can
@@ -308,13 +303,12 @@ def test_guide_example_with_both_installed(venv, upstream_alone, tiny_model, tmp
     assert re.search(r"^Generated: '.+'$", out, re.M), out
 
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
-    runs = json.loads(result.read_text())["runs"]
-    results = dict(zip(("on", "off"), runs, strict=True))
-    on, off = results["on"]["phases"], results["off"]["phases"]
+    run_on, run_off = json.loads(result.read_text())["runs"]
+    on, off = run_on["phases"], run_off["phases"]
     cold, hit, reference = on[0][0], on[1][0], off[0][0]
     assert hit["num_cached_tokens"] > 0, "the reset prompt was not served from the CPU"
     assert off[1][0]["num_cached_tokens"] == 0
-    assert results["on"]["counters"].get("vllm:kv_offload_load_bytes", 0) > 0
+    assert run_on["counters"].get("vllm:kv_offload_load_bytes", 0) > 0
     assert cold["token_ids"] == reference["token_ids"]
     assert hit["token_ids"] == reference["token_ids"]
     assert off[1][0]["token_ids"] == reference["token_ids"]
