@@ -71,7 +71,7 @@ BACKENDS = {
 }
 SPARSE_BACKENDS = {"AscendSFABackend", "AscendSFAIndexerBackend"}
 # What the cut-out code imports (in upstream, at the top of its files), under
-# the names it uses; run in the namespace it is exec-ed in.
+# the names it uses; exec-ed into the namespace that code runs in.
 IMPORTS = """
 import math
 import re
