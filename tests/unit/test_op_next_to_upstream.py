@@ -29,15 +29,12 @@ SCENARIO = """
 import sys
 import torch
 
-def load_upstream():
-    torch.ops.load_library(sys.argv[1])
-
-def load_ours():
-    from vllm_ascend.kv_offload import ops
-    assert ops.HAS_NATIVE_OP
-
 for step in sys.argv[2].split(","):
-    {"upstream": load_upstream, "ours": load_ours}[step]()
+    if step == "upstream":
+        torch.ops.load_library(sys.argv[1])
+    else:
+        from vllm_ascend.kv_offload import ops
+        assert ops.HAS_NATIVE_OP
 
 # Upstream's op reaches upstream's kernel.
 z = torch.zeros(4, dtype=torch.int64)

@@ -14,8 +14,6 @@ loaded back, and compared part by part, scales included.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 from vllm.v1.kv_offload.base import (
@@ -26,7 +24,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
 from tests.unit.conftest import make_connector
-from tests.unit.kv_helpers import make_worker, parts_of
+from tests.unit.kv_helpers import make_worker, parts_of, running
 from tests.unit.upstream_layouts import build, scenarios
 from tests.unit.upstream_runner import REPLACEMENTS, RUNNER, RUNNER_METHODS
 from vllm_ascend.kv_offload.kv_layout import canonicalize
@@ -82,28 +80,6 @@ def block_size(built) -> int:
     return built.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
 
 
-@contextlib.contextmanager
-def worker_side(built):
-    """The real connector's worker side (vLLM's connector worker: its spec
-    and our worker), with ``built``'s caches registered (one device block
-    per CPU block); our worker is shut down after."""
-    connector = make_connector(
-        "worker",
-        extra={
-            "num_cpu_blocks": NUM_CPU_BLOCKS,
-            "block_size": block_size(built),
-            "spec_name": "FaultInjectingOffloadingSpec",
-            "spec_module_path": "tests.fault_injection",
-        },
-        kv_cache_config=built.kv_cache_config,
-        kv_caches=built.kv_caches,
-    )
-    try:
-        yield connector.connector_worker
-    finally:
-        connector.connector_worker.worker.shutdown()
-
-
 def blocks_of(part: torch.Tensor, num_blocks: int, ids: list[int]) -> torch.Tensor:
     """The bytes of manager blocks ``ids`` of one cache part."""
     return part.unflatten(0, (num_blocks, -1))[ids].view(torch.uint8)
@@ -155,7 +131,20 @@ def spec_bytes_per_block(built) -> int:
 def test_is_registered_with_the_spec_bytes_and_every_part_survives_a_round_trip(
     layout,
 ):
-    with worker_side(layout) as side:
+    """Through the real connector's worker side (vLLM's connector worker: its
+    spec and our worker), one device block per CPU block."""
+    side = make_connector(
+        "worker",
+        extra={
+            "num_cpu_blocks": NUM_CPU_BLOCKS,
+            "block_size": block_size(layout),
+            "spec_name": "FaultInjectingOffloadingSpec",
+            "spec_module_path": "tests.fault_injection",
+        },
+        kv_cache_config=layout.kv_cache_config,
+        kv_caches=layout.kv_caches,
+    ).connector_worker
+    with running(side.worker):
         spec_bytes = spec_bytes_per_block(layout)
         assert side.worker.pool.row_bytes == spec_bytes
         # vLLM's own figure from the KVCacheConfig, which sizes the pool.
@@ -164,36 +153,35 @@ def test_is_registered_with_the_spec_bytes_and_every_part_survives_a_round_trip(
 
 
 # HF configs of the layouts sizing.py can size (dense and MLA attention; it
-# knows no scale tensors, Ascend indexers or mixed-dtype MLA), with the
-# --kv-cache-dtype each was built with.
-GQA_MODEL = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
-MLA_MODEL = {
+# knows no scale tensors, Ascend indexers or mixed-dtype MLA), each a model
+# vLLM's ModelConfig knows, with the --kv-cache-dtype each was built with.
+GQA = {
+    "model_type": "qwen3",
+    "architectures": ["Qwen3ForCausalLM"],
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+MLA = {
     "model_type": "deepseek_v2",
     "architectures": ["DeepseekV2ForCausalLM"],
     "num_attention_heads": 4,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
 }
-GQA_HEADS = {"num_attention_heads": 4, "num_key_value_heads": 2}
 SIZABLE = {
-    "bf16 (k, v)": (GQA_HEADS, "auto"),
-    "bf16 (k, v) interleaved in one allocation": (GQA_HEADS, "auto"),
-    "C8 INT8 dense (k, v)": (GQA_HEADS, "int8"),
-    "MLA (nope, rope)": ({"kv_lora_rank": 512, "qk_rope_head_dim": 64}, "auto"),
+    "bf16 (k, v)": (GQA, "auto"),
+    "bf16 (k, v) interleaved in one allocation": (GQA, "auto"),
+    "C8 INT8 dense (k, v)": (GQA, "int8"),
+    "MLA (nope, rope)": (MLA, "auto"),
 }
 
 
 @pytest.mark.parametrize("name", SIZABLE)
 def test_sizing_gives_the_bytes_per_cpu_block_the_pool_holds(upstream, name, size_kv):
     built = build(upstream, scenarios(upstream)[name])
-    config, kv_cache_dtype = SIZABLE[name]
+    model, kv_cache_dtype = SIZABLE[name]
     sizing = size_kv(
-        {
-            **config,
-            # A model vLLM's ModelConfig knows for each attention kind.
-            **(MLA_MODEL if "kv_lora_rank" in config else GQA_MODEL),
-            "num_hidden_layers": 2,
-            "head_dim": 64,
-            "torch_dtype": "bfloat16",
-        },
+        {**model, "num_hidden_layers": 2, "head_dim": 64, "torch_dtype": "bfloat16"},
         block_size=block_size(built),
         device_block_size=block_size(built),
         kv_cache_dtype=kv_cache_dtype,
@@ -237,7 +225,5 @@ def test_the_round_trip_check_catches_a_part_left_out(layout):
     )
     for drop in range(len(canonical.tensors)):
         worker = make_worker(without_tensor(canonical, drop), 1, NUM_CPU_BLOCKS)
-        try:
+        with running(worker):
             assert round_trip(worker, layout) != [], f"tensor {drop} left out"
-        finally:
-            worker.shutdown()

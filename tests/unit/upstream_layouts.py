@@ -31,7 +31,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
 from tests.unit.kv_helpers import parts_of
-from tests.unit.upstream_runner import C8MXFPLayer, Layer, MLALayer
+from tests.unit.upstream_runner import C8MXFPImpl, Layer, MLALayer
 
 NUM_BLOCKS = 6
 
@@ -40,7 +40,6 @@ NUM_BLOCKS = 6
 class Scenario:
     """A model's KV cache layers and the upstream runner settings for it."""
 
-    name: str
     # Per KV cache group: {layer name: (spec, layer stand-in, backend)}, the
     # backend being the name of upstream's class (upstream_runner.BACKENDS),
     # or None for Mamba layers (their reshape asks no backend).
@@ -93,7 +92,7 @@ def _indexer(i: int) -> str:
 
 
 def _mla_layer() -> MLALayer:
-    return MLALayer(512, 64)  # kv_lora_rank, qk_rope_head_dim
+    return MLALayer(kv_lora_rank=512, qk_rope_head_dim=64)
 
 
 def _layers(spec, backend, stand_in=Layer, name=_attn, ids=range(2)) -> dict:
@@ -138,12 +137,9 @@ def scenarios(upstream) -> dict[str, Scenario]:
                 block_size=block_size, num_kv_heads=2, head_size=128, dtype=bf16
             )
         )
-        # Each layer's static V scales: one E8M0 byte per KV channel.
-        return _layers(
-            spec,
-            ATTN,
-            lambda: C8MXFPLayer(torch.randint(0, 256, (2 * 128,), dtype=torch.uint8)),
-        )
+        # Each layer's checkpoint's static V scales: one E8M0 byte per KV channel.
+        scales = lambda: torch.randint(0, 256, (2 * 128,), dtype=torch.uint8)  # noqa: E731
+        return _layers(spec, ATTN, lambda: Layer(C8MXFPImpl(), v_cache_scale=scales()))
 
     # :6207-6235: one int8 row of latent, bf16 rope and fp32 tile scales
     # (get_sfa_qsfa_packed_head_dim).
@@ -174,26 +170,17 @@ def scenarios(upstream) -> dict[str, Scenario]:
         model_version="deepseek_v4",
     )
     return {
-        "bf16 (k, v)": Scenario(
-            # paged-attention layers: K and V apart
-            "bf16_kv",
-            [_layers(dense, ATTN)],
-            contiguous_pa=True,
-        ),
-        "bf16 (k, v) interleaved in one allocation": Scenario(
-            "bf16_kv_strided", [_layers(dense, ATTN)]
-        ),
+        # paged-attention layers: K and V apart
+        "bf16 (k, v)": Scenario([_layers(dense, ATTN)], contiguous_pa=True),
+        "bf16 (k, v) interleaved in one allocation": Scenario([_layers(dense, ATTN)]),
         # kv_c8.py:125 sets the layer's cache dtype to int8; its scales are
         # per-layer weights (kv_c8.py:132-139), not cache.
         "C8 INT8 dense (k, v)": Scenario(
-            "c8_int8",
-            [_layers(replace(dense, dtype=torch.int8), ATTN)],
-            cache_dtype="int8",
+            [_layers(replace(dense, dtype=torch.int8), ATTN)], cache_dtype="int8"
         ),
-        "MLA (nope, rope)": Scenario("mla", [_layers(mla, MLA, _mla_layer)]),
+        "MLA (nope, rope)": Scenario([_layers(mla, MLA, _mla_layer)]),
         # fa_quant layer (:6238-6239): head_size = 576 + 64, int8.
         "MLA C8 (int8 nope, bf16 rope)": Scenario(
-            "mla_c8",
             [_layers(replace(mla, head_size=640, dtype=torch.int8), MLA, _mla_layer)],
             cache_dtype="int8",
             fa_quant=True,
@@ -202,37 +189,31 @@ def scenarios(upstream) -> dict[str, Scenario]:
         # 512-token kernel blocks: the C8-MXFP backend's only size
         # (attention_c8_mxfp.py:397-399).
         "C8-MXFP (k, v, k_scale, v_scale)": Scenario(
-            "c8_mxfp", [mxfp_layers(512)], kernel_block_sizes=[512], cache_dtype="mxfp8"
+            [mxfp_layers(512)], kernel_block_sizes=[512], cache_dtype="mxfp8"
         ),
         # A larger scheduler block spans several kernel packets
         # (mxfp_cache_views_for_spec, attention_c8_mxfp.py:236-252).
         "C8-MXFP, 1024-token blocks over 512-token kernel blocks": Scenario(
-            "c8_mxfp_1024",
-            [mxfp_layers(1024)],
-            kernel_block_sizes=[512],
-            cache_dtype="mxfp8",
+            [mxfp_layers(1024)], kernel_block_sizes=[512], cache_dtype="mxfp8"
         ),
         "DSA: MLA (nope, rope) + indexer C8 (k, scale)": Scenario(
-            "dsa", [{**_layers(mla, SFA, _mla_layer), **indexers_c8()}], use_sparse=True
+            [{**_layers(mla, SFA, _mla_layer), **indexers_c8()}], use_sparse=True
         ),
         "sparse-SFA C8 packed latent + indexer C8 (k, scale)": Scenario(
-            "sfa_c8",
             [{**_layers(sfa_c8, SFA, _mla_layer), **indexers_c8()}],
             use_sparse=True,
             cache_dtype="int8",
             c8_cache_dtype=torch.int8,
         ),
         "hybrid attention + Mamba": Scenario(
-            "qwen3_next",
             [
                 _layers(replace(dense, block_size=64), ATTN, ids=(1, 3)),
                 _layers(
                     mamba, None, name="model.layers.{}.linear_attn".format, ids=(0, 2)
                 ),
-            ],
+            ]
         ),
         "DSV4 indexer: (k, scale) + overlapping full-page view": Scenario(
-            "dsv4",
             [_layers(dsv4, MLA, name=_indexer, ids=range(1))],
             layout=KVCacheLayout.BLHNC,
             use_compress=True,
@@ -319,7 +300,8 @@ def runner(upstream, scenario: Scenario, kv_cache_config: KVCacheConfig):
     run = upstream.runner_methods()
     run.device = torch.device("cpu")
     model_config = SimpleNamespace(
-        hf_text_config=SimpleNamespace(model_type=scenario.name),
+        # None of the model types upstream's code singles out (deepseek_v4, ...).
+        hf_text_config=SimpleNamespace(model_type="upstream_layouts"),
         use_mla=any(hasattr(layer, "kv_lora_rank") for layer in layers.values()),
         dtype=torch.bfloat16,
     )
@@ -363,13 +345,8 @@ def build(upstream, scenario: Scenario, seed: int = 0) -> Built:
         kv_cache_config, kernel_block_sizes=scenario.kernel_block_sizes
     )
     gen = torch.Generator().manual_seed(seed)
-    for storage in {s.data_ptr(): s for s in _storages(kv_caches)}.values():
+    storages = [p.untyped_storage() for c in kv_caches.values() for p in parts_of(c)]
+    for storage in {s.data_ptr(): s for s in storages}.values():
         raw = torch.tensor([], dtype=torch.uint8).set_(storage)
         raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
     return Built(scenario, kv_cache_config, kv_caches)
-
-
-def _storages(kv_caches):
-    for cache in kv_caches.values():
-        for part in parts_of(cache):
-            yield part.untyped_storage()

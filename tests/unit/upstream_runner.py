@@ -20,24 +20,12 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-import math
 import re
 import sys
 from collections.abc import Sequence
-from contextlib import AbstractContextManager, nullcontext
-from enum import Enum, auto
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
-
-import numpy as np
-import torch
-import vllm.envs
-from vllm.logger import logger
-from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
-from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionLayer
-from vllm.utils.torch_utils import get_dtype_size
-from vllm.v1 import kv_cache_interface
 
 RUNNER = "vllm_ascend/worker/model_runner_v1.py"
 # NPUModelRunner's methods that allocate and view the KV cache
@@ -82,16 +70,41 @@ BACKENDS = {
     "AscendSFAIndexerBackend": "vllm_ascend/attention/indexer.py",
 }
 SPARSE_BACKENDS = {"AscendSFABackend", "AscendSFAIndexerBackend"}
+# What the cut-out code imports (in upstream, at the top of its files), under
+# the names it uses; exec-ed into the namespace that code runs in.
+IMPORTS = """
+import math
+import re
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
+from enum import Enum, auto
+from typing import Any
+
+import numpy as np
+import torch
+import vllm.envs as envs_vllm
+from vllm.logger import logger
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionLayer
+from vllm.utils.torch_utils import get_dtype_size
+from vllm.v1.kv_cache_interface import (
+    AttentionSpec, FullAttentionSpec, KVCacheConfig, KVCacheSpec, MambaSpec,
+    UniformTypeKVCacheSpecs,
+)
+"""
 
 
 class Layer:
     """Stands for a model layer in the static forward context: vLLM's
     ``bind_kv_cache`` (called by initialize_kv_cache_tensors,
-    model_runner_v1.py:4797) hands it its cache."""
+    model_runner_v1.py:4797) hands it its cache; ``attrs`` are what the
+    runner reads of the layer besides its ``impl``."""
 
-    def __init__(self, impl: Any = None):
+    def __init__(self, impl: Any = None, **attrs: Any):
         self.impl = impl
         self.kv_cache: Any = None
+        vars(self).update(attrs)
 
     def bind_kv_cache(self, kv_cache: Any) -> None:
         self.kv_cache = kv_cache
@@ -101,27 +114,13 @@ class MLALayer(Layer):
     """Stands for vLLM's ``MLAAttention`` layer: the runner reads its
     ``kv_lora_rank`` and ``qk_rope_head_dim`` (model_runner_v1.py:4853)."""
 
-    def __init__(self, kv_lora_rank: int, qk_rope_head_dim: int, impl: Any = None):
-        super().__init__(impl)
-        self.kv_lora_rank = kv_lora_rank
-        self.qk_rope_head_dim = qk_rope_head_dim
-
 
 class C8MXFPImpl:
     """Stands for ``AscendC8MXFPAttentionBackendImpl``
     (attention_c8_mxfp.py:472), an NPU attention impl: the runner only tests
     a layer's impl against it to find C8-MXFP layers
-    (model_runner_v1.py:4721)."""
-
-
-class C8MXFPLayer(Layer):
-    """A C8-MXFP attention layer: its checkpoint's static V scales
-    (``v_cache_scale``, one E8M0 byte per KV channel) are what upstream's
-    ``fill_mxfp_v_scale_cache`` writes into every page's V-scale section."""
-
-    def __init__(self, v_cache_scale: torch.Tensor):
-        super().__init__(C8MXFPImpl())
-        self.v_cache_scale = v_cache_scale
+    (model_runner_v1.py:4721), whose static V scales (``v_cache_scale``)
+    upstream's ``fill_mxfp_v_scale_cache`` writes into every page."""
 
 
 class _NotOnCpu:
@@ -134,95 +133,64 @@ class _NotOnCpu:
         raise NotImplementedError(f"upstream {self.name} is not run on CPU")
 
 
-# name -> (what it stands for in upstream, why it is replaced)
-REPLACEMENTS = {
-    "self.device": (
-        "model_runner_v1.py:4882-4887,5184-5198 torch.zeros(..., device=self.device)",
-        "the NPU; torch.device('cpu') here",
-    ),
-    "get_layers_from_vllm_config": (
-        "model_runner_v1.py:41 (vllm.config): the model's attention layers",
-        "no model is built: returns the scenario's layers",
-    ),
-    "MLAAttention": (
-        "model_runner_v1.py:267 (vLLM's MLA layer)",
-        "a real layer needs a built model: MLALayer carries the two dims read",
-    ),
-    "AscendC8MXFPAttentionBackendImpl": (
-        "attention_c8_mxfp.py:472 (NPU attention impl)",
-        "C8MXFPImpl marks the C8-MXFP layers",
-    ),
-    "enable_fa_quant": (
-        "quantization/utils.py:268",
-        "asks the NPU's hardware profile (FP8_ATTENTION): scenario's answer",
-    ),
-    "requires_contiguous_pa_kv_cache": (
-        "attention/utils.py:215",
-        "NPU paged-attention kernel eligibility: scenario's answer",
-    ),
-    "get_current_hardware_profile": (
-        "device/hardware_profile.py (reads the SoC)",
-        "a profile that supports the scenario's capabilities",
-    ),
-    "is_deepseek_v41_cache": (
-        "models/deepseek_v41/cache_config.py:125",
-        "DeepSeek V4.1 caches are not covered: False",
-    ),
-    "is_glm5_next_cache_spec": (
-        "models/glm5next/kv_cache.py",
-        "GLM-Next caches are not covered: False",
-    ),
-    "get_layerwise_reuse_config": (
-        "kv_pool/ascend_store/layerwise_cache_layout.py:76",
-        "its answer for an OffloadingConnector config: None",
-    ),
-    "allocate_kvpp_cache": (
-        "model_runner_v1.py:237, called at :4964",
-        "not reached (KV pipeline parallelism off): fails if called",
-    ),
-    "allocate_kv_cache_tensors_for_sparse_kv_offload": (
-        "model_runner_v1.py:164",
-        "not reached (sparse KV offload off): fails if called",
-    ),
-    "reshape_kv_cache_tensors_for_sparse_kv_offload": (
-        "model_runner_v1.py:168",
-        "not reached (sparse KV offload off): fails if called",
-    ),
-    "view_glm5_next_cache": (
-        "model_runner_v1.py:179",
-        "not reached (no GLM-Next cache): fails if called",
-    ),
-    "v41_cache_layer_type": (
-        "model_runner_v1.py:288 (DeepseekV41CacheLayer)",
-        "a class no stand-in layer is an instance of",
-    ),
-    "extract_dsv4_layer_index": (
-        "utils.py, imported at model_runner_v1.py:4781",
-        "not reached (no model of type deepseek_v4): fails if called",
-    ),
-    "self.vllm_config": (
-        "NPUModelRunner.__init__: the VllmConfig",
-        "a namespace of the settings the code reads (KV transfer on, cache "
-        "dtype, resolved layout, quant config, model config)",
-    ),
-    "self.ascend_config": (
-        "model_runner_v1.py:426 get_ascend_config()",
-        "KV pipeline parallelism size 1, xlite graph off",
-    ),
-    "self.compilation_config": (
-        "vLLM's static forward context of the built model",
-        "the scenario's stand-in layers (Layer, MLALayer, C8MXFPLayer)",
-    ),
-    "is_sparse": (
-        "vLLM AttentionBackend.is_sparse, read at model_runner_v1.py:5014",
-        "True for upstream's SFA and indexer backends (BACKENDS)",
-    ),
-    "self._kv_cache_spec_attn_group_iterator": (
-        "vLLM GPUModelRunner; groups built by initialize_attn_backend",
-        "that picks NPU backends: the scenario's groups with upstream's "
-        "get_kv_cache_shape (BACKENDS)",
-    ),
-}
+# What stands in for upstream code or state that only exists on an NPU host,
+# by the name the runner methods read. Per entry: "name: what it stands for in
+# upstream (file:line)", then, indented, why it is replaced and by what.
+REPLACEMENTS = dict(
+    (name, f"{where.strip()}: {' '.join(why.split())}")
+    for name, where, why in re.findall(
+        r"^(\S+): (.+)\n((?:    .+\n)+)",
+        """\
+self.device: model_runner_v1.py:4882-4887,5184-5198 torch.zeros(..., device=self.device)
+    the NPU; torch.device('cpu') here
+get_layers_from_vllm_config: model_runner_v1.py:41 (vllm.config): attention layers
+    no model is built: returns the scenario's layers
+MLAAttention: model_runner_v1.py:267 (vLLM's MLA layer)
+    a real layer needs a built model: MLALayer carries the two dims read
+AscendC8MXFPAttentionBackendImpl: attention_c8_mxfp.py:472 (NPU attention impl)
+    C8MXFPImpl marks the C8-MXFP layers
+enable_fa_quant: quantization/utils.py:268
+    asks the NPU's hardware profile (FP8_ATTENTION): scenario's answer
+requires_contiguous_pa_kv_cache: attention/utils.py:215
+    NPU paged-attention kernel eligibility: scenario's answer
+get_current_hardware_profile: device/hardware_profile.py (reads the SoC)
+    a profile that supports the scenario's capabilities
+is_deepseek_v41_cache: models/deepseek_v41/cache_config.py:125
+    DeepSeek V4.1 caches are not covered: False
+is_glm5_next_cache_spec: models/glm5next/kv_cache.py
+    GLM-Next caches are not covered: False
+get_layerwise_reuse_config: kv_pool/ascend_store/layerwise_cache_layout.py:76
+    its answer for an OffloadingConnector config: None
+allocate_kvpp_cache: model_runner_v1.py:237, called at :4964
+    not reached (KV pipeline parallelism off): fails if called
+allocate_kv_cache_tensors_for_sparse_kv_offload: model_runner_v1.py:164
+    not reached (sparse KV offload off): fails if called
+reshape_kv_cache_tensors_for_sparse_kv_offload: model_runner_v1.py:168
+    not reached (sparse KV offload off): fails if called
+view_glm5_next_cache: model_runner_v1.py:179
+    not reached (no GLM-Next cache): fails if called
+v41_cache_layer_type: model_runner_v1.py:288 (DeepseekV41CacheLayer)
+    a class no stand-in layer is an instance of
+extract_dsv4_layer_index: utils.py, imported at model_runner_v1.py:4781
+    not reached (no model of type deepseek_v4): fails if called
+self.vllm_config: NPUModelRunner.__init__: the VllmConfig
+    a namespace of the settings the code reads (KV transfer on, cache dtype,
+    resolved layout, quant config, model config)
+self.ascend_config: model_runner_v1.py:426 get_ascend_config()
+    KV pipeline parallelism size 1, xlite graph off
+self.compilation_config: vLLM's static forward context of the built model
+    the scenario's stand-in layers (Layer, MLALayer)
+is_sparse: vLLM AttentionBackend.is_sparse, read at model_runner_v1.py:5014
+    True for upstream's SFA and indexer backends (BACKENDS)
+self._kv_cache_spec_attn_group_iterator: vLLM GPUModelRunner's attention groups
+    initialize_attn_backend builds them with NPU backends: the scenario's groups
+    with upstream's get_kv_cache_shape (BACKENDS)
+""",
+        re.M,
+    )
+)
+# Those the layouts here never reach: a stand-in that fails if called.
+NOT_ON_CPU = [n for n, why in REPLACEMENTS.items() if why.endswith("fails if called")]
 
 
 class _DropUpstreamImports(ast.NodeTransformer):
@@ -239,33 +207,31 @@ class _DropUpstreamImports(ast.NodeTransformer):
         return node
 
 
-def _top_level(root: Path, rel: str, names: Sequence[str]) -> list[ast.stmt]:
-    """The top-level definitions ``names`` of upstream's file ``rel``."""
+def _defs(
+    root: Path, rel: str, names: Sequence[str], cls: str | None = None
+) -> list[ast.stmt]:
+    """The definitions ``names`` at the top level of upstream's file ``rel``,
+    or among the methods of its class ``cls``."""
+    where, body = rel, ast.parse((root / rel).read_text()).body
+    if cls is not None:
+        where = f"{rel}:{cls}"
+        classes = [n for n in body if isinstance(n, ast.ClassDef) and n.name == cls]
+        if not classes:
+            raise LookupError(f"upstream {rel} no longer defines class {cls}")
+        body = classes[0].body
     found: dict[str, ast.stmt] = {}
-    for node in ast.parse((root / rel).read_text()).body:
+    for node in body:
         if isinstance(node, ast.FunctionDef | ast.ClassDef):
             found[node.name] = node
-        elif isinstance(node, ast.Assign | ast.AnnAssign):
+        elif isinstance(node, ast.Assign | ast.AnnAssign) and cls is None:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for t in targets:
                 if isinstance(t, ast.Name):
                     found[t.id] = node
     missing = [n for n in names if n not in found]
     if missing:
-        raise LookupError(f"upstream {rel} no longer defines {missing}")
+        raise LookupError(f"upstream {where} no longer defines {missing}")
     return [found[n] for n in names]
-
-
-def _methods(root: Path, rel: str, cls: str, names: Sequence[str]):
-    """The methods ``names`` of class ``cls`` in upstream's file ``rel``."""
-    for node in ast.parse((root / rel).read_text()).body:
-        if isinstance(node, ast.ClassDef) and node.name == cls:
-            by_name = {f.name: f for f in node.body if isinstance(f, ast.FunctionDef)}
-            missing = [n for n in names if n not in by_name]
-            if missing:
-                raise LookupError(f"upstream {rel}:{cls} no longer defines {missing}")
-            return [by_name[n] for n in names]
-    raise LookupError(f"upstream {rel} no longer defines class {cls}")
 
 
 def _exec(nodes: list[ast.stmt], namespace: dict[str, Any], origin: str) -> None:
@@ -298,27 +264,6 @@ def load(root: Path) -> SimpleNamespace:
     specs = _load_module(root, SPECS, "upstream_vllm_ascend_kv_cache_interface")
     ns: dict[str, Any] = {
         "__name__": "upstream_vllm_ascend",
-        "torch": torch,
-        "math": math,
-        "re": re,
-        "Enum": Enum,
-        "auto": auto,
-        "np": np,
-        "logger": logger,
-        "Any": Any,
-        "Sequence": Sequence,
-        "AbstractContextManager": AbstractContextManager,
-        "nullcontext": nullcontext,
-        "replace": __import__("dataclasses").replace,
-        "get_dtype_size": get_dtype_size,
-        **{
-            n: getattr(kv_cache_interface, n)
-            for n in "AttentionSpec FullAttentionSpec KVCacheConfig KVCacheSpec "
-            "MambaSpec UniformTypeKVCacheSpecs".split()
-        },
-        "AttentionLayerBase": AttentionLayerBase,
-        "CacheOnlyAttentionLayer": CacheOnlyAttentionLayer,
-        "envs_vllm": vllm.envs,
         "VllmConfig": object,  # annotations only
         **{
             n: getattr(specs, n)
@@ -333,33 +278,26 @@ def load(root: Path) -> SimpleNamespace:
         "AscendC8MXFPAttentionBackendImpl": C8MXFPImpl,
         "is_deepseek_v41_cache": lambda specs: False,
         "is_glm5_next_cache_spec": lambda spec: False,
-        "view_glm5_next_cache": _NotOnCpu("view_glm5_next_cache"),
         "get_layerwise_reuse_config": lambda kv_transfer_config: None,
-        "allocate_kvpp_cache": _NotOnCpu("allocate_kvpp_cache"),
-        "allocate_kv_cache_tensors_for_sparse_kv_offload": _NotOnCpu(
-            "sparse KV offload allocation"
-        ),
-        "reshape_kv_cache_tensors_for_sparse_kv_offload": _NotOnCpu(
-            "sparse KV offload reshape"
-        ),
         "v41_cache_layer_type": type("NoV41Layer", (), {}),
-        "extract_dsv4_layer_index": _NotOnCpu("extract_dsv4_layer_index"),
+        **{n: _NotOnCpu(n) for n in NOT_ON_CPU},
     }
+    exec(IMPORTS, ns)
     for rel, names in (
         (PROFILE, ("HardwareCapability",)),
         (UTILS, UTILS_NAMES),
         (ATTN_UTILS, ATTN_UTILS_NAMES),
         (MXFP, MXFP_NAMES),
     ):
-        _exec(_top_level(root, rel, names), ns, rel)
+        _exec(_defs(root, rel, names), ns, rel)
     backends = {}
     for name, rel in BACKENDS.items():
-        (shape_fn,) = _methods(root, rel, name, ["get_kv_cache_shape"])
+        (shape_fn,) = _defs(root, rel, ["get_kv_cache_shape"], name)
         is_sparse = ast.parse(f"def is_sparse():\n    return {name in SPARSE_BACKENDS}")
         backends[name] = _class(name, [shape_fn, *is_sparse.body], ns, rel)
-    quant = _methods(root, QUANT, "AscendModelSlimConfig", QUANT_METHODS)
+    quant = _defs(root, QUANT, QUANT_METHODS, "AscendModelSlimConfig")
     kv_quant = _class("ModelSlimKVQuant", quant, ns, QUANT)
-    runner = _methods(root, RUNNER, "NPUModelRunner", RUNNER_METHODS)
+    runner = _defs(root, RUNNER, RUNNER_METHODS, "NPUModelRunner")
     return SimpleNamespace(
         specs=specs,
         backends=backends,
