@@ -9,7 +9,8 @@ into each other.
 Optional keys: ``model`` (a model directory; default: the tiny Qwen3),
 ``env`` (variables set before the engine starts, e.g. the
 test-only fault injection of ``vllm_ascend.kv_offload.worker``),
-``kv_role`` and ``kv_load_failure_policy`` (for ``KVTransferConfig``), and
+``kv_role`` and ``kv_load_failure_policy`` (for ``KVTransferConfig``),
+``pd`` and ``role`` (a P/D connector beside ours: pd_driver.py), and
 ``driver`` (``"module:function"``, called with the scenario instead of the
 phases above, for scenarios that drive the engine step by step), and
 ``sequence`` (scenarios run one after another in this process, each engine
@@ -19,8 +20,9 @@ line, ``STEP_MARK``, on stdout and stderr; a step with ``expect_error``
 whose engine fails records the error, ``{"error": ...}``, its traceback in
 the output, and the sequence goes on).
 Per phase, optionally: ``reset_prefix_cache``, ``sleep_s`` (before it, e.g.
-for slowed copies to land) and ``settle: false`` (the next phase starts while
-the stores of this one may still be in flight).
+for slowed copies to land), ``settle: false`` (the next phase starts while
+the stores of this one may still be in flight) and ``pd_storage``
+(pd_driver.change_storage).
 
     python -m tests.e2e.run_scenario SCENARIO.json RESULT.json
 """
@@ -44,6 +46,12 @@ from vllm_ascend.kv_offload.testing import engine
 def kv_transfer_config(scenario: dict):
     if scenario.get("offload") is None:
         return None
+    if "pd" in scenario:
+        from vllm.config import KVTransferConfig
+
+        from tests.e2e.pd_driver import multi_connector_config
+
+        return KVTransferConfig(**multi_connector_config(scenario))
     return engine.transfer_config(
         scenario["offload"],
         kv_connector=scenario.get("connector", "OffloadingConnector"),
@@ -61,6 +69,16 @@ def request_record(out) -> dict:
         "num_cached_tokens": out.num_cached_tokens or 0,
         "finish_reason": out.outputs[0].finish_reason,
     }
+
+
+def metric_totals(llm) -> dict[str, float]:
+    """``llm.get_metrics()``'s counters and gauges (an ``LLM`` or an
+    ``LLMEngine``), summed over labels, by name."""
+    totals: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        if hasattr(metric, "value"):
+            totals[metric.name] = totals.get(metric.name, 0.0) + metric.value
+    return totals
 
 
 STEP_MARK = "### step {} ###"
@@ -125,6 +143,10 @@ def _run_engine(scenario: dict, shutdown: bool = False) -> dict:
     phases, phase_counters = [], []
     for phase in scenario["phases"]:
         time.sleep(phase.get("sleep_s", 0))
+        if "pd_storage" in phase:
+            from tests.e2e.pd_driver import change_storage
+
+            change_storage(phase["pd_storage"], scenario)
         if phase.get("reset_prefix_cache"):
             engine.reset_prefix_cache(llm)
         # One request at a time keeps the cache state each request sees
