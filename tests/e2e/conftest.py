@@ -161,9 +161,13 @@ def scenario_log(tmp_path: Path, name: str, step: int | None = None) -> str:
 
 
 def _records(phase: list[dict] | dict) -> list[dict]:
-    """A phase's request records: run_scenario's list, or a driver's
-    ``{"results": [...]}`` (pd_driver, tiering_driver)."""
-    return phase["results"] if isinstance(phase, dict) else phase
+    """A phase's request records (run_scenario's list, or
+    ``{"results": [...]}``), or a run's, every phase's in turn."""
+    if isinstance(phase, list):
+        return phase
+    if "results" in phase:
+        return phase["results"]
+    return [record for records in phase["phases"] for record in records]
 
 
 def token_ids(phase: list[dict] | dict) -> list[list[int]]:

@@ -44,13 +44,14 @@ BLOCKS = 4 * len(FIRST_PROMPTS)
 
 
 def tier_scenario(root: str, **extra) -> dict:
-    """The tiering driver's scenario: FIRST_PROMPTS through an fs tier at ``root``."""
+    """FIRST_PROMPTS through an fs tier at ``root`` (run_scenario's
+    ``root_dir``), failed loads recomputed."""
     return {
-        "driver": "tests.e2e.tiering_driver:run",
         "engine": ENGINE,
         "offload": tiering(root, **extra.pop("offload", {})),
+        "kv_load_failure_policy": "recompute",
         "root_dir": root,
-        "prompts": FIRST_PROMPTS,
+        "phases": [{"prompts": FIRST_PROMPTS}],
         **extra,
     }
 
@@ -111,7 +112,7 @@ def readers(written, scenario_dir) -> dict:
         "tier_stale_vanish": tier_scenario(
             copy_of(written, scenario_dir, "tier-vanish")[0],
             engine_id=engine_id,
-            before={"stale_region": engine_id},
+            stale_region=engine_id,
             remove_root_after_start=True,
         ),
     }
@@ -155,7 +156,7 @@ def test_writer_serves_prompts_and_writes_every_block(written, first_answers):
 
 
 def test_the_engine_shuts_down_in_process_without_a_traceback(written, scenario_dir):
-    # The driver shuts the engine down and drops the LLM in its own process,
+    # run_scenario shuts the engine down and drops the LLM in its process,
     # giving the engine core time to tear down (the scheduler's tiers too).
     log = scenario_log(scenario_dir, "tier_writer")
     # The scheduler's tiers shut down (the engine core was not cut short),

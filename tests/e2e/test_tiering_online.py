@@ -30,6 +30,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import ALL_PROMPTS, PROMPTS_BY_DOC, token_ids
+from tests.e2e.run_scenario import temp_files
 from tests.e2e.serving import (
     ACTIVE_GAUGES,
     REQUEST_TIMEOUT_S,
@@ -39,7 +40,6 @@ from tests.e2e.serving import (
     quiesce,
     reset_device_cache,
 )
-from tests.e2e.tiering_driver import temp_files
 
 pytestmark = pytest.mark.e2e
 
