@@ -23,7 +23,7 @@ from tests.e2e.conftest import (
     PROMPTS_BY_DOC,
     cached,
     in_process,
-    run_scenario,
+    run_sequence,
     scenario_log,
     token_ids,
 )
@@ -67,12 +67,8 @@ def runs(scenario_dir) -> dict[str, dict]:
             ],
         },
     }
-    result = run_scenario(
-        scenario_dir,
-        "compiled",
-        {"env": COMPILE_ENV, "sequence": [in_process(s) for s in scenarios.values()]},
-    )
-    return dict(zip(scenarios, result["runs"], strict=True))
+    scenarios = {name: in_process(s) for name, s in scenarios.items()}
+    return run_sequence(scenario_dir, "compiled", scenarios, env=COMPILE_ENV)
 
 
 @pytest.mark.parametrize("name", ["compiled_reference", "compiled_guide"])

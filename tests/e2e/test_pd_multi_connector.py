@@ -22,7 +22,7 @@ from tests.e2e.conftest import (
     cached,
     in_process,
     injected_faults,
-    run_scenario,
+    run_sequence,
     scenario_log,
     token_ids,
     with_faults,
@@ -95,10 +95,9 @@ def pd_run(scenario_dir) -> dict:
             ],
         },
     }
-    sequence = [in_process({"pd": pd, **e}) for e in engines.values()]
-    result = run_scenario(scenario_dir, "pd_multi_connector", {"sequence": sequence})
+    engines = {name: in_process({"pd": pd, **e}) for name, e in engines.items()}
     runs: dict = {}
-    for name, run in zip(engines, result["runs"], strict=True):
+    for name, run in run_sequence(scenario_dir, "pd_multi_connector", engines).items():
         phases = zip(run["phases"], run["phase_counters"], strict=True)
         runs[name] = [{"results": r, "counters": c} for r, c in phases]
     runs["injected"] = injected_faults(scenario_dir, "pd_offload")

@@ -29,7 +29,7 @@ from tests.e2e.conftest import (
     GUIDE_OFFLOAD,
     IN_PROCESS_ENV,
     PREEMPTING_ENGINE,
-    run_scenario,
+    run_sequence,
 )
 
 pytestmark = pytest.mark.e2e
@@ -178,12 +178,7 @@ def runs(scenario_dir) -> dict[str, dict]:
             kv_load_failure_policy="recompute",
         ),
     }
-    result = run_scenario(
-        scenario_dir,
-        "stress",
-        {"env": IN_PROCESS_ENV, "sequence": list(scenarios.values())},
-    )
-    return dict(zip(scenarios, result["runs"], strict=True))
+    return run_sequence(scenario_dir, "stress", scenarios, env=IN_PROCESS_ENV)
 
 
 def _compare(result: dict, reference: dict) -> list[int]:
