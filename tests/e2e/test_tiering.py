@@ -31,6 +31,7 @@ from tests.e2e.conftest import (
     cached,
     in_process,
     run_scenario,
+    run_sequence,
     scenario_log,
     tiering,
     token_ids,
@@ -126,17 +127,14 @@ def readers(written, scenario_dir) -> dict:
         copy = copy_of(written, scenario_dir, f"tier-{change}")[0]
         scenarios[f"tier_{change}"] = tier_scenario(copy, engine=engine)
     try:
-        result = run_scenario(
-            scenario_dir,
-            "tier_readers",
-            {"sequence": [in_process(s) for s in scenarios.values()]},
-        )
+        scenarios = {name: in_process(s) for name, s in scenarios.items()}
+        runs = run_sequence(scenario_dir, "tier_readers", scenarios)
     finally:
         for path in (region_path(engine_id), mark_path(engine_id)):
             if os.path.exists(path):
                 os.unlink(path)
     return {
-        **dict(zip(scenarios, result["runs"], strict=True)),
+        **runs,
         "engine_id": engine_id,
         "corrupt": corrupt,
         "log": scenario_log(scenario_dir, "tier_readers"),
