@@ -82,10 +82,12 @@ class DocFlow:
     output: str  # stdout and stderr
 
 
-def serving_doc_block(marker: str) -> str:
-    """The one bash block of docs/serving_events_metrics.md holding ``marker``."""
+def serving_doc_block(marker: str, lang: str = "bash") -> str:
+    """The one ``lang`` block of docs/serving_events_metrics.md holding
+    ``marker``."""
     doc = (REPO / "docs" / "serving_events_metrics.md").read_text()
-    (block,) = [b for b in re.findall(r"```bash\n(.*?)```", doc, re.S) if marker in b]
+    blocks = re.findall(rf"```{lang}\n(.*?)```", doc, re.S)
+    (block,) = [b for b in blocks if marker in b]
     return block
 
 

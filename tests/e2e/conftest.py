@@ -4,14 +4,12 @@ server's fixture (the online tests' server: tests/e2e/serving.py)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
@@ -148,6 +146,18 @@ def run_scenario(
     return json.loads(out_file.read_text())
 
 
+def run_sequence(
+    tmp_path: Path, name: str, scenarios: dict[str, dict], **options
+) -> dict[str, dict]:
+    """``scenarios`` one after the other in one process (run_scenario's
+    ``sequence``; ``options``: ``timeout_s`` or top-level scenario keys such
+    as ``env``); each one's result by name."""
+    timeout_s = options.pop("timeout_s", 600)
+    sequence = {**options, "sequence": list(scenarios.values())}
+    result = run_scenario(tmp_path, name, sequence, timeout_s)
+    return dict(zip(scenarios, result["runs"], strict=True))
+
+
 def scenario_log(tmp_path: Path, name: str, step: int | None = None) -> str:
     """The whole output (stdout, then stderr) of the last run of ``name``;
     given ``step``, only that engine's of its ``sequence`` (the lines after
@@ -161,9 +171,13 @@ def scenario_log(tmp_path: Path, name: str, step: int | None = None) -> str:
 
 
 def _records(phase: list[dict] | dict) -> list[dict]:
-    """A phase's request records: run_scenario's list, or a driver's
-    ``{"results": [...]}`` (pd_driver, tiering_driver)."""
-    return phase["results"] if isinstance(phase, dict) else phase
+    """A phase's request records (run_scenario's list, or
+    ``{"results": [...]}``), or a run's, every phase's in turn."""
+    if isinstance(phase, list):
+        return phase
+    if "results" in phase:
+        return phase["results"]
+    return [record for records in phase["phases"] for record in records]
 
 
 def token_ids(phase: list[dict] | dict) -> list[list[int]]:
@@ -244,31 +258,15 @@ def offloading_code(request) -> dict:
     return {"pythonpath": [str(overlay_dir())]}
 
 
-def zmq_events_config(port: int, topic: str):
-    """The guide's ``KVEventsConfig``: vLLM publishes on ``tcp://*:port``."""
-    from vllm.config import KVEventsConfig
-
-    return KVEventsConfig(
-        enable_kv_cache_events=True,
-        publisher="zmq",
-        endpoint=f"tcp://*:{port}",
-        topic=topic,
-    )
-
-
-def load_subscriber() -> ModuleType:
-    """``examples/kv_events_subscriber.py``, imported by path."""
-    name = "kv_events_subscriber"
-    if name in sys.modules:
-        return sys.modules[name]
-    path = REPO / "examples" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    # Registered first: its dataclasses resolve their annotations through it.
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+def zmq_events(port: int, topic: str) -> dict:
+    """The guide's ``KVEventsConfig`` fields: vLLM publishes on
+    ``tcp://*:port``."""
+    return {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{port}",
+        "topic": topic,
+    }
 
 
 # The tiering spec with an fs tier under ``root`` (the tiering e2e tests).

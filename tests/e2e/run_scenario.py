@@ -9,7 +9,16 @@ into each other.
 Optional keys: ``model`` (a model directory; default: the tiny Qwen3),
 ``env`` (variables set before the engine starts, e.g. the
 test-only fault injection of ``vllm_ascend.kv_offload.worker``),
-``kv_role`` and ``kv_load_failure_policy`` (for ``KVTransferConfig``), and
+``kv_role`` and ``kv_load_failure_policy`` (for ``KVTransferConfig``),
+``pd`` and ``role`` (a P/D connector beside ours: pd_driver.py),
+``root_dir`` (the fs tier's directory: once the phases are done, the
+cascades to it waited for and its block files listed; with it,
+``engine_id``, ``stale_region`` (an engine id: its region file and our mark
+planted before the engine starts, as a run killed while starting leaves
+them), ``remove_root_after_start`` and ``barrier`` (``{"mine": path,
+"others": [paths]}``: engines started together begin serving together, and
+each later phase begins once every engine's previous one has reached the
+tier)), and
 ``driver`` (``"module:function"``, called with the scenario instead of the
 phases above, for scenarios that drive the engine step by step), and
 ``sequence`` (scenarios run one after another in this process, each engine
@@ -17,10 +26,12 @@ shut down before the next starts, each with its own ``env``: one
 interpreter start instead of several; each one's output follows a marker
 line, ``STEP_MARK``, on stdout and stderr; a step with ``expect_error``
 whose engine fails records the error, ``{"error": ...}``, its traceback in
-the output, and the sequence goes on).
+the output, and the sequence goes on; one with ``await_exit``: its engine's
+processes are gone before the next starts).
 Per phase, optionally: ``reset_prefix_cache``, ``sleep_s`` (before it, e.g.
-for slowed copies to land) and ``settle: false`` (the next phase starts while
-the stores of this one may still be in flight).
+for slowed copies to land), ``settle: false`` (the next phase starts while
+the stores of this one may still be in flight) and ``pd_storage``
+(pd_driver.change_storage).
 
     python -m tests.e2e.run_scenario SCENARIO.json RESULT.json
 """
@@ -32,24 +43,34 @@ import gc
 import importlib
 import json
 import os
+import shutil
 import sys
 import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
-from vllm_ascend.kv_offload.testing import engine
+import psutil
+
+from vllm_ascend.kv_offload.testing import engine, server
 
 
 def kv_transfer_config(scenario: dict):
     if scenario.get("offload") is None:
         return None
+    if "pd" in scenario:
+        from vllm.config import KVTransferConfig
+
+        from tests.e2e.pd_driver import multi_connector_config
+
+        return KVTransferConfig(**multi_connector_config(scenario))
     return engine.transfer_config(
         scenario["offload"],
         kv_connector=scenario.get("connector", "OffloadingConnector"),
         kv_connector_module_path=scenario.get("connector_module_path"),
         kv_role=scenario.get("kv_role", "kv_both"),
         kv_load_failure_policy=scenario.get("kv_load_failure_policy", "fail"),
+        engine_id=scenario.get("engine_id"),
     )
 
 
@@ -63,6 +84,48 @@ def request_record(out) -> dict:
     }
 
 
+def metric_totals(llm) -> dict[str, float]:
+    """``llm.get_metrics()``'s counters and gauges (an ``LLM`` or an
+    ``LLMEngine``), summed over labels, by name."""
+    totals: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        if hasattr(metric, "value"):
+            totals[metric.name] = totals.get(metric.name, 0.0) + metric.value
+    return totals
+
+
+TIER_WRITE_BYTES = "vllm:kv_offload_tiering_write_bytes"
+
+
+def block_files(root: str) -> list[str]:
+    """The fs tier's block files under ``root``, sorted."""
+    out = []
+    for d, _, names in os.walk(root):
+        out += [os.path.join(d, n) for n in names if n.endswith(".bin")]
+    return sorted(out)
+
+
+def temp_files(root: str) -> list[str]:
+    """Names of the temporary files a write left under ``root``."""
+    return [n for _, _, names in os.walk(root) for n in names if ".tmp" in n]
+
+
+def _meet(llm, barrier: dict, phase: int, timeout: float = 600.0) -> None:
+    """``barrier`` before ``phase``: after the first, once this engine's
+    writes of the previous phase have reached the tier."""
+    suffix = f".{phase}" if phase else ""
+    if phase:
+        engine.settle(llm, TIER_WRITE_BYTES, steady_rounds=3, pause_s=0.1)
+    with open(barrier["mine"] + suffix, "w"):
+        pass
+    others = [o + suffix for o in barrier["others"]]
+    deadline = time.monotonic() + timeout
+    while not all(os.path.exists(p) for p in others):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the other engines never started: {others}")
+        time.sleep(0.2)
+
+
 STEP_MARK = "### step {} ###"
 
 
@@ -73,11 +136,26 @@ def run(scenario: dict) -> dict:
         for i, step in enumerate(scenario["sequence"]):
             for stream in (sys.stdout, sys.stderr):
                 print(STEP_MARK.format(i), file=stream, flush=True)
+            before = _children()
             with _env(step.get("env", {})):
                 runs.append(_run_step(step))
             gc.collect()  # the engine's KV cache goes before the next one's
+            if step.get("await_exit"):  # e.g. a late line of a refused engine
+                left = server.wait_gone(_children() - before, timeout_s=120)
+                assert not left, f"step {i}: engine processes still running: {left}"
         return {"runs": runs}
     return _run_one(scenario)
+
+
+def _children() -> set[psutil.Process]:
+    """This process's descendants but multiprocessing's resource tracker
+    (it lives as long as this process)."""
+    procs = set()
+    for p in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if "resource_tracker" not in " ".join(p.cmdline()):
+                procs.add(p)
+    return procs
 
 
 def _run_step(step: dict) -> dict:
@@ -114,17 +192,35 @@ def _env(changes: dict[str, str]) -> Iterator[None]:
 
 
 def _run_engine(scenario: dict, shutdown: bool = False) -> dict:
+    from vllm_ascend.kv_offload.region import mark_path, region_path
     from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model
 
+    if stale := scenario.get("stale_region"):
+        with open(region_path(stale), "wb") as f:
+            f.write(b"\0" * 4096)  # smaller than any region: vLLM would wait 30 s
+        open(mark_path(stale), "wb").close()
+    transfer = kv_transfer_config(scenario)
     llm = engine.start(
         scenario.get("model") or ensure_tiny_model(),
-        kv_transfer_config(scenario),
+        transfer,
         **scenario.get("engine", {}),
     )
+    result: dict = {}
+    if root := scenario.get("root_dir"):
+        result["engine_id"] = transfer.engine_id
+        result["region_while_running"] = os.path.exists(region_path(transfer.engine_id))
+        if scenario.get("remove_root_after_start"):
+            shutil.rmtree(root)
 
     phases, phase_counters = [], []
-    for phase in scenario["phases"]:
+    for i, phase in enumerate(scenario["phases"]):
         time.sleep(phase.get("sleep_s", 0))
+        if "barrier" in scenario:
+            _meet(llm, scenario["barrier"], i)
+        if "pd_storage" in phase:
+            from tests.e2e.pd_driver import change_storage
+
+            change_storage(phase["pd_storage"], scenario)
         if phase.get("reset_prefix_cache"):
             engine.reset_prefix_cache(llm)
         # One request at a time keeps the cache state each request sees
@@ -146,6 +242,12 @@ def _run_engine(scenario: dict, shutdown: bool = False) -> dict:
             engine.settle(llm)
         # After each phase: what it stored and loaded is the difference.
         phase_counters.append(engine.counters())
+    if root:  # cascades to the fs tier are submitted at the end of a step
+        engine.settle(
+            llm, TIER_WRITE_BYTES, steady_rounds=3, max_rounds=60, pause_s=0.1
+        )
+        result["files"] = block_files(root) if os.path.isdir(root) else []
+        result["counters"] = engine.counters()
 
     # Which vLLM offloading code ran: "0.33.0" under tests/vllm033's overlay.
     overlay = os.environ.get("VLLM_KV_OFFLOAD_OVERLAY")
@@ -158,9 +260,15 @@ def _run_engine(scenario: dict, shutdown: bool = False) -> dict:
         "phase_counters": phase_counters,
         "offloading_overlay": overlay,
         "compilation": {"mode": compilation.mode.name, "backend": compilation.backend},
-    }
-    if shutdown:
+    } | result  # a tier's counters: once its writes landed
+    if shutdown or root:  # a tier's teardown is checked in the log
         engine.shutdown(llm)
+        del llm
+        gc.collect()
+    if root:
+        result["region_after_shutdown"] = os.path.exists(
+            region_path(result["engine_id"])
+        )
     return result
 
 

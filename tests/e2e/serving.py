@@ -17,7 +17,8 @@ import psutil
 from openai import OpenAI
 
 from benchmarks.serving_server import ServingServer
-from tests.e2e.conftest import REPO, load_subscriber, tiering
+from examples import kv_events_subscriber
+from tests.e2e.conftest import REPO, tiering, zmq_events
 from vllm_ascend.kv_offload.testing import server as driver
 from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model
 from vllm_ascend.kv_offload.tiering.block_file import HEADER_BYTES
@@ -33,16 +34,11 @@ BLOCK_TOKENS = 128  # the guide's block_size (= the device block size here)
 def serve_flags(device_blocks: int) -> list[str]:
     """Test-only flags of the online tests' servers."""
     return [
-        "--dtype",
-        "float32",
-        "--enforce-eager",
-        "--max-model-len",
-        "1024",
-        "--num-gpu-blocks-override",
-        str(device_blocks),
+        "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
+        "--num-gpu-blocks-override", str(device_blocks),
         # usage.prompt_tokens_details.cached_tokens in every response.
         "--enable-prompt-tokens-details",
-    ]
+    ]  # fmt: skip
 
 
 # The offloading config is the example script's (the guide's); 10 device
@@ -106,6 +102,57 @@ class Server(ServingServer):
     def stop(self, sig: int = signal.SIGINT) -> dict:
         return super().stop(sig, STOP_TIMEOUT_S)
 
+    def ask(self, prompt: str) -> dict:
+        """A greedy completion; its token ids and prompt tokens served by a
+        cache."""
+        resp = self.client.completions.create(
+            model=self.model,
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0.0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        ).model_dump()
+        details = resp["usage"].get("prompt_tokens_details") or {}
+        return {
+            "token_ids": resp["choices"][0]["token_ids"],
+            "cached_tokens": details.get("cached_tokens") or 0,
+        }
+
+    def flush(self) -> None:
+        """A short request: an engine step, which completes transfers and
+        reports their stats."""
+        self.client.completions.create(model=self.model, prompt="flush", max_tokens=2)
+
+    def wait_for_metric(self, name: str, value: float) -> dict[str, float]:
+        """Poll /metrics until ``name`` reaches ``value``; flushes drive the
+        engine steps in between."""
+        deadline = time.monotonic() + 60
+        while True:
+            metrics = self.metrics()
+            if metrics.get(name, 0.0) >= value or time.monotonic() > deadline:
+                return metrics
+            self.flush()
+            time.sleep(0.5)
+
+    def quiesce(self, flushes: list | None = None) -> dict[str, float]:
+        """Flushes (counted in ``flushes``) step the engine until no tier job
+        is active and the tier's written bytes stopped changing; returns
+        /metrics then."""
+        deadline = time.monotonic() + 120
+        last, steady = None, 0
+        while True:
+            self.flush()
+            if flushes is not None:
+                flushes.append(1)
+            time.sleep(0.5)
+            metrics = self.metrics()
+            idle = all(metrics.get(g, 0.0) == 0 for g in ACTIVE_GAUGES)
+            written = metrics.get("vllm:kv_offload_tiering_write_bytes_total", 0.0)
+            steady = steady + 1 if idle and written == last else 0
+            last = written
+            if steady >= 3 or time.monotonic() > deadline:
+                return metrics
+
     def finished(self) -> dict[str, float]:
         """``vllm:request_success_total`` by ``finished_reason``."""
         out: dict[str, float] = {}
@@ -131,66 +178,21 @@ def delta(record: dict, name: str, since: str = "before", until: str = "end") ->
     return record[until].get(name, 0.0) - record[since].get(name, 0.0)
 
 
-def reset_device_cache(server: Server, external: bool = False) -> None:
-    """Empties the device prefix cache (``external``: the CPU pool or tier
-    too; an fs tier keeps its files)."""
-    server.reset_caches(external)
-
-
-def wait_for_metric(server: Server, client, model: str, name: str, value: float):
-    """Poll /metrics until ``name`` reaches ``value``; short requests drive the
-    engine steps that complete transfers and report their stats."""
-    deadline = time.monotonic() + 60
-    while True:
-        metrics = server.metrics()
-        if metrics.get(name, 0.0) >= value or time.monotonic() > deadline:
-            return metrics
-        client.completions.create(model=model, prompt="flush", max_tokens=2)
-        time.sleep(0.5)
-
-
-def complete(client: OpenAI, model: str, prompt: str) -> dict:
-    """A greedy completion; its token ids and prompt tokens served by a cache."""
-    resp = client.completions.create(
-        model=model,
-        prompt=prompt,
-        max_tokens=MAX_TOKENS,
-        temperature=0.0,
-        extra_body={"ignore_eos": True, "return_token_ids": True},
-    ).model_dump()
-    details = resp["usage"].get("prompt_tokens_details") or {}
-    return {
-        "token_ids": resp["choices"][0]["token_ids"],
-        "cached_tokens": details.get("cached_tokens") or 0,
-    }
-
-
 ACTIVE_GAUGES = (
     "vllm:kv_offload_tiering_active_promotion_jobs",
     "vllm:kv_offload_tiering_active_cascade_jobs",
 )
 
 
-def quiesce(
-    server: Server, client: OpenAI, model: str, flushes: list | None = None
-) -> dict:
-    """Short requests (counted in ``flushes``) step the engine until no tier
-    job is active and the tier's written bytes stopped changing; returns
-    /metrics then."""
-    deadline = time.monotonic() + 120
-    last, steady = None, 0
-    while True:
-        client.completions.create(model=model, prompt="flush", max_tokens=2)
-        if flushes is not None:
-            flushes.append(1)
-        time.sleep(0.5)
-        metrics = server.metrics()
-        idle = all(metrics.get(g, 0.0) == 0 for g in ACTIVE_GAUGES)
-        written = metrics.get("vllm:kv_offload_tiering_write_bytes_total", 0.0)
-        steady = steady + 1 if idle and written == last else 0
-        last = written
-        if steady >= 3 or time.monotonic() > deadline:
-            return metrics
+def offloading(extra: dict, **fields) -> dict:
+    """A ``--kv-transfer-config``: the guide's connector around ``extra``
+    (its ``kv_connector_extra_config``), ``fields`` added."""
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+        **fields,
+    }
 
 
 def tiering_config(root: str, file_bytes: int) -> dict:
@@ -198,12 +200,7 @@ def tiering_config(root: str, file_bytes: int) -> dict:
     # tier, bounded to 64 files.
     extra = tiering(root, num_cpu_blocks=8)
     extra["secondary_tiers"][0]["max_bytes"] = 64 * file_bytes
-    return {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": extra,
-    }
+    return offloading(extra, kv_load_failure_policy="recompute")
 
 
 EVENTS_TOPIC = "kv_events"
@@ -226,7 +223,7 @@ class EventLog:
 
     def _collect(self, endpoint: str, topic: str) -> None:
         try:
-            for message in load_subscriber().subscribe(
+            for message in kv_events_subscriber.subscribe(
                 endpoint, topic, stop=self._stop
             ):
                 self.messages.append(message)
@@ -237,10 +234,7 @@ class EventLog:
         """How many messages arrived once the server has published what it
         had: a short request steps the engine (events go out on a step),
         then nothing new for ``quiet_s``."""
-        server.post(
-            "/v1/completions",
-            {"model": server.model, "prompt": "flush", "max_tokens": 2},
-        )
+        server.flush()
         deadline = time.monotonic() + 60
         count, quiet_since = len(self.messages), time.monotonic()
         while time.monotonic() - quiet_since < quiet_s:
@@ -268,15 +262,10 @@ class TieringServer(Server):
         self.start_s: float | None = None  # set once ready
         self.block_bytes = cpu_block_bytes(model)
         events_port = driver.free_port()
-        events_config = {
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": f"tcp://*:{events_port}",
-            "topic": EVENTS_TOPIC,
-        }
         self.events = EventLog(events_port)
         config = tiering_config(self.root, HEADER_BYTES + self.block_bytes)
-        flags = ["--kv-events-config", json.dumps(events_config)]
+        events = json.dumps(zmq_events(events_port, EVENTS_TOPIC))
+        flags = ["--kv-events-config", events]
         super().__init__(model, tmp / "server.log", config, flags=flags)
 
     def log_text(self) -> str:

@@ -23,7 +23,7 @@ from tests.e2e.conftest import (
     PROMPTS_BY_DOC,
     cached,
     in_process,
-    run_scenario,
+    run_sequence,
     scenario_log,
     token_ids,
 )
@@ -67,22 +67,8 @@ def runs(scenario_dir) -> dict[str, dict]:
             ],
         },
     }
-    result = run_scenario(
-        scenario_dir,
-        "compiled",
-        {"env": COMPILE_ENV, "sequence": [in_process(s) for s in scenarios.values()]},
-    )
-    return dict(zip(scenarios, result["runs"], strict=True))
-
-
-@pytest.fixture(scope="module")
-def compiled_reference(runs) -> dict:
-    return runs["compiled_reference"]
-
-
-@pytest.fixture(scope="module")
-def compiled_guide(runs) -> dict:
-    return runs["compiled_guide"]
+    scenarios = {name: in_process(s) for name, s in scenarios.items()}
+    return run_sequence(scenario_dir, "compiled", scenarios, env=COMPILE_ENV)
 
 
 @pytest.mark.parametrize("name", ["compiled_reference", "compiled_guide"])
@@ -97,24 +83,20 @@ def test_both_engines_run_a_compiled_forward(runs, scenario_dir, name):
     assert log.count("Warming up done.") == len(runs)
 
 
-def test_compiled_outputs_with_offloading_equal_outputs_without(
-    compiled_guide, compiled_reference
-):
-    reference = token_ids(compiled_reference["phases"][0])
-    first = compiled_guide["phases"][0]
+def test_compiled_outputs_with_offloading_equal_outputs_without(runs):
+    reference = token_ids(runs["compiled_reference"]["phases"][0])
+    first = runs["compiled_guide"]["phases"][0]
     assert token_ids(first) == reference
     # Cold, then two device-cache hits on the document's 4 blocks.
     assert cached(first)[0] == 0
     assert all(c >= FULL_DOC_TOKENS for c in cached(first)[1:])
 
 
-def test_compiled_engine_serves_cpu_hits_after_a_prefix_cache_reset(
-    compiled_guide, compiled_reference
-):
-    again = compiled_guide["phases"][1]
-    assert token_ids(again) == token_ids(compiled_reference["phases"][0])
+def test_compiled_engine_serves_cpu_hits_after_a_prefix_cache_reset(runs):
+    again = runs["compiled_guide"]["phases"][1]
+    assert token_ids(again) == token_ids(runs["compiled_reference"]["phases"][0])
     # The device cache was emptied: the document came back from the CPU.
     assert all(c >= FULL_DOC_TOKENS for c in cached(again))
-    counters = compiled_guide["counters"]
+    counters = runs["compiled_guide"]["counters"]
     assert counters["vllm:kv_offload_store_bytes"] > 0
     assert counters["vllm:kv_offload_load_bytes"] > 0

@@ -44,15 +44,6 @@ PROMPT_BLOCKS = 4
 EVENT = re.compile(r"^\S+ seq=\d+ (BlockStored|BlockRemoved) +medium=CPU .*\[(.*)\]$")
 
 
-def doc_sample() -> str:
-    """The sample output the doc prints for the demo."""
-    doc = (REPO / "docs" / "serving_events_metrics.md").read_text()
-    (sample,) = [
-        b for b in re.findall(r"```text\n(.*?)```", doc, re.S) if ":5556 topic" in b
-    ]
-    return sample
-
-
 def cpu_runs(output: str) -> list[tuple[str, set[str]]]:
     """The subscriber's CPU events as runs of one kind: ``(kind, hashes)``."""
     runs: list[tuple[str, set[str]]] = []
@@ -167,6 +158,6 @@ def test_an_index_built_from_the_events_ends_empty(demo):
 
 
 def test_the_doc_shows_what_the_subscriber_printed(demo):
-    sample = doc_sample()
+    sample = serving_doc_block(":5556 topic", "text")  # the doc's sample output
     assert cpu_runs(demo["subscriber"]) == cpu_runs(sample)
     assert summary(demo["subscriber"]) == summary(sample)

@@ -28,7 +28,7 @@ from tests.e2e.conftest import (
     cached,
     in_process,
     injected_faults,
-    run_scenario,
+    run_sequence,
     scenario_log,
     token_ids,
     with_faults,
@@ -110,15 +110,9 @@ def runs(scenario_dir) -> dict[str, tuple[dict, list[str]]]:
         REFUSED: in_process(refused),
     }
     # Seven engine starts: the time two processes had (600 s each).
-    result = run_scenario(
-        scenario_dir,
-        "failures",
-        {"sequence": list(scenarios.values())},
-        timeout_s=1200,
-    )
+    runs = run_sequence(scenario_dir, "failures", scenarios, timeout_s=1200)
     return {
-        name: (run, injected_faults(scenario_dir, name))
-        for name, run in zip(scenarios, result["runs"], strict=True)
+        name: (run, injected_faults(scenario_dir, name)) for name, run in runs.items()
     }
 
 

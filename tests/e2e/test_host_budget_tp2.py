@@ -8,9 +8,8 @@ worker is refused at start-up naming the total and the fix, the other's
 pool is the only one allocated, and the engine does not start (instead of
 the host running out of memory). At 128 MiB both start and serve.
 
-Both engines run one after the other in one process (``refused_then_within``:
-one interpreter and vLLM import for the two), each one's output after a
-marker line (``split_log``).
+Both engines run one after the other in one process (a ``run_scenario``
+sequence: one interpreter and vLLM import for the two).
 
 On 2 cores the two workers' OpenMP threads are bound one core each
 (``VLLM_CPU_OMP_THREADS_BIND=0|1``: our plugin's core reservation,
@@ -20,13 +19,9 @@ one list per worker).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-import sys
-import traceback
 
-import psutil
 import pytest
 
 from tests.e2e.conftest import (
@@ -38,7 +33,6 @@ from tests.e2e.conftest import (
 )
 from vllm_ascend.kv_offload import host_ledger
 from vllm_ascend.kv_offload.host_guard import HOST_BUDGET_ENV
-from vllm_ascend.kv_offload.testing import server
 from vllm_ascend.kv_offload.testing.engine import TERMINATE_WORKERS_ENV
 
 pytestmark = pytest.mark.e2e
@@ -48,13 +42,14 @@ POOL_MIB = 62.5  # per worker: 1000 blocks x 64 KiB
 
 
 BUDGETS = {"tp2-over-budget": "100MiB", "tp2-within-budget": "128MiB"}
-MARK = "### engine {} ###"
-MARK_LINE = re.compile(r"^### engine (\S+) ###$", re.M)
 
 
 def tp2_scenario(budget: str, ledger: str) -> dict:
     """An engine with the host budget ``budget`` and the host's pool records
-    in ``ledger`` (this test's: no engine outside it counts)."""
+    in ``ledger`` (this test's: no engine outside it counts); its start error
+    recorded, its processes gone before the next engine starts (a late line
+    of the refused engine's other worker, or its pool's record, must not
+    reach the next)."""
     env = {
         HOST_BUDGET_ENV: budget,
         host_ledger.LEDGER_DIR_ENV: ledger,
@@ -69,50 +64,9 @@ def tp2_scenario(budget: str, ledger: str) -> dict:
         "offload": GUIDE_OFFLOAD,
         "env": env,
         "phases": [{"prompts": ["Hello, my name is"], "max_tokens": 4}],
+        "expect_error": True,
+        "await_exit": True,
     }
-
-
-def refused_then_within(scenario: dict) -> dict:
-    """run_scenario's driver: each engine of ``BUDGETS`` in turn, its start
-    error (``error``) or its result; before each, a marker line on stdout
-    and stderr; after each, its processes gone (a late line of the refused
-    engine's other worker, or its pool's record, must not reach the next)."""
-    from tests.e2e.run_scenario import run
-
-    me = psutil.Process()
-    before = set(me.children(recursive=True))
-
-    def engine_processes() -> list[psutil.Process]:
-        procs = []
-        for p in set(me.children(recursive=True)) - before:
-            with contextlib.suppress(psutil.Error):
-                # multiprocessing's resource tracker lives as long as we do
-                if "resource_tracker" not in " ".join(p.cmdline()):
-                    procs.append(p)
-        return procs
-
-    results = {}
-    for name, budget in BUDGETS.items():
-        for stream in (sys.stdout, sys.stderr):
-            print(MARK.format(name), file=stream, flush=True)
-        try:
-            engine = tp2_scenario(budget, scenario["ledger"])
-            (results[name],) = run({"sequence": [engine]})["runs"]
-        except Exception as exc:
-            traceback.print_exc()
-            results[name] = {"error": repr(exc)}
-        left = server.wait_gone(engine_processes(), timeout_s=120)
-        assert not left, f"{name}: engine processes still running: {left}"
-    return results
-
-
-def split_log(log: str) -> dict[str, str]:
-    """Each engine's lines (stdout's, then stderr's) by its marker."""
-    parts = MARK_LINE.split(log)
-    logs: dict[str, str] = {}
-    for name, text in zip(parts[1::2], parts[2::2], strict=True):
-        logs[name] = logs.get(name, "") + text
-    return logs
 
 
 @pytest.fixture(scope="module")
@@ -121,12 +75,13 @@ def runs(scenario_dir) -> dict[str, tuple[dict, str, str]]:
     ledger's directory."""
     ledger = scenario_dir / "tp2-ledger"
     ledger.mkdir()
-    scenario = {"driver": f"{__name__}:refused_then_within", "ledger": str(ledger)}
-    result = run_scenario(scenario_dir, "tp2-budget", scenario)
-    log = scenario_log(scenario_dir, "tp2-budget")
-    remove_vllm_tp_shm(log)  # vLLM's, not ours: see conftest
-    logs = split_log(log)
-    return {name: (result[name], logs[name], str(ledger)) for name in BUDGETS}
+    sequence = [tp2_scenario(b, str(ledger)) for b in BUDGETS.values()]
+    result = run_scenario(scenario_dir, "tp2-budget", {"sequence": sequence})
+    remove_vllm_tp_shm(scenario_log(scenario_dir, "tp2-budget"))  # see conftest
+    return {
+        name: (run, scenario_log(scenario_dir, "tp2-budget", step=i), str(ledger))
+        for i, (name, run) in enumerate(zip(BUDGETS, result["runs"], strict=True))
+    }
 
 
 def pools_of_dead_engines_are_gone(ledger: str) -> None:

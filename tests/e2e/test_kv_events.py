@@ -22,12 +22,7 @@ from collections import Counter
 import pytest
 
 from tests.e2e.conftest import DOC_WORDS
-from tests.e2e.serving import (
-    EVENTS_TOPIC,
-    complete,
-    quiesce,
-    reset_device_cache,
-)
+from tests.e2e.serving import EVENTS_TOPIC
 from vllm_ascend.kv_offload.testing.tiny_model import make_prompt
 
 pytestmark = pytest.mark.e2e
@@ -45,41 +40,30 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def engine_run(tiering_server) -> dict:
-    """The messages the subscriber received from the emptied pool on, where
-    the second reset began among them, and the pool's gauge then."""
+    """The messages the subscriber received from the emptied pool on: all,
+    those published before the second reset and from it on; the pool's
+    gauge then."""
     server, events = tiering_server, tiering_server.events
-    client, model = server.client, server.model
     # Nothing in flight (earlier tests' cascades), then the pool emptied.
-    quiesce(server, client, model)
-    reset_device_cache(server, external=True)
+    server.quiesce()
+    server.reset_caches()
     first = events.settled(server)
     for prompt in PROMPTS:
-        complete(client, model, prompt)
+        server.ask(prompt)
         # Stores complete asynchronously and their events are published on a
         # later engine step: short requests provide those steps, so each
         # prompt's blocks are in the pool before the next prompt evicts.
-        quiesce(server, client, model)
+        server.quiesce()
     metrics = server.metrics()
     reset_at = events.settled(server)
-    reset_device_cache(server, external=True)
+    server.reset_caches()
     last = events.settled(server)
     return {
         "messages": events.messages[first:last],
-        "reset_at": reset_at - first,
+        "before_reset": events.messages[first:reset_at],
+        "reset": events.messages[reset_at:last],
         "blocks_in_use": [metrics["vllm:kv_offload_cpu_pool_blocks_in_use"]],
     }
-
-
-@pytest.fixture(scope="module")
-def messages(engine_run) -> list:
-    """The messages published before the second reset."""
-    return engine_run["messages"][: engine_run["reset_at"]]
-
-
-@pytest.fixture(scope="module")
-def reset_messages(engine_run) -> list:
-    """The messages published from the second reset on."""
-    return engine_run["messages"][engine_run["reset_at"] :]
 
 
 def events_of(messages: list, kind: str, medium: str) -> list[tuple[int, list]]:
@@ -102,7 +86,8 @@ def test_messages_are_decoded_in_order_without_gaps(engine_run):
     assert set(kinds) <= {"BlockStored", "BlockRemoved", "AllBlocksCleared"}, kinds
 
 
-def test_cpu_pool_stores_every_full_block(messages):
+def test_cpu_pool_stores_every_full_block(engine_run):
+    messages = engine_run["before_reset"]
     stored = events_of(messages, "BlockStored", "CPU")
     hashes = [h for _, block_hashes in stored for h in block_hashes]
     # Each prompt's 4 full blocks, each stored once.
@@ -112,7 +97,8 @@ def test_cpu_pool_stores_every_full_block(messages):
     assert set(hashes) <= device
 
 
-def test_cpu_pool_evicts_only_blocks_it_stored(messages):
+def test_cpu_pool_evicts_only_blocks_it_stored(engine_run):
+    messages = engine_run["before_reset"]
     stored_at: dict = {}
     for seq, block_hashes in events_of(messages, "BlockStored", "CPU"):
         for h in block_hashes:
@@ -146,16 +132,15 @@ def cpu_index(messages: list) -> list[set]:
     return states
 
 
-def test_cpu_pool_never_holds_more_than_its_blocks(messages):
-    sizes = [len(resident) for resident in cpu_index(messages)]
+def test_cpu_pool_never_holds_more_than_its_blocks(engine_run):
+    sizes = [len(resident) for resident in cpu_index(engine_run["before_reset"])]
     assert max(sizes) == NUM_CPU_BLOCKS
     assert sizes[-1] == NUM_CPU_BLOCKS
 
 
-def test_a_reset_of_the_cpu_pool_removes_exactly_the_blocks_it_held(
-    engine_run, messages, reset_messages
-):
-    resident = cpu_index(messages)[-1]
+def test_a_reset_of_the_cpu_pool_removes_exactly_the_blocks_it_held(engine_run):
+    resident = cpu_index(engine_run["before_reset"])[-1]
+    reset_messages = engine_run["reset"]
     # The pool's own gauge agrees with the index the events built.
     assert engine_run["blocks_in_use"] == [len(resident)] == [NUM_CPU_BLOCKS]
     removed = events_of(reset_messages, "BlockRemoved", "CPU")

@@ -23,7 +23,7 @@ from tests.e2e.conftest import (
     TWICE,
     cached,
     in_process,
-    run_scenario,
+    run_sequence,
     token_ids,
 )
 from tests.vllm_version import VLLM_VERSION
@@ -89,42 +89,34 @@ def runs(scenario_dir, offloading_code) -> dict[str, dict]:
     process, in-process but the DEFAULT_LAYOUT ones."""
     suffix = "_0.33" if offloading_code else ""
     names = DEFAULT_LAYOUT + [n for n in SCENARIOS if n not in DEFAULT_LAYOUT]
-    sequence = [
-        {"engine": ENGINE, **SCENARIOS[n]}
+    scenarios = {
+        n: {"engine": ENGINE, **SCENARIOS[n]}
         if n in DEFAULT_LAYOUT
         else in_process(SCENARIOS[n])
         for n in names
-    ]
-    result = run_scenario(
-        scenario_dir,
-        f"offload_e2e{suffix}",
-        {**offloading_code, "sequence": sequence},
-    )
-    return dict(zip(names, result["runs"], strict=True))
-
-
-@pytest.fixture(scope="module")
-def guide_run(runs) -> dict:
-    return runs["guide"]
+    }
+    name = f"offload_e2e{suffix}"
+    return run_sequence(scenario_dir, name, scenarios, **offloading_code)
 
 
 def test_outputs_with_offloading_equal_outputs_without(
-    guide_run, reference, offloading_code
+    runs, reference, offloading_code
 ):
+    guide_run = runs["guide"]
     assert token_ids(guide_run["phases"][0]) == reference
     # The overlay really served vLLM 0.33's offloading modules.
     want = "0.33.0" if offloading_code else None
     assert guide_run["offloading_overlay"] == want
 
 
-def test_after_prefix_cache_reset_prompts_are_served_from_cpu(guide_run, reference):
-    second = guide_run["phases"][1]
+def test_after_prefix_cache_reset_prompts_are_served_from_cpu(runs, reference):
+    second = runs["guide"]["phases"][1]
     assert token_ids(second) == reference
     # The device cache was emptied, so every cached token came from the CPU;
     # the first question of each document loads its full 4-block prefix.
     for doc in range(len(PROMPTS_BY_DOC)):
         assert cached(second)[3 * doc] >= FULL_DOC_TOKENS
-    counters = guide_run["counters"]
+    counters = runs["guide"]["counters"]
     assert counters["vllm:kv_offload_store_bytes"] > 0
     assert counters["vllm:kv_offload_load_bytes"] > 0
 

@@ -6,9 +6,9 @@ one ``MultiConnector``. Here the P/D connector is vLLM's ``ExampleConnector``
 itself needs NPUs and RDMA. Each engine's MultiConnector holds the P/D
 connector first and the guide's offloading connector second (spec
 ``NPUOffloadingSpec``). Three engines run in-process, one after the other in
-one process (``pd_driver.py``): a producer; a consumer whose first CPU loads fail
-(injected); a consumer whose P/D loads fail. What ran: vLLM 0.32's CPU
-backend; nothing on an NPU.
+one process (``run_scenario`` with ``pd_driver.py``): a producer; a consumer
+whose first CPU loads fail (injected); a consumer whose P/D loads fail. What
+ran: vLLM 0.32's CPU backend; nothing on an NPU.
 """
 
 from __future__ import annotations
@@ -16,16 +16,16 @@ from __future__ import annotations
 import pytest
 
 from tests.e2e.conftest import (
-    ENGINE,
-    FAULTY_OFFLOAD,
     FIRST_PROMPTS,
     FULL_DOC_TOKENS,
     GUIDE_OFFLOAD,
     cached,
     in_process,
-    run_scenario,
+    injected_faults,
+    run_sequence,
     scenario_log,
     token_ids,
+    with_faults,
 )
 
 pytestmark = pytest.mark.e2e
@@ -36,82 +36,73 @@ STORE_BYTES = "vllm:kv_offload_store_bytes"
 PD_LOAD_FAILED = "P/D stand-in: load failed"
 
 
+def after(pd_storage: str, reset: bool = True) -> dict:
+    """FIRST_PROMPTS once ``pd_storage`` was done (pd_driver.change_storage),
+    the device prefix cache reset first unless ``reset`` is false."""
+    return {
+        "prompts": FIRST_PROMPTS,
+        "pd_storage": pd_storage,
+        "reset_prefix_cache": reset,
+    }
+
+
 @pytest.fixture(scope="module")
 def pd_run(scenario_dir) -> dict:
-    storage = scenario_dir / "pd_storage"
-    faults_log = scenario_dir / "pd_offload.faults"
-    scenario = {
-        "driver": "tests.e2e.pd_driver:run",
-        "engine": ENGINE,
-        "pd": {
-            "kv_connector": "ExampleConnector",
-            "kv_connector_extra_config": {"shared_storage_path": str(storage)},
+    """Per engine, per phase: the requests' ``results`` and the ``counters``
+    after the phase; the faults injected; the whole log."""
+    pd = {
+        "kv_connector": "ExampleConnector",
+        "kv_connector_extra_config": {
+            "shared_storage_path": str(scenario_dir / "pd_storage")
         },
-        "engines": [
-            {
-                "name": "producer",
-                "role": "producer",
-                "offload": GUIDE_OFFLOAD,
-                "phases": [{"prompts": FIRST_PROMPTS}],
-            },
-            {
-                "name": "consumer",
-                "role": "consumer",
-                # The guide's config with test-only fault injection: the
-                # first three CPU->device loads fail.
-                "offload": FAULTY_OFFLOAD,
-                "env": {
-                    "VLLM_ASCEND_KV_OFFLOAD_FAULTS": "load:1:3",
-                    "VLLM_ASCEND_KV_OFFLOAD_FAULTS_LOG": str(faults_log),
-                },
-                "kv_load_failure_policy": "recompute",
-                "phases": [
-                    {"prompts": FIRST_PROMPTS},  # the producer's KV, through P/D
-                    {  # P/D has nothing now; every CPU load fails (injected)
-                        "prompts": FIRST_PROMPTS,
-                        "pd_storage": "hide",
-                        "reset_prefix_cache": True,
-                    },
-                    {  # the CPU copies serve
-                        "prompts": FIRST_PROMPTS,
-                        "pd_storage": "clear",
-                        "reset_prefix_cache": True,
-                    },
-                ],
-            },
-            {
-                "name": "failing_pd",
-                "role": "consumer",
-                # Reports its failed loads as Mooncake does (pd_connectors.py).
-                "pd": {
-                    "kv_connector": "ReportingExampleConnector",
-                    "kv_connector_module_path": "tests.e2e.pd_connectors",
-                },
-                "offload": GUIDE_OFFLOAD,
-                "kv_load_failure_policy": "recompute",
-                "phases": [
-                    # Every P/D load fails: a KV file is gone.
-                    {"prompts": FIRST_PROMPTS, "pd_storage": "restore_without_a_layer"},
-                    # P/D has nothing: what the CPU holds now may serve.
-                    {
-                        "prompts": FIRST_PROMPTS,
-                        "pd_storage": "hide",
-                        "reset_prefix_cache": True,
-                    },
-                    {
-                        "prompts": FIRST_PROMPTS,
-                        "pd_storage": "clear",
-                        "reset_prefix_cache": True,
-                    },
-                ],
-            },
-        ],
     }
-    result = run_scenario(scenario_dir, "pd_multi_connector", in_process(scenario))
-    injected = faults_log.read_text().split("\n")[:-1] if faults_log.exists() else []
-    result["injected"] = injected
-    result["log"] = scenario_log(scenario_dir, "pd_multi_connector")
-    return result
+    engines = {
+        "producer": {
+            "role": "producer",
+            "offload": GUIDE_OFFLOAD,
+            "phases": [{"prompts": FIRST_PROMPTS}],
+        },
+        # The guide's config with test-only fault injection: the first three
+        # CPU->device loads fail.
+        "consumer": with_faults(
+            scenario_dir,
+            "pd_offload",
+            "load:1:3",
+            role="consumer",
+            kv_load_failure_policy="recompute",
+            phases=[
+                {"prompts": FIRST_PROMPTS},  # the producer's KV, through P/D
+                after("hide"),  # P/D has nothing now; every CPU load fails
+                after("clear"),  # the CPU copies serve
+            ],
+        ),
+        "failing_pd": {
+            "role": "consumer",
+            # Reports its failed loads as Mooncake does (pd_connectors.py).
+            "pd": dict(
+                pd,
+                kv_connector="ReportingExampleConnector",
+                kv_connector_module_path="tests.e2e.pd_connectors",
+            ),
+            "offload": GUIDE_OFFLOAD,
+            "kv_load_failure_policy": "recompute",
+            "phases": [
+                # Every P/D load fails: a KV file is gone.
+                after("restore_without_a_layer", reset=False),
+                # P/D has nothing: what the CPU holds now may serve.
+                after("hide"),
+                after("clear"),
+            ],
+        },
+    }
+    engines = {name: in_process({"pd": pd, **e}) for name, e in engines.items()}
+    runs: dict = {}
+    for name, run in run_sequence(scenario_dir, "pd_multi_connector", engines).items():
+        phases = zip(run["phases"], run["phase_counters"], strict=True)
+        runs[name] = [{"results": r, "counters": c} for r, c in phases]
+    runs["injected"] = injected_faults(scenario_dir, "pd_offload")
+    runs["log"] = scenario_log(scenario_dir, "pd_multi_connector")
+    return runs
 
 
 def grew(before: dict, after: dict, counter: str) -> float:

@@ -25,20 +25,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from openai import OpenAI
 
 from tests.e2e.conftest import (
     PROMPTS_BY_DOC,
     tiering,
 )
-from tests.e2e.serving import (
-    REQUEST_TIMEOUT_S,
-    Server,
-    complete,
-    cpu_block_bytes,
-    reset_device_cache,
-    wait_for_metric,
-)
+from tests.e2e.serving import Server, cpu_block_bytes, offloading
 from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model
 
 pytestmark = pytest.mark.e2e
@@ -101,14 +93,14 @@ def shm_used_bytes(shm: Path) -> int:
     return (st.f_blocks - st.f_bfree) * st.f_frsize
 
 
-def traffic(base: str, model: str, prompts: list[str]) -> threading.Thread:
+def traffic(server: Server, prompts: list[str]) -> threading.Thread:
     """Requests in flight (their failures expected: the server is killed)."""
 
     def send() -> None:
-        client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+        create = server.client.completions.create
         for prompt in prompts:
             try:
-                client.completions.create(model=model, prompt=prompt, max_tokens=256)
+                create(model=server.model, prompt=prompt, max_tokens=256)
             except Exception:
                 return
 
@@ -131,31 +123,17 @@ def serve_once(
         record["stop"] = server.stop()
         record["left"] = offload_files(shm)
         return record
-    client = OpenAI(
-        base_url=server.base + "/v1",
-        api_key="unused",
-        timeout=REQUEST_TIMEOUT_S,
-        max_retries=0,
-    )
     doc = run % len(PROMPTS_BY_DOC)
-    block = cpu_block_bytes(model)
+    stored = DOC_BLOCKS * cpu_block_bytes(model)
     try:
-        record["served"] = [(doc, 0, complete(client, model, PROMPTS_BY_DOC[doc][0]))]
+        record["served"] = [(doc, 0, server.ask(PROMPTS_BY_DOC[doc][0]))]
         record["shm_used"] = shm_used_bytes(shm)
         record["named_while_serving"] = offload_files(shm)
-        wait_for_metric(
-            server,
-            client,
-            model,
-            "vllm:kv_offload_store_bytes_total",
-            DOC_BLOCKS * block,
-        )
-        reset_device_cache(server)
-        record["served"].append(
-            (doc, 1, complete(client, model, PROMPTS_BY_DOC[doc][1]))
-        )
+        server.wait_for_metric("vllm:kv_offload_store_bytes_total", stored)
+        server.reset_caches(external=False)
+        record["served"].append((doc, 1, server.ask(PROMPTS_BY_DOC[doc][1])))
         if stop == signal.SIGKILL:
-            traffic(server.base, model, [p for d in PROMPTS_BY_DOC for p in d])
+            traffic(server, [p for d in PROMPTS_BY_DOC for p in d])
             time.sleep(1.0)
     except BaseException:
         print(server.log_tail(), file=sys.stderr)
@@ -170,12 +148,7 @@ def serve_once(
 def transfer_config(tmp: Path, run: int) -> dict:
     # An fs tier of its own per run: each run stores its prefix to the CPU
     # tier (none found in the fs tier) and loads it back from the region.
-    extra = tiering(str(tmp / f"tier{run}"), num_cpu_blocks=CPU_BLOCKS)
-    return {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": extra,
-    }
+    return offloading(tiering(str(tmp / f"tier{run}"), num_cpu_blocks=CPU_BLOCKS))
 
 
 @pytest.fixture(scope="module")

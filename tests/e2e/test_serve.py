@@ -38,11 +38,8 @@ from tests.e2e.serving import (
     START_TIMEOUT_S,
     STOP_TIMEOUT_S,
     Server,
-    complete,
     cpu_block_bytes,
     delta,
-    reset_device_cache,
-    wait_for_metric,
 )
 from tests.vllm_version import VLLM_VERSION
 from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model
@@ -61,35 +58,30 @@ def served(tmp_path_factory) -> dict:
     record: dict = {"block_bytes": cpu_block_bytes(model), "log": log_path}
     try:
         record["start_s"] = server.wait_ready()
-        client = server.client
         block = record["block_bytes"]
         record["before"] = server.metrics()
 
         # 1. Every question of every document: each document's 4 full blocks
         # are offloaded once; documents 1 and 2 evict document 0 from the
         # 10-block device cache.
-        record["first"] = [complete(client, model, p) for p in ALL_PROMPTS]
+        record["first"] = [server.ask(p) for p in ALL_PROMPTS]
         stored = 3 * DOC_BLOCKS * block
-        record["after_first"] = wait_for_metric(
-            server, client, model, "vllm:kv_offload_store_bytes_total", stored
+        record["after_first"] = server.wait_for_metric(
+            "vllm:kv_offload_store_bytes_total", stored
         )
 
         # 2. Document 0 again: its prefix now lives only in the CPU pool.
-        record["evicted"] = complete(client, model, PROMPTS_BY_DOC[0][0])
-        record["after_evicted"] = wait_for_metric(
-            server, client, model, "vllm:kv_offload_load_bytes_total", 4 * block
+        record["evicted"] = server.ask(PROMPTS_BY_DOC[0][0])
+        record["after_evicted"] = server.wait_for_metric(
+            "vllm:kv_offload_load_bytes_total", 4 * block
         )
 
         # 3. Empty the device prefix cache (the CPU pool stays), then the
         # first question of each document: all three prefixes from the CPU.
-        reset_device_cache(server)
-        record["after_reset"] = [complete(client, model, q[0]) for q in PROMPTS_BY_DOC]
-        record["end"] = wait_for_metric(
-            server,
-            client,
-            model,
-            "vllm:kv_offload_load_bytes_total",
-            (DOC_BLOCKS + 3 * DOC_BLOCKS) * block,
+        server.reset_caches(external=False)
+        record["after_reset"] = [server.ask(q[0]) for q in PROMPTS_BY_DOC]
+        record["end"] = server.wait_for_metric(
+            "vllm:kv_offload_load_bytes_total", (DOC_BLOCKS + 3 * DOC_BLOCKS) * block
         )
         record["pool_info"] = [
             s.labels

@@ -29,7 +29,7 @@ from tests.e2e.conftest import (
     GUIDE_OFFLOAD,
     IN_PROCESS_ENV,
     PREEMPTING_ENGINE,
-    run_scenario,
+    run_sequence,
 )
 
 pytestmark = pytest.mark.e2e
@@ -75,7 +75,7 @@ def drive(scenario: dict) -> dict:
     from vllm import EngineArgs, SamplingParams
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    from tests.e2e.run_scenario import kv_transfer_config
+    from tests.e2e.run_scenario import kv_transfer_config, metric_totals
     from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model
 
     engine = LLMEngine.from_engine_args(
@@ -122,11 +122,7 @@ def drive(scenario: dict) -> dict:
         step += 1
     seconds = time.perf_counter() - start
 
-    counters: dict[str, float] = {}
-    for metric in engine.get_metrics():
-        if hasattr(metric, "value"):
-            counters[metric.name] = counters.get(metric.name, 0.0) + metric.value
-
+    counters = metric_totals(engine)
     if scenario.get("offload"):
         shutdown = _shut_down(engine)
     else:  # the next engine of the sequence starts after this one is gone
@@ -182,17 +178,7 @@ def runs(scenario_dir) -> dict[str, dict]:
             kv_load_failure_policy="recompute",
         ),
     }
-    result = run_scenario(
-        scenario_dir,
-        "stress",
-        {"env": IN_PROCESS_ENV, "sequence": list(scenarios.values())},
-    )
-    return dict(zip(scenarios, result["runs"], strict=True))
-
-
-@pytest.fixture(scope="module")
-def stress_reference(runs) -> dict:
-    return runs["reference"]
+    return run_sequence(scenario_dir, "stress", scenarios, env=IN_PROCESS_ENV)
 
 
 def _compare(result: dict, reference: dict) -> list[int]:
@@ -217,11 +203,11 @@ def _check_clean_shutdown(result: dict) -> None:
     assert shutdown["seconds"] < 30
 
 
-def test_stress_offloading_changes_no_output(runs, stress_reference):
+def test_stress_offloading_changes_no_output(runs):
     result = runs["offload"]
-    assert result["aborted"] == stress_reference["aborted"]
+    assert result["aborted"] == runs["reference"]["aborted"]
     assert len(result["aborted"]) >= 10
-    assert _compare(result, stress_reference) == []
+    assert _compare(result, runs["reference"]) == []
     counters = result["counters"]
     # It was a stress: preemptions, CPU hits, and far more stored than fits.
     assert counters["vllm:num_preemptions"] > 0
@@ -231,8 +217,8 @@ def test_stress_offloading_changes_no_output(runs, stress_reference):
     _check_clean_shutdown(result)
 
 
-def test_stress_with_transfer_faults_changes_no_output(runs, stress_reference):
+def test_stress_with_transfer_faults_changes_no_output(runs):
     result = runs["faults"]
-    assert _compare(result, stress_reference) == []
+    assert _compare(result, runs["reference"]) == []
     assert result["shutdown"]["faults_injected"] >= 10
     _check_clean_shutdown(result)

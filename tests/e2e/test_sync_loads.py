@@ -28,7 +28,8 @@ from tests.e2e.conftest import (
     cached,
     in_process,
     injected_faults,
-    run_scenario,
+    run_sequence,
+    tiering,
     token_ids,
     with_faults,
 )
@@ -148,7 +149,11 @@ def drive_batches(scenario: dict) -> dict:
     from vllm import SamplingParams
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    from tests.e2e.run_scenario import kv_transfer_config, request_record
+    from tests.e2e.run_scenario import (
+        kv_transfer_config,
+        metric_totals,
+        request_record,
+    )
     from tests.fault_injection import FaultInjector, inject_faults
     from vllm_ascend.kv_offload.testing import engine
     from vllm_ascend.kv_offload.testing.tiny_model import ensure_tiny_model
@@ -175,13 +180,9 @@ def drive_batches(scenario: dict) -> dict:
                 engine.settle(llm)
             assert llm.reset_prefix_cache()
         injected += len(faults.injected) if faults else 0
-    counters: dict[str, float] = {}
-    for metric in llm.get_metrics():
-        if hasattr(metric, "value"):
-            counters[metric.name] = counters.get(metric.name, 0.0) + metric.value
     result = {
         "rounds": rounds,
-        "counters": counters,
+        "counters": metric_totals(llm),
         "injected": injected,
         "async_scheduling": llm.llm_engine.vllm_config.scheduler_config.async_scheduling,  # noqa: E501
     }
@@ -210,16 +211,6 @@ def differing(result: dict, reference: list[list[int]]) -> list[tuple[int, int]]
     ]
 
 
-def tiering_offload(root: str) -> dict:
-    return {
-        "num_cpu_blocks": 12,
-        "block_size": 128,
-        "spec_name": "NPUTieringOffloadingSpec",
-        "spec_module_path": "vllm_ascend.kv_offload.tiering",
-        "secondary_tiers": [{"type": "fs", "root_dir": root, "n_read_threads": 2}],
-    }
-
-
 EVERY_KIND = (
     "expedited_load:0.1,expedited_load_submit:0.05,load:0.1,load_submit:0.05,"
     "store:0.1,store_submit:0.05"
@@ -244,7 +235,8 @@ def batch_cases(scenario_dir, overlay: bool) -> dict[str, dict]:
         if tiered:
             root = scenario_dir / "sync_tier"
             root.mkdir(exist_ok=True)
-            offload = tiering_offload(str(root))
+            # vLLM's default of 16 writer threads.
+            offload = tiering(str(root), write_threads=16, num_cpu_blocks=12)
         if on_033:
             offload.update(SYNC)
         out[case] = batch_scenario(offload, faults=faults, seeds=SEEDS)
@@ -263,13 +255,13 @@ def runs_033(scenario_dir) -> dict[str, dict]:
 
     skip_unless_core_supported()
     scenarios = {**sync_scenarios(scenario_dir), **batch_cases(scenario_dir, True)}
-    result = run_scenario(
+    return run_sequence(
         scenario_dir,
         "sync_loads_0.33",
-        {"pythonpath": [str(overlay_dir())], "sequence": list(scenarios.values())},
+        scenarios,
+        pythonpath=[str(overlay_dir())],
         timeout_s=3 * BATCH_TIMEOUT_S,
     )
-    return dict(zip(scenarios, result["runs"], strict=True))
 
 
 @pytest.fixture(scope="module")
@@ -280,13 +272,8 @@ def runs_installed(scenario_dir) -> dict[str, dict]:
         "reference": batch_scenario(None, rounds=1),
         **batch_cases(scenario_dir, False),
     }
-    result = run_scenario(
-        scenario_dir,
-        "sync_loads_installed",
-        {"sequence": list(scenarios.values())},
-        timeout_s=2 * BATCH_TIMEOUT_S,
-    )
-    return dict(zip(scenarios, result["runs"], strict=True))
+    name = "sync_loads_installed"
+    return run_sequence(scenario_dir, name, scenarios, timeout_s=2 * BATCH_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,7 @@ from tests.e2e.conftest import (
     cached,
     in_process,
     run_scenario,
+    run_sequence,
     scenario_log,
     tiering,
     token_ids,
@@ -44,13 +45,14 @@ BLOCKS = 4 * len(FIRST_PROMPTS)
 
 
 def tier_scenario(root: str, **extra) -> dict:
-    """The tiering driver's scenario: FIRST_PROMPTS through an fs tier at ``root``."""
+    """FIRST_PROMPTS through an fs tier at ``root`` (run_scenario's
+    ``root_dir``), failed loads recomputed."""
     return {
-        "driver": "tests.e2e.tiering_driver:run",
         "engine": ENGINE,
         "offload": tiering(root, **extra.pop("offload", {})),
+        "kv_load_failure_policy": "recompute",
         "root_dir": root,
-        "prompts": FIRST_PROMPTS,
+        "phases": [{"prompts": FIRST_PROMPTS}],
         **extra,
     }
 
@@ -111,7 +113,7 @@ def readers(written, scenario_dir) -> dict:
         "tier_stale_vanish": tier_scenario(
             copy_of(written, scenario_dir, "tier-vanish")[0],
             engine_id=engine_id,
-            before={"stale_region": engine_id},
+            stale_region=engine_id,
             remove_root_after_start=True,
         ),
     }
@@ -125,17 +127,14 @@ def readers(written, scenario_dir) -> dict:
         copy = copy_of(written, scenario_dir, f"tier-{change}")[0]
         scenarios[f"tier_{change}"] = tier_scenario(copy, engine=engine)
     try:
-        result = run_scenario(
-            scenario_dir,
-            "tier_readers",
-            {"sequence": [in_process(s) for s in scenarios.values()]},
-        )
+        scenarios = {name: in_process(s) for name, s in scenarios.items()}
+        runs = run_sequence(scenario_dir, "tier_readers", scenarios)
     finally:
         for path in (region_path(engine_id), mark_path(engine_id)):
             if os.path.exists(path):
                 os.unlink(path)
     return {
-        **dict(zip(scenarios, result["runs"], strict=True)),
+        **runs,
         "engine_id": engine_id,
         "corrupt": corrupt,
         "log": scenario_log(scenario_dir, "tier_readers"),
@@ -155,7 +154,7 @@ def test_writer_serves_prompts_and_writes_every_block(written, first_answers):
 
 
 def test_the_engine_shuts_down_in_process_without_a_traceback(written, scenario_dir):
-    # The driver shuts the engine down and drops the LLM in its own process,
+    # run_scenario shuts the engine down and drops the LLM in its process,
     # giving the engine core time to tear down (the scheduler's tiers too).
     log = scenario_log(scenario_dir, "tier_writer")
     # The scheduler's tiers shut down (the engine core was not cut short),

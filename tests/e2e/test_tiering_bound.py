@@ -31,7 +31,7 @@ from tests.e2e.conftest import (
     tiering,
     token_ids,
 )
-from tests.e2e.tiering_driver import block_files, temp_files
+from tests.e2e.run_scenario import block_files, temp_files
 from vllm_ascend.kv_offload.testing.tiny_model import make_prompt
 from vllm_ascend.kv_offload.tiering.block_file import HEADER_BYTES
 from vllm_ascend.kv_offload.tiering.fs_budget import EVICTED_BLOCKS, TIER_BYTES
@@ -63,11 +63,16 @@ def test_two_engines_share_one_bounded_directory(scenario_dir):
     scenarios = {
         w: in_process(
             {
-                "driver": "tests.e2e.tiering_driver:run",
                 "engine": ENGINE,
                 "offload": bounded(root),
+                "kv_load_failure_policy": "recompute",
                 "root_dir": root,
-                "rounds": [docs[w], [OWN[w]], [OWN[OTHER[w]]], docs[w]],
+                "phases": [
+                    {"prompts": prompts, "reset_prefix_cache": i > 0}
+                    for i, prompts in enumerate(
+                        [docs[w], [OWN[w]], [OWN[OTHER[w]]], docs[w]]
+                    )
+                ],
                 "barrier": {"mine": ready[w], "others": [ready[OTHER[w]]]},
             }
         )

@@ -30,16 +30,13 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import ALL_PROMPTS, PROMPTS_BY_DOC, token_ids
+from tests.e2e.run_scenario import temp_files
 from tests.e2e.serving import (
     ACTIVE_GAUGES,
     REQUEST_TIMEOUT_S,
     Server,
-    complete,
     delta,
-    quiesce,
-    reset_device_cache,
 )
-from tests.e2e.tiering_driver import temp_files
 
 pytestmark = pytest.mark.e2e
 
@@ -128,7 +125,7 @@ def stream(
     return out
 
 
-def burst(server: Server, model: str) -> list[dict]:
+def burst(server: Server) -> list[dict]:
     """The burst's streams, the early ones dropped while the engine is
     paused: each early request's call has ended in the API server (which
     sent its abort to the engine core first) before the resume is sent on
@@ -141,7 +138,7 @@ def burst(server: Server, model: str) -> list[dict]:
     server.post("/pause?mode=keep&clear_cache=false")
     with ThreadPoolExecutor(BURST) as pool:
         futures = [
-            pool.submit(stream, server.base, model, p, how, dropped)
+            pool.submit(stream, server.base, server.model, p, how, dropped)
             for p, how, dropped in zip(prompts, hows, drops, strict=True)
         ]
         try:
@@ -164,37 +161,37 @@ def burst(server: Server, model: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def served(tiering_server) -> dict:
-    server, client, model = tiering_server, tiering_server.client, tiering_server.model
+    server = tiering_server
     root = server.root
     record: dict = {"block_bytes": server.block_bytes, "root": root}
     # The CPU tier emptied (what earlier tests left there), nothing in flight.
-    quiesce(server, client, model)
-    reset_device_cache(server, external=True)
+    server.quiesce()
+    server.reset_caches()
     record["start"] = server.metrics()
 
     # Warm: every document stored to the CPU tier and cascaded to fs.
-    record["warm"] = [complete(client, model, p) for p in ALL_PROMPTS]
-    record["before"] = quiesce(server, client, model)
+    record["warm"] = [server.ask(p) for p in ALL_PROMPTS]
+    record["before"] = server.quiesce()
     record["usage_before"] = server.usage()
     record["finished_before"] = server.finished()
 
     # The burst: every prefix loaded again (the device cache emptied),
     # from the CPU or the fs tier, while clients drop out.
     record["early_ran_before"] = generated_in(server, *EARLY_BUCKET)
-    reset_device_cache(server)
+    server.reset_caches(external=False)
     start = time.monotonic()
-    record["burst"] = burst(server, model)
+    record["burst"] = burst(server)
     record["burst_s"] = time.monotonic() - start
     record["flushes"] = []
-    record["after_burst"] = quiesce(server, client, model, record["flushes"])
+    record["after_burst"] = server.quiesce(record["flushes"])
     record["finished_after_burst"] = server.finished()
     record["early_ran_after"] = generated_in(server, *EARLY_BUCKET)
 
     # Afterwards: the fixed prompts, prefixes again from the tiers.
-    reset_device_cache(server)
-    record["after"] = [complete(client, model, p) for p in ALL_PROMPTS]
-    record["first_questions"] = [complete(client, model, q[0]) for q in PROMPTS_BY_DOC]
-    record["end"] = quiesce(server, client, model)
+    server.reset_caches(external=False)
+    record["after"] = [server.ask(p) for p in ALL_PROMPTS]
+    record["first_questions"] = [server.ask(q[0]) for q in PROMPTS_BY_DOC]
+    record["end"] = server.quiesce()
     record["usage_after"] = server.usage()
     record["temp_files"] = temp_files(root)
     record["log_text"] = server.log_text()

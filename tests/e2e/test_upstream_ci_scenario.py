@@ -70,10 +70,9 @@ import pytest
 from tests.e2e.conftest import (
     GUIDE_OFFLOAD,
     in_process,
-    load_subscriber,
-    run_scenario,
+    run_sequence,
     tiering,
-    zmq_events_config,
+    zmq_events,
 )
 from vllm_ascend.kv_offload.testing.server import free_port
 from vllm_ascend.kv_offload.testing.tiny_model import (
@@ -202,15 +201,16 @@ def drive(scenario: dict) -> dict:
     """The engine side (run by ``run_scenario`` in its own process)."""
     import zmq
     from vllm import LLM
+    from vllm.config import KVEventsConfig
 
+    from examples import kv_events_subscriber as subscriber
     from tests.e2e.run_scenario import kv_transfer_config
     from vllm_ascend.kv_offload.testing import engine
 
-    subscriber = load_subscriber()
     port = scenario["port"]
     llm = LLM(
         model=scenario["model"],
-        kv_events_config=zmq_events_config(port, TOPIC),
+        kv_events_config=KVEventsConfig(**zmq_events(port, TOPIC)),
         kv_transfer_config=kv_transfer_config(scenario),
         **scenario["engine"],
     )
@@ -248,8 +248,8 @@ def runs(scenario_dir, tmp_path_factory) -> dict[str, dict]:
             str(tmp_path_factory.mktemp("native_kv_offload"))
         ),
     }
-    sequence = [
-        in_process(
+    scenarios = {
+        spec: in_process(
             {
                 "driver": "tests.e2e.test_upstream_ci_scenario:drive",
                 "model": model(),
@@ -258,9 +258,8 @@ def runs(scenario_dir, tmp_path_factory) -> dict[str, dict]:
             }
         )
         for spec in SPECS
-    ]
-    result = run_scenario(scenario_dir, "upstream_ci", {"sequence": sequence})
-    return dict(zip(SPECS, result["runs"], strict=True))
+    }
+    return run_sequence(scenario_dir, "upstream_ci", scenarios)
 
 
 @pytest.fixture(params=SPECS)
