@@ -102,9 +102,10 @@ class SimAcl:
             MALLOC_HOST: [ctypes.POINTER(ptr), size],
             SINGLE: [ptr, size, ptr, size, i32, ptr],
         }.items():
-            name = fn if fn.startswith("acl") else f"simacl_{fn}"
-            if hasattr(lib, name):
-                getattr(lib, name).argtypes = argtypes
+            if not fn.startswith("acl"):  # our hooks: every build has them
+                getattr(lib, f"simacl_{fn}").argtypes = argtypes
+            elif hasattr(lib, fn):  # an ACL call this build may lack
+                getattr(lib, fn).argtypes = argtypes
         lib.simacl_stat.restype = i64
         # ctypes arrays handed to the simulated runtime directly (_raw_batch):
         # it may read them until the stream runs, so they live until reset.

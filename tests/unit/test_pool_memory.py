@@ -307,8 +307,7 @@ def test_on_cuda_each_piece_is_registered_through_vllms_host_register(
     for unit in memory.units:
         start, end = unit.data_ptr(), unit.data_ptr() + unit.numel()
         assert sum(a <= start and end <= a + n for a, n in taken) == 1
-    info = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
-    (line,) = [m for m in info if "CPU block pool" in m]
+    (line,) = [m for m in caplog.messages if m.startswith("KV offload: CPU block pool")]
     assert line.startswith("KV offload: CPU block pool of 128 blocks x 4096 bytes")
     assert f"of {host_memory.CUDA_REGISTERED} in {memory.pieces} pieces (" in line
     calls.clear()
