@@ -127,8 +127,6 @@ def auto_num_cpu_blocks(
     vLLM's CPU backend, its processes) is allocated."""
     if not 0 < share <= 1:
         raise SizingError(f"share={share} must be in (0, 1]")
-    if block_bytes < 1:
-        raise SizingError(f"block_bytes={block_bytes} must be > 0")
     room = HostBudget(available, cap=cap, reserved=engine_bytes).room()
     return int(room * share) // block_bytes
 
@@ -362,8 +360,6 @@ def fit_host_memory(
     this host: the result is what all of them together leave room for.
     """
     workers = sizing.stored_copies if workers_on_host is None else workers_on_host
-    if workers < 1:
-        raise SizingError(f"workers_on_host={workers} must be >= 1")
     try:
         cap = budget_cap()
         if available_bytes is None:

@@ -123,10 +123,6 @@ def allocate_host_memory(
     the module docstring). ``acl`` and ``kernel`` replace the ACL calls and
     the kernel release (tests drive a simulated ACL runtime). Raises
     MemoryError naming the size when not even pageable memory fits."""
-    if num_rows <= 0 or row_bytes <= 0:
-        raise ValueError(
-            f"KV offload: a host allocation of {num_rows} rows of {row_bytes} bytes"
-        )
     align = SVM_ALIGNMENT if device_type == "npu" else PAGE_BYTES
     plan = PiecePlan.of(num_rows, row_bytes, piece_bytes, align)
     if device_type == "npu":
@@ -286,7 +282,6 @@ def _npu_memory(plan: PiecePlan, acl: AclHostApi, kernel: str | None) -> HostMem
             plan.row_span,
             ACL_MALLOC_HOST,
             True,
-            _release=lambda: None,
             pieces=len(sizes),
             piece_bytes=tuple(sizes),
         )

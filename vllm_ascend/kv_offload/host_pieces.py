@@ -55,7 +55,6 @@ class PiecePlan:
 
     num_rows: int
     row_bytes: int
-    limit: int
     unit_rows: int
     stride: int  # bytes from one unit's start to the next's
     units_per_piece: int  # the most units one piece holds
@@ -95,7 +94,7 @@ class PiecePlan:
             stride = round_up(unit_bytes + 1, align)  # at least one byte apart
         # (k - 1) strides and one unit fit in the limit; one unit always.
         fit = 1 + max(0, limit - unit_bytes) // stride
-        return cls(num_rows, row_bytes, limit, unit_rows, stride, fit, align)
+        return cls(num_rows, row_bytes, unit_rows, stride, fit, align)
 
     @property
     def num_units(self) -> int:

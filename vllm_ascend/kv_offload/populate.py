@@ -103,10 +103,9 @@ def split(
     return [(s, e - s) for s, e in zip(starts, [*edges, end], strict=True)]
 
 
-def default_threads(environ: Mapping[str, str] | None = None) -> int:
+def default_threads(environ: Mapping[str, str] = os.environ) -> int:
     """``THREADS_ENV`` if set, else one thread per CPU the engine leaves free
     (``cpu_threads.free_cpus``, else this thread's CPUs)."""
-    environ = os.environ if environ is None else environ
     raw = environ.get(THREADS_ENV, "").strip()
     if not raw:
         cpus = cpu_threads.free_cpus(environ) or os.sched_getaffinity(0)
@@ -120,21 +119,17 @@ def default_threads(environ: Mapping[str, str] | None = None) -> int:
     return int(raw)
 
 
-HUGE_PAGES_CHOICES = {"0": False, "1": True}
-
-
-def huge_pages_setting(environ: Mapping[str, str] | None = None) -> bool:
+def huge_pages_setting(environ: Mapping[str, str] = os.environ) -> bool:
     """``HUGE_PAGES_ENV``: 1 asks for transparent huge pages, 0 (the
     default) leaves the kernel's choice (see the module docstring)."""
-    environ = os.environ if environ is None else environ
     raw = environ.get(HUGE_PAGES_ENV, "0").strip() or "0"
-    if raw not in HUGE_PAGES_CHOICES:
+    if raw not in ("0", "1"):
         raise ValueError(
             f"KV offload: {HUGE_PAGES_ENV}={raw!r} must be 1 (transparent huge "
             f"pages for the CPU block pool) or 0 (the kernel's default); set "
             f"{HUGE_PAGES_ENV}=1 or unset it"
         )
-    return HUGE_PAGES_CHOICES[raw]
+    return raw == "1"
 
 
 @dataclass(frozen=True)

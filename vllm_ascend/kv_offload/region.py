@@ -42,7 +42,6 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable
 from typing import Any
 
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
@@ -72,22 +71,22 @@ REGION_PREFIX, REGION_SUFFIX = "vllm_offload_", ".mmap"  # vLLM's names
 MARK_PREFIX, MARK_SUFFIX = "vllm_ascend_offload_", ".lock"  # ours
 
 
-def region_path(engine_id: str, shm_dir: str = SHM_DIR) -> str:
+def region_path(engine_id: str) -> str:
     """Where vLLM's ``SharedOffloadRegion`` puts an engine's region."""
-    return os.path.join(shm_dir, f"{REGION_PREFIX}{engine_id}{REGION_SUFFIX}")
+    return os.path.join(SHM_DIR, f"{REGION_PREFIX}{engine_id}{REGION_SUFFIX}")
 
 
-def mark_path(engine_id: str, shm_dir: str = SHM_DIR) -> str:
+def mark_path(engine_id: str) -> str:
     """Our mark beside that region."""
-    return os.path.join(shm_dir, f"{MARK_PREFIX}{engine_id}{MARK_SUFFIX}")
+    return os.path.join(SHM_DIR, f"{MARK_PREFIX}{engine_id}{MARK_SUFFIX}")
 
 
-def sweep_dead_regions(shm_dir: str = SHM_DIR) -> None:
+def sweep_dead_regions() -> None:
     """Removes every region of ours whose processes are all gone (its mark
     unlocked) and the mark. Call it under ``dir_lock``."""
 
     def remove_region(engine_id: str) -> None:
-        region = region_path(engine_id, shm_dir)
+        region = region_path(engine_id)
         if is_users_file(region):
             os.unlink(region)
             logger.warning(
@@ -96,16 +95,16 @@ def sweep_dead_regions(shm_dir: str = SHM_DIR) -> None:
                 region,
             )
 
-    sweep_marks(shm_dir, MARK_PREFIX, MARK_SUFFIX, remove_region)
+    sweep_marks(SHM_DIR, MARK_PREFIX, MARK_SUFFIX, remove_region)
 
 
 class RegionMark:
     """This process's hold on our mark of ``engine_id``'s region: a shared
     ``flock`` on the mark (created if missing), until ``close``."""
 
-    def __init__(self, engine_id: str, shm_dir: str = SHM_DIR):
-        self.region_path = region_path(engine_id, shm_dir)
-        self.path = mark_path(engine_id, shm_dir)
+    def __init__(self, engine_id: str):
+        self.region_path = region_path(engine_id)
+        self.path = mark_path(engine_id)
         # Whether the region was there before this process opened it.
         self.region_existed = os.path.exists(self.region_path)
         if self.region_existed and not os.path.exists(self.path):
@@ -228,24 +227,13 @@ class AclRegionRegistration:
     region is unmapped.
     """
 
-    def __init__(
-        self,
-        region: SharedOffloadRegion,
-        register: Callable[[int, int, str, int], None] | None = None,
-        unregister: Callable[[int, str], None] | None = None,
-        kernel_release: str | None = None,
-        piece_bytes: int | None = None,
-    ):
-        from vllm_ascend.kv_offload import ops
-
-        register = register or ops.host_register
-        unregister = unregister or ops.host_unregister
+    def __init__(self, region: SharedOffloadRegion, piece_bytes: int | None = None):
         nbytes = region.total_size_bytes
         where = (
             f"the shared region {region.mmap_path} ({nbytes} bytes at "
             f"{region.base_tensor.data_ptr():#x})"
         )
-        release = kernel_release or acl_host.kernel_release()
+        release = acl_host.kernel_release()
         if not acl_host.kernel_registers_pageable_memory(release):
             raise OffloadConfigError(
                 f"{TIERING_SPEC} on npu needs {where} registered with ACL as "
@@ -261,18 +249,14 @@ class AclRegionRegistration:
             SVM_ALIGNMENT,
             gaps=False,
         )
-        registrar = acl_host.AclRegistrar(lambda a, n, f: register(a, n, "npu", f))
+        acl = acl_host.AclHostApi.native()
+        registrar = acl_host.AclRegistrar(acl.register)
         # The pool's own rule and release (``host_memory.register_pieces``)
         # over the region, which stays its owner's to unmap.
         self.memory = borrowed(region.base_tensor, pinned=False)
         t0 = time.perf_counter()
         refused = register_pieces(
-            self.memory,
-            plan,
-            registrar,
-            lambda addr: unregister(addr, "npu"),
-            "aclrtHostRegisterV2",
-            where,
+            self.memory, plan, registrar, acl.unregister, "aclrtHostRegisterV2", where
         )
         if refused:
             raise OffloadConfigError(
