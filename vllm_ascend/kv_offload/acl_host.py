@@ -6,8 +6,7 @@ for the CPU block pool (``host_memory.py``) and the shared region
 from __future__ import annotations
 
 import ctypes
-import itertools
-import os
+import re
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,20 +28,13 @@ ACL_REGISTERED = "mmap + aclrtHostRegisterV2"
 ACL_REGISTERED_MAPPED = "mmap + aclrtHostRegisterV2 (MAPPED only)"
 
 
-def kernel_release() -> str:
-    return os.uname().release
-
-
 def kernel_registers_pageable_memory(release: str) -> bool:
     """Whether ``aclrtHostRegisterV2`` may page-lock pageable memory on a
     Linux kernel of this release: the CANN documentation says that on 5.10
     and older, pageable memory "causes exceptions" and must come from
     ``aclrtMallocHost`` instead."""
-    numbers = []
-    for part in release.split(".")[:2]:
-        digits = "".join(itertools.takewhile(str.isdigit, part))
-        numbers.append(int(digits) if digits else 0)
-    return tuple(numbers) > (5, 10)
+    m = re.match(r"(\d+)(?:\.(\d+))?", release)
+    return m is not None and (int(m[1]), int(m[2] or 0)) > (5, 10)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ import os
 import uuid
 import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 
 from vllm_ascend.kv_offload.shm_marks import (
     SHM_DIR,
@@ -108,12 +108,7 @@ class Reservation:
         self.path = os.path.join(
             directory, f"{PREFIX}{os.getpid()}_{uuid.uuid4().hex[:8]}{SUFFIX}"
         )
-        self.entry = {
-            "nbytes": nbytes,
-            "allocated": False,
-            "engine_id": engine_id,
-            "pid": os.getpid(),
-        }
+        self.entry = Reserved(nbytes, False, engine_id, os.getpid())
         self._fd = open_held(self.path)
         self._write()
         self._release = weakref.finalize(self, _drop, self._fd, self.path)
@@ -123,7 +118,7 @@ class Reservation:
         if not self._release.alive:
             return
         with dir_lock(self.directory):
-            self.entry["allocated"] = True
+            self.entry = replace(self.entry, allocated=True)
             self._write()
 
     def release(self) -> None:
@@ -131,7 +126,7 @@ class Reservation:
         self._release()
 
     def _write(self) -> None:
-        data = json.dumps(self.entry).encode()
+        data = json.dumps(asdict(self.entry)).encode()
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, data, 0)
 

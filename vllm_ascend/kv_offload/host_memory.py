@@ -33,6 +33,7 @@ region) is its owner's to free.
 from __future__ import annotations
 
 import mmap
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -44,7 +45,6 @@ from vllm_ascend.kv_offload.acl_host import (
     AclRegistrar,
     acl_malloc_units,
     kernel_registers_pageable_memory,
-    kernel_release,
 )
 from vllm_ascend.kv_offload.host_pieces import (
     DEFAULT_PIECE_BYTES,
@@ -285,7 +285,7 @@ def _npu_memory(plan: PiecePlan, acl: AclHostApi, kernel: str | None) -> HostMem
             pieces=len(sizes),
             piece_bytes=tuple(sizes),
         )
-    release = kernel or kernel_release()
+    release = kernel or os.uname().release
     memory = None
     if kernel_registers_pageable_memory(release):
         memory = _mmap_memory(plan)

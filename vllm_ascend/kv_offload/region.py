@@ -233,7 +233,7 @@ class AclRegionRegistration:
             f"the shared region {region.mmap_path} ({nbytes} bytes at "
             f"{region.base_tensor.data_ptr():#x})"
         )
-        release = acl_host.kernel_release()
+        release = os.uname().release
         if not acl_host.kernel_registers_pageable_memory(release):
             raise OffloadConfigError(
                 f"{TIERING_SPEC} on npu needs {where} registered with ACL as "
