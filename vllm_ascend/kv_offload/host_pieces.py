@@ -78,20 +78,16 @@ class PiecePlan:
         # the alignment) fit in the limit.
         room = limit - (UNITS_PER_PIECE - 1) * align if gaps else limit
         unit_rows = max(1, min(num_rows, room // UNITS_PER_PIECE // row_bytes))
-        if not gaps:
+        if gaps:  # units at least one byte apart where there is more than one
+            stride = round_up(unit_rows * row_bytes + (unit_rows < num_rows), align)
+        else:
             # Back to back: a unit's length keeps the next unit aligned, where
             # the rows allow it (vLLM's region rows are page-aligned).
             multiple = align // math.gcd(row_bytes, align)
             if unit_rows >= multiple:
                 unit_rows -= unit_rows % multiple
+            stride = unit_rows * row_bytes
         unit_bytes = unit_rows * row_bytes
-        num_units = cdiv(num_rows, unit_rows)
-        if not gaps:
-            stride = unit_bytes
-        elif num_units == 1:
-            stride = round_up(unit_bytes, align)
-        else:
-            stride = round_up(unit_bytes + 1, align)  # at least one byte apart
         # (k - 1) strides and one unit fit in the limit; one unit always.
         fit = 1 + max(0, limit - unit_bytes) // stride
         return cls(num_rows, row_bytes, unit_rows, stride, fit, align)
