@@ -106,9 +106,6 @@ def borrowed(tensor: torch.Tensor, pinned: bool) -> HostMemory:
     )
 
 
-# -- the factory -------------------------------------------------------------
-
-
 def allocate_host_memory(
     num_rows: int,
     row_bytes: int,

@@ -127,7 +127,7 @@ class RegionMark:
             there = os.stat(self.path, follow_symlinks=False)
         except FileNotFoundError:
             return
-        if (there.st_dev, there.st_ino) != (held.st_dev, held.st_ino):
+        if not os.path.samestat(there, held):
             return
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.region_path)
