@@ -30,7 +30,7 @@ import argparse
 import math
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -91,9 +91,9 @@ def size_flag(text: str) -> int:
     return value
 
 
-def budget_cap(environ: Mapping[str, str] = os.environ) -> int | None:
+def budget_cap() -> int | None:
     """``HOST_BUDGET_ENV`` in bytes, None when unset."""
-    text = environ.get(HOST_BUDGET_ENV, "").strip()
+    text = os.environ.get(HOST_BUDGET_ENV, "").strip()
     if not text:
         return None
     try:

@@ -29,7 +29,7 @@ import json
 import os
 import uuid
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
 from vllm_ascend.kv_offload.shm_marks import (
@@ -53,9 +53,9 @@ class Reserved:
     pid: int
 
 
-def ledger_dir(environ: Mapping[str, str] = os.environ) -> str:
+def ledger_dir() -> str:
     """The ledger's directory; ValueError naming the setting if it is none."""
-    directory = environ.get(LEDGER_DIR_ENV) or SHM_DIR
+    directory = os.environ.get(LEDGER_DIR_ENV) or SHM_DIR
     if not os.path.isdir(directory):
         raise ValueError(
             f"{LEDGER_DIR_ENV}={directory!r} is not a directory: create it (the "
