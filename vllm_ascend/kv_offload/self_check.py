@@ -101,12 +101,10 @@ class _Scratch:
 
 def _scratch(device: torch.device, pool: CpuBlockPool, fragment_sizes, blocks):
     sizes = np.asarray(fragment_sizes, dtype=np.int64)
-    layout = pool.layout
     # Block b of tensor t: pool row b, the tensor's first page (the engine's
-    # addressing); on the device every other slot, so that nothing merges,
-    # as with scattered KV blocks.
+    # addressing).
     rows = pool.row_addresses(np.arange(blocks, dtype=np.int64))
-    host_addr = (rows[:, None] + layout.tensor_offsets[None, :]).ravel()
+    host_addr = (rows[:, None] + pool.tensor_offsets[None, :]).ravel()
     frag_sizes = np.broadcast_to(sizes[None, :], (blocks, len(sizes))).ravel()
     # A gap of poison after each fragment on the device, so that nothing
     # merges (as with scattered KV blocks) and a copy that runs over shows.
@@ -139,14 +137,11 @@ def _run_job(queue: TransferQueue, job_id: int, copy) -> str | None:
     except Exception as e:
         return f"{type(e).__name__}: {e}"
     queue.wait({job_id})
-    deadline = time.monotonic() + 60
-    while not (done := [j for j in queue.poll() if j.job_id == job_id]):
-        if time.monotonic() > deadline:
-            return "the copy job did not finish within 60 s"
-        queue.wait_any(0.01)
+    # Waited for, so finished (the queues are the worker's, idle at start-up).
+    (done,) = [j for j in queue.poll() if j.job_id == job_id]
     if raised:
         return f"{type(raised[0]).__name__}: {raised[0]}"
-    if not done[0].success:
+    if not done.success:
         return "the copy job failed on its stream (see the error logged above)"
     return None
 
@@ -244,18 +239,16 @@ def run_self_check(
     *,
     pool: CpuBlockPool | None = None,
     paths: Sequence[CopyPath] | None = None,
-    copy_path: str = "auto",
     queues: tuple[TransferQueue, TransferQueue] | None = None,
-    blocks: int = SCRATCH_BLOCKS,
     buffers: Sequence[torch.Tensor] = (),
 ) -> SelfCheckResult:
-    """Round-trips ``blocks`` scratch CPU blocks of ``fragment_sizes`` (bytes
-    of each tensor's page) through each path until one is byte-exact.
+    """Round-trips ``SCRATCH_BLOCKS`` scratch CPU blocks of ``fragment_sizes``
+    (bytes of each tensor's page) through each path until one is byte-exact.
 
-    ``pool``: the pool to check, with its layout (its first ``blocks`` CPU
-    blocks are overwritten: call it before any is stored); None: a scratch
+    ``pool``: the pool to check, with its layout (its first ``SCRATCH_BLOCKS``
+    CPU blocks are overwritten: call it before any is stored); None: a scratch
     pool from the same factory, released afterwards. ``paths``: the order to
-    try (default: ``candidate_paths(device, copy_path)``). ``queues``: the
+    try (default: ``candidate_paths(device)``). ``queues``: the
     (store, load) transfer queues to run on (default: fresh ones, shut down
     afterwards). ``buffers``: what else the chosen path's copy function
     (``result.swap``) must reach, e.g. the KV caches (the torch path copies
@@ -266,7 +259,7 @@ def run_self_check(
     t0 = time.perf_counter()
     own_pool = pool is None
     if pool is None:
-        pool = private_pool(list(fragment_sizes), 1, blocks, device.type)
+        pool = private_pool(list(fragment_sizes), 1, SCRATCH_BLOCKS, device.type)
     own_queues = queues is None
     if queues is None:
         queues = (
@@ -276,9 +269,9 @@ def run_self_check(
     attempts: list[PathAttempt] = []
     swap = None
     try:
-        blocks = min(blocks, pool.num_blocks)
+        blocks = min(SCRATCH_BLOCKS, pool.num_blocks)
         scratch = _scratch(device, pool, fragment_sizes, blocks)
-        for path in candidate_paths(device.type, copy_path) if paths is None else paths:
+        for path in candidate_paths(device.type) if paths is None else paths:
             attempt, swap = _attempt(path, scratch, pool, queues, buffers)
             attempts.append(attempt)
             if attempt.passed:
@@ -302,7 +295,7 @@ def run_self_check(
         failure = "; ".join(f"{a.path}: {a.failure}" for a in attempts) or (
             "no copy path to try"
         )
-    result = SelfCheckResult(
+    return SelfCheckResult(
         device=str(device),
         memory_kind=pool.memory.kind,
         path=chosen.path if chosen else None,
@@ -314,7 +307,6 @@ def run_self_check(
         attempts=tuple(attempts),
         swap=swap if chosen else None,
     )
-    return result
 
 
 # What a worker runs as its self-check (``run_self_check``; a test's own).
@@ -334,8 +326,8 @@ def choose_copy_path(
     """A worker's copy path, before it serves: ``check`` run on the
     candidates for the ``copy_path`` ``setting``, on the worker's own pool,
     (store, load) queues and ``buffers``. Warns where a device falls back to
-    the torch path for want of a native op, and logs the choice; the caller
-    refuses offloading (``refusal``) when no path passed."""
+    the torch path for want of a native op, and logs the choice; raises
+    ``refusal`` when no path passed."""
     paths = candidate_paths(device.type, setting)
     if not paths[0].native and setting != "torch":
         logger.warning(
@@ -349,18 +341,19 @@ def choose_copy_path(
     result = check(
         device, fragment_sizes, pool=pool, paths=paths, queues=queues, buffers=buffers
     )
-    if result.passed:
-        # The one line that says which path serves (run_self_check logs none).
-        logger.info(
-            "KV offload: copy path %s on %s (self-check: %d bytes each way, "
-            "%.2f GB/s, %s host memory, %.0f ms)",
-            result.path,
-            device,
-            result.bytes_per_direction,
-            result.bandwidth_gbps,
-            result.memory_kind,
-            result.seconds * 1e3,
-        )
+    if not result.passed:
+        raise refusal(result)
+    # The one line that says which path serves (run_self_check logs none).
+    logger.info(
+        "KV offload: copy path %s on %s (self-check: %d bytes each way, "
+        "%.2f GB/s, %s host memory, %.0f ms)",
+        result.path,
+        device,
+        result.bytes_per_direction,
+        result.bandwidth_gbps,
+        result.memory_kind,
+        result.seconds * 1e3,
+    )
     return result
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 from vllm.v1.kv_offload.base import (
     BlockIDsLoadStoreSpec,
     CanonicalKVCaches,
@@ -41,7 +40,6 @@ from vllm_ascend.kv_offload.self_check import (
     SelfCheck,
     SelfCheckResult,
     choose_copy_path,
-    refusal,
     run_self_check,
 )
 from vllm_ascend.kv_offload.transfer_queue import (
@@ -51,9 +49,6 @@ from vllm_ascend.kv_offload.transfer_queue import (
 )
 
 logger = init_logger(__name__)
-
-# The worker's queues: stores, loads, expedited loads.
-WorkerQueues = tuple[TransferQueue, TransferQueue, TransferQueue]
 
 
 class NPUOffloadingWorker(OffloadingWorker):
@@ -66,7 +61,7 @@ class NPUOffloadingWorker(OffloadingWorker):
         copy_path: str = "auto",
         *,
         engine: CopyEngine | None = None,
-        queues: WorkerQueues | None = None,
+        queues: tuple[TransferQueue, TransferQueue, TransferQueue] | None = None,
         self_check: SelfCheck = run_self_check,
     ):
         """``pool``: the CPU block pool the spec assembled for this worker
@@ -97,7 +92,7 @@ class NPUOffloadingWorker(OffloadingWorker):
         # Before serving: the start-up self-check picks the copy path and
         # returns its copy function, bound; or offloading is refused.
         try:
-            result = choose_copy_path(
+            self.self_check: SelfCheckResult = choose_copy_path(
                 self.device,
                 [t.page_size_bytes for t in kv_caches.tensors],
                 copy_path,
@@ -109,13 +104,9 @@ class NPUOffloadingWorker(OffloadingWorker):
         except BaseException:
             self.shutdown()  # the queues stop, the pool goes back: then raise
             raise
-        self.self_check: SelfCheckResult = result
-        if not result.passed:
-            self.shutdown()
-            raise refusal(result)
-        assert result.path is not None and result.swap is not None
-        self.copy_path: str = result.path
-        self.engine.use(result.swap)
+        assert self.self_check.path is not None and self.self_check.swap is not None
+        self.copy_path: str = self.self_check.path
+        self.engine.use(self.self_check.swap)
 
     def pool_info(self) -> PoolInfo:
         """What this worker's pool is, for ``/metrics`` (``pool_metrics``)."""
@@ -139,23 +130,19 @@ class NPUOffloadingWorker(OffloadingWorker):
     def _submit(
         self,
         queue: TransferQueue,
+        direction: str,
         job_id: int,
         device_spec: LoadStoreSpec,
         cpu_spec: LoadStoreSpec,
-        to_cpu: bool,
     ) -> bool:
-        direction = "store" if to_cpu else "load"
-        if queue is self._expedited_loads:
-            direction = "expedited_load"
+        to_cpu = direction == "store"
         if self._closed:
             logger.warning("KV offload: %s job %d after shutdown", direction, job_id)
             return self._jobs.refuse(job_id)
         try:
             assert isinstance(device_spec, GPULoadStoreSpec)
             assert isinstance(cpu_spec, BlockIDsLoadStoreSpec)
-            desc: Descriptors = self.engine.build(
-                device_spec, np.asarray(cpu_spec.block_ids), to_cpu=to_cpu
-            )
+            desc = self.engine.build(device_spec, cpu_spec.block_ids, to_cpu=to_cpu)
             copy = self._copy_job(direction, job_id, desc)
             self._jobs.accept(job_id, desc.num_bytes, store=to_cpu)
             queue.submit(job_id, copy)
@@ -179,7 +166,7 @@ class NPUOffloadingWorker(OffloadingWorker):
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
     ) -> bool:
         """Device -> CPU, after the compute that wrote the blocks."""
-        return self._submit(self._stores, job_id, src_spec, dst_spec, to_cpu=True)
+        return self._submit(self._stores, "store", job_id, src_spec, dst_spec)
 
     def submit_load(
         self,
@@ -191,8 +178,9 @@ class NPUOffloadingWorker(OffloadingWorker):
         """CPU -> device. An ``expedited`` load (vLLM >= 0.33: the step waits
         for it before its forward pass) runs on a queue of its own, so it never
         waits behind regular loads."""
+        kind = "expedited_load" if expedited else "load"
         queue = self._expedited_loads if expedited else self._loads
-        return self._submit(queue, job_id, dst_spec, src_spec, to_cpu=False)
+        return self._submit(queue, kind, job_id, dst_spec, src_spec)
 
     def get_finished(self) -> list[TransferResult]:
         return self._jobs.report(job for q in self._queues for job in q.poll())
