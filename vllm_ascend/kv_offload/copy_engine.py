@@ -120,11 +120,9 @@ class CopyEngine:
         bpc = self.pool.blocks_per_chunk
         device_ids = np.asarray(device_spec.block_ids, dtype=np.int64)
         cpu_ids = np.asarray(cpu_block_ids, dtype=np.int64)
-        if device_spec.group_sizes is None:
-            group_sizes, block_indices = [len(device_ids)], [0]
-        else:
-            group_sizes = list(device_spec.group_sizes)
-            block_indices = list(device_spec.block_indices)
+        # Both required by vLLM's spec (no group_sizes=None single group).
+        group_sizes = list(device_spec.group_sizes)
+        block_indices = list(device_spec.block_indices)
         if len(group_sizes) != len(self.groups):
             raise ValueError(
                 f"job names {len(group_sizes)} KV cache groups, "

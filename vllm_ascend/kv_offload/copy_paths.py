@@ -52,19 +52,14 @@ SETTINGS = ("auto", "native", "torch")
 _DEVICE_TYPES = ["cpu", "cuda", "npu", "xpu"]
 
 
-def _flat_storage(t: torch.Tensor) -> torch.Tensor:
-    """A 1-D uint8 tensor over the whole storage of ``t``."""
-    flat = torch.empty(0, dtype=torch.uint8, device=t.device)
-    return flat.set_(t.untyped_storage())
-
-
 class TorchCopier:
     """``swap_blocks_batch`` in torch, over the buffers it was given."""
 
     def __init__(self, buffers: Iterable[torch.Tensor]):
         views: dict[int, torch.Tensor] = {}
-        for t in buffers:
-            flat = _flat_storage(t)
+        for t in buffers:  # a 1-D uint8 view over each whole storage
+            flat = torch.empty(0, dtype=torch.uint8, device=t.device)
+            flat.set_(t.untyped_storage())
             if flat.numel():
                 views.setdefault(flat.data_ptr(), flat)
         self._device_types = sorted({v.device.type for v in views.values()})
@@ -173,17 +168,6 @@ def _coalesced(vllm_swap: Callable[..., None]) -> Swap:
     return swap
 
 
-def native_paths(device_type: str, have: Available) -> list[CopyPath]:
-    """What ``have`` offers on ``device_type``, best first."""
-    if device_type == "cuda":
-        vllm = [CopyPath(VLLM_BATCH, "cuda", have.vllm_swap)]
-        return vllm if have.vllm_swap is not None else []
-    if device_type not in have.native_backends:
-        return []
-    names = [NATIVE_CPU] if device_type == "cpu" else [NATIVE_BATCH, NATIVE_PER_COPY]
-    return [CopyPath(n, device_type) for n in names]
-
-
 def candidate_paths(
     device_type: str, setting: str = "auto", have: Available | None = None
 ) -> Sequence[CopyPath]:
@@ -198,7 +182,14 @@ def candidate_paths(
     if setting == "torch":
         return torch_path
     have = have or Available.here(device_type)
-    native = native_paths(device_type, have)
+    # What ``have`` offers on ``device_type``, best first.
+    native = []
+    if device_type == "cuda" and have.vllm_swap is not None:
+        native = [CopyPath(VLLM_BATCH, "cuda", have.vllm_swap)]
+    elif device_type == "cpu" and "cpu" in have.native_backends:
+        native = [CopyPath(NATIVE_CPU, "cpu")]
+    elif device_type != "cuda" and device_type in have.native_backends:
+        native = [CopyPath(n, device_type) for n in (NATIVE_BATCH, NATIVE_PER_COPY)]
     if setting == "native" and not native:
         if device_type == "cuda":
             raise OffloadConfigError(

@@ -21,12 +21,6 @@ and reports each finished job with its duration.
   The thread runs off vLLM's OpenMP cores where vLLM left any free
   (``cpu_threads.pin_copy_thread``; issue 18).
 
-``wait_any`` lets the worker block, briefly, while jobs are in flight and the
-engine has nothing else to do: on the CPU backend an engine loop that polls
-as fast as it can takes CPU time from the copy (docs/e2e_benchmark.md). A
-stream's copies run on a DMA engine, which polling does not slow, so there it
-returns at once.
-
 Failures: a job whose copy raises (anything, even ``SystemExit``) is
 reported with ``success=False`` (never re-raised into the engine); ``submit``
 raises only if the job could not be started, and the caller reports that job

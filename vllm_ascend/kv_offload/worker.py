@@ -200,7 +200,8 @@ class NPUOffloadingWorker(OffloadingWorker):
 
         For engine steps that compute nothing and only wait for transfers:
         without it vLLM steps again at once, over and over, and on the CPU
-        backend each step takes CPU time from the copy it is waiting for.
+        backend each step takes CPU time from the copy it is waiting for
+        (docs/e2e_benchmark.md).
         Loads come first (requests wait on them); stores only when no load is
         in flight. Returns at once on streams (their DMA does not compete).
         """
