@@ -30,20 +30,6 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-# HAS_NATIVE_OP: a module attribute too (``__getattr__``, loads the op).
-__all__ = [
-    "check_disjoint",
-    "coalesce",
-    "fallback_reason",
-    "host_alloc",
-    "host_free",
-    "host_register",
-    "host_unregister",
-    "native_backends",
-    "native_swap",
-    "swap_blocks_batch",
-]
-
 _UINT64_MAX = np.uint64(np.iinfo(np.uint64).max)
 _BUILD_HINT = "build it with `pip install --no-build-isolation -e .`"
 

@@ -78,13 +78,16 @@ class SelfCheckResult:
     # the scratch ones); None if none passed.
     swap: Swap | None = field(default=None, repr=False, compare=False)
 
+    def figures(self) -> str:
+        """What the chosen path measured (the doctor's line, the worker's)."""
+        return (
+            f"{self.bytes_per_direction} bytes each way, {self.bandwidth_gbps:.2f} "
+            f"GB/s, {self.memory_kind} host memory, {self.seconds * 1e3:.0f} ms"
+        )
+
     def summary(self) -> str:
         if self.passed:
-            return (
-                f"passed on path {self.path} ({self.bytes_per_direction} bytes "
-                f"each way, {self.bandwidth_gbps:.2f} GB/s, {self.memory_kind} "
-                f"host memory, {self.seconds * 1e3:.0f} ms)"
-            )
+            return f"passed on path {self.path} ({self.figures()})"
         return f"FAILED: {self.failure}"
 
 
@@ -115,10 +118,6 @@ def _scratch(device: torch.device, pool: CpuBlockPool, fragment_sizes, blocks):
     src = torch.from_numpy(rng.integers(0, 256, total, dtype=np.uint8)).to(device)
     dst = torch.empty(total, dtype=torch.uint8, device=device)
     return _Scratch(src, dst, dev_off, host_addr, frag_sizes.copy())
-
-
-def _descriptors(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray):
-    return tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in (src, dst, sizes))
 
 
 def _run_job(queue: TransferQueue, job_id: int, copy) -> str | None:
@@ -182,9 +181,8 @@ def _host_fragments(pool: CpuBlockPool, s: _Scratch) -> list[np.ndarray]:
 
 
 def _attempt(
-    path: CopyPath, scratch: _Scratch, pool: CpuBlockPool, queues, buffers
+    path: CopyPath, s: _Scratch, pool: CpuBlockPool, queues, buffers
 ) -> tuple[PathAttempt, Swap | None]:
-    s = scratch
     assert not pool.released
     host_views = _host_fragments(pool, s)
     sizes = s.sizes.tolist()
@@ -198,8 +196,8 @@ def _attempt(
         return PathAttempt(path.name, False, f"{type(e).__name__}: {e}"), None
     src_dev = s.src.data_ptr() + s.dev_off
     dst_dev = s.dst.data_ptr() + s.dev_off
-    store = _descriptors(src_dev, s.host_addr, s.sizes)
-    load = _descriptors(s.host_addr, dst_dev, s.sizes)
+    store = [torch.from_numpy(a) for a in (src_dev, s.host_addr, s.sizes)]
+    load = [torch.from_numpy(a) for a in (s.host_addr, dst_dev, s.sizes)]
     store_q, load_q = queues
     t0 = time.perf_counter()
     failure = _run_job(store_q, -1, lambda: swap(*store))
@@ -345,14 +343,10 @@ def choose_copy_path(
         raise refusal(result)
     # The one line that says which path serves (run_self_check logs none).
     logger.info(
-        "KV offload: copy path %s on %s (self-check: %d bytes each way, "
-        "%.2f GB/s, %s host memory, %.0f ms)",
+        "KV offload: copy path %s on %s (self-check: %s)",
         result.path,
         device,
-        result.bytes_per_direction,
-        result.bandwidth_gbps,
-        result.memory_kind,
-        result.seconds * 1e3,
+        result.figures(),
     )
     return result
 

@@ -234,24 +234,21 @@ class ThreadTransferQueue(TransferQueue):
                     self._pending.discard(job_id)
                     self._changed.notify_all()
         finally:
-            self._fail_pending()
-
-    def _fail_pending(self) -> None:
-        """The thread is ending: whatever it has not reported fails now, and
-        nothing more is accepted, so no waiter is left behind."""
-        with self._changed:
-            self._stopped = True
-            for job_id in sorted(self._pending):
-                self._finished.append(FinishedJob(job_id, False, 0.0))
-            if self._pending:
-                logger.error(
-                    "KV offload: copy thread %s ended with %d jobs unreported; "
-                    "they are reported failed",
-                    self._thread.name,
-                    len(self._pending),
-                )
-            self._pending.clear()
-            self._changed.notify_all()
+            # The thread is ending: whatever it has not reported fails now,
+            # and nothing more is accepted, so no waiter is left behind.
+            with self._changed:
+                self._stopped = True
+                for job_id in sorted(self._pending):
+                    self._finished.append(FinishedJob(job_id, False, 0.0))
+                if self._pending:
+                    logger.error(
+                        "KV offload: copy thread %s ended with %d jobs "
+                        "unreported; they are reported failed",
+                        self._thread.name,
+                        len(self._pending),
+                    )
+                self._pending.clear()
+                self._changed.notify_all()
 
     def poll(self) -> list[FinishedJob]:
         with self._changed:
