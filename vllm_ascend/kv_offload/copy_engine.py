@@ -58,8 +58,7 @@ class CopyEngine:
             self._group_tensors(kv_caches, refs) for refs in kv_caches.group_data_refs
         ]
         self._buffers = [t.tensor for t in kv_caches.tensors]
-        # The copy function (``use``): ``swap(desc.src, desc.dst, desc.sizes)``
-        # -> (copies after merging, what must live until they complete).
+        # The copy function (``use``): ``swap(desc.src, desc.dst, desc.sizes)``.
         self.swap: Swap | None = None
 
     def buffers(self) -> list[torch.Tensor]:
@@ -171,9 +170,10 @@ class CopyEngine:
                 f"job holds {len(device_ids)} device and {len(cpu_ids)} CPU blocks "
                 f"but its group sizes {group_sizes} use {dev_pos} and {cpu_pos}"
             )
-        dev_all = _concat(device_parts)
-        cpu_all = _concat(cpu_parts)
-        sizes = _concat(size_parts)
+        dev_all, cpu_all, sizes = (
+            np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+            for parts in (device_parts, cpu_parts, size_parts)
+        )
         src, dst = (dev_all, cpu_all) if to_cpu else (cpu_all, dev_all)
         return Descriptors(
             src=torch.from_numpy(src),
@@ -181,9 +181,3 @@ class CopyEngine:
             sizes=torch.from_numpy(sizes),
             num_bytes=int(sizes.sum()),
         )
-
-
-def _concat(parts: list[np.ndarray]) -> np.ndarray:
-    if not parts:
-        return np.empty(0, dtype=np.int64)
-    return np.ascontiguousarray(np.concatenate(parts), dtype=np.int64)

@@ -191,18 +191,16 @@ def candidate_paths(
     elif device_type != "cuda" and device_type in have.native_backends:
         native = [CopyPath(n, device_type) for n in (NATIVE_BATCH, NATIVE_PER_COPY)]
     if setting == "native" and not native:
-        if device_type == "cuda":
-            raise OffloadConfigError(
-                f"{PREFIX}['copy_path']='native', but this vLLM has no "
-                "registered swap_blocks_batch op (vllm._custom_ops, a CUDA "
-                "build of vLLM); install vLLM's CUDA build, or set "
-                "copy_path='auto' (falls back to the torch path)"
-            )
-        raise OffloadConfigError(
-            f"{PREFIX}['copy_path']='native', but the native op has no "
-            f"'{device_type}' backend here (compiled: "
+        lacks = (
+            "this vLLM has no registered swap_blocks_batch op (vllm._custom_ops, "
+            "a CUDA build of vLLM); install vLLM's CUDA build"
+            if device_type == "cuda"
+            else f"the native op has no '{device_type}' backend here (compiled: "
             f"{', '.join(have.native_backends) or 'none'}); build it with "
-            "`pip install --no-build-isolation -e .` on this machine, or set "
+            "`pip install --no-build-isolation -e .` on this machine"
+        )
+        raise OffloadConfigError(
+            f"{PREFIX}['copy_path']='native', but {lacks}, or set "
             "copy_path='auto' (falls back to the torch path)"
         )
     return native if setting == "native" else native + torch_path

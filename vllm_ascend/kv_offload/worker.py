@@ -6,16 +6,13 @@ copies run (a dedicated stream, or a thread on the CPU backend). There are
 three: stores, loads, and expedited loads (vLLM >= 0.33 waits for those
 within the step, so they must not queue behind regular loads).
 
-Failures never escape into the engine, and are never hidden. Every job
+Failures never escape into the engine, and are never hidden: every job
 ``submit_store``/``submit_load`` accepted is reported exactly once by
-``get_finished``; one that failed (at submission or while copying) is
-reported with ``success=False``, which vLLM's own connector does not handle
-(it asserts). ``connector.AscendOffloadingConnector`` therefore calls
-``divert_failures()``: from then on failed jobs are reported to vLLM as
-finished without transfer stats, and the connector collects them with
-``take_failed_jobs()`` and reports them through vLLM's public connector hooks
-(blocks to recompute, CPU blocks never stored). Without that call a failure
-stays loud.
+``get_finished``, a failed one as ``failures.JobLedger`` says: with
+``success=False`` (vLLM's own connector asserts: a failure stays loud), or,
+once ``connector.AscendOffloadingConnector`` called ``divert_failures()``, as
+finished without transfer stats, for the connector to report through vLLM's
+public hooks (``take_failed_jobs``: blocks to recompute, never stored).
 """
 
 from __future__ import annotations
@@ -80,12 +77,11 @@ class NPUOffloadingWorker(OffloadingWorker):
         self.device = kv_caches.tensors[0].tensor.device
         self.pool = pool
         self.engine = engine or CopyEngine(kv_caches, pool)
-        self._stores, self._loads, self._expedited_loads = queues or (
-            make_transfer_queue(self.device, "store"),
-            make_transfer_queue(self.device, "load"),
-            make_transfer_queue(self.device, "load-expedited"),
+        self._queues = queues or tuple(
+            make_transfer_queue(self.device, kind)
+            for kind in ("store", "load", "load-expedited")
         )
-        self._queues = (self._stores, self._loads, self._expedited_loads)
+        self._stores, self._loads, self._expedited_loads = self._queues
         # Each accepted job until get_finished reports it.
         self._jobs = JobLedger()
         self._closed = False
