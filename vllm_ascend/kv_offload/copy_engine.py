@@ -53,7 +53,6 @@ class CopyEngine:
 
     def __init__(self, kv_caches: CanonicalKVCaches, pool: CpuBlockPool):
         self.pool = pool
-        self.device_type = kv_caches.tensors[0].tensor.device.type
         self.groups = [
             self._group_tensors(kv_caches, refs) for refs in kv_caches.group_data_refs
         ]

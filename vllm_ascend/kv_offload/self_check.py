@@ -185,8 +185,6 @@ def _attempt(
 ) -> tuple[PathAttempt, Swap | None]:
     assert not pool.released
     host_views = _host_fragments(pool, s)
-    sizes = s.sizes.tolist()
-    dev_frags = list(zip(s.dev_off.tolist(), sizes, strict=True))
     for view in host_views:
         view[:] = POISON
     s.dst.fill_(POISON)
@@ -204,31 +202,31 @@ def _attempt(
     if failure is None:
         failure = _run_job(load_q, -2, lambda: swap(*load))
     seconds = time.perf_counter() - t0
+    if failure is None:
+        failure = _verify(s, host_views)
     if failure is not None:
         return PathAttempt(path.name, False, failure, seconds), None
-    src_cpu = s.src.cpu().numpy()
-    dst_cpu = s.dst.cpu().numpy()
-    wants = [src_cpu[o : o + n] for o, n in dev_frags]
-    failure = _compare(
-        wants, host_views, s.host_addr.tolist(), "CPU pool after the store"
-    )
-    if failure is None:
-        # Device side: every fragment back, the poison after it untouched.
-        gots = [dst_cpu[o : o + n] for o, n in dev_frags]
-        failure = _compare(
-            wants, gots, [o for o, _ in dev_frags], "device buffer after the load"
-        )
-    if failure is None:
-        for o, n in dev_frags:
-            gap = dst_cpu[o + n : o + n + _GAP]
-            if not (gap == POISON).all():
-                failure = f"the load wrote past the fragment at device offset {o}"
-                break
-    if failure is not None:
-        return PathAttempt(path.name, False, failure, seconds), None
-    moved = 2 * int(s.sizes.sum())
-    gbps = moved / max(seconds, 1e-9) / 1e9
+    gbps = 2 * int(s.sizes.sum()) / max(seconds, 1e-9) / 1e9  # both ways
     return PathAttempt(path.name, True, None, seconds, gbps), swap
+
+
+def _verify(s: _Scratch, host_views: list[np.ndarray]) -> str | None:
+    """What the store and the load got wrong, or None."""
+    src, dst = s.src.cpu().numpy(), s.dst.cpu().numpy()
+    frags = list(zip(s.dev_off.tolist(), s.sizes.tolist(), strict=True))
+    wants = [src[o : o + n] for o, n in frags]
+    host = s.host_addr.tolist()
+    if failure := _compare(wants, host_views, host, "CPU pool after the store"):
+        return failure
+    # Device side: every fragment back, the poison after it untouched.
+    gots = [dst[o : o + n] for o, n in frags]
+    dev = s.dev_off.tolist()
+    if failure := _compare(wants, gots, dev, "device buffer after the load"):
+        return failure
+    for o, n in frags:
+        if not (dst[o + n : o + n + _GAP] == POISON).all():
+            return f"the load wrote past the fragment at device offset {o}"
+    return None
 
 
 def run_self_check(
