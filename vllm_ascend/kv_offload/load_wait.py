@@ -32,7 +32,6 @@ as their failed jobs do.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import astuple, dataclass
 from typing import Any
@@ -99,32 +98,6 @@ class WorkerFigures:
         if other is None:
             return self
         return WorkerFigures(*map(max, astuple(self), astuple(other)))
-
-
-class StepClock:
-    """Worker side: times each step's forward (``start`` at the metadata's
-    binding, ``stop`` at ``get_finished``)."""
-
-    def __init__(self) -> None:
-        self._started: tuple[float, int] | None = None
-        self.tokens = 0
-        self.seconds = 0.0
-
-    def start(self, num_tokens: int) -> None:
-        self._started = (time.perf_counter(), num_tokens) if num_tokens else None
-
-    def stop(self) -> None:
-        if self._started is not None:
-            start, tokens = self._started
-            self.seconds += time.perf_counter() - start
-            self.tokens += tokens
-            self._started = None
-
-    def figures(self, queued: tuple[int, int]) -> WorkerFigures:
-        """This step's figures with the worker's (store, load) bytes queued."""
-        figures = WorkerFigures(*queued, self.tokens, self.seconds)
-        self.tokens, self.seconds = 0, 0.0
-        return figures
 
 
 @dataclass
