@@ -10,15 +10,12 @@
 * ``torch``: public torch calls only (``TorchCopier``, below), on any device
   when the native op is missing (cpu included: a build without native code),
   and the baseline the copy benchmark measures the op against. The
-  descriptors name raw addresses; torch copies tensors: it holds a flat
-  uint8 view of every buffer a job may touch (each device KV cache storage
-  and the CPU block pool) and turns each copy, after the op's own validation
-  and merging of adjacent fragments (``ops.coalesce``), into one
-  ``dst[a:b].copy_(src[c:d], non_blocking=True)`` between views of those
-  buffers, on the current stream (the transfer queue's): nothing is
-  allocated, so nothing outlives the call but the copies. One Python call
-  per merged copy: fine for a fallback, which is why it is not the default
-  where the native op exists.
+  descriptors name raw addresses, torch copies tensors: after ``ops.coalesce``
+  each copy is one ``dst[a:b].copy_(src[c:d], non_blocking=True)`` between
+  flat uint8 views of the buffers a job may touch (the KV caches, the pool),
+  on the current stream, allocating nothing. One Python call per merged
+  copy: fine for a fallback, which is why it is not the default where the
+  native op exists.
 
 ``candidate_paths`` lists those a device can try, in the order the start-up
 self-check tries them (``self_check.py``), from what this process has

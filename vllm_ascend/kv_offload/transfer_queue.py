@@ -48,10 +48,8 @@ from vllm_ascend.kv_offload.logger import init_logger
 
 logger = init_logger(__name__)
 
-# A job's copy work: enqueues (or performs) the copies on the current stream.
-# What it returns must stay alive until those copies have completed (e.g.
-# the (copies, workspace) of the copy path's function, CopyEngine.swap); a
-# stream queue keeps it that long.
+# A job's copy work: enqueues (or performs) the copies on the current stream;
+# what it returns must live until they have completed (``CopyEngine.swap``).
 CopyFn = Callable[[], object]
 
 
