@@ -158,8 +158,7 @@ def build_region_worker(
             # The NPU copy backend refuses pageable host memory.
             registration = AclRegionRegistration(region, piece_bytes=piece_bytes)
             pool.memory.pinned = True
-        turns = taking_turns(region) if shared_slot else contextlib.nullcontext()
-        with turns:
+        with taking_turns(region) if shared_slot else contextlib.nullcontext():
             worker = RegionWorker(
                 kv_caches, region, mark, pool, registration, copy_path=copy_path
             )

@@ -62,11 +62,10 @@ class NPUOffloadingWorker(OffloadingWorker):
         self_check: SelfCheck = run_self_check,
     ):
         """``pool``: the CPU block pool the spec assembled for this worker
-        (``cpu_pool.private_pool``, or a shared region's
-        ``region.slot_pool``); the worker releases it at
-        shutdown, as its memory's owner said. ``copy_path``: the setting of
-        that name (``copy_paths.py``). Raises ``self_check.SelfCheckFailed``
-        if no copy path is byte-exact.
+        (``cpu_pool.private_pool``, or a shared region's ``region.slot_pool``);
+        the worker releases it at shutdown, as its memory's owner said.
+        ``copy_path``: the setting of that name (``copy_paths.py``). Raises
+        ``self_check.SelfCheckFailed`` if no copy path is byte-exact.
 
         The collaborators default to the real ones for the KV caches'
         device; a test passes its own (e.g. on a device this machine lacks):
@@ -197,9 +196,9 @@ class NPUOffloadingWorker(OffloadingWorker):
         For engine steps that compute nothing and only wait for transfers:
         without it vLLM steps again at once, over and over, and on the CPU
         backend each step takes CPU time from the copy it is waiting for
-        (docs/e2e_benchmark.md).
-        Loads come first (requests wait on them); stores only when no load is
-        in flight. Returns at once on streams (their DMA does not compete).
+        (docs/e2e_benchmark.md). Loads come first (requests wait on them);
+        stores only when no load is in flight. Returns at once on streams
+        (their DMA does not compete).
         """
         for queue in (self._expedited_loads, self._loads, self._stores):
             if queue.wait_any(timeout_s):
