@@ -100,6 +100,7 @@ class _Scratch:
     dev_off: np.ndarray  # int64 [F], offset of fragment f in src and dst
     host_addr: np.ndarray  # int64 [F], its address in the pool
     sizes: np.ndarray  # int64 [F]
+    host: list[np.ndarray]  # [F] numpy views of the fragments in the pool
 
 
 def _scratch(device: torch.device, pool: CpuBlockPool, fragment_sizes, blocks):
@@ -117,7 +118,12 @@ def _scratch(device: torch.device, pool: CpuBlockPool, fragment_sizes, blocks):
     rng = np.random.default_rng(20261202)
     src = torch.from_numpy(rng.integers(0, 256, total, dtype=np.uint8)).to(device)
     dst = torch.empty(total, dtype=torch.uint8, device=device)
-    return _Scratch(src, dst, dev_off, host_addr, frag_sizes.copy())
+    offsets = pool.tensor_offsets.tolist()
+    host = []
+    for b in range(blocks):  # row by row: rows may sit in different pieces
+        row = pool.row(b).view(torch.uint8).numpy()
+        host += [row[o : o + n] for o, n in zip(offsets, sizes.tolist(), strict=True)]
+    return _Scratch(src, dst, dev_off, host_addr, frag_sizes.copy(), host)
 
 
 def _run_job(queue: TransferQueue, job_id: int, copy) -> str | None:
@@ -167,25 +173,11 @@ def _compare(wants, gots, offsets, where: str) -> str | None:
     return f"{wrong} wrong bytes in the {where}, the first {first}"
 
 
-def _host_fragments(pool: CpuBlockPool, s: _Scratch) -> list[np.ndarray]:
-    """numpy views of the scratch fragments, in the pool's rows (which may
-    sit in different pieces), in the order of ``s.host_addr``."""
-    offsets = pool.tensor_offsets.tolist()
-    t = len(offsets)
-    views = []
-    for b in range(len(s.sizes) // t):
-        row = pool.row(b).view(torch.uint8).numpy()
-        sizes = s.sizes[b * t : (b + 1) * t].tolist()
-        views += [row[o : o + n] for o, n in zip(offsets, sizes, strict=True)]
-    return views
-
-
 def _attempt(
     path: CopyPath, s: _Scratch, pool: CpuBlockPool, queues, buffers
 ) -> tuple[PathAttempt, Swap | None]:
     assert not pool.released
-    host_views = _host_fragments(pool, s)
-    for view in host_views:
+    for view in s.host:
         view[:] = POISON
     s.dst.fill_(POISON)
     try:
@@ -203,20 +195,20 @@ def _attempt(
         failure = _run_job(load_q, -2, lambda: swap(*load))
     seconds = time.perf_counter() - t0
     if failure is None:
-        failure = _verify(s, host_views)
+        failure = _verify(s)
     if failure is not None:
         return PathAttempt(path.name, False, failure, seconds), None
     gbps = 2 * int(s.sizes.sum()) / max(seconds, 1e-9) / 1e9  # both ways
     return PathAttempt(path.name, True, None, seconds, gbps), swap
 
 
-def _verify(s: _Scratch, host_views: list[np.ndarray]) -> str | None:
+def _verify(s: _Scratch) -> str | None:
     """What the store and the load got wrong, or None."""
     src, dst = s.src.cpu().numpy(), s.dst.cpu().numpy()
     frags = list(zip(s.dev_off.tolist(), s.sizes.tolist(), strict=True))
     wants = [src[o : o + n] for o, n in frags]
     host = s.host_addr.tolist()
-    if failure := _compare(wants, host_views, host, "CPU pool after the store"):
+    if failure := _compare(wants, s.host, host, "CPU pool after the store"):
         return failure
     # Device side: every fragment back, the poison after it untouched.
     gots = [dst[o : o + n] for o, n in frags]

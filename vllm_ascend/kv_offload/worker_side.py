@@ -37,7 +37,9 @@ class WorkerSide:
         blocks (one offloaded KV cache group), else by its request."""
         self._failure_log = WorkerFailureLog(report_block_ids)
         self._started: tuple[float, int] | None = None  # the step's forward
-        self._tokens, self._seconds = 0, 0.0  # forwards since last reported
+        # The forward passes since the figures were last reported.
+        self._tokens = 0
+        self._seconds = 0.0
         self._queued_sent = (0, 0)
 
     def on_metadata(self, meta: OffloadingConnectorMetadata) -> None:
