@@ -20,6 +20,7 @@ path it also holds the scratch buffers, two blocks' worth).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -245,18 +246,19 @@ def run_self_check(
     """
     device = torch.device(device)
     t0 = time.perf_counter()
-    own_pool = pool is None
-    if pool is None:
-        pool = private_pool(list(fragment_sizes), 1, SCRATCH_BLOCKS, device.type)
-    own_queues = queues is None
-    if queues is None:
-        queues = (
-            make_transfer_queue(device, "self-check-store"),
-            make_transfer_queue(device, "self-check-load"),
-        )
     attempts: list[PathAttempt] = []
     swap = None
-    try:
+    with contextlib.ExitStack() as cleanup:
+        if pool is None:
+            pool = private_pool(list(fragment_sizes), 1, SCRATCH_BLOCKS, device.type)
+            cleanup.callback(pool.release)
+        if queues is None:
+            queues = tuple(
+                make_transfer_queue(device, f"self-check-{kind}")
+                for kind in ("store", "load")
+            )
+            for q in queues:
+                cleanup.callback(q.shutdown)
         blocks = min(SCRATCH_BLOCKS, pool.num_blocks)
         scratch = _scratch(device, pool, fragment_sizes, blocks)
         for path in candidate_paths(device.type) if paths is None else paths:
@@ -271,12 +273,6 @@ def run_self_check(
                 device,
                 attempt.failure,
             )
-    finally:
-        if own_queues:
-            for q in queues:
-                q.shutdown()
-        if own_pool:
-            pool.release()
     chosen = attempts[-1] if attempts and attempts[-1].passed else None
     failure = None
     if chosen is None:
