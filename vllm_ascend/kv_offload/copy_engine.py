@@ -120,7 +120,6 @@ class CopyEngine:
         cpu_ids = np.asarray(cpu_block_ids, dtype=np.int64)
         # Both required by vLLM's spec (no group_sizes=None single group).
         group_sizes = list(device_spec.group_sizes)
-        block_indices = list(device_spec.block_indices)
         if len(group_sizes) != len(self.groups):
             raise ValueError(
                 f"job names {len(group_sizes)} KV cache groups, "
@@ -131,7 +130,7 @@ class CopyEngine:
         cpu_parts: list[np.ndarray] = []
         size_parts: list[np.ndarray] = []
         dev_pos = cpu_pos = 0
-        jobs = zip(self.groups, group_sizes, block_indices, strict=True)
+        jobs = zip(self.groups, group_sizes, device_spec.block_indices, strict=True)
         for group, n, first in jobs:
             if n == 0:
                 continue
