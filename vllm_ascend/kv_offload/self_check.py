@@ -143,7 +143,7 @@ def _run_job(queue: TransferQueue, job_id: int, copy) -> str | None:
     except Exception as e:
         return f"{type(e).__name__}: {e}"
     queue.wait({job_id})
-    # Waited for, so finished (the queues are the worker's, idle at start-up).
+    # Waited for, so finished (nothing else runs on these queues yet).
     (done,) = [j for j in queue.poll() if j.job_id == job_id]
     if raised:
         return f"{type(raised[0]).__name__}: {raised[0]}"
@@ -199,13 +199,15 @@ def _attempt(
         failure = _verify(s)
     if failure is not None:
         return PathAttempt(path.name, False, failure, seconds), None
-    gbps = 2 * int(s.sizes.sum()) / max(seconds, 1e-9) / 1e9  # both ways
+    moved = 2 * int(s.sizes.sum())
+    gbps = moved / max(seconds, 1e-9) / 1e9
     return PathAttempt(path.name, True, None, seconds, gbps), swap
 
 
 def _verify(s: _Scratch) -> str | None:
     """What the store and the load got wrong, or None."""
-    src, dst = s.src.cpu().numpy(), s.dst.cpu().numpy()
+    src = s.src.cpu().numpy()
+    dst = s.dst.cpu().numpy()
     frags = list(zip(s.dev_off.tolist(), s.sizes.tolist(), strict=True))
     wants = [src[o : o + n] for o, n in frags]
     host = s.host_addr.tolist()
