@@ -53,13 +53,11 @@ class CopyEngine:
 
     def __init__(self, kv_caches: CanonicalKVCaches, pool: CpuBlockPool):
         self.pool = pool
-        self.device_type = kv_caches.tensors[0].tensor.device.type
         self.groups = [
             self._group_tensors(kv_caches, refs) for refs in kv_caches.group_data_refs
         ]
         self._buffers = [t.tensor for t in kv_caches.tensors]
-        # The copy function (``use``): ``swap(desc.src, desc.dst, desc.sizes)``
-        # -> (copies after merging, what must live until they complete).
+        # The copy function (``use``): ``swap(desc.src, desc.dst, desc.sizes)``.
         self.swap: Swap | None = None
 
     def buffers(self) -> list[torch.Tensor]:
@@ -120,11 +118,8 @@ class CopyEngine:
         bpc = self.pool.blocks_per_chunk
         device_ids = np.asarray(device_spec.block_ids, dtype=np.int64)
         cpu_ids = np.asarray(cpu_block_ids, dtype=np.int64)
-        if device_spec.group_sizes is None:
-            group_sizes, block_indices = [len(device_ids)], [0]
-        else:
-            group_sizes = list(device_spec.group_sizes)
-            block_indices = list(device_spec.block_indices)
+        # Both required by vLLM's spec (no group_sizes=None single group).
+        group_sizes = list(device_spec.group_sizes)
         if len(group_sizes) != len(self.groups):
             raise ValueError(
                 f"job names {len(group_sizes)} KV cache groups, "
@@ -135,7 +130,7 @@ class CopyEngine:
         cpu_parts: list[np.ndarray] = []
         size_parts: list[np.ndarray] = []
         dev_pos = cpu_pos = 0
-        jobs = zip(self.groups, group_sizes, block_indices, strict=True)
+        jobs = zip(self.groups, group_sizes, device_spec.block_indices, strict=True)
         for group, n, first in jobs:
             if n == 0:
                 continue
@@ -173,9 +168,10 @@ class CopyEngine:
                 f"job holds {len(device_ids)} device and {len(cpu_ids)} CPU blocks "
                 f"but its group sizes {group_sizes} use {dev_pos} and {cpu_pos}"
             )
-        dev_all = _concat(device_parts)
-        cpu_all = _concat(cpu_parts)
-        sizes = _concat(size_parts)
+        dev_all, cpu_all, sizes = (
+            np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+            for parts in (device_parts, cpu_parts, size_parts)
+        )
         src, dst = (dev_all, cpu_all) if to_cpu else (cpu_all, dev_all)
         return Descriptors(
             src=torch.from_numpy(src),
@@ -183,9 +179,3 @@ class CopyEngine:
             sizes=torch.from_numpy(sizes),
             num_bytes=int(sizes.sum()),
         )
-
-
-def _concat(parts: list[np.ndarray]) -> np.ndarray:
-    if not parts:
-        return np.empty(0, dtype=np.int64)
-    return np.ascontiguousarray(np.concatenate(parts), dtype=np.int64)

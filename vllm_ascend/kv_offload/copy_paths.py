@@ -10,15 +10,12 @@
 * ``torch``: public torch calls only (``TorchCopier``, below), on any device
   when the native op is missing (cpu included: a build without native code),
   and the baseline the copy benchmark measures the op against. The
-  descriptors name raw addresses; torch copies tensors: it holds a flat
-  uint8 view of every buffer a job may touch (each device KV cache storage
-  and the CPU block pool) and turns each copy, after the op's own validation
-  and merging of adjacent fragments (``ops.coalesce``), into one
-  ``dst[a:b].copy_(src[c:d], non_blocking=True)`` between views of those
-  buffers, on the current stream (the transfer queue's): nothing is
-  allocated, so nothing outlives the call but the copies. One Python call
-  per merged copy: fine for a fallback, which is why it is not the default
-  where the native op exists.
+  descriptors name raw addresses, torch copies tensors: after ``ops.coalesce``
+  each copy is one ``dst[a:b].copy_(src[c:d], non_blocking=True)`` between
+  flat uint8 views of the buffers a job may touch (the KV caches, the pool),
+  on the current stream, allocating nothing. One Python call per merged
+  copy: fine for a fallback, which is why it is not the default where the
+  native op exists.
 
 ``candidate_paths`` lists those a device can try, in the order the start-up
 self-check tries them (``self_check.py``), from what this process has
@@ -52,19 +49,14 @@ SETTINGS = ("auto", "native", "torch")
 _DEVICE_TYPES = ["cpu", "cuda", "npu", "xpu"]
 
 
-def _flat_storage(t: torch.Tensor) -> torch.Tensor:
-    """A 1-D uint8 tensor over the whole storage of ``t``."""
-    flat = torch.empty(0, dtype=torch.uint8, device=t.device)
-    return flat.set_(t.untyped_storage())
-
-
 class TorchCopier:
     """``swap_blocks_batch`` in torch, over the buffers it was given."""
 
     def __init__(self, buffers: Iterable[torch.Tensor]):
         views: dict[int, torch.Tensor] = {}
-        for t in buffers:
-            flat = _flat_storage(t)
+        for t in buffers:  # a 1-D uint8 view over each whole storage
+            flat = torch.empty(0, dtype=torch.uint8, device=t.device)
+            flat.set_(t.untyped_storage())
             if flat.numel():
                 views.setdefault(flat.data_ptr(), flat)
         self._device_types = sorted({v.device.type for v in views.values()})
@@ -173,17 +165,6 @@ def _coalesced(vllm_swap: Callable[..., None]) -> Swap:
     return swap
 
 
-def native_paths(device_type: str, have: Available) -> list[CopyPath]:
-    """What ``have`` offers on ``device_type``, best first."""
-    if device_type == "cuda":
-        vllm = [CopyPath(VLLM_BATCH, "cuda", have.vllm_swap)]
-        return vllm if have.vllm_swap is not None else []
-    if device_type not in have.native_backends:
-        return []
-    names = [NATIVE_CPU] if device_type == "cpu" else [NATIVE_BATCH, NATIVE_PER_COPY]
-    return [CopyPath(n, device_type) for n in names]
-
-
 def candidate_paths(
     device_type: str, setting: str = "auto", have: Available | None = None
 ) -> Sequence[CopyPath]:
@@ -198,20 +179,25 @@ def candidate_paths(
     if setting == "torch":
         return torch_path
     have = have or Available.here(device_type)
-    native = native_paths(device_type, have)
+    # What ``have`` offers on ``device_type``, best first.
+    native = []
+    if device_type == "cuda" and have.vllm_swap is not None:
+        native = [CopyPath(VLLM_BATCH, "cuda", have.vllm_swap)]
+    elif device_type == "cpu" and "cpu" in have.native_backends:
+        native = [CopyPath(NATIVE_CPU, "cpu")]
+    elif device_type != "cuda" and device_type in have.native_backends:
+        native = [CopyPath(n, device_type) for n in (NATIVE_BATCH, NATIVE_PER_COPY)]
     if setting == "native" and not native:
-        if device_type == "cuda":
-            raise OffloadConfigError(
-                f"{PREFIX}['copy_path']='native', but this vLLM has no "
-                "registered swap_blocks_batch op (vllm._custom_ops, a CUDA "
-                "build of vLLM); install vLLM's CUDA build, or set "
-                "copy_path='auto' (falls back to the torch path)"
-            )
-        raise OffloadConfigError(
-            f"{PREFIX}['copy_path']='native', but the native op has no "
-            f"'{device_type}' backend here (compiled: "
+        lacks = (
+            "this vLLM has no registered swap_blocks_batch op (vllm._custom_ops, "
+            "a CUDA build of vLLM); install vLLM's CUDA build"
+            if device_type == "cuda"
+            else f"the native op has no '{device_type}' backend here (compiled: "
             f"{', '.join(have.native_backends) or 'none'}); build it with "
-            "`pip install --no-build-isolation -e .` on this machine, or set "
+            "`pip install --no-build-isolation -e .` on this machine"
+        )
+        raise OffloadConfigError(
+            f"{PREFIX}['copy_path']='native', but {lacks}, or set "
             "copy_path='auto' (falls back to the torch path)"
         )
     return native if setting == "native" else native + torch_path

@@ -32,9 +32,8 @@ as their failed jobs do.
 
 from __future__ import annotations
 
-import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Any
 
 from vllm.v1.kv_offload.base import LookupResult
@@ -55,14 +54,8 @@ def hit_wait_s(
     copy to the CPU first (0 for a ready block), then ``load_bytes`` (the
     loads ahead and its own). A direction whose bandwidth is not measured
     yet counts 0 s: a lower bound, which errs towards serving the hit."""
-    wait = 0.0
-    for nbytes, rate in (
-        (store_bytes, store_bytes_per_s),
-        (load_bytes, load_bytes_per_s),
-    ):
-        if nbytes > 0 and rate:
-            wait += nbytes / rate
-    return wait
+    legs = ((store_bytes, store_bytes_per_s), (load_bytes, load_bytes_per_s))
+    return sum((n / rate for n, rate in legs if n > 0 and rate), 0.0)
 
 
 def recompute_instead(
@@ -104,38 +97,7 @@ class WorkerFigures:
         # Workers run in parallel: the slowest one bounds the wait.
         if other is None:
             return self
-        return WorkerFigures(
-            max(self.store_bytes_queued, other.store_bytes_queued),
-            max(self.load_bytes_queued, other.load_bytes_queued),
-            max(self.forward_tokens, other.forward_tokens),
-            max(self.forward_s, other.forward_s),
-        )
-
-
-class StepClock:
-    """Worker side: times each step's forward (``start`` at the metadata's
-    binding, ``stop`` at ``get_finished``)."""
-
-    def __init__(self) -> None:
-        self._started: tuple[float, int] | None = None
-        self.tokens = 0
-        self.seconds = 0.0
-
-    def start(self, num_tokens: int) -> None:
-        self._started = (time.perf_counter(), num_tokens) if num_tokens else None
-
-    def stop(self) -> None:
-        if self._started is not None:
-            start, tokens = self._started
-            self.seconds += time.perf_counter() - start
-            self.tokens += tokens
-            self._started = None
-
-    def figures(self, queued: tuple[int, int]) -> WorkerFigures:
-        """This step's figures with the worker's (store, load) bytes queued."""
-        figures = WorkerFigures(*queued, self.tokens, self.seconds)
-        self.tokens, self.seconds = 0, 0.0
-        return figures
+        return WorkerFigures(*map(max, astuple(self), astuple(other)))
 
 
 @dataclass

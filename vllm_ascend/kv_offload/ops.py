@@ -23,26 +23,13 @@ then one tensor copy per merged copy), which its start-up self-check binds.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections.abc import Callable
 
 import numpy as np
 import torch
-
-# HAS_NATIVE_OP: a module attribute too (``__getattr__``, loads the op).
-__all__ = [
-    "check_disjoint",
-    "coalesce",
-    "fallback_reason",
-    "host_alloc",
-    "host_free",
-    "host_register",
-    "host_unregister",
-    "native_backends",
-    "native_swap",
-    "swap_blocks_batch",
-]
 
 _UINT64_MAX = np.uint64(np.iinfo(np.uint64).max)
 _BUILD_HINT = "build it with `pip install --no-build-isolation -e .`"
@@ -57,18 +44,15 @@ def _native() -> tuple[_SwapFn | None, tuple[str, ...], str | None]:
     server's) does not load the library."""
     if os.environ.get("VLLM_ASCEND_NATIVE_OP", "1") == "0":
         return None, (), "VLLM_ASCEND_NATIVE_OP=0 is set"
+    missing = None
     try:
         # Standalone build: loading the library registers the ops.
         from vllm_ascend.kv_offload import _C_kv_offload  # noqa: F401
     except ImportError as e:
         missing = f"vllm_ascend.kv_offload._C_kv_offload is not importable ({e})"
-        try:
-            # Grafted into upstream vllm-ascend: its library carries the ops.
+        # Grafted into upstream vllm-ascend: its library carries the ops.
+        with contextlib.suppress(ImportError):
             import vllm_ascend.vllm_ascend_C  # noqa: F401
-        except ImportError:
-            pass
-    else:
-        missing = None
     namespace = torch.ops._C_ascend
     if not hasattr(namespace, "kv_offload_swap_blocks"):
         return None, (), f"{missing or 'the op is not registered'}; {_BUILD_HINT}"
@@ -105,9 +89,7 @@ def swap_blocks_batch(
     device: str,
     per_copy: bool = False,
 ) -> tuple[int, torch.Tensor]:
-    """Copies the batch on ``device`` ("cpu", "npu") with the native op;
-    returns the number of copies after merging adjacent fragments and the
-    workspace to keep until they have completed. See the module docstring."""
+    """The native op on ``device`` ("cpu", "npu"): the module docstring."""
     return native_swap(device, per_copy)(src_addrs, dst_addrs, sizes)
 
 

@@ -1,7 +1,7 @@
 """Our worker on a shared ``/dev/shm`` region (``region.py``), and how a
-spec builds it: the region opened (created by the first worker of the
-host), registered where the device's copies need it,
-this rank's slot of each row as its pool (``region.slot_pool``).
+spec builds it: the region opened (created by the first worker of the host),
+registered where the device's copies need it, this rank's slot of each row as
+its pool (``region.slot_pool``).
 
 Two specs build it:
 
@@ -158,8 +158,7 @@ def build_region_worker(
             # The NPU copy backend refuses pageable host memory.
             registration = AclRegionRegistration(region, piece_bytes=piece_bytes)
             pool.memory.pinned = True
-        turns = taking_turns(region) if shared_slot else contextlib.nullcontext()
-        with turns:
+        with taking_turns(region) if shared_slot else contextlib.nullcontext():
             worker = RegionWorker(
                 kv_caches, region, mark, pool, registration, copy_path=copy_path
             )
@@ -187,10 +186,9 @@ def _open_in_turn(
     reserve: Callable[[], Reservation] | None,
     barrier: Callable[[], None],
 ) -> tuple[SharedOffloadRegion, RegionMark, Reservation | None]:
-    """The creator (``reserve`` given) reserves and creates, then everyone
-    meets; the others join, then everyone meets again and the name goes.
-    Every worker reaches both meetings, failed or not, so that none waits
-    for one that gave up: each fails on its own error."""
+    """The two meetings of ``build_region_worker``. Every worker reaches
+    both, failed or not, so that none waits for one that gave up: each
+    fails on its own error."""
     opened: tuple[SharedOffloadRegion, RegionMark] | None = None
     reservation = None
     try:

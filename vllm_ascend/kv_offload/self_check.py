@@ -20,6 +20,7 @@ path it also holds the scratch buffers, two blocks' worth).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -78,13 +79,16 @@ class SelfCheckResult:
     # the scratch ones); None if none passed.
     swap: Swap | None = field(default=None, repr=False, compare=False)
 
+    def figures(self) -> str:
+        """What the chosen path measured (the doctor's line, the worker's)."""
+        return (
+            f"{self.bytes_per_direction} bytes each way, {self.bandwidth_gbps:.2f} "
+            f"GB/s, {self.memory_kind} host memory, {self.seconds * 1e3:.0f} ms"
+        )
+
     def summary(self) -> str:
         if self.passed:
-            return (
-                f"passed on path {self.path} ({self.bytes_per_direction} bytes "
-                f"each way, {self.bandwidth_gbps:.2f} GB/s, {self.memory_kind} "
-                f"host memory, {self.seconds * 1e3:.0f} ms)"
-            )
+            return f"passed on path {self.path} ({self.figures()})"
         return f"FAILED: {self.failure}"
 
 
@@ -97,16 +101,15 @@ class _Scratch:
     dev_off: np.ndarray  # int64 [F], offset of fragment f in src and dst
     host_addr: np.ndarray  # int64 [F], its address in the pool
     sizes: np.ndarray  # int64 [F]
+    host: list[np.ndarray]  # [F] numpy views of the fragments in the pool
 
 
 def _scratch(device: torch.device, pool: CpuBlockPool, fragment_sizes, blocks):
     sizes = np.asarray(fragment_sizes, dtype=np.int64)
-    layout = pool.layout
     # Block b of tensor t: pool row b, the tensor's first page (the engine's
-    # addressing); on the device every other slot, so that nothing merges,
-    # as with scattered KV blocks.
+    # addressing).
     rows = pool.row_addresses(np.arange(blocks, dtype=np.int64))
-    host_addr = (rows[:, None] + layout.tensor_offsets[None, :]).ravel()
+    host_addr = (rows[:, None] + pool.tensor_offsets[None, :]).ravel()
     frag_sizes = np.broadcast_to(sizes[None, :], (blocks, len(sizes))).ravel()
     # A gap of poison after each fragment on the device, so that nothing
     # merges (as with scattered KV blocks) and a copy that runs over shows.
@@ -116,11 +119,12 @@ def _scratch(device: torch.device, pool: CpuBlockPool, fragment_sizes, blocks):
     rng = np.random.default_rng(20261202)
     src = torch.from_numpy(rng.integers(0, 256, total, dtype=np.uint8)).to(device)
     dst = torch.empty(total, dtype=torch.uint8, device=device)
-    return _Scratch(src, dst, dev_off, host_addr, frag_sizes.copy())
-
-
-def _descriptors(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray):
-    return tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in (src, dst, sizes))
+    offsets = pool.tensor_offsets.tolist()
+    host = []
+    for b in range(blocks):  # row by row: rows may sit in different pieces
+        row = pool.row(b).view(torch.uint8).numpy()
+        host += [row[o : o + n] for o, n in zip(offsets, sizes.tolist(), strict=True)]
+    return _Scratch(src, dst, dev_off, host_addr, frag_sizes.copy(), host)
 
 
 def _run_job(queue: TransferQueue, job_id: int, copy) -> str | None:
@@ -139,14 +143,11 @@ def _run_job(queue: TransferQueue, job_id: int, copy) -> str | None:
     except Exception as e:
         return f"{type(e).__name__}: {e}"
     queue.wait({job_id})
-    deadline = time.monotonic() + 60
-    while not (done := [j for j in queue.poll() if j.job_id == job_id]):
-        if time.monotonic() > deadline:
-            return "the copy job did not finish within 60 s"
-        queue.wait_any(0.01)
+    # Waited for, so finished (nothing else runs on these queues yet).
+    (done,) = [j for j in queue.poll() if j.job_id == job_id]
     if raised:
         return f"{type(raised[0]).__name__}: {raised[0]}"
-    if not done[0].success:
+    if not done.success:
         return "the copy job failed on its stream (see the error logged above)"
     return None
 
@@ -173,28 +174,11 @@ def _compare(wants, gots, offsets, where: str) -> str | None:
     return f"{wrong} wrong bytes in the {where}, the first {first}"
 
 
-def _host_fragments(pool: CpuBlockPool, s: _Scratch) -> list[np.ndarray]:
-    """numpy views of the scratch fragments, in the pool's rows (which may
-    sit in different pieces), in the order of ``s.host_addr``."""
-    offsets = pool.tensor_offsets.tolist()
-    t = len(offsets)
-    views = []
-    for b in range(len(s.sizes) // t):
-        row = pool.row(b).view(torch.uint8).numpy()
-        sizes = s.sizes[b * t : (b + 1) * t].tolist()
-        views += [row[o : o + n] for o, n in zip(offsets, sizes, strict=True)]
-    return views
-
-
 def _attempt(
-    path: CopyPath, scratch: _Scratch, pool: CpuBlockPool, queues, buffers
+    path: CopyPath, s: _Scratch, pool: CpuBlockPool, queues, buffers
 ) -> tuple[PathAttempt, Swap | None]:
-    s = scratch
     assert not pool.released
-    host_views = _host_fragments(pool, s)
-    sizes = s.sizes.tolist()
-    dev_frags = list(zip(s.dev_off.tolist(), sizes, strict=True))
-    for view in host_views:
+    for view in s.host:
         view[:] = POISON
     s.dst.fill_(POISON)
     try:
@@ -203,39 +187,41 @@ def _attempt(
         return PathAttempt(path.name, False, f"{type(e).__name__}: {e}"), None
     src_dev = s.src.data_ptr() + s.dev_off
     dst_dev = s.dst.data_ptr() + s.dev_off
-    store = _descriptors(src_dev, s.host_addr, s.sizes)
-    load = _descriptors(s.host_addr, dst_dev, s.sizes)
+    store = [torch.from_numpy(a) for a in (src_dev, s.host_addr, s.sizes)]
+    load = [torch.from_numpy(a) for a in (s.host_addr, dst_dev, s.sizes)]
     store_q, load_q = queues
     t0 = time.perf_counter()
     failure = _run_job(store_q, -1, lambda: swap(*store))
     if failure is None:
         failure = _run_job(load_q, -2, lambda: swap(*load))
     seconds = time.perf_counter() - t0
-    if failure is not None:
-        return PathAttempt(path.name, False, failure, seconds), None
-    src_cpu = s.src.cpu().numpy()
-    dst_cpu = s.dst.cpu().numpy()
-    wants = [src_cpu[o : o + n] for o, n in dev_frags]
-    failure = _compare(
-        wants, host_views, s.host_addr.tolist(), "CPU pool after the store"
-    )
     if failure is None:
-        # Device side: every fragment back, the poison after it untouched.
-        gots = [dst_cpu[o : o + n] for o, n in dev_frags]
-        failure = _compare(
-            wants, gots, [o for o, _ in dev_frags], "device buffer after the load"
-        )
-    if failure is None:
-        for o, n in dev_frags:
-            gap = dst_cpu[o + n : o + n + _GAP]
-            if not (gap == POISON).all():
-                failure = f"the load wrote past the fragment at device offset {o}"
-                break
+        failure = _verify(s)
     if failure is not None:
         return PathAttempt(path.name, False, failure, seconds), None
     moved = 2 * int(s.sizes.sum())
     gbps = moved / max(seconds, 1e-9) / 1e9
     return PathAttempt(path.name, True, None, seconds, gbps), swap
+
+
+def _verify(s: _Scratch) -> str | None:
+    """What the store and the load got wrong, or None."""
+    src = s.src.cpu().numpy()
+    dst = s.dst.cpu().numpy()
+    frags = list(zip(s.dev_off.tolist(), s.sizes.tolist(), strict=True))
+    wants = [src[o : o + n] for o, n in frags]
+    host = s.host_addr.tolist()
+    if failure := _compare(wants, s.host, host, "CPU pool after the store"):
+        return failure
+    # Device side: every fragment back, the poison after it untouched.
+    gots = [dst[o : o + n] for o, n in frags]
+    dev = s.dev_off.tolist()
+    if failure := _compare(wants, gots, dev, "device buffer after the load"):
+        return failure
+    for o, n in frags:
+        if not (dst[o + n : o + n + _GAP] == POISON).all():
+            return f"the load wrote past the fragment at device offset {o}"
+    return None
 
 
 def run_self_check(
@@ -244,18 +230,16 @@ def run_self_check(
     *,
     pool: CpuBlockPool | None = None,
     paths: Sequence[CopyPath] | None = None,
-    copy_path: str = "auto",
     queues: tuple[TransferQueue, TransferQueue] | None = None,
-    blocks: int = SCRATCH_BLOCKS,
     buffers: Sequence[torch.Tensor] = (),
 ) -> SelfCheckResult:
-    """Round-trips ``blocks`` scratch CPU blocks of ``fragment_sizes`` (bytes
-    of each tensor's page) through each path until one is byte-exact.
+    """Round-trips ``SCRATCH_BLOCKS`` scratch CPU blocks of ``fragment_sizes``
+    (bytes of each tensor's page) through each path until one is byte-exact.
 
-    ``pool``: the pool to check, with its layout (its first ``blocks`` CPU
-    blocks are overwritten: call it before any is stored); None: a scratch
+    ``pool``: the pool to check, with its layout (its first ``SCRATCH_BLOCKS``
+    CPU blocks are overwritten: call it before any is stored); None: a scratch
     pool from the same factory, released afterwards. ``paths``: the order to
-    try (default: ``candidate_paths(device, copy_path)``). ``queues``: the
+    try (default: ``candidate_paths(device)``). ``queues``: the
     (store, load) transfer queues to run on (default: fresh ones, shut down
     afterwards). ``buffers``: what else the chosen path's copy function
     (``result.swap``) must reach, e.g. the KV caches (the torch path copies
@@ -264,21 +248,22 @@ def run_self_check(
     """
     device = torch.device(device)
     t0 = time.perf_counter()
-    own_pool = pool is None
-    if pool is None:
-        pool = private_pool(list(fragment_sizes), 1, blocks, device.type)
-    own_queues = queues is None
-    if queues is None:
-        queues = (
-            make_transfer_queue(device, "self-check-store"),
-            make_transfer_queue(device, "self-check-load"),
-        )
     attempts: list[PathAttempt] = []
     swap = None
-    try:
-        blocks = min(blocks, pool.num_blocks)
+    with contextlib.ExitStack() as cleanup:
+        if pool is None:
+            pool = private_pool(list(fragment_sizes), 1, SCRATCH_BLOCKS, device.type)
+            cleanup.callback(pool.release)
+        if queues is None:
+            queues = tuple(
+                make_transfer_queue(device, f"self-check-{kind}")
+                for kind in ("store", "load")
+            )
+            for q in queues:
+                cleanup.callback(q.shutdown)
+        blocks = min(SCRATCH_BLOCKS, pool.num_blocks)
         scratch = _scratch(device, pool, fragment_sizes, blocks)
-        for path in candidate_paths(device.type, copy_path) if paths is None else paths:
+        for path in candidate_paths(device.type) if paths is None else paths:
             attempt, swap = _attempt(path, scratch, pool, queues, buffers)
             attempts.append(attempt)
             if attempt.passed:
@@ -290,19 +275,13 @@ def run_self_check(
                 device,
                 attempt.failure,
             )
-    finally:
-        if own_queues:
-            for q in queues:
-                q.shutdown()
-        if own_pool:
-            pool.release()
     chosen = attempts[-1] if attempts and attempts[-1].passed else None
     failure = None
     if chosen is None:
         failure = "; ".join(f"{a.path}: {a.failure}" for a in attempts) or (
             "no copy path to try"
         )
-    result = SelfCheckResult(
+    return SelfCheckResult(
         device=str(device),
         memory_kind=pool.memory.kind,
         path=chosen.path if chosen else None,
@@ -314,7 +293,6 @@ def run_self_check(
         attempts=tuple(attempts),
         swap=swap if chosen else None,
     )
-    return result
 
 
 # What a worker runs as its self-check (``run_self_check``; a test's own).
@@ -334,8 +312,8 @@ def choose_copy_path(
     """A worker's copy path, before it serves: ``check`` run on the
     candidates for the ``copy_path`` ``setting``, on the worker's own pool,
     (store, load) queues and ``buffers``. Warns where a device falls back to
-    the torch path for want of a native op, and logs the choice; the caller
-    refuses offloading (``refusal``) when no path passed."""
+    the torch path for want of a native op, and logs the choice; raises
+    ``refusal`` when no path passed."""
     paths = candidate_paths(device.type, setting)
     if not paths[0].native and setting != "torch":
         logger.warning(
@@ -349,18 +327,15 @@ def choose_copy_path(
     result = check(
         device, fragment_sizes, pool=pool, paths=paths, queues=queues, buffers=buffers
     )
-    if result.passed:
-        # The one line that says which path serves (run_self_check logs none).
-        logger.info(
-            "KV offload: copy path %s on %s (self-check: %d bytes each way, "
-            "%.2f GB/s, %s host memory, %.0f ms)",
-            result.path,
-            device,
-            result.bytes_per_direction,
-            result.bandwidth_gbps,
-            result.memory_kind,
-            result.seconds * 1e3,
-        )
+    if not result.passed:
+        raise refusal(result)
+    # The one line that says which path serves (run_self_check logs none).
+    logger.info(
+        "KV offload: copy path %s on %s (self-check: %s)",
+        result.path,
+        device,
+        result.figures(),
+    )
     return result
 
 

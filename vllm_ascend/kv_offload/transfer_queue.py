@@ -21,12 +21,6 @@ and reports each finished job with its duration.
   The thread runs off vLLM's OpenMP cores where vLLM left any free
   (``cpu_threads.pin_copy_thread``; issue 18).
 
-``wait_any`` lets the worker block, briefly, while jobs are in flight and the
-engine has nothing else to do: on the CPU backend an engine loop that polls
-as fast as it can takes CPU time from the copy (docs/e2e_benchmark.md). A
-stream's copies run on a DMA engine, which polling does not slow, so there it
-returns at once.
-
 Failures: a job whose copy raises (anything, even ``SystemExit``) is
 reported with ``success=False`` (never re-raised into the engine); ``submit``
 raises only if the job could not be started, and the caller reports that job
@@ -54,10 +48,8 @@ from vllm_ascend.kv_offload.logger import init_logger
 
 logger = init_logger(__name__)
 
-# A job's copy work: enqueues (or performs) the copies on the current stream.
-# What it returns must stay alive until those copies have completed (e.g.
-# the (copies, workspace) of the copy path's function, CopyEngine.swap); a
-# stream queue keeps it that long.
+# A job's copy work: enqueues (or performs) the copies on the current stream;
+# what it returns must live until they have completed (``CopyEngine.swap``).
 CopyFn = Callable[[], object]
 
 
@@ -240,24 +232,21 @@ class ThreadTransferQueue(TransferQueue):
                     self._pending.discard(job_id)
                     self._changed.notify_all()
         finally:
-            self._fail_pending()
-
-    def _fail_pending(self) -> None:
-        """The thread is ending: whatever it has not reported fails now, and
-        nothing more is accepted, so no waiter is left behind."""
-        with self._changed:
-            self._stopped = True
-            for job_id in sorted(self._pending):
-                self._finished.append(FinishedJob(job_id, False, 0.0))
-            if self._pending:
-                logger.error(
-                    "KV offload: copy thread %s ended with %d jobs unreported; "
-                    "they are reported failed",
-                    self._thread.name,
-                    len(self._pending),
-                )
-            self._pending.clear()
-            self._changed.notify_all()
+            # The thread is ending: whatever it has not reported fails now,
+            # and nothing more is accepted, so no waiter is left behind.
+            with self._changed:
+                self._stopped = True
+                for job_id in sorted(self._pending):
+                    self._finished.append(FinishedJob(job_id, False, 0.0))
+                if self._pending:
+                    logger.error(
+                        "KV offload: copy thread %s ended with %d jobs "
+                        "unreported; they are reported failed",
+                        self._thread.name,
+                        len(self._pending),
+                    )
+                self._pending.clear()
+                self._changed.notify_all()
 
     def poll(self) -> list[FinishedJob]:
         with self._changed:

@@ -6,23 +6,19 @@ copies run (a dedicated stream, or a thread on the CPU backend). There are
 three: stores, loads, and expedited loads (vLLM >= 0.33 waits for those
 within the step, so they must not queue behind regular loads).
 
-Failures never escape into the engine, and are never hidden. Every job
+Failures never escape into the engine, and are never hidden: every job
 ``submit_store``/``submit_load`` accepted is reported exactly once by
-``get_finished``; one that failed (at submission or while copying) is
-reported with ``success=False``, which vLLM's own connector does not handle
-(it asserts). ``connector.AscendOffloadingConnector`` therefore calls
-``divert_failures()``: from then on failed jobs are reported to vLLM as
-finished without transfer stats, and the connector collects them with
-``take_failed_jobs()`` and reports them through vLLM's public connector hooks
-(blocks to recompute, CPU blocks never stored). Without that call a failure
-stays loud.
+``get_finished``, a failed one as ``failures.JobLedger`` says: with
+``success=False`` (vLLM's own connector asserts: a failure stays loud), or,
+once ``connector.AscendOffloadingConnector`` called ``divert_failures()``, as
+finished without transfer stats, for the connector to report through vLLM's
+public hooks (``take_failed_jobs``: blocks to recompute, never stored).
 """
 
 from __future__ import annotations
 
 import functools
 
-import numpy as np
 from vllm.v1.kv_offload.base import (
     BlockIDsLoadStoreSpec,
     CanonicalKVCaches,
@@ -41,7 +37,6 @@ from vllm_ascend.kv_offload.self_check import (
     SelfCheck,
     SelfCheckResult,
     choose_copy_path,
-    refusal,
     run_self_check,
 )
 from vllm_ascend.kv_offload.transfer_queue import (
@@ -51,9 +46,6 @@ from vllm_ascend.kv_offload.transfer_queue import (
 )
 
 logger = init_logger(__name__)
-
-# The worker's queues: stores, loads, expedited loads.
-WorkerQueues = tuple[TransferQueue, TransferQueue, TransferQueue]
 
 
 class NPUOffloadingWorker(OffloadingWorker):
@@ -66,15 +58,14 @@ class NPUOffloadingWorker(OffloadingWorker):
         copy_path: str = "auto",
         *,
         engine: CopyEngine | None = None,
-        queues: WorkerQueues | None = None,
+        queues: tuple[TransferQueue, TransferQueue, TransferQueue] | None = None,
         self_check: SelfCheck = run_self_check,
     ):
         """``pool``: the CPU block pool the spec assembled for this worker
-        (``cpu_pool.private_pool``, or a shared region's
-        ``region.slot_pool``); the worker releases it at
-        shutdown, as its memory's owner said. ``copy_path``: the setting of
-        that name (``copy_paths.py``). Raises ``self_check.SelfCheckFailed``
-        if no copy path is byte-exact.
+        (``cpu_pool.private_pool``, or a shared region's ``region.slot_pool``);
+        the worker releases it at shutdown, as its memory's owner said.
+        ``copy_path``: the setting of that name (``copy_paths.py``). Raises
+        ``self_check.SelfCheckFailed`` if no copy path is byte-exact.
 
         The collaborators default to the real ones for the KV caches'
         device; a test passes its own (e.g. on a device this machine lacks):
@@ -85,19 +76,18 @@ class NPUOffloadingWorker(OffloadingWorker):
         self.device = kv_caches.tensors[0].tensor.device
         self.pool = pool
         self.engine = engine or CopyEngine(kv_caches, pool)
-        self._stores, self._loads, self._expedited_loads = queues or (
-            make_transfer_queue(self.device, "store"),
-            make_transfer_queue(self.device, "load"),
-            make_transfer_queue(self.device, "load-expedited"),
+        self._queues = queues or tuple(
+            make_transfer_queue(self.device, kind)
+            for kind in ("store", "load", "load-expedited")
         )
-        self._queues = (self._stores, self._loads, self._expedited_loads)
+        self._stores, self._loads, self._expedited_loads = self._queues
         # Each accepted job until get_finished reports it.
         self._jobs = JobLedger()
         self._closed = False
         # Before serving: the start-up self-check picks the copy path and
         # returns its copy function, bound; or offloading is refused.
         try:
-            result = choose_copy_path(
+            self.self_check: SelfCheckResult = choose_copy_path(
                 self.device,
                 [t.page_size_bytes for t in kv_caches.tensors],
                 copy_path,
@@ -109,13 +99,9 @@ class NPUOffloadingWorker(OffloadingWorker):
         except BaseException:
             self.shutdown()  # the queues stop, the pool goes back: then raise
             raise
-        self.self_check: SelfCheckResult = result
-        if not result.passed:
-            self.shutdown()
-            raise refusal(result)
-        assert result.path is not None and result.swap is not None
-        self.copy_path: str = result.path
-        self.engine.use(result.swap)
+        assert self.self_check.path is not None and self.self_check.swap is not None
+        self.copy_path: str = self.self_check.path
+        self.engine.use(self.self_check.swap)
 
     def pool_info(self) -> PoolInfo:
         """What this worker's pool is, for ``/metrics`` (``pool_metrics``)."""
@@ -139,23 +125,19 @@ class NPUOffloadingWorker(OffloadingWorker):
     def _submit(
         self,
         queue: TransferQueue,
+        direction: str,
         job_id: int,
         device_spec: LoadStoreSpec,
         cpu_spec: LoadStoreSpec,
-        to_cpu: bool,
     ) -> bool:
-        direction = "store" if to_cpu else "load"
-        if queue is self._expedited_loads:
-            direction = "expedited_load"
+        to_cpu = direction == "store"
         if self._closed:
             logger.warning("KV offload: %s job %d after shutdown", direction, job_id)
             return self._jobs.refuse(job_id)
         try:
             assert isinstance(device_spec, GPULoadStoreSpec)
             assert isinstance(cpu_spec, BlockIDsLoadStoreSpec)
-            desc: Descriptors = self.engine.build(
-                device_spec, np.asarray(cpu_spec.block_ids), to_cpu=to_cpu
-            )
+            desc = self.engine.build(device_spec, cpu_spec.block_ids, to_cpu=to_cpu)
             copy = self._copy_job(direction, job_id, desc)
             self._jobs.accept(job_id, desc.num_bytes, store=to_cpu)
             queue.submit(job_id, copy)
@@ -179,7 +161,7 @@ class NPUOffloadingWorker(OffloadingWorker):
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
     ) -> bool:
         """Device -> CPU, after the compute that wrote the blocks."""
-        return self._submit(self._stores, job_id, src_spec, dst_spec, to_cpu=True)
+        return self._submit(self._stores, "store", job_id, src_spec, dst_spec)
 
     def submit_load(
         self,
@@ -191,8 +173,9 @@ class NPUOffloadingWorker(OffloadingWorker):
         """CPU -> device. An ``expedited`` load (vLLM >= 0.33: the step waits
         for it before its forward pass) runs on a queue of its own, so it never
         waits behind regular loads."""
+        kind = "expedited_load" if expedited else "load"
         queue = self._expedited_loads if expedited else self._loads
-        return self._submit(queue, job_id, dst_spec, src_spec, to_cpu=False)
+        return self._submit(queue, kind, job_id, dst_spec, src_spec)
 
     def get_finished(self) -> list[TransferResult]:
         return self._jobs.report(job for q in self._queues for job in q.poll())
@@ -212,9 +195,10 @@ class NPUOffloadingWorker(OffloadingWorker):
 
         For engine steps that compute nothing and only wait for transfers:
         without it vLLM steps again at once, over and over, and on the CPU
-        backend each step takes CPU time from the copy it is waiting for.
-        Loads come first (requests wait on them); stores only when no load is
-        in flight. Returns at once on streams (their DMA does not compete).
+        backend each step takes CPU time from the copy it is waiting for
+        (docs/e2e_benchmark.md). Loads come first (requests wait on them);
+        stores only when no load is in flight. Returns at once on streams
+        (their DMA does not compete).
         """
         for queue in (self._expedited_loads, self._loads, self._stores):
             if queue.wait_any(timeout_s):
