@@ -28,7 +28,12 @@ import os
 import stat
 import threading
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
+from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata
 
 from vllm_ascend.kv_offload.config import OffloadConfigError
 from vllm_ascend.kv_offload.logger import init_logger
@@ -38,11 +43,6 @@ from vllm_ascend.kv_offload.tiering.tier_paths import (
     split_under,
     walk_files,
 )
-
-if TYPE_CHECKING:
-    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
-        OffloadingConnectorStats,
-    )
 
 logger = init_logger(__name__)
 
@@ -82,11 +82,6 @@ def check_budget_config(tier: Mapping[str, Any], where: str, is_fs: bool) -> Non
 
 
 def budget_metric_definitions() -> dict[str, Any]:
-    from vllm.v1.kv_offload.base import (
-        OffloadingCounterMetadata,
-        OffloadingGaugeMetadata,
-    )
-
     return {
         EVICTED_BLOCKS: OffloadingCounterMetadata(
             documentation=(
@@ -143,9 +138,7 @@ class FsTierBudget:
         self._since_scan = 0
         self._count_lock = threading.Lock()
         self._scan_lock = threading.Lock()  # one scan per process at a time
-        self._evicted_blocks = 0
-        self._evicted_bytes = 0
-        self._last_size: int | None = None
+        self._stats = OffloadingConnectorStats()  # since the last take_stats
 
     def note_stored(self, nbytes: int) -> None:
         """After this engine wrote ``nbytes`` of block files (I/O thread):
@@ -201,9 +194,9 @@ class FsTierBudget:
             os.close(lock_fd)  # releases the flock
         with self._count_lock:
             self._estimate, self._since_scan = total, 0
-            self._evicted_blocks += removed
-            self._evicted_bytes += removed_bytes
-            self._last_size = total
+            self._stats.increase_counter(EVICTED_BLOCKS, removed)
+            self._stats.increase_counter(EVICTED_BYTES, removed_bytes)
+            self._stats.set_gauge(TIER_BYTES, total)
         if removed:
             logger.info(
                 "KV offload: fs tier %s reached %s=%d; removed the %d least "
@@ -217,27 +210,11 @@ class FsTierBudget:
             )
 
     def take_stats(self) -> OffloadingConnectorStats | None:
-        """Evictions since the last call, as vLLM's offloading metrics."""
+        """Evictions and the size since the last call (None: no scan since),
+        as vLLM's offloading metrics."""
         with self._count_lock:
-            blocks, nbytes, size = (
-                self._evicted_blocks,
-                self._evicted_bytes,
-                self._last_size,
-            )
-            self._evicted_blocks = self._evicted_bytes = 0
-            self._last_size = None
-        if not blocks and size is None:
-            return None
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
-            OffloadingConnectorStats,
-        )
-
-        stats = OffloadingConnectorStats()
-        stats.increase_counter(EVICTED_BLOCKS, blocks)
-        stats.increase_counter(EVICTED_BYTES, nbytes)
-        if size is not None:
-            stats.set_gauge(TIER_BYTES, size)
-        return stats
+            stats, self._stats = self._stats, OffloadingConnectorStats()
+        return None if stats.is_empty() else stats
 
     def _remove(self, dirs: tuple[str, ...], name: str, listed) -> bool | None:
         """``remove_file``: only the file listed, unchanged since."""
