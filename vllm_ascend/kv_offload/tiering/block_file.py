@@ -37,10 +37,9 @@ from vllm.v1.kv_offload.base import (
 from vllm_ascend.kv_offload.tiering.tier_paths import (
     BadEntryHook,
     StoredBlockError,
-    kind_of,
+    bad_entry,
     open_dirs,
     open_regular,
-    remove_entry,
     split_under,
     walk_files,
 )
@@ -173,9 +172,7 @@ def create_file(
             mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
             if stat.S_ISREG(mode):
                 return False
-            remove_entry(dir_fd, name)
-            if on_bad_entry is not None:
-                on_bad_entry(path, f"a {kind_of(mode)} in place of a block file")
+            bad_entry(dir_fd, name, mode, "a block file", path, on_bad_entry)
         tmp = temp_name(name)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp, dir_fd=dir_fd)  # left by an earlier use of this name

@@ -44,14 +44,29 @@ def kind_of(mode: int) -> str:
     return next((kind for test, kind in _KINDS if test(mode)), "special file")
 
 
-def remove_entry(dir_fd: int, name: str) -> None:
-    """Removes a bad entry without following it; a directory only if empty
-    (nothing is removed recursively from a shared directory)."""
+def bad_entry(
+    dir_fd: int,
+    name: str,
+    mode: int,
+    expected: str,
+    path: str,
+    on_bad_entry: BadEntryHook | None,
+    err: int = errno.EIO,
+) -> BadEntryError:
+    """Removes the bad entry ``name`` (a ``mode`` where ``expected`` should
+    be) without following it, a directory only if empty (nothing is removed
+    recursively from a shared directory), and reports it to
+    ``on_bad_entry``; returns the error for a caller that does not replace
+    it."""
+    found = f"a {kind_of(mode)} in place of {expected}"
     with contextlib.suppress(OSError):
         if stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
             os.rmdir(name, dir_fd=dir_fd)
         else:
             os.unlink(name, dir_fd=dir_fd)
+    if on_bad_entry is not None:
+        on_bad_entry(path, found)
+    return BadEntryError(err, found, path)
 
 
 def split_under(root: str, path: str) -> tuple[list[str], str]:
@@ -75,33 +90,23 @@ def open_dirs(
     ``fs_budget``). A non-directory on the way is a bad entry: removed, and
     replaced by a directory if ``create``. ``path``: the file the walk is
     for, in errors."""
-    try:
-        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        if not create:
-            raise
+    if create:
         os.makedirs(root, exist_ok=True)
-        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         for name in dirs:
             try:
                 sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
-            except FileNotFoundError:
-                if not create:
-                    raise
-                with contextlib.suppress(FileExistsError):
-                    os.mkdir(name, 0o755, dir_fd=fd)
-                sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
             except OSError as e:
-                if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                    mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
+                    error = bad_entry(
+                        fd, name, mode, "a directory", path, on_bad_entry, errno.ENOTDIR
+                    )
+                    if not create:
+                        raise error from e
+                elif e.errno != errno.ENOENT or not create:
                     raise
-                mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
-                found = f"a {kind_of(mode)} in place of a directory"
-                remove_entry(fd, name)
-                if on_bad_entry is not None:
-                    on_bad_entry(path, found)
-                if not create:
-                    raise BadEntryError(errno.ENOTDIR, found, path) from e
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(name, 0o755, dir_fd=fd)
                 sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
@@ -157,11 +162,7 @@ def open_regular(
     symlink followed, no FIFO or device opened, so no open blocks)."""
 
     def bad(mode: int) -> BadEntryError:
-        found = f"a {kind_of(mode)} in place of a block file"
-        remove_entry(dir_fd, name)
-        if on_bad_entry is not None:
-            on_bad_entry(path, found)
-        return BadEntryError(errno.EIO, found, path)
+        return bad_entry(dir_fd, name, mode, "a block file", path, on_bad_entry)
 
     mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
     if not stat.S_ISREG(mode):
