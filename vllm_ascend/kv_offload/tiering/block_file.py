@@ -100,10 +100,6 @@ def temp_name(name: str) -> str:
     return f".{name}.{writer}{TMP_SUFFIX}"
 
 
-def is_temp_name(name: str) -> bool:
-    return name.startswith(".") and name.endswith(TMP_SUFFIX)
-
-
 def _mac(auth_key: bytes, header: mmap.mmap, payload: memoryview) -> bytes:
     mac = hmac.new(auth_key, header[: HEADER_STRUCT.size + 4], hashlib.sha256)
     mac.update(payload)
@@ -127,16 +123,8 @@ def write_block(
     bad entry in its place is removed and the block written."""
     header = _header_buffer()
     header[:] = bytes(HEADER_BYTES)
-    HEADER_STRUCT.pack_into(
-        header,
-        0,
-        MAGIC,
-        HEADER_VERSION,
-        len(payload),
-        zlib.crc32(payload),
-        identity,
-        key,
-    )
+    fields = (MAGIC, HEADER_VERSION, len(payload), zlib.crc32(payload), identity, key)
+    HEADER_STRUCT.pack_into(header, 0, *fields)
     if auth_key is not None:
         struct.pack_into("<I", header, HEADER_STRUCT.size, MAC_HMAC_SHA256)
         _MAC.pack_into(
@@ -250,16 +238,15 @@ def read_block(
             )
 
 
-def remove_stale_temp_files(
-    root: str, max_age_s: float = STALE_TMP_AGE_S, top: tuple[str, ...] = ()
-) -> int:
+def remove_stale_temp_files(root: str, top: tuple[str, ...] = ()) -> int:
     """Removes temp files under ``root/top`` that no writer holds and that
-    are older than ``max_age_s``; returns how many. Symlinks are not
+    are older than ``STALE_TMP_AGE_S``; returns how many. Symlinks are not
     followed, ``top`` included (``walk_files``)."""
     removed = 0
     now = time.time()
     for dir_fd, _, name, st in walk_files(root, top):
-        if not is_temp_name(name) or now - st.st_mtime < max_age_s:
+        is_temp = name.startswith(".") and name.endswith(TMP_SUFFIX)
+        if not is_temp or now - st.st_mtime < STALE_TMP_AGE_S:
             continue
         flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         try:
