@@ -76,14 +76,13 @@ class _TieringManager(FailureAwareManager):
 def check_tiering_config(extra: Mapping[str, Any]) -> None:
     """What this spec cannot do, refused before anything is allocated;
     ``extra``'s keys and their types passed ``config.check_keys``."""
-    threshold = extra.get("store_threshold")
-    if isinstance(threshold, int | float) and not isinstance(threshold, bool):
-        if threshold >= 2:
-            raise OffloadConfigError(
-                f"{PREFIX}['store_threshold']={threshold!r} is not supported by "
-                f"{TIERING_SPEC} (vLLM's tiering manager stores every block); "
-                "remove store_threshold, or use spec_name='NPUOffloadingSpec'"
-            )
+    threshold = extra.get("store_threshold")  # a number (check_keys) or None
+    if threshold is not None and threshold >= 2:
+        raise OffloadConfigError(
+            f"{PREFIX}['store_threshold']={threshold!r} is not supported by "
+            f"{TIERING_SPEC} (vLLM's tiering manager stores every block); "
+            "remove store_threshold, or use spec_name='NPUOffloadingSpec'"
+        )
     for i, tier in enumerate(extra.get("secondary_tiers") or []):
         where = f"{PREFIX}['secondary_tiers'][{i}]"
         if not isinstance(tier, Mapping) or not tier.get("type"):
@@ -112,12 +111,6 @@ def check_tiering_config(extra: Mapping[str, Any]) -> None:
                         f"{where}['{key}'] is read by 'fs' tiers only (this "
                         f"one is {tier['type']!r}); remove it"
                     )
-
-
-def _device_type() -> str:
-    from vllm.platforms import current_platform
-
-    return str(current_platform.device_type)
 
 
 class NPUTieringOffloadingSpec(TieringOffloadingSpec, NPUOffloadingSpec):
@@ -154,8 +147,8 @@ class NPUTieringOffloadingSpec(TieringOffloadingSpec, NPUOffloadingSpec):
         # the identity can see the resolved model config (None otherwise:
         # the weights are then unidentified and nothing is shared).
         self._vllm_config = get_current_vllm_config_or_none()
-        tiers = []
-        for tier in copy.deepcopy(self.secondary_tier_configs):
+        self.secondary_tier_configs = copy.deepcopy(self.secondary_tier_configs)
+        for tier in self.secondary_tier_configs:
             if tier.get("type") == "fs":
                 tier["type"] = VERIFIED_FS_TYPE
             elif tier.get("type") != VERIFIED_FS_TYPE:
@@ -164,14 +157,15 @@ class NPUTieringOffloadingSpec(TieringOffloadingSpec, NPUOffloadingSpec):
                     "identity and checksum checks of this package cover 'fs' only",
                     tier.get("type"),
                 )
-            tiers.append(tier)
-        self.secondary_tier_configs = tiers
 
     @cached_property
     def storage_identity(self) -> dict[str, Any]:
         """Read by the fs tiers only (scheduler side): the weights are
         fingerprinted once, and only where a tier needs them."""
-        return storage_identity(self.config, _device_type(), self._vllm_config)
+        from vllm.platforms import current_platform
+
+        device_type = str(current_platform.device_type)
+        return storage_identity(self.config, device_type, self._vllm_config)
 
     @override
     def get_manager(self) -> OffloadingManager:
