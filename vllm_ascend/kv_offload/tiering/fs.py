@@ -11,7 +11,7 @@ import contextlib
 import json
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
@@ -85,22 +85,19 @@ class VerifiedBlockFiles:
         self.bad_entries = 0
         self.vanished_blocks = 0  # looked up, gone when loaded: misses
 
-    def _io(self, io: Callable[..., Any], path: str, offset: int, key: bytes):
-        """``write_block`` or ``read_block`` of the block at ``offset``."""
-        block = self.primary[offset : offset + self.block_bytes]
-        return io(path, block, self.identity, key, self.o_direct, **self._kw)
-
     def write(self, path: str, offset: int, key: bytes) -> bool:
         """Stores the block at ``offset`` as ``path``; False if it was
         there already (``block_file.write_block``)."""
-        return self._io(write_block, path, offset, key)
+        block = self.primary[offset : offset + self.block_bytes]
+        return write_block(path, block, self.identity, key, self.o_direct, **self._kw)
 
     def read(self, path: str, offset: int, key: bytes) -> None:
         """Loads ``path`` into the block at ``offset``, verified; raises
         ``VanishedBlockError`` if it is gone, else the ``OSError`` that
         refused it (logged, and a file that fails verification removed)."""
+        block = self.primary[offset : offset + self.block_bytes]
         try:
-            self._io(read_block, path, offset, key)
+            read_block(path, block, self.identity, key, self.o_direct, **self._kw)
         except FileNotFoundError as exc:
             # Removed since the lookup (the size bound, another engine): a
             # miss like any other, not an I/O error.
@@ -187,6 +184,7 @@ class VerifiedFileSystemTier(FileSystemTierManager):
         )
         # Our own views of what vLLM's tier is built on (public arguments).
         self.block_bytes: int = primary_kv_view.strides[0]
+        self.file_bytes = HEADER_BYTES + self.block_bytes
         self.primary_bytes = primary_kv_view.cast("B")
         use_o_direct = vllm_compat.fs_tier_uses_o_direct(self)
         # Each block's file, written and read verified; failures counted.
@@ -205,9 +203,7 @@ class VerifiedFileSystemTier(FileSystemTierManager):
         # directory included: the walks of its files start above it.
         top = (os.path.basename(self.root_dir),)
         if max_bytes is not None:
-            self.budget = FsTierBudget(
-                root_dir, max_bytes, HEADER_BYTES + self.block_bytes, top
-            )
+            self.budget = FsTierBudget(root_dir, max_bytes, self.file_bytes, top)
         logger.info(
             "KV offload: fs tier at %s (identity %s; files carry a header and a "
             "CRC32%s, verified on every read)",
@@ -253,7 +249,7 @@ class VerifiedFileSystemTier(FileSystemTierManager):
             for path, offset, key in zip(paths, offsets, key_ids, strict=True):
                 written += files.write(path, offset, key)
             if budget is not None and written:
-                budget.note_stored(written * (HEADER_BYTES + self.block_bytes))
+                budget.note_stored(written * self.file_bytes)
 
         vllm_compat.enqueue_fs_tier_store(self, job_metadata.job_id, keys, store_task)
 
