@@ -154,8 +154,7 @@ def create_file(
     there already (False). No symlink is followed; a bad entry in its place
     (or on the way) is removed and reported to ``on_bad_entry``."""
     dirs, name = split_under(root, path)
-    dir_fd = open_dirs(root, dirs, True, path, on_bad_entry)
-    try:
+    with open_dirs(root, dirs, True, path, on_bad_entry) as dir_fd:
         with contextlib.suppress(FileNotFoundError):
             mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
             if stat.S_ISREG(mode):
@@ -176,8 +175,6 @@ def create_file(
             raise
         finally:
             os.close(fd)
-    finally:
-        os.close(dir_fd)
     return True
 
 
@@ -200,11 +197,8 @@ def read_block(
     root = root or os.path.dirname(path)
     dirs, name = split_under(root, path)
     header = _header_buffer()
-    dir_fd = open_dirs(root, dirs, False, path, on_bad_entry)
-    try:
+    with open_dirs(root, dirs, False, path, on_bad_entry) as dir_fd:
         fd = open_regular(dir_fd, name, path, o_direct, on_bad_entry)
-    finally:
-        os.close(dir_fd)
     try:
         size = os.fstat(fd).st_size
         want = HEADER_BYTES + len(payload)

@@ -161,11 +161,8 @@ class FsTierBudget:
         """A read is a use: the file becomes the most recently used."""
         with contextlib.suppress(OSError):
             dirs, name = split_under(self.root, path)
-            dir_fd = open_dirs(self.root, dirs)
-            try:
+            with open_dirs(self.root, dirs) as dir_fd:
                 os.utime(name, dir_fd=dir_fd, follow_symlinks=False)
-            finally:
-                os.close(dir_fd)
 
     def scan(self, wait: bool = False) -> None:
         """Measures the directory and, above the bound, removes the least
@@ -237,11 +234,8 @@ class FsTierBudget:
         flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         fd = None
         try:
-            dir_fd = open_dirs(self.root, self.top)
-            try:
+            with open_dirs(self.root, self.top) as dir_fd:
                 fd = os.open(LOCK_FILE, flags, 0o644, dir_fd=dir_fd)
-            finally:
-                os.close(dir_fd)
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise OSError(errno.EINVAL, "not a regular file")
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))

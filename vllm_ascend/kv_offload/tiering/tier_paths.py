@@ -77,19 +77,20 @@ def split_under(root: str, path: str) -> tuple[list[str], str]:
     return parts[:-1], parts[-1]
 
 
+@contextlib.contextmanager
 def open_dirs(
     root: str,
     dirs: list[str] | tuple[str, ...],
     create: bool = False,
     path: str = "",
     on_bad_entry: BadEntryHook | None = None,
-) -> int:
-    """An fd of ``root/dirs...``, reached without following a symlink below
-    ``root`` (``root`` itself is configured, so trusted): the one walk of the
-    tier's directories (block files here, the size bound's scan in
-    ``fs_budget``). A non-directory on the way is a bad entry: removed, and
-    replaced by a directory if ``create``. ``path``: the file the walk is
-    for, in errors."""
+) -> Iterator[int]:
+    """An fd of ``root/dirs...``, closed when the context ends, reached
+    without following a symlink below ``root`` (``root`` itself is
+    configured, so trusted): the one walk of the tier's directories (block
+    files here, the size bound's scan in ``fs_budget``). A non-directory on
+    the way is a bad entry: removed, and replaced by a directory if
+    ``create``. ``path``: the file the walk is for, in errors."""
     if create:
         os.makedirs(root, exist_ok=True)
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -112,10 +113,9 @@ def open_dirs(
                 sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
             os.close(fd)
             fd = sub
-        return fd
-    except BaseException:
+        yield fd
+    finally:
         os.close(fd)
-        raise
 
 
 def walk_files(
@@ -130,25 +130,20 @@ def walk_files(
     while stack:
         dirs = stack.pop()
         try:
-            fd = open_dirs(root, dirs)
+            with open_dirs(root, dirs) as fd:
+                with os.scandir(fd) as it:
+                    entries = list(it)
+                for entry in entries:
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    if stat.S_ISDIR(st.st_mode):
+                        stack.append((*dirs, entry.name))
+                    elif stat.S_ISREG(st.st_mode):
+                        yield fd, dirs, entry.name, st
         except OSError:
             continue
-        try:
-            with os.scandir(fd) as it:
-                entries = list(it)
-            for entry in entries:
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                if stat.S_ISDIR(st.st_mode):
-                    stack.append((*dirs, entry.name))
-                elif stat.S_ISREG(st.st_mode):
-                    yield fd, dirs, entry.name, st
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
 
 
 def open_regular(
@@ -192,23 +187,22 @@ def remove_file(
     regular file, a bad entry on the way, or, given its ``listed`` stat,
     another file or one used since: another inode or mtime). Raises the
     ``OSError`` of a failed unlink."""
-    try:
-        dir_fd = open_dirs(root, dirs)
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return None
-    try:
-        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        if not stat.S_ISREG(st.st_mode) or (
-            listed is not None
-            and (st.st_ino, st.st_dev, st.st_mtime_ns)
-            != (listed.st_ino, listed.st_dev, listed.st_mtime_ns)
-        ):
+    with contextlib.ExitStack() as stack:
+        try:
+            dir_fd = stack.enter_context(open_dirs(root, dirs))
+        except FileNotFoundError:
+            return False
+        except OSError:
             return None
-        os.unlink(name, dir_fd=dir_fd)
-        return True
-    except FileNotFoundError:
-        return False
-    finally:
-        os.close(dir_fd)
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode) or (
+                listed is not None
+                and (st.st_ino, st.st_dev, st.st_mtime_ns)
+                != (listed.st_ino, listed.st_dev, listed.st_mtime_ns)
+            ):
+                return None
+            os.unlink(name, dir_fd=dir_fd)
+            return True
+        except FileNotFoundError:
+            return False
