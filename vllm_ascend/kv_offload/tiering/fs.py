@@ -66,11 +66,8 @@ class VanishedBlockError(FileNotFoundError):
 class VerifiedBlockFiles:
     """One tier's block files of one identity, written and read verified
     (``block_file``: header, CRC32, and an HMAC where the deployment has a
-    key) below the untrusted ``root``; counts and logs what went wrong: a
-    bad entry (``tier_paths``) is a miss, removed; a file that fails
-    verification is not loaded and is removed; a file removed since its
-    lookup (the size bound, another engine) is a ``VanishedBlockError``, a
-    miss like any other."""
+    key) below the untrusted ``root``; counts and logs what went wrong
+    (``read``; a bad entry, ``tier_paths``, is a miss, removed)."""
 
     def __init__(self, primary, block_bytes, identity, root, auth_key, o_direct):
         """``primary``: the CPU tier's bytes, a block every ``block_bytes``
@@ -137,10 +134,9 @@ class VerifiedBlockFiles:
 
 
 class VerifiedFileSystemTier(FileSystemTierManager):
-    """vLLM's ``fs`` tier (thread pool, async lookups, atomic renames, events,
-    metrics) with an identity directory and verified files
-    (``block_file``). Registered as tier type ``ascend_fs``; reports itself as
-    ``fs`` in metrics and logs."""
+    """vLLM's ``fs`` tier with an identity directory and verified files
+    (``block_file``). Registered as tier type ``ascend_fs``; reports itself
+    as ``fs`` in metrics and logs."""
 
     def __init__(
         self,
@@ -187,7 +183,6 @@ class VerifiedFileSystemTier(FileSystemTierManager):
         self.file_bytes = HEADER_BYTES + self.block_bytes
         self.primary_bytes = primary_kv_view.cast("B")
         use_o_direct = vllm_compat.fs_tier_uses_o_direct(self)
-        # Each block's file, written and read verified; failures counted.
         self.files = VerifiedBlockFiles(
             self.primary_bytes,
             self.block_bytes,

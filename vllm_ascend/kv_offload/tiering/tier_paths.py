@@ -154,29 +154,25 @@ def open_regular(
     on_bad_entry: BadEntryHook | None,
 ) -> int:
     """An fd of the regular file ``name``; nothing else is opened (no
-    symlink followed, no FIFO or device opened, so no open blocks)."""
-
-    def bad(mode: int) -> BadEntryError:
-        return bad_entry(dir_fd, name, mode, "a block file", path, on_bad_entry)
-
+    symlink followed, no FIFO or device opened, so no open blocks): anything
+    else there, before the open or after it, is a bad entry."""
     mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
-    if not stat.S_ISREG(mode):
-        raise bad(mode)
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-    try:
-        fd = os.open(name, flags | o_direct, dir_fd=dir_fd)
-    except OSError as e:  # replaced since the stat: look again
-        if e.errno == errno.ENOENT:
-            raise
-        mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
-        if not stat.S_ISREG(mode):
-            raise bad(mode) from e
-        raise
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise bad(mode)
-    return fd
+    if stat.S_ISREG(mode):
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            fd = os.open(name, flags | o_direct, dir_fd=dir_fd)
+        except OSError as e:  # replaced since the stat: look again
+            if e.errno == errno.ENOENT:
+                raise
+            mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+            if stat.S_ISREG(mode):
+                raise
+        else:
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISREG(mode):
+                return fd
+            os.close(fd)
+    raise bad_entry(dir_fd, name, mode, "a block file", path, on_bad_entry)
 
 
 def remove_file(
