@@ -83,21 +83,11 @@ def _header_buffer() -> mmap.mmap:
     return buf
 
 
-def _forget_in_child() -> None:
-    global _local
-    _local = threading.local()  # the child's pid belongs in its temp names
-
-
-os.register_at_fork(after_in_child=_forget_in_child)
-
-
 def temp_name(name: str) -> str:
-    """This thread's temp file name for block file ``name``."""
-    writer = getattr(_local, "writer", None)
-    if writer is None:
-        host = socket.gethostname().replace(os.sep, "_")[:64]
-        writer = _local.writer = f"{host}-{os.getpid()}-{threading.get_ident()}"
-    return f".{name}.{writer}{TMP_SUFFIX}"
+    """This thread's temp file name for block file ``name`` (host, pid and
+    thread: its own among every writer of a shared directory)."""
+    host = socket.gethostname().replace(os.sep, "_")[:64]
+    return f".{name}.{host}-{os.getpid()}-{threading.get_ident()}{TMP_SUFFIX}"
 
 
 def _mac(auth_key: bytes, header: mmap.mmap, payload: memoryview) -> bytes:

@@ -180,7 +180,17 @@ class FsTierBudget:
                 for dirs, name, st in entries:
                     if total <= self.low_bytes:
                         break
-                    gone = self._remove(dirs, name, st)
+                    try:  # only the file listed, unchanged since
+                        gone = remove_file(self.root, dirs, name, st)
+                    except OSError as e:
+                        logger.warning(
+                            "KV offload: fs tier file %s cannot be removed (%s); "
+                            "the tier may stay above %s",
+                            os.path.join(self.root, *dirs, name),
+                            e,
+                            MAX_BYTES_KEY,
+                        )
+                        continue
                     if gone is None:
                         continue  # used again or replaced: kept
                     total -= st.st_size
@@ -212,20 +222,6 @@ class FsTierBudget:
         with self._count_lock:
             stats, self._stats = self._stats, OffloadingConnectorStats()
         return None if stats.is_empty() else stats
-
-    def _remove(self, dirs: tuple[str, ...], name: str, listed) -> bool | None:
-        """``remove_file``: only the file listed, unchanged since."""
-        try:
-            return remove_file(self.root, dirs, name, listed)
-        except OSError as e:
-            logger.warning(
-                "KV offload: fs tier file %s cannot be removed (%s); the tier "
-                "may stay above %s",
-                os.path.join(self.root, *dirs, name),
-                e,
-                MAX_BYTES_KEY,
-            )
-            return None
 
     def _lock(self, wait: bool) -> int | None:
         """The scan lock's fd, flocked (None: another engine scans, or the
