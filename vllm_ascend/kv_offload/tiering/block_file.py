@@ -235,15 +235,12 @@ def remove_stale_temp_files(root: str, top: tuple[str, ...] = ()) -> int:
         flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         try:
             fd = os.open(name, flags, dir_fd=dir_fd)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            continue  # a live writer holds it
-        finally:
-            os.close(fd)
-        with contextlib.suppress(OSError):
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            finally:
+                os.close(fd)
             os.unlink(name, dir_fd=dir_fd)
-            removed += 1
+        except OSError:
+            continue  # gone, or a live writer holds it
+        removed += 1
     return removed

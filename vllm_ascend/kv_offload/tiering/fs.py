@@ -215,15 +215,14 @@ class VerifiedFileSystemTier(FileSystemTierManager):
         ).start()
 
     def _remove_stale_temp_files(self, root: str, top: tuple[str, ...]) -> None:
-        with contextlib.suppress(OSError):
-            removed = remove_stale_temp_files(root, top=top)
-            if removed:
-                logger.info(
-                    "KV offload: removed %d temp files under %s left by writers "
-                    "that are gone",
-                    removed,
-                    self.root_dir,
-                )
+        removed = remove_stale_temp_files(root, top=top)  # skips what it cannot
+        if removed:
+            logger.info(
+                "KV offload: removed %d temp files under %s left by writers "
+                "that are gone",
+                removed,
+                self.root_dir,
+            )
 
     def _files_of(
         self, job: TransferJob
