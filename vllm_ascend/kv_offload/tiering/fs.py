@@ -312,7 +312,6 @@ def tier_dir_usable(tier: Mapping[str, Any], spec: OffloadingSpec) -> bool:
     identity, _ = tier_identity(spec.storage_identity, tier)
     root = identity_root(root_dir, identity_digest(identity))
     try:
-        os.makedirs(root_dir, exist_ok=True)  # configured, so trusted
         # As FileSystemTierManager.__init__ names it.
         mapper = FileMapper.from_offloading_spec(
             root_dir=root,

@@ -40,10 +40,6 @@ _KINDS = (
 )
 
 
-def kind_of(mode: int) -> str:
-    return next((kind for test, kind in _KINDS if test(mode)), "special file")
-
-
 def bad_entry(
     dir_fd: int,
     name: str,
@@ -58,7 +54,8 @@ def bad_entry(
     recursively from a shared directory), and reports it to
     ``on_bad_entry``; returns the error for a caller that does not replace
     it."""
-    found = f"a {kind_of(mode)} in place of {expected}"
+    kind = next((kind for test, kind in _KINDS if test(mode)), "special file")
+    found = f"a {kind} in place of {expected}"
     with contextlib.suppress(OSError):
         if stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
             os.rmdir(name, dir_fd=dir_fd)
@@ -86,8 +83,8 @@ def open_dirs(
     on_bad_entry: BadEntryHook | None = None,
 ) -> Iterator[int]:
     """An fd of ``root/dirs...``, closed when the context ends, reached
-    without following a symlink below ``root`` (``root`` itself is
-    configured, so trusted): the one walk of the tier's directories (block
+    without following a symlink below ``root`` (configured, so trusted;
+    made if ``create``): the one walk of the tier's directories (block
     files here, the size bound's scan in ``fs_budget``). A non-directory on
     the way is a bad entry: removed, and replaced by a directory if
     ``create``. ``path``: the file the walk is for, in errors."""
