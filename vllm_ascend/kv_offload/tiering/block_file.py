@@ -4,11 +4,8 @@ optionally an HMAC-SHA256 over header and payload) followed by the payload,
 written atomically and verified on every read.
 
 Files under the tier directory are untrusted: every path is reached
-through ``tier_paths`` (one component at a time below the configured
-``root``, no symlink followed, only regular files opened); anything else in
-place of a block file or of one of its directories is a *bad entry*: a
-miss, reported to ``on_bad_entry``, and removed, so that the block can be
-written again.
+through ``tier_paths``; a *bad entry* there is a miss, reported to
+``on_bad_entry`` and removed, so that the block can be written again.
 """
 
 from __future__ import annotations

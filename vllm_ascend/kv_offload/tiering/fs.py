@@ -236,14 +236,13 @@ class VerifiedFileSystemTier(FileSystemTierManager):
     @override
     def submit_store(self, job_metadata: TransferJob) -> None:
         keys, paths, offsets, key_ids = self._files_of(job_metadata)
-        budget, files = self.budget, self.files
 
         def store_task() -> None:
             written = 0
             for path, offset, key in zip(paths, offsets, key_ids, strict=True):
-                written += files.write(path, offset, key)
-            if budget is not None and written:
-                budget.note_stored(written * self.file_bytes)
+                written += self.files.write(path, offset, key)
+            if self.budget is not None and written:
+                self.budget.note_stored(written * self.file_bytes)
 
         vllm_compat.enqueue_fs_tier_store(self, job_metadata.job_id, keys, store_task)
 
@@ -251,20 +250,19 @@ class VerifiedFileSystemTier(FileSystemTierManager):
     def submit_load(self, job_metadata: TransferJob) -> None:
         job_id = job_metadata.job_id
         keys, paths, offsets, key_ids = self._files_of(job_metadata)
-        budget, files = self.budget, self.files
 
         def load_task() -> None:
             for i, (path, offset, key) in enumerate(
                 zip(paths, offsets, key_ids, strict=True)
             ):
                 try:
-                    files.read(path, offset, key)
+                    self.files.read(path, offset, key)
                 except OSError:
                     # Blocks before i are kept; this one and later recompute.
                     vllm_compat.record_fs_tier_load_progress(self, job_id, i)
                     raise
-                if budget is not None:
-                    budget.touch(path)
+                if self.budget is not None:
+                    self.budget.touch(path)
 
         vllm_compat.enqueue_fs_tier_load(self, job_id, keys, load_task)
 

@@ -8,11 +8,10 @@ runs under an advisory lock (``flock`` on ``LOCK_FILE`` in the directory;
 an engine that finds it held skips its scan, the holder makes the room,
 unless it has written an eighth of the bound since its own last scan: then
 it waits for the lock, so a holder that stalls cannot let the others run
-past the bound),
-and only regular ``*.bin`` files, re-checked just before, are unlinked;
-nothing is followed (files there are untrusted). Removing a file another
-engine is reading is safe: its open descriptor still reads the whole file;
-one that it has only looked up becomes a miss, recomputed.
+past the bound), and only regular ``*.bin`` files, re-checked just before,
+are unlinked; nothing is followed (files there are untrusted). Removing a
+file another engine is reading is safe: its open descriptor still reads
+the whole file; one that it has only looked up becomes a miss, recomputed.
 
 The scan runs in the tier's I/O thread after stores, amortized: a cached
 estimate (the last scan's size plus this engine's writes since) triggers

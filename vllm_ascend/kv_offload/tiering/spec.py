@@ -114,10 +114,7 @@ def check_tiering_config(extra: Mapping[str, Any]) -> None:
 
 
 class NPUTieringOffloadingSpec(TieringOffloadingSpec, NPUOffloadingSpec):
-    """vLLM's tiering (CPU primary tier in ``/dev/shm``, secondary tiers)
-    with ``NPUOffloadingSpec``'s configuration, worker and connector.
-
-    Keys: the guide's (``num_cpu_blocks``, ``block_size``) or vLLM's
+    """Keys: the guide's (``num_cpu_blocks``, ``block_size``) or vLLM's
     (``cpu_bytes_to_use``, ``blocks_per_chunk``, ``eviction_policy``, ...),
     plus tiering's ``secondary_tiers`` and ``backpressure``. The pool is the
     region: ``num_cpu_blocks`` rows of all ranks' KV of one CPU block.
