@@ -133,7 +133,8 @@ class FsTierBudget:
         self.max_bytes = max_bytes
         self.low_bytes = int(max_bytes * EVICT_TO)
         self._rescan_bytes = max(file_bytes, max_bytes // RESCAN_FRACTION)
-        self._estimate: int | None = None  # unknown until the first scan
+        # Unknown until the first scan: taken as full, so the first store scans.
+        self._estimate = max_bytes
         self._since_scan = 0
         self._count_lock = threading.Lock()
         self._scan_lock = threading.Lock()  # one scan per process at a time
@@ -145,11 +146,7 @@ class FsTierBudget:
         with self._count_lock:
             self._since_scan += nbytes
             stale = self._since_scan >= self._rescan_bytes
-            due = (
-                stale
-                or self._estimate is None
-                or self._estimate + self._since_scan >= self.max_bytes
-            )
+            due = stale or self._estimate + self._since_scan >= self.max_bytes
         if due and self._scan_lock.acquire(blocking=False):
             try:
                 self.scan(wait=stale)
