@@ -26,7 +26,6 @@ import fcntl
 import os
 import stat
 import threading
-from collections.abc import Mapping
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -59,25 +58,6 @@ BLOCK_SUFFIX = ".bin"
 EVICTED_BLOCKS = "vllm:kv_offload_tiering_fs_evicted_blocks"
 EVICTED_BYTES = "vllm:kv_offload_tiering_fs_evicted_bytes"
 TIER_BYTES = "vllm:kv_offload_tiering_fs_bytes"
-
-
-def check_budget_config(tier: Mapping[str, Any], where: str, is_fs: bool) -> None:
-    """``max_bytes`` of one ``secondary_tiers`` entry: a positive integer,
-    on an fs tier."""
-    if MAX_BYTES_KEY not in tier:
-        return
-    value = tier[MAX_BYTES_KEY]
-    if not is_fs:
-        raise OffloadConfigError(
-            f"{where}['{MAX_BYTES_KEY}'] bounds the fs tier only (this tier is "
-            f"{tier.get('type')!r}); remove it"
-        )
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise OffloadConfigError(
-            f"{where}['{MAX_BYTES_KEY}']={value!r} must be a positive integer "
-            f'number of bytes, e.g. "{MAX_BYTES_KEY}": {100 * 2**30} (100 GiB); '
-            "remove it for an unbounded tier"
-        )
 
 
 def budget_metric_definitions() -> dict[str, Any]:

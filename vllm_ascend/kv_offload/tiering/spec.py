@@ -40,8 +40,8 @@ from vllm_ascend.kv_offload.region_worker import RegionWorker, build_region_work
 from vllm_ascend.kv_offload.tiering.auth_key import AUTH_KEY_FILE, read_auth_key
 from vllm_ascend.kv_offload.tiering.fs import VERIFIED_FS_TYPE, tier_dir_usable
 from vllm_ascend.kv_offload.tiering.fs_budget import (
+    MAX_BYTES_KEY,
     budget_metric_definitions,
-    check_budget_config,
 )
 from vllm_ascend.kv_offload.tiering.identity import (
     SHARED_ID,
@@ -91,7 +91,19 @@ def check_tiering_config(extra: Mapping[str, Any]) -> None:
                 '{"type": "fs", "root_dir": "/mnt/shared/kv"}'
             )
         is_fs = tier["type"] in FS_TYPES
-        check_budget_config(tier, where, is_fs)
+        if MAX_BYTES_KEY in tier:  # the fs tier's size bound (fs_budget)
+            value = tier[MAX_BYTES_KEY]
+            if not is_fs:
+                raise OffloadConfigError(
+                    f"{where}['{MAX_BYTES_KEY}'] bounds the fs tier only (this "
+                    f"tier is {tier.get('type')!r}); remove it"
+                )
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise OffloadConfigError(
+                    f"{where}['{MAX_BYTES_KEY}']={value!r} must be a positive "
+                    f'integer number of bytes, e.g. "{MAX_BYTES_KEY}": '
+                    f"{100 * 2**30} (100 GiB); remove it for an unbounded tier"
+                )
         if is_fs:
             root = tier.get("root_dir")
             if not isinstance(root, str) or not root:
