@@ -280,9 +280,7 @@ class VerifiedFileSystemTier(FileSystemTierManager):
         ours = self.budget.take_stats() if self.budget is not None else None
         if stats is None or stats.is_empty():
             return ours
-        if ours is not None:
-            stats.aggregate(ours)
-        return stats
+        return stats if ours is None else stats.aggregate(ours)
 
 
 with contextlib.suppress(ValueError):  # registered already (module reloaded)

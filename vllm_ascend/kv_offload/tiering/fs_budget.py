@@ -202,7 +202,6 @@ class FsTierBudget:
     def _lock(self, wait: bool) -> int | None:
         """The scan lock's fd, flocked (None: another engine scans, or the
         lock file cannot be used: a non-regular file there is not followed)."""
-        path = os.path.join(self.root, *self.top, LOCK_FILE)
         flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         fd = None
         try:
@@ -219,7 +218,7 @@ class FsTierBudget:
                 logger.warning(
                     "KV offload: fs tier lock file %s cannot be used (%s); no "
                     "eviction this time. Fix: remove whatever is at that path",
-                    path,
+                    os.path.join(self.root, *self.top, LOCK_FILE),
                     e,
                 )
             return None
