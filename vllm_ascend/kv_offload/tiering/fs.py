@@ -12,9 +12,10 @@ import json
 import os
 import threading
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from typing_extensions import override
+from vllm.v1.kv_offload.base import OffloadingSpec
 from vllm.v1.kv_offload.file_mapper import FileMapper
 from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
@@ -49,9 +50,6 @@ from vllm_ascend.kv_offload.tiering.tier_paths import (
     remove_file,
     split_under,
 )
-
-if TYPE_CHECKING:
-    from vllm.v1.kv_offload.base import OffloadingSpec
 
 logger = init_logger(__name__)
 

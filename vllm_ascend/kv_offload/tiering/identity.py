@@ -71,11 +71,10 @@ def unidentified(reason: str) -> dict[str, str]:
 
 
 def _hash_file(path: str, size: int) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
         if size <= WHOLE_FILE_BYTES:
-            h.update(f.read())
-            return h.hexdigest()
+            return hashlib.file_digest(f, "sha256").hexdigest()
+        h = hashlib.sha256()
         start = 0
         if path.endswith(".safetensors"):
             header_len = int.from_bytes(f.read(8), "little")
