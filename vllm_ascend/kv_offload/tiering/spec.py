@@ -36,7 +36,7 @@ from vllm_ascend.kv_offload.logger import init_logger
 from vllm_ascend.kv_offload.manager import FailureAwareManager
 from vllm_ascend.kv_offload.npu import NPUOffloadingSpec
 from vllm_ascend.kv_offload.region import RegionMark, hold_mark
-from vllm_ascend.kv_offload.region_worker import RegionWorker, build_region_worker
+from vllm_ascend.kv_offload.region_worker import build_region_worker
 from vllm_ascend.kv_offload.tiering.auth_key import AUTH_KEY_FILE, read_auth_key
 from vllm_ascend.kv_offload.tiering.fs import VERIFIED_FS_TYPE, tier_dir_usable
 from vllm_ascend.kv_offload.tiering.fs_budget import (
@@ -133,7 +133,6 @@ class NPUTieringOffloadingSpec(TieringOffloadingSpec, NPUOffloadingSpec):
     """
 
     extra_config_keys = NPUOffloadingSpec.extra_config_keys | TIERING_KEYS
-    _tiering_worker: RegionWorker | None = None
 
     @classmethod
     @override
@@ -204,13 +203,12 @@ class NPUTieringOffloadingSpec(TieringOffloadingSpec, NPUOffloadingSpec):
 
     @override
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
-        if self._tiering_worker is None:
-            rank = 0 if self.replicated_layout else self.config.parallel.rank
-            self._tiering_worker = build_region_worker(
+        if self._npu_worker is None:  # the worker, built once (NPUOffloadingSpec's)
+            self._npu_worker = build_region_worker(
                 kv_caches,
                 engine_id=self.config.engine_id,
                 num_chunks=self.num_chunks,
-                slot_rank=rank,
+                slot_rank=0 if self.replicated_layout else self.config.parallel.rank,
                 kv_bytes_per_chunk=self.kv_bytes_per_chunk,
                 slot_bytes=self.cpu_page_size_per_worker,
                 blocks_per_chunk=self.blocks_per_chunk,
@@ -218,4 +216,4 @@ class NPUTieringOffloadingSpec(TieringOffloadingSpec, NPUOffloadingSpec):
                 shared_slot=self.replicated_layout,
                 piece_bytes=int_setting(self.config.extra_config, "host_piece_bytes"),
             )
-        return self._tiering_worker
+        return self._npu_worker

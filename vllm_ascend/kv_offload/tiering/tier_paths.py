@@ -49,11 +49,10 @@ def bad_entry(
     on_bad_entry: BadEntryHook | None,
     err: int = errno.EIO,
 ) -> BadEntryError:
-    """Removes the bad entry ``name`` (a ``mode`` where ``expected`` should
-    be) without following it, a directory only if empty (nothing is removed
-    recursively from a shared directory), and reports it to
-    ``on_bad_entry``; returns the error for a caller that does not replace
-    it."""
+    """Removes the bad entry ``name`` (a ``mode`` where ``expected`` should be)
+    without following it, a directory only if empty (nothing is removed
+    recursively from a shared directory), and reports it to ``on_bad_entry``;
+    returns the error for a caller that does not replace it."""
     kind = next((kind for test, kind in _KINDS if test(mode)), "special file")
     found = f"a {kind} in place of {expected}"
     with contextlib.suppress(OSError):
