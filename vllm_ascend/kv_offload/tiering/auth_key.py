@@ -62,23 +62,19 @@ def read_auth_key(key_file: Any, setting: str) -> bytes:
     where = f"{setting}={key_file!r}"
     try:
         st = os.stat(key_file)
-    except OSError as e:
-        raise OffloadConfigError(f"{where} cannot be read ({e.strerror}). {FIX}") from e
-    if not stat.S_ISREG(st.st_mode):
-        raise OffloadConfigError(f"{where} is not a regular file. {FIX}")
-    if st.st_mode & 0o007:
-        raise OffloadConfigError(
-            f"{where} is accessible to every user (mode "
-            f"{stat.S_IMODE(st.st_mode):#o}), so anyone here could forge "
-            f"block files. {FIX}"
-        )
-    if st.st_size > MAX_AUTH_KEY_FILE_BYTES:
-        raise OffloadConfigError(
-            f"{where} holds {st.st_size} bytes; a key file holds at most "
-            f"{MAX_AUTH_KEY_FILE_BYTES} (this is not a key). {FIX}"
-        )
-    version = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-    try:
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("is not a regular file")
+        if st.st_mode & 0o007:
+            raise ValueError(
+                f"is accessible to every user (mode {stat.S_IMODE(st.st_mode):#o}), "
+                "so anyone here could forge block files"
+            )
+        if st.st_size > MAX_AUTH_KEY_FILE_BYTES:
+            raise ValueError(
+                f"holds {st.st_size} bytes; a key file holds at most "
+                f"{MAX_AUTH_KEY_FILE_BYTES} (this is not a key)"
+            )
+        version = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         return _load(key_file, version)
     except OSError as e:
         raise OffloadConfigError(f"{where} cannot be read ({e.strerror}). {FIX}") from e
@@ -92,18 +88,11 @@ def _load(path: str, version: tuple[int, ...]) -> bytes:
     ``MAX_AUTH_KEY_FILE_BYTES + 1`` bytes; ValueError says what is wrong
     with it (without the key). Cached: a refusal raises, so is not."""
     del version  # part of the cache key only: a changed file is read again
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    try:
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with open(fd, "rb") as f:  # closes fd
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise ValueError("is not a regular file")
-        data = b""
-        while len(data) <= MAX_AUTH_KEY_FILE_BYTES:
-            chunk = os.read(fd, MAX_AUTH_KEY_FILE_BYTES + 1 - len(data))
-            if not chunk:
-                break
-            data += chunk
-    finally:
-        os.close(fd)
+        data = f.read(MAX_AUTH_KEY_FILE_BYTES + 1)
     if len(data) > MAX_AUTH_KEY_FILE_BYTES:
         raise ValueError(
             f"grew past {MAX_AUTH_KEY_FILE_BYTES} bytes while read (this is not a key)"

@@ -4,11 +4,8 @@ optionally an HMAC-SHA256 over header and payload) followed by the payload,
 written atomically and verified on every read.
 
 Files under the tier directory are untrusted: every path is reached
-through ``tier_paths`` (one component at a time below the configured
-``root``, no symlink followed, only regular files opened); anything else in
-place of a block file or of one of its directories is a *bad entry*: a
-miss, reported to ``on_bad_entry``, and removed, so that the block can be
-written again.
+through ``tier_paths``; a *bad entry* there is a miss, reported to
+``on_bad_entry`` and removed, so that the block can be written again.
 """
 
 from __future__ import annotations
@@ -37,10 +34,9 @@ from vllm.v1.kv_offload.base import (
 from vllm_ascend.kv_offload.tiering.tier_paths import (
     BadEntryHook,
     StoredBlockError,
-    kind_of,
+    bad_entry,
     open_dirs,
     open_regular,
-    remove_entry,
     split_under,
     walk_files,
 )
@@ -84,25 +80,11 @@ def _header_buffer() -> mmap.mmap:
     return buf
 
 
-def _forget_in_child() -> None:
-    global _local
-    _local = threading.local()  # the child's pid belongs in its temp names
-
-
-os.register_at_fork(after_in_child=_forget_in_child)
-
-
 def temp_name(name: str) -> str:
-    """This thread's temp file name for block file ``name``."""
-    writer = getattr(_local, "writer", None)
-    if writer is None:
-        host = socket.gethostname().replace(os.sep, "_")[:64]
-        writer = _local.writer = f"{host}-{os.getpid()}-{threading.get_ident()}"
-    return f".{name}.{writer}{TMP_SUFFIX}"
-
-
-def is_temp_name(name: str) -> bool:
-    return name.startswith(".") and name.endswith(TMP_SUFFIX)
+    """This thread's temp file name for block file ``name`` (host, pid and
+    thread: its own among every writer of a shared directory)."""
+    host = socket.gethostname().replace(os.sep, "_")[:64]
+    return f".{name}.{host}-{os.getpid()}-{threading.get_ident()}{TMP_SUFFIX}"
 
 
 def _mac(auth_key: bytes, header: mmap.mmap, payload: memoryview) -> bytes:
@@ -128,16 +110,8 @@ def write_block(
     bad entry in its place is removed and the block written."""
     header = _header_buffer()
     header[:] = bytes(HEADER_BYTES)
-    HEADER_STRUCT.pack_into(
-        header,
-        0,
-        MAGIC,
-        HEADER_VERSION,
-        len(payload),
-        zlib.crc32(payload),
-        identity,
-        key,
-    )
+    fields = (MAGIC, HEADER_VERSION, len(payload), zlib.crc32(payload), identity, key)
+    HEADER_STRUCT.pack_into(header, 0, *fields)
     if auth_key is not None:
         struct.pack_into("<I", header, HEADER_STRUCT.size, MAC_HMAC_SHA256)
         _MAC.pack_into(
@@ -167,15 +141,12 @@ def create_file(
     there already (False). No symlink is followed; a bad entry in its place
     (or on the way) is removed and reported to ``on_bad_entry``."""
     dirs, name = split_under(root, path)
-    dir_fd = open_dirs(root, dirs, True, path, on_bad_entry)
-    try:
+    with open_dirs(root, dirs, True, path, on_bad_entry) as dir_fd:
         with contextlib.suppress(FileNotFoundError):
             mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
             if stat.S_ISREG(mode):
                 return False
-            remove_entry(dir_fd, name)
-            if on_bad_entry is not None:
-                on_bad_entry(path, f"a {kind_of(mode)} in place of a block file")
+            bad_entry(dir_fd, name, mode, "a block file", path, on_bad_entry)
         tmp = temp_name(name)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp, dir_fd=dir_fd)  # left by an earlier use of this name
@@ -191,8 +162,6 @@ def create_file(
             raise
         finally:
             os.close(fd)
-    finally:
-        os.close(dir_fd)
     return True
 
 
@@ -215,11 +184,8 @@ def read_block(
     root = root or os.path.dirname(path)
     dirs, name = split_under(root, path)
     header = _header_buffer()
-    dir_fd = open_dirs(root, dirs, False, path, on_bad_entry)
-    try:
+    with open_dirs(root, dirs, False, path, on_bad_entry) as dir_fd:
         fd = open_regular(dir_fd, name, path, o_direct, on_bad_entry)
-    finally:
-        os.close(dir_fd)
     try:
         size = os.fstat(fd).st_size
         want = HEADER_BYTES + len(payload)
@@ -253,29 +219,25 @@ def read_block(
             )
 
 
-def remove_stale_temp_files(
-    root: str, max_age_s: float = STALE_TMP_AGE_S, top: tuple[str, ...] = ()
-) -> int:
+def remove_stale_temp_files(root: str, top: tuple[str, ...] = ()) -> int:
     """Removes temp files under ``root/top`` that no writer holds and that
-    are older than ``max_age_s``; returns how many. Symlinks are not
+    are older than ``STALE_TMP_AGE_S``; returns how many. Symlinks are not
     followed, ``top`` included (``walk_files``)."""
     removed = 0
     now = time.time()
     for dir_fd, _, name, st in walk_files(root, top):
-        if not is_temp_name(name) or now - st.st_mtime < max_age_s:
+        is_temp = name.startswith(".") and name.endswith(TMP_SUFFIX)
+        if not is_temp or now - st.st_mtime < STALE_TMP_AGE_S:
             continue
         flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         try:
             fd = os.open(name, flags, dir_fd=dir_fd)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            continue  # a live writer holds it
-        finally:
-            os.close(fd)
-        with contextlib.suppress(OSError):
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            finally:
+                os.close(fd)
             os.unlink(name, dir_fd=dir_fd)
-            removed += 1
+        except OSError:
+            continue  # gone, or a live writer holds it
+        removed += 1
     return removed

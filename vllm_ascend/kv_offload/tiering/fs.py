@@ -11,10 +11,11 @@ import contextlib
 import json
 import os
 import threading
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any
 
 from typing_extensions import override
+from vllm.v1.kv_offload.base import OffloadingSpec
 from vllm.v1.kv_offload.file_mapper import FileMapper
 from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
@@ -50,9 +51,6 @@ from vllm_ascend.kv_offload.tiering.tier_paths import (
     split_under,
 )
 
-if TYPE_CHECKING:
-    from vllm.v1.kv_offload.base import OffloadingSpec
-
 logger = init_logger(__name__)
 
 # Our fs tier, registered under this type; a config's "fs" tiers become it.
@@ -66,11 +64,8 @@ class VanishedBlockError(FileNotFoundError):
 class VerifiedBlockFiles:
     """One tier's block files of one identity, written and read verified
     (``block_file``: header, CRC32, and an HMAC where the deployment has a
-    key) below the untrusted ``root``; counts and logs what went wrong: a
-    bad entry (``tier_paths``) is a miss, removed; a file that fails
-    verification is not loaded and is removed; a file removed since its
-    lookup (the size bound, another engine) is a ``VanishedBlockError``, a
-    miss like any other."""
+    key) below the untrusted ``root``; counts and logs what went wrong
+    (``read``; a bad entry, ``tier_paths``, is a miss, removed)."""
 
     def __init__(self, primary, block_bytes, identity, root, auth_key, o_direct):
         """``primary``: the CPU tier's bytes, a block every ``block_bytes``
@@ -85,22 +80,19 @@ class VerifiedBlockFiles:
         self.bad_entries = 0
         self.vanished_blocks = 0  # looked up, gone when loaded: misses
 
-    def _io(self, io: Callable[..., Any], path: str, offset: int, key: bytes):
-        """``write_block`` or ``read_block`` of the block at ``offset``."""
-        block = self.primary[offset : offset + self.block_bytes]
-        return io(path, block, self.identity, key, self.o_direct, **self._kw)
-
     def write(self, path: str, offset: int, key: bytes) -> bool:
         """Stores the block at ``offset`` as ``path``; False if it was
         there already (``block_file.write_block``)."""
-        return self._io(write_block, path, offset, key)
+        block = self.primary[offset : offset + self.block_bytes]
+        return write_block(path, block, self.identity, key, self.o_direct, **self._kw)
 
     def read(self, path: str, offset: int, key: bytes) -> None:
         """Loads ``path`` into the block at ``offset``, verified; raises
         ``VanishedBlockError`` if it is gone, else the ``OSError`` that
         refused it (logged, and a file that fails verification removed)."""
+        block = self.primary[offset : offset + self.block_bytes]
         try:
-            self._io(read_block, path, offset, key)
+            read_block(path, block, self.identity, key, self.o_direct, **self._kw)
         except FileNotFoundError as exc:
             # Removed since the lookup (the size bound, another engine): a
             # miss like any other, not an I/O error.
@@ -140,10 +132,9 @@ class VerifiedBlockFiles:
 
 
 class VerifiedFileSystemTier(FileSystemTierManager):
-    """vLLM's ``fs`` tier (thread pool, async lookups, atomic renames, events,
-    metrics) with an identity directory and verified files
-    (``block_file``). Registered as tier type ``ascend_fs``; reports itself as
-    ``fs`` in metrics and logs."""
+    """vLLM's ``fs`` tier with an identity directory and verified files
+    (``block_file``). Registered as tier type ``ascend_fs``; reports itself
+    as ``fs`` in metrics and logs."""
 
     def __init__(
         self,
@@ -187,9 +178,9 @@ class VerifiedFileSystemTier(FileSystemTierManager):
         )
         # Our own views of what vLLM's tier is built on (public arguments).
         self.block_bytes: int = primary_kv_view.strides[0]
+        self.file_bytes = HEADER_BYTES + self.block_bytes
         self.primary_bytes = primary_kv_view.cast("B")
         use_o_direct = vllm_compat.fs_tier_uses_o_direct(self)
-        # Each block's file, written and read verified; failures counted.
         self.files = VerifiedBlockFiles(
             self.primary_bytes,
             self.block_bytes,
@@ -205,9 +196,7 @@ class VerifiedFileSystemTier(FileSystemTierManager):
         # directory included: the walks of its files start above it.
         top = (os.path.basename(self.root_dir),)
         if max_bytes is not None:
-            self.budget = FsTierBudget(
-                root_dir, max_bytes, HEADER_BYTES + self.block_bytes, top
-            )
+            self.budget = FsTierBudget(root_dir, max_bytes, self.file_bytes, top)
         logger.info(
             "KV offload: fs tier at %s (identity %s; files carry a header and a "
             "CRC32%s, verified on every read)",
@@ -224,15 +213,14 @@ class VerifiedFileSystemTier(FileSystemTierManager):
         ).start()
 
     def _remove_stale_temp_files(self, root: str, top: tuple[str, ...]) -> None:
-        with contextlib.suppress(OSError):
-            removed = remove_stale_temp_files(root, top=top)
-            if removed:
-                logger.info(
-                    "KV offload: removed %d temp files under %s left by writers "
-                    "that are gone",
-                    removed,
-                    self.root_dir,
-                )
+        removed = remove_stale_temp_files(root, top=top)  # skips what it cannot
+        if removed:
+            logger.info(
+                "KV offload: removed %d temp files under %s left by writers "
+                "that are gone",
+                removed,
+                self.root_dir,
+            )
 
     def _files_of(
         self, job: TransferJob
@@ -246,14 +234,13 @@ class VerifiedFileSystemTier(FileSystemTierManager):
     @override
     def submit_store(self, job_metadata: TransferJob) -> None:
         keys, paths, offsets, key_ids = self._files_of(job_metadata)
-        budget, files = self.budget, self.files
 
         def store_task() -> None:
             written = 0
             for path, offset, key in zip(paths, offsets, key_ids, strict=True):
-                written += files.write(path, offset, key)
-            if budget is not None and written:
-                budget.note_stored(written * (HEADER_BYTES + self.block_bytes))
+                written += self.files.write(path, offset, key)
+            if self.budget is not None and written:
+                self.budget.note_stored(written * self.file_bytes)
 
         vllm_compat.enqueue_fs_tier_store(self, job_metadata.job_id, keys, store_task)
 
@@ -261,20 +248,19 @@ class VerifiedFileSystemTier(FileSystemTierManager):
     def submit_load(self, job_metadata: TransferJob) -> None:
         job_id = job_metadata.job_id
         keys, paths, offsets, key_ids = self._files_of(job_metadata)
-        budget, files = self.budget, self.files
 
         def load_task() -> None:
             for i, (path, offset, key) in enumerate(
                 zip(paths, offsets, key_ids, strict=True)
             ):
                 try:
-                    files.read(path, offset, key)
+                    self.files.read(path, offset, key)
                 except OSError:
                     # Blocks before i are kept; this one and later recompute.
                     vllm_compat.record_fs_tier_load_progress(self, job_id, i)
                     raise
-                if budget is not None:
-                    budget.touch(path)
+                if self.budget is not None:
+                    self.budget.touch(path)
 
         vllm_compat.enqueue_fs_tier_load(self, job_id, keys, load_task)
 
@@ -292,9 +278,7 @@ class VerifiedFileSystemTier(FileSystemTierManager):
         ours = self.budget.take_stats() if self.budget is not None else None
         if stats is None or stats.is_empty():
             return ours
-        if ours is not None:
-            stats.aggregate(ours)
-        return stats
+        return stats if ours is None else stats.aggregate(ours)
 
 
 with contextlib.suppress(ValueError):  # registered already (module reloaded)
@@ -322,7 +306,6 @@ def tier_dir_usable(tier: Mapping[str, Any], spec: OffloadingSpec) -> bool:
     identity, _ = tier_identity(spec.storage_identity, tier)
     root = identity_root(root_dir, identity_digest(identity))
     try:
-        os.makedirs(root_dir, exist_ok=True)  # configured, so trusted
         # As FileSystemTierManager.__init__ names it.
         mapper = FileMapper.from_offloading_spec(
             root_dir=root,

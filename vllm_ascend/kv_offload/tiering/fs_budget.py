@@ -8,11 +8,10 @@ runs under an advisory lock (``flock`` on ``LOCK_FILE`` in the directory;
 an engine that finds it held skips its scan, the holder makes the room,
 unless it has written an eighth of the bound since its own last scan: then
 it waits for the lock, so a holder that stalls cannot let the others run
-past the bound),
-and only regular ``*.bin`` files, re-checked just before, are unlinked;
-nothing is followed (files there are untrusted). Removing a file another
-engine is reading is safe: its open descriptor still reads the whole file;
-one that it has only looked up becomes a miss, recomputed.
+past the bound), and only regular ``*.bin`` files, re-checked just before,
+are unlinked; nothing is followed (files there are untrusted). Removing a
+file another engine is reading is safe: its open descriptor still reads
+the whole file; one that it has only looked up becomes a miss, recomputed.
 
 The scan runs in the tier's I/O thread after stores, amortized: a cached
 estimate (the last scan's size plus this engine's writes since) triggers
@@ -27,8 +26,12 @@ import fcntl
 import os
 import stat
 import threading
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
+from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata
 
 from vllm_ascend.kv_offload.config import OffloadConfigError
 from vllm_ascend.kv_offload.logger import init_logger
@@ -38,11 +41,6 @@ from vllm_ascend.kv_offload.tiering.tier_paths import (
     split_under,
     walk_files,
 )
-
-if TYPE_CHECKING:
-    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
-        OffloadingConnectorStats,
-    )
 
 logger = init_logger(__name__)
 
@@ -62,31 +60,7 @@ EVICTED_BYTES = "vllm:kv_offload_tiering_fs_evicted_bytes"
 TIER_BYTES = "vllm:kv_offload_tiering_fs_bytes"
 
 
-def check_budget_config(tier: Mapping[str, Any], where: str, is_fs: bool) -> None:
-    """``max_bytes`` of one ``secondary_tiers`` entry: a positive integer,
-    on an fs tier."""
-    if MAX_BYTES_KEY not in tier:
-        return
-    value = tier[MAX_BYTES_KEY]
-    if not is_fs:
-        raise OffloadConfigError(
-            f"{where}['{MAX_BYTES_KEY}'] bounds the fs tier only (this tier is "
-            f"{tier.get('type')!r}); remove it"
-        )
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise OffloadConfigError(
-            f"{where}['{MAX_BYTES_KEY}']={value!r} must be a positive integer "
-            f'number of bytes, e.g. "{MAX_BYTES_KEY}": {100 * 2**30} (100 GiB); '
-            "remove it for an unbounded tier"
-        )
-
-
 def budget_metric_definitions() -> dict[str, Any]:
-    from vllm.v1.kv_offload.base import (
-        OffloadingCounterMetadata,
-        OffloadingGaugeMetadata,
-    )
-
     return {
         EVICTED_BLOCKS: OffloadingCounterMetadata(
             documentation=(
@@ -139,13 +113,12 @@ class FsTierBudget:
         self.max_bytes = max_bytes
         self.low_bytes = int(max_bytes * EVICT_TO)
         self._rescan_bytes = max(file_bytes, max_bytes // RESCAN_FRACTION)
-        self._estimate: int | None = None  # unknown until the first scan
+        # Unknown until the first scan: taken as full, so the first store scans.
+        self._estimate = max_bytes
         self._since_scan = 0
         self._count_lock = threading.Lock()
         self._scan_lock = threading.Lock()  # one scan per process at a time
-        self._evicted_blocks = 0
-        self._evicted_bytes = 0
-        self._last_size: int | None = None
+        self._stats = OffloadingConnectorStats()  # since the last take_stats
 
     def note_stored(self, nbytes: int) -> None:
         """After this engine wrote ``nbytes`` of block files (I/O thread):
@@ -153,11 +126,7 @@ class FsTierBudget:
         with self._count_lock:
             self._since_scan += nbytes
             stale = self._since_scan >= self._rescan_bytes
-            due = (
-                stale
-                or self._estimate is None
-                or self._estimate + self._since_scan >= self.max_bytes
-            )
+            due = stale or self._estimate + self._since_scan >= self.max_bytes
         if due and self._scan_lock.acquire(blocking=False):
             try:
                 self.scan(wait=stale)
@@ -168,11 +137,8 @@ class FsTierBudget:
         """A read is a use: the file becomes the most recently used."""
         with contextlib.suppress(OSError):
             dirs, name = split_under(self.root, path)
-            dir_fd = open_dirs(self.root, dirs)
-            try:
+            with open_dirs(self.root, dirs) as dir_fd:
                 os.utime(name, dir_fd=dir_fd, follow_symlinks=False)
-            finally:
-                os.close(dir_fd)
 
     def scan(self, wait: bool = False) -> None:
         """Measures the directory and, above the bound, removes the least
@@ -190,7 +156,17 @@ class FsTierBudget:
                 for dirs, name, st in entries:
                     if total <= self.low_bytes:
                         break
-                    gone = self._remove(dirs, name, st)
+                    try:  # only the file listed, unchanged since
+                        gone = remove_file(self.root, dirs, name, st)
+                    except OSError as e:
+                        logger.warning(
+                            "KV offload: fs tier file %s cannot be removed (%s); "
+                            "the tier may stay above %s",
+                            os.path.join(self.root, *dirs, name),
+                            e,
+                            MAX_BYTES_KEY,
+                        )
+                        continue
                     if gone is None:
                         continue  # used again or replaced: kept
                     total -= st.st_size
@@ -201,9 +177,9 @@ class FsTierBudget:
             os.close(lock_fd)  # releases the flock
         with self._count_lock:
             self._estimate, self._since_scan = total, 0
-            self._evicted_blocks += removed
-            self._evicted_bytes += removed_bytes
-            self._last_size = total
+            self._stats.increase_counter(EVICTED_BLOCKS, removed)
+            self._stats.increase_counter(EVICTED_BYTES, removed_bytes)
+            self._stats.set_gauge(TIER_BYTES, total)
         if removed:
             logger.info(
                 "KV offload: fs tier %s reached %s=%d; removed the %d least "
@@ -217,54 +193,20 @@ class FsTierBudget:
             )
 
     def take_stats(self) -> OffloadingConnectorStats | None:
-        """Evictions since the last call, as vLLM's offloading metrics."""
+        """Evictions and the size since the last call (None: no scan since),
+        as vLLM's offloading metrics."""
         with self._count_lock:
-            blocks, nbytes, size = (
-                self._evicted_blocks,
-                self._evicted_bytes,
-                self._last_size,
-            )
-            self._evicted_blocks = self._evicted_bytes = 0
-            self._last_size = None
-        if not blocks and size is None:
-            return None
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
-            OffloadingConnectorStats,
-        )
-
-        stats = OffloadingConnectorStats()
-        stats.increase_counter(EVICTED_BLOCKS, blocks)
-        stats.increase_counter(EVICTED_BYTES, nbytes)
-        if size is not None:
-            stats.set_gauge(TIER_BYTES, size)
-        return stats
-
-    def _remove(self, dirs: tuple[str, ...], name: str, listed) -> bool | None:
-        """``remove_file``: only the file listed, unchanged since."""
-        try:
-            return remove_file(self.root, dirs, name, listed)
-        except OSError as e:
-            logger.warning(
-                "KV offload: fs tier file %s cannot be removed (%s); the tier "
-                "may stay above %s",
-                os.path.join(self.root, *dirs, name),
-                e,
-                MAX_BYTES_KEY,
-            )
-            return None
+            stats, self._stats = self._stats, OffloadingConnectorStats()
+        return None if stats.is_empty() else stats
 
     def _lock(self, wait: bool) -> int | None:
         """The scan lock's fd, flocked (None: another engine scans, or the
         lock file cannot be used: a non-regular file there is not followed)."""
-        path = os.path.join(self.root, *self.top, LOCK_FILE)
         flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         fd = None
         try:
-            dir_fd = open_dirs(self.root, self.top)
-            try:
+            with open_dirs(self.root, self.top) as dir_fd:
                 fd = os.open(LOCK_FILE, flags, 0o644, dir_fd=dir_fd)
-            finally:
-                os.close(dir_fd)
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise OSError(errno.EINVAL, "not a regular file")
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
@@ -276,7 +218,7 @@ class FsTierBudget:
                 logger.warning(
                     "KV offload: fs tier lock file %s cannot be used (%s); no "
                     "eviction this time. Fix: remove whatever is at that path",
-                    path,
+                    os.path.join(self.root, *self.top, LOCK_FILE),
                     e,
                 )
             return None

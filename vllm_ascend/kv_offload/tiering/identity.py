@@ -28,6 +28,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+from huggingface_hub import try_to_load_from_cache
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from vllm_ascend.kv_offload.config import PREFIX, OffloadConfigError
@@ -70,11 +71,10 @@ def unidentified(reason: str) -> dict[str, str]:
 
 
 def _hash_file(path: str, size: int) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
         if size <= WHOLE_FILE_BYTES:
-            h.update(f.read())
-            return h.hexdigest()
+            return hashlib.file_digest(f, "sha256").hexdigest()
+        h = hashlib.sha256()
         start = 0
         if path.endswith(".safetensors"):
             header_len = int.from_bytes(f.read(8), "little")
@@ -113,10 +113,6 @@ def fingerprint_weights(path: str) -> dict[str, Any]:
 def _hub_commit(repo_id: str, revision: str | None) -> str | None:
     """The commit of the local hub cache snapshot of ``repo_id`` at
     ``revision`` (what vLLM loaded), without the network; None if none."""
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:
-        return None
     try:
         found = try_to_load_from_cache(repo_id, "config.json", revision=revision)
     except Exception:  # an id the hub library refuses: not identified

@@ -36,12 +36,12 @@ from vllm_ascend.kv_offload.logger import init_logger
 from vllm_ascend.kv_offload.manager import FailureAwareManager
 from vllm_ascend.kv_offload.npu import NPUOffloadingSpec
 from vllm_ascend.kv_offload.region import RegionMark, hold_mark
-from vllm_ascend.kv_offload.region_worker import RegionWorker, build_region_worker
+from vllm_ascend.kv_offload.region_worker import build_region_worker
 from vllm_ascend.kv_offload.tiering.auth_key import AUTH_KEY_FILE, read_auth_key
 from vllm_ascend.kv_offload.tiering.fs import VERIFIED_FS_TYPE, tier_dir_usable
 from vllm_ascend.kv_offload.tiering.fs_budget import (
+    MAX_BYTES_KEY,
     budget_metric_definitions,
-    check_budget_config,
 )
 from vllm_ascend.kv_offload.tiering.identity import (
     SHARED_ID,
@@ -76,14 +76,13 @@ class _TieringManager(FailureAwareManager):
 def check_tiering_config(extra: Mapping[str, Any]) -> None:
     """What this spec cannot do, refused before anything is allocated;
     ``extra``'s keys and their types passed ``config.check_keys``."""
-    threshold = extra.get("store_threshold")
-    if isinstance(threshold, int | float) and not isinstance(threshold, bool):
-        if threshold >= 2:
-            raise OffloadConfigError(
-                f"{PREFIX}['store_threshold']={threshold!r} is not supported by "
-                f"{TIERING_SPEC} (vLLM's tiering manager stores every block); "
-                "remove store_threshold, or use spec_name='NPUOffloadingSpec'"
-            )
+    threshold = extra.get("store_threshold")  # a number (check_keys) or None
+    if threshold is not None and threshold >= 2:
+        raise OffloadConfigError(
+            f"{PREFIX}['store_threshold']={threshold!r} is not supported by "
+            f"{TIERING_SPEC} (vLLM's tiering manager stores every block); "
+            "remove store_threshold, or use spec_name='NPUOffloadingSpec'"
+        )
     for i, tier in enumerate(extra.get("secondary_tiers") or []):
         where = f"{PREFIX}['secondary_tiers'][{i}]"
         if not isinstance(tier, Mapping) or not tier.get("type"):
@@ -92,7 +91,19 @@ def check_tiering_config(extra: Mapping[str, Any]) -> None:
                 '{"type": "fs", "root_dir": "/mnt/shared/kv"}'
             )
         is_fs = tier["type"] in FS_TYPES
-        check_budget_config(tier, where, is_fs)
+        if MAX_BYTES_KEY in tier:  # the fs tier's size bound (fs_budget)
+            value = tier[MAX_BYTES_KEY]
+            if not is_fs:
+                raise OffloadConfigError(
+                    f"{where}['{MAX_BYTES_KEY}'] bounds the fs tier only (this "
+                    f"tier is {tier.get('type')!r}); remove it"
+                )
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise OffloadConfigError(
+                    f"{where}['{MAX_BYTES_KEY}']={value!r} must be a positive "
+                    f'integer number of bytes, e.g. "{MAX_BYTES_KEY}": '
+                    f"{100 * 2**30} (100 GiB); remove it for an unbounded tier"
+                )
         if is_fs:
             root = tier.get("root_dir")
             if not isinstance(root, str) or not root:
@@ -114,24 +125,14 @@ def check_tiering_config(extra: Mapping[str, Any]) -> None:
                     )
 
 
-def _device_type() -> str:
-    from vllm.platforms import current_platform
-
-    return str(current_platform.device_type)
-
-
 class NPUTieringOffloadingSpec(TieringOffloadingSpec, NPUOffloadingSpec):
-    """vLLM's tiering (CPU primary tier in ``/dev/shm``, secondary tiers)
-    with ``NPUOffloadingSpec``'s configuration, worker and connector.
-
-    Keys: the guide's (``num_cpu_blocks``, ``block_size``) or vLLM's
+    """Keys: the guide's (``num_cpu_blocks``, ``block_size``) or vLLM's
     (``cpu_bytes_to_use``, ``blocks_per_chunk``, ``eviction_policy``, ...),
     plus tiering's ``secondary_tiers`` and ``backpressure``. The pool is the
     region: ``num_cpu_blocks`` rows of all ranks' KV of one CPU block.
     """
 
     extra_config_keys = NPUOffloadingSpec.extra_config_keys | TIERING_KEYS
-    _tiering_worker: RegionWorker | None = None
 
     @classmethod
     @override
@@ -154,8 +155,8 @@ class NPUTieringOffloadingSpec(TieringOffloadingSpec, NPUOffloadingSpec):
         # the identity can see the resolved model config (None otherwise:
         # the weights are then unidentified and nothing is shared).
         self._vllm_config = get_current_vllm_config_or_none()
-        tiers = []
-        for tier in copy.deepcopy(self.secondary_tier_configs):
+        self.secondary_tier_configs = copy.deepcopy(self.secondary_tier_configs)
+        for tier in self.secondary_tier_configs:
             if tier.get("type") == "fs":
                 tier["type"] = VERIFIED_FS_TYPE
             elif tier.get("type") != VERIFIED_FS_TYPE:
@@ -164,14 +165,15 @@ class NPUTieringOffloadingSpec(TieringOffloadingSpec, NPUOffloadingSpec):
                     "identity and checksum checks of this package cover 'fs' only",
                     tier.get("type"),
                 )
-            tiers.append(tier)
-        self.secondary_tier_configs = tiers
 
     @cached_property
     def storage_identity(self) -> dict[str, Any]:
         """Read by the fs tiers only (scheduler side): the weights are
         fingerprinted once, and only where a tier needs them."""
-        return storage_identity(self.config, _device_type(), self._vllm_config)
+        from vllm.platforms import current_platform
+
+        device_type = str(current_platform.device_type)
+        return storage_identity(self.config, device_type, self._vllm_config)
 
     @override
     def get_manager(self) -> OffloadingManager:
@@ -201,13 +203,12 @@ class NPUTieringOffloadingSpec(TieringOffloadingSpec, NPUOffloadingSpec):
 
     @override
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
-        if self._tiering_worker is None:
-            rank = 0 if self.replicated_layout else self.config.parallel.rank
-            self._tiering_worker = build_region_worker(
+        if self._npu_worker is None:  # the worker, built once (NPUOffloadingSpec's)
+            self._npu_worker = build_region_worker(
                 kv_caches,
                 engine_id=self.config.engine_id,
                 num_chunks=self.num_chunks,
-                slot_rank=rank,
+                slot_rank=0 if self.replicated_layout else self.config.parallel.rank,
                 kv_bytes_per_chunk=self.kv_bytes_per_chunk,
                 slot_bytes=self.cpu_page_size_per_worker,
                 blocks_per_chunk=self.blocks_per_chunk,
@@ -215,4 +216,4 @@ class NPUTieringOffloadingSpec(TieringOffloadingSpec, NPUOffloadingSpec):
                 shared_slot=self.replicated_layout,
                 piece_bytes=int_setting(self.config.extra_config, "host_piece_bytes"),
             )
-        return self._tiering_worker
+        return self._npu_worker

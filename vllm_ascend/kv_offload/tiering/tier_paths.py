@@ -40,18 +40,29 @@ _KINDS = (
 )
 
 
-def kind_of(mode: int) -> str:
-    return next((kind for test, kind in _KINDS if test(mode)), "special file")
-
-
-def remove_entry(dir_fd: int, name: str) -> None:
-    """Removes a bad entry without following it; a directory only if empty
-    (nothing is removed recursively from a shared directory)."""
+def bad_entry(
+    dir_fd: int,
+    name: str,
+    mode: int,
+    expected: str,
+    path: str,
+    on_bad_entry: BadEntryHook | None,
+    err: int = errno.EIO,
+) -> BadEntryError:
+    """Removes the bad entry ``name`` (a ``mode`` where ``expected`` should be)
+    without following it, a directory only if empty (nothing is removed
+    recursively from a shared directory), and reports it to ``on_bad_entry``;
+    returns the error for a caller that does not replace it."""
+    kind = next((kind for test, kind in _KINDS if test(mode)), "special file")
+    found = f"a {kind} in place of {expected}"
     with contextlib.suppress(OSError):
         if stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
             os.rmdir(name, dir_fd=dir_fd)
         else:
             os.unlink(name, dir_fd=dir_fd)
+    if on_bad_entry is not None:
+        on_bad_entry(path, found)
+    return BadEntryError(err, found, path)
 
 
 def split_under(root: str, path: str) -> tuple[list[str], str]:
@@ -62,55 +73,45 @@ def split_under(root: str, path: str) -> tuple[list[str], str]:
     return parts[:-1], parts[-1]
 
 
+@contextlib.contextmanager
 def open_dirs(
     root: str,
     dirs: list[str] | tuple[str, ...],
     create: bool = False,
     path: str = "",
     on_bad_entry: BadEntryHook | None = None,
-) -> int:
-    """An fd of ``root/dirs...``, reached without following a symlink below
-    ``root`` (``root`` itself is configured, so trusted): the one walk of the
-    tier's directories (block files here, the size bound's scan in
-    ``fs_budget``). A non-directory on the way is a bad entry: removed, and
-    replaced by a directory if ``create``. ``path``: the file the walk is
-    for, in errors."""
-    try:
-        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        if not create:
-            raise
+) -> Iterator[int]:
+    """An fd of ``root/dirs...``, closed when the context ends, reached
+    without following a symlink below ``root`` (configured, so trusted;
+    made if ``create``): the one walk of the tier's directories (block
+    files here, the size bound's scan in ``fs_budget``). A non-directory on
+    the way is a bad entry: removed, and replaced by a directory if
+    ``create``. ``path``: the file the walk is for, in errors."""
+    if create:
         os.makedirs(root, exist_ok=True)
-        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         for name in dirs:
             try:
                 sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
-            except FileNotFoundError:
-                if not create:
-                    raise
-                with contextlib.suppress(FileExistsError):
-                    os.mkdir(name, 0o755, dir_fd=fd)
-                sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
             except OSError as e:
-                if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                    mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
+                    error = bad_entry(
+                        fd, name, mode, "a directory", path, on_bad_entry, errno.ENOTDIR
+                    )
+                    if not create:
+                        raise error from e
+                elif e.errno != errno.ENOENT or not create:
                     raise
-                mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
-                found = f"a {kind_of(mode)} in place of a directory"
-                remove_entry(fd, name)
-                if on_bad_entry is not None:
-                    on_bad_entry(path, found)
-                if not create:
-                    raise BadEntryError(errno.ENOTDIR, found, path) from e
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(name, 0o755, dir_fd=fd)
                 sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
             os.close(fd)
             fd = sub
-        return fd
-    except BaseException:
+        yield fd
+    finally:
         os.close(fd)
-        raise
 
 
 def walk_files(
@@ -125,25 +126,20 @@ def walk_files(
     while stack:
         dirs = stack.pop()
         try:
-            fd = open_dirs(root, dirs)
+            with open_dirs(root, dirs) as fd:
+                with os.scandir(fd) as it:
+                    entries = list(it)
+                for entry in entries:
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    if stat.S_ISDIR(st.st_mode):
+                        stack.append((*dirs, entry.name))
+                    elif stat.S_ISREG(st.st_mode):
+                        yield fd, dirs, entry.name, st
         except OSError:
             continue
-        try:
-            with os.scandir(fd) as it:
-                entries = list(it)
-            for entry in entries:
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                if stat.S_ISDIR(st.st_mode):
-                    stack.append((*dirs, entry.name))
-                elif stat.S_ISREG(st.st_mode):
-                    yield fd, dirs, entry.name, st
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
 
 
 def open_regular(
@@ -154,33 +150,25 @@ def open_regular(
     on_bad_entry: BadEntryHook | None,
 ) -> int:
     """An fd of the regular file ``name``; nothing else is opened (no
-    symlink followed, no FIFO or device opened, so no open blocks)."""
-
-    def bad(mode: int) -> BadEntryError:
-        found = f"a {kind_of(mode)} in place of a block file"
-        remove_entry(dir_fd, name)
-        if on_bad_entry is not None:
-            on_bad_entry(path, found)
-        return BadEntryError(errno.EIO, found, path)
-
+    symlink followed, no FIFO or device opened, so no open blocks): anything
+    else there, before the open or after it, is a bad entry."""
     mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
-    if not stat.S_ISREG(mode):
-        raise bad(mode)
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-    try:
-        fd = os.open(name, flags | o_direct, dir_fd=dir_fd)
-    except OSError as e:  # replaced since the stat: look again
-        if e.errno == errno.ENOENT:
-            raise
-        mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
-        if not stat.S_ISREG(mode):
-            raise bad(mode) from e
-        raise
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise bad(mode)
-    return fd
+    if stat.S_ISREG(mode):
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            fd = os.open(name, flags | o_direct, dir_fd=dir_fd)
+        except OSError as e:  # replaced since the stat: look again
+            if e.errno == errno.ENOENT:
+                raise
+            mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+            if stat.S_ISREG(mode):
+                raise
+        else:
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISREG(mode):
+                return fd
+            os.close(fd)
+    raise bad_entry(dir_fd, name, mode, "a block file", path, on_bad_entry)
 
 
 def remove_file(
@@ -191,23 +179,22 @@ def remove_file(
     regular file, a bad entry on the way, or, given its ``listed`` stat,
     another file or one used since: another inode or mtime). Raises the
     ``OSError`` of a failed unlink."""
-    try:
-        dir_fd = open_dirs(root, dirs)
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return None
-    try:
-        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        if not stat.S_ISREG(st.st_mode) or (
-            listed is not None
-            and (st.st_ino, st.st_dev, st.st_mtime_ns)
-            != (listed.st_ino, listed.st_dev, listed.st_mtime_ns)
-        ):
+    with contextlib.ExitStack() as stack:
+        try:
+            dir_fd = stack.enter_context(open_dirs(root, dirs))
+        except FileNotFoundError:
+            return False
+        except OSError:
             return None
-        os.unlink(name, dir_fd=dir_fd)
-        return True
-    except FileNotFoundError:
-        return False
-    finally:
-        os.close(dir_fd)
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode) or (
+                listed is not None
+                and (st.st_ino, st.st_dev, st.st_mtime_ns)
+                != (listed.st_ino, listed.st_dev, listed.st_mtime_ns)
+            ):
+                return None
+            os.unlink(name, dir_fd=dir_fd)
+            return True
+        except FileNotFoundError:
+            return False
