@@ -159,13 +159,10 @@ def main() -> None:
         )
 
     from vllm import SamplingParams
-    from vllm.config import KVTransferConfig
 
-    kv_transfer_config = KVTransferConfig(
-        kv_connector="OffloadingConnector",
-        kv_role="kv_both",
-        kv_connector_extra_config=plan.extra_config,
-    )
+    # KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
+    # kv_connector_extra_config=...): the guide's, with the plan's overrides.
+    kv_transfer_config = engine.transfer_config(plan.extra_config)
     engine_args = {"enforce_eager": True} if eager else {}
     if plan.kv_cache_bytes is not None:
         engine_args["kv_cache_memory_bytes"] = plan.kv_cache_bytes

@@ -146,6 +146,12 @@ def model_config(model_dir: str | os.PathLike[str], dtype: str = "auto") -> Mode
         quiet.setLevel(level)
 
 
+def _text_config(raw: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The language model's part of a config.json (a multimodal one nests it)."""
+    text = raw.get("text_config")
+    return text if isinstance(text, Mapping) else raw
+
+
 def _require(raw: Mapping[str, Any], hf_config: Any, key: str, why: str) -> None:
     """``key`` (or transformers' alias of it) must be in config.json itself:
     a default filled in by transformers would size some other model."""
@@ -201,9 +207,7 @@ def size_model_config(
             f"of the device block size {device_block_size} (--device-block-size)"
         )
     text = mc.hf_text_config
-    raw_text = (
-        raw["text_config"] if isinstance(raw.get("text_config"), Mapping) else raw
-    )
+    raw_text = _text_config(raw)
     model_type = str(getattr(text, "model_type", None) or "unknown")
     _require(raw_text, text, "num_hidden_layers", "the number of layers")
     tp = tensor_parallel_size
@@ -320,9 +324,7 @@ def size_model_dir(
     path = Path(model_dir)
     directory = path if path.is_dir() else path.parent
     raw = load_config(path)
-    text = (
-        raw.get("text_config") if isinstance(raw.get("text_config"), Mapping) else raw
-    )
+    text = _text_config(raw)
     check_sizes(text)
     check_layout(raw, text, str(text.get("model_type") or raw.get("model_type")))
     if dtype == "auto":
