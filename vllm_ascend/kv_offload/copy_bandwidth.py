@@ -244,16 +244,17 @@ def bench_cases(
     failures: dict[str, str] = {}
 
     def verify(name: str) -> None:
+        """Copies with ``name`` into poisoned destinations and checks them."""
+        for case in cases:
+            case.poison()
+        device.synchronize()  # the fill ran on the default stream
+        device.run([getattr(case, name) for case in cases])
         for case in cases:
             failure = case.check(name)
             if failure and name not in failures:
                 failures[name] = failure
 
     for name in methods:  # also the warm-up
-        for case in cases:
-            case.poison()
-        device.synchronize()  # the fill ran on the default stream
-        device.run([getattr(case, name) for case in cases])
         verify(name)
 
     times: dict[str, list[float]] = {name: [] for name in methods}
@@ -262,10 +263,6 @@ def bench_cases(
         for name in methods[k:] + methods[:k]:
             times[name].append(device.time([getattr(c, name) for c in cases]))
     if "op" in methods:  # and once more after the timed runs
-        for case in cases:
-            case.poison()
-        device.synchronize()
-        device.run([case.op for case in cases])
         verify("op")
 
     nbytes = sum(c.nbytes for c in cases)
