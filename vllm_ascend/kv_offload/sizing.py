@@ -146,12 +146,6 @@ def model_config(model_dir: str | os.PathLike[str], dtype: str = "auto") -> Mode
         quiet.setLevel(level)
 
 
-def _text_config(raw: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The language model's part of a config.json (a multimodal one nests it)."""
-    text = raw.get("text_config")
-    return text if isinstance(text, Mapping) else raw
-
-
 def _require(raw: Mapping[str, Any], hf_config: Any, key: str, why: str) -> None:
     """``key`` (or transformers' alias of it) must be in config.json itself:
     a default filled in by transformers would size some other model."""
@@ -179,7 +173,7 @@ def _checkpoint_dtype(cfg: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
 
 def size_model_config(
     mc: ModelConfig,
-    raw: Mapping[str, Any],
+    raw_text: Mapping[str, Any],
     *,
     block_size: int = 128,
     device_block_size: int = 128,
@@ -187,7 +181,8 @@ def size_model_config(
     kv_cache_dtype: str = "auto",
 ) -> KVSizing:
     """The KV pages and CPU block of the model of vLLM's ModelConfig ``mc``
-    (``raw``: its config.json, for the keys that must be given there).
+    (``raw_text``: its config.json's language-model part, a multimodal one's
+    ``text_config``, for the keys that must be given there).
     ``block_size``: tokens per CPU block, a multiple of ``device_block_size``
     (vLLM's KV block size on the device)."""
     from vllm.config import ParallelConfig
@@ -207,7 +202,6 @@ def size_model_config(
             f"of the device block size {device_block_size} (--device-block-size)"
         )
     text = mc.hf_text_config
-    raw_text = _text_config(raw)
     model_type = str(getattr(text, "model_type", None) or "unknown")
     _require(raw_text, text, "num_hidden_layers", "the number of layers")
     tp = tensor_parallel_size
@@ -324,11 +318,13 @@ def size_model_dir(
     path = Path(model_dir)
     directory = path if path.is_dir() else path.parent
     raw = load_config(path)
-    text = _text_config(raw)
+    text = (
+        raw.get("text_config") if isinstance(raw.get("text_config"), Mapping) else raw
+    )
     check_sizes(text)
     check_layout(raw, text, str(text.get("model_type") or raw.get("model_type")))
     if dtype == "auto":
         _checkpoint_dtype(text, raw)
     kv_dtype = modelslim_kv_dtype(os.fspath(directory), kv_cache_dtype)
     mc = model_config(directory, dtype)
-    return size_model_config(mc, raw, kv_cache_dtype=kv_dtype, **kwargs)
+    return size_model_config(mc, text, kv_cache_dtype=kv_dtype, **kwargs)
