@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 from dataclasses import asdict, dataclass
+from itertools import product
 from pathlib import Path
 
 
@@ -123,13 +124,7 @@ MLA_DIR = DEFAULT_DIR.parent / "tiny-deepseek-v2"
 
 def vocabulary(vocab_size: int) -> list[str]:
     """Special tokens followed by pronounceable two-syllable pseudo-words."""
-    words = [
-        c1 + v1 + c2 + v2
-        for c1 in _CONSONANTS
-        for v1 in _VOWELS
-        for c2 in _CONSONANTS
-        for v2 in _VOWELS
-    ]
+    words = ["".join(w) for w in product(*(_CONSONANTS, _VOWELS) * 2)]
     needed = vocab_size - len(_SPECIAL_TOKENS)
     if needed > len(words):
         raise ValueError(f"vocab_size {vocab_size} exceeds {len(words)} words")
