@@ -71,24 +71,15 @@ def print_completions(outputs, generated: bool) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--model",
-        default=None,
-        help="model name or path (default: the generated Qwen3 of "
-        "vllm_ascend.kv_offload.testing.tiny_model --preset demo)",
-    )
-    parser.add_argument(
-        "--prompt-words",
-        type=int,
-        default=1536,
-        help="length of the long prompt (words; tokens for the generated model)",
-    )
-    parser.add_argument(
-        "--rounds",
-        type=int,
-        default=3,
-        help="prompts measured cold / device hit / CPU hit (medians printed)",
-    )
+    for flag, kind, default, text in (
+        ("--model", str, None, "model name or path (default: the generated Qwen3 "
+         "of vllm_ascend.kv_offload.testing.tiny_model --preset demo)"),
+        ("--prompt-words", int, 1536,
+         "length of the long prompt (words; tokens for the generated model)"),
+        ("--rounds", int, 3,
+         "prompts measured cold / device hit / CPU hit (medians printed)"),
+    ):  # fmt: skip
+        parser.add_argument(flag, type=kind, default=default, help=text)
     parser.add_argument(
         "--compile",
         action="store_true",
@@ -168,13 +159,10 @@ def main() -> None:
         )
 
     from vllm import SamplingParams
-    from vllm.config import KVTransferConfig
 
-    kv_transfer_config = KVTransferConfig(
-        kv_connector="OffloadingConnector",
-        kv_role="kv_both",
-        kv_connector_extra_config=plan.extra_config,
-    )
+    # KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
+    # kv_connector_extra_config=...): the guide's, with the plan's overrides.
+    kv_transfer_config = engine.transfer_config(plan.extra_config)
     engine_args = {"enforce_eager": True} if eager else {}
     if plan.kv_cache_bytes is not None:
         engine_args["kv_cache_memory_bytes"] = plan.kv_cache_bytes

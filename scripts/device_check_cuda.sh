@@ -18,18 +18,20 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-$PWD/.cache/device_check_cuda}
 mkdir -p "$OUT"
+rm -f "$OUT/doctor.json" "$OUT/bench.jsonl" # one JSON report each, this run's
 PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 failed=0
 
 note() { echo "$*" | tee -a "$OUT/summary.txt"; }
 
-# step NAME LIMIT_S LOG CMD...: runs CMD with a time limit, appending to LOG.
+# step NAME LIMIT_S OUT ERR CMD...: runs CMD with a time limit, appending its
+# output to OUT and its errors to ERR (they may be one file).
 step() {
-  local name=$1 limit=$2 log=$3 start=$SECONDS rc
-  shift 3
-  echo "=== $name: $*" >>"$log"
-  timeout "$limit" "$@" >>"$log" 2>&1
+  local name=$1 limit=$2 out=$3 err=$4 start=$SECONDS rc
+  shift 4
+  echo "=== $name: $*" >>"$err"
+  timeout "$limit" "$@" >>"$out" 2>>"$err"
   rc=$?
   note "$name: rc=$rc ($((SECONDS - start)) s)"
   return "$rc"
@@ -51,7 +53,7 @@ EOF
 } >>"$OUT/summary.txt" 2>&1
 
 # --- 2. tests --------------------------------------------------------------------
-step "pytest (GPU-only + copy paths)" 240 "$OUT/tests.log" \
+step "pytest (GPU-only + copy paths)" 240 "$OUT/tests.log" "$OUT/tests.log" \
   "$PY" -m pytest -q -rs -p no:cacheprovider tests/unit/test_cuda_copy_path.py \
   tests/unit/test_self_check.py tests/unit/test_submit_frames.py || failed=1
 grep -E "passed|failed|error|SKIPPED" "$OUT/tests.log" | tail -6 >>"$OUT/summary.txt"
@@ -66,11 +68,9 @@ cat >"$model/config.json" <<'EOF'
  "vocab_size": 151936, "max_position_embeddings": 40960,
  "torch_dtype": "bfloat16"}
 EOF
-echo "=== doctor" >>"$OUT/bench.err"
-start=$SECONDS
-timeout 180 "$PY" -m vllm_ascend.kv_offload.doctor --device cuda --json \
-  --model "$model" --bandwidth-mib 256 >"$OUT/doctor.json" 2>>"$OUT/bench.err"
-note "doctor: rc=$? ($((SECONDS - start)) s)"
+# Its verdict is the summary's below, which also requires the path vllm-batch.
+step doctor 180 "$OUT/doctor.json" "$OUT/bench.err" "$PY" -m vllm_ascend.kv_offload.doctor \
+  --device cuda --json --model "$model" --bandwidth-mib 256
 "$PY" - "$OUT/doctor.json" <<'EOF' >>"$OUT/summary.txt" 2>&1 || failed=1
 import json, sys
 
@@ -87,12 +87,8 @@ sys.exit(1 if bad else 0)
 EOF
 
 # --- 4. benchmark ----------------------------------------------------------------
-start=$SECONDS
-timeout 240 "$PY" -m benchmarks.copy_benchmark --device cuda --json --concurrent --repeats 10 \
-  >"$OUT/bench.jsonl" 2>>"$OUT/bench.err"
-rc=$?
-note "copy benchmark: rc=$rc ($((SECONDS - start)) s)"
-[[ $rc -eq 0 ]] || failed=1
+step "copy benchmark" 240 "$OUT/bench.jsonl" "$OUT/bench.err" \
+  "$PY" -m benchmarks.copy_benchmark --device cuda --json --concurrent --repeats 10 || failed=1
 "$PY" - "$OUT/bench.jsonl" <<'EOF' >>"$OUT/summary.txt" 2>&1 || failed=1
 import json, pathlib, sys
 

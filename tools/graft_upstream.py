@@ -284,9 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"graft_upstream: {upstream} is already grafted; nothing to do")
         return 0
     for rel in sorted(writes):
-        kind = "patch" if rel in MODIFIED_FILES else "add"
-        if kind == "add" and (upstream / rel).exists():
-            kind = "update"
+        exists = (upstream / rel).exists()
+        kind = "patch" if rel in MODIFIED_FILES else "update" if exists else "add"
         print(f"{'would ' if args.dry_run else ''}{kind:6s} {rel}")
     if not args.dry_run:
         for rel, data in writes.items():

@@ -99,11 +99,6 @@ class Device:
         end.synchronize()
         return start.elapsed_time(end) / 1e3
 
-    def run(self, fns: Sequence[Callable[[], object]]) -> None:
-        """Runs ``fns`` as ``time`` does and waits for them (not timed)."""
-        self.time(fns)
-        self.synchronize()
-
 
 def scatter_slots(n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """Source and destination slot of each fragment: two random permutations
@@ -244,16 +239,18 @@ def bench_cases(
     failures: dict[str, str] = {}
 
     def verify(name: str) -> None:
+        """Copies with ``name`` into poisoned destinations and checks them."""
+        for case in cases:
+            case.poison()
+        device.synchronize()  # the fill ran on the default stream
+        device.time([getattr(case, name) for case in cases])  # run, not timed
+        device.synchronize()
         for case in cases:
             failure = case.check(name)
             if failure and name not in failures:
                 failures[name] = failure
 
     for name in methods:  # also the warm-up
-        for case in cases:
-            case.poison()
-        device.synchronize()  # the fill ran on the default stream
-        device.run([getattr(case, name) for case in cases])
         verify(name)
 
     times: dict[str, list[float]] = {name: [] for name in methods}
@@ -262,10 +259,6 @@ def bench_cases(
         for name in methods[k:] + methods[:k]:
             times[name].append(device.time([getattr(c, name) for c in cases]))
     if "op" in methods:  # and once more after the timed runs
-        for case in cases:
-            case.poison()
-        device.synchronize()
-        device.run([case.op for case in cases])
         verify("op")
 
     nbytes = sum(c.nbytes for c in cases)

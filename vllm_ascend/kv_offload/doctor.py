@@ -160,14 +160,13 @@ def check_platform(report: Report, npu_problem: str | None) -> None:
     report.add("platform", status, summary)
 
 
-def check_pool_allocation(report: Report, device: str, test_bytes: int) -> None:
-    """One pool of ``test_bytes`` from the pool factory, timed, and how much
-    of it became resident."""
+def check_pool_allocation(report: Report, device: str, mib: int) -> None:
+    """One pool of ``mib`` MiB from the pool factory, timed, and how much of
+    it became resident."""
     import psutil
 
     from vllm_ascend.kv_offload.cpu_pool import private_pool
 
-    mib = max(1, test_bytes >> 20)
     before, t0 = psutil.Process().memory_info().rss, time.perf_counter()
     pool = private_pool([1 << 20], 1, mib, device)
     seconds = time.perf_counter() - t0
@@ -180,9 +179,8 @@ def check_pool_allocation(report: Report, device: str, test_bytes: int) -> None:
     summary = f"{mib} MiB {kind} in {seconds * 1e3:.0f} ms; resident {resident:.2f}"
     if device != "cpu" and "pageable" in kind:
         summary += " x asked; page-locked memory unavailable: slower transfers"
-        report.add("pool alloc", WARN, summary)
-    else:
-        report.add("pool alloc", OK, summary + " x asked")
+        return report.add("pool alloc", WARN, summary)
+    report.add("pool alloc", OK, summary + " x asked")
 
 
 def check_copy_path(report: Report, device: str, fragments: Sequence[int]) -> None:
@@ -368,7 +366,7 @@ def run(args: argparse.Namespace) -> Report:
     report.add("backends", OK, op)
     fragments = guarded("sizing", check_sizing, args) or [_DEFAULT_FRAGMENT]
     if args.alloc_mib > 0:
-        guarded("pool alloc", check_pool_allocation, device, args.alloc_mib << 20)
+        guarded("pool alloc", check_pool_allocation, device, args.alloc_mib)
     fragments = [min(f, MAX_TEST_FRAGMENT_BYTES) for f in fragments]
     guarded("self-check", check_copy_path, device, fragments)
     if args.bandwidth_mib > 0:

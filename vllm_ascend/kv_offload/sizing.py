@@ -173,7 +173,7 @@ def _checkpoint_dtype(cfg: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
 
 def size_model_config(
     mc: ModelConfig,
-    raw: Mapping[str, Any],
+    raw_text: Mapping[str, Any],
     *,
     block_size: int = 128,
     device_block_size: int = 128,
@@ -181,7 +181,8 @@ def size_model_config(
     kv_cache_dtype: str = "auto",
 ) -> KVSizing:
     """The KV pages and CPU block of the model of vLLM's ModelConfig ``mc``
-    (``raw``: its config.json, for the keys that must be given there).
+    (``raw_text``: its config.json's language-model part, a multimodal one's
+    ``text_config``, for the keys that must be given there).
     ``block_size``: tokens per CPU block, a multiple of ``device_block_size``
     (vLLM's KV block size on the device)."""
     from vllm.config import ParallelConfig
@@ -201,9 +202,6 @@ def size_model_config(
             f"of the device block size {device_block_size} (--device-block-size)"
         )
     text = mc.hf_text_config
-    raw_text = (
-        raw["text_config"] if isinstance(raw.get("text_config"), Mapping) else raw
-    )
     model_type = str(getattr(text, "model_type", None) or "unknown")
     _require(raw_text, text, "num_hidden_layers", "the number of layers")
     tp = tensor_parallel_size
@@ -329,4 +327,4 @@ def size_model_dir(
         _checkpoint_dtype(text, raw)
     kv_dtype = modelslim_kv_dtype(os.fspath(directory), kv_cache_dtype)
     mc = model_config(directory, dtype)
-    return size_model_config(mc, raw, kv_cache_dtype=kv_dtype, **kwargs)
+    return size_model_config(mc, text, kv_cache_dtype=kv_dtype, **kwargs)

@@ -107,16 +107,10 @@ def counters(
     prefixes = tuple(prefixes)
     totals: dict[str, float] = {}
     for family in (registry or REGISTRY).collect():
-        if family.type not in ("counter", "gauge") or not family.name.startswith(
-            prefixes
-        ):
-            continue
-        value = sum(
-            s.value
-            for s in family.samples
-            if s.name == family.name or s.name == family.name + "_total"
-        )
-        totals[family.name] = totals.get(family.name, 0.0) + value
+        if family.type in ("counter", "gauge") and family.name.startswith(prefixes):
+            names = (family.name, family.name + "_total")
+            value = sum(s.value for s in family.samples if s.name in names)
+            totals[family.name] = totals.get(family.name, 0.0) + value
     return totals
 
 

@@ -150,10 +150,8 @@ class Server:
                 os.killpg(self.proc.pid, sig)  # its own session: group = pid
             else:
                 self.proc.send_signal(sig)
-            try:
+            with contextlib.suppress(psutil.TimeoutExpired):  # None: kill it
                 result["returncode"] = self.proc.wait(timeout=timeout_s)
-            except psutil.TimeoutExpired:
-                result["returncode"] = None
             result["stop_s"] = time.monotonic() - start
         # Children get a grace period to notice their parent is gone.
         alive = wait_gone(self.children, grace_s)

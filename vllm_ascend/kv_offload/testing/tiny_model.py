@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 from dataclasses import asdict, dataclass
+from itertools import product
 from pathlib import Path
 
 
@@ -123,13 +124,7 @@ MLA_DIR = DEFAULT_DIR.parent / "tiny-deepseek-v2"
 
 def vocabulary(vocab_size: int) -> list[str]:
     """Special tokens followed by pronounceable two-syllable pseudo-words."""
-    words = [
-        c1 + v1 + c2 + v2
-        for c1 in _CONSONANTS
-        for v1 in _VOWELS
-        for c2 in _CONSONANTS
-        for v2 in _VOWELS
-    ]
+    words = ["".join(w) for w in product(*(_CONSONANTS, _VOWELS) * 2)]
     needed = vocab_size - len(_SPECIAL_TOKENS)
     if needed > len(words):
         raise ValueError(f"vocab_size {vocab_size} exceeds {len(words)} words")
@@ -275,27 +270,19 @@ def main() -> None:
     )
     parser.add_argument("--out", default=None, help=f"default: {DEFAULT_DIR}")
     defaults = TinyModelSpec()
-    parser.add_argument("--layers", type=int, default=defaults.num_layers)
-    parser.add_argument("--hidden", type=int, default=defaults.hidden_size)
-    parser.add_argument("--heads", type=int, default=defaults.num_heads)
-    parser.add_argument("--kv-heads", type=int, default=defaults.num_kv_heads)
-    parser.add_argument("--head-dim", type=int, default=defaults.head_dim)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
+    shape = {"layers": "num_layers", "hidden": "hidden_size", "heads": "num_heads"}
+    shape |= {"kv_heads": "num_kv_heads", "head_dim": "head_dim", "seed": "seed"}
+    for name, field in shape.items():
+        flag = f"--{name.replace('_', '-')}"
+        parser.add_argument(flag, type=int, default=getattr(defaults, field))
     args = parser.parse_args()
-    if args.preset == "demo":
-        print(ensure_demo_model(args.out))
-        return
-    if args.preset == "mla":
-        print(ensure_mla_model(args.out))
+    if args.preset != "tiny":
+        ensure = ensure_demo_model if args.preset == "demo" else ensure_mla_model
+        print(ensure(args.out))
         return
     spec = TinyModelSpec(
-        hidden_size=args.hidden,
-        num_layers=args.layers,
-        num_heads=args.heads,
-        num_kv_heads=args.kv_heads,
-        head_dim=args.head_dim,
+        **{field: getattr(args, name) for name, field in shape.items()},
         intermediate_size=2 * args.hidden,
-        seed=args.seed,
     )
     print(ensure_tiny_model(args.out, spec))
 
