@@ -113,29 +113,6 @@ def our_spec_class(extra_config: Mapping[str, Any]) -> type[NPUOffloadingSpec] |
     return None
 
 
-def _device_block_sizes(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
-) -> list[int]:
-    """Tokens per device block of each offloaded group, as vLLM derives them."""
-    dcp = vllm_config.parallel_config.decode_context_parallel_size
-    return [
-        resolve_dcp_kv_block_size(kv_cache_config.kv_cache_groups[g].kv_cache_spec, dcp)
-        for g in get_offloading_group_ids(kv_cache_config)
-    ]
-
-
-def _worker_bytes_per_token(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
-) -> float:
-    """One worker's offloaded KV bytes per token (what a load of it copies)."""
-    groups = get_offloading_group_ids(kv_cache_config)
-    sizes = _device_block_sizes(vllm_config, kv_cache_config)
-    if not sizes:
-        return 0.0
-    page_bytes = _spec_page_bytes(kv_cache_config, groups)
-    return sum(padded for _, padded in page_bytes.values()) / sizes[0]
-
-
 def _spec_page_bytes(
     kv_cache_config: KVCacheConfig, group_ids: Iterable[int]
 ) -> dict[str, tuple[int, int]]:
@@ -178,7 +155,9 @@ def _canonical_kv_caches(
     return canonical
 
 
-def _check_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
+def _check_config(
+    vllm_config: VllmConfig, num_groups: int, device_block_sizes: list[int]
+) -> None:
     """The connector's settings, before vLLM derives anything from them."""
     transfer_config = vllm_config.kv_transfer_config
     assert transfer_config is not None
@@ -186,17 +165,13 @@ def _check_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> No
     # __new__ sent other specs elsewhere (a subclass of ours gets ours).
     spec_cls = our_spec_class(extra) or NPUOffloadingSpec
     validate_connector_config(
-        transfer_config.kv_role,
-        extra,
-        _device_block_sizes(vllm_config, kv_cache_config),
-        spec_cls.extra_config_keys,
+        transfer_config.kv_role, extra, device_block_sizes, spec_cls.extra_config_keys
     )
-    groups = get_offloading_group_ids(kv_cache_config)
-    if len(groups) > 1 and extra.get("sync_load_budget_bytes"):
+    if num_groups > 1 and extra.get("sync_load_budget_bytes"):
         raise OffloadConfigError(
             "kv_connector_extra_config['sync_load_budget_bytes']="
             f"{extra['sync_load_budget_bytes']!r} cannot be used with a model "
-            f"whose KV cache has {len(groups)} offloaded groups: a failed "
+            f"whose KV cache has {num_groups} offloaded groups: a failed "
             "synchronous load could not be reported to vLLM there; remove "
             "sync_load_budget_bytes (loads then run asynchronously)"
         )
@@ -230,8 +205,16 @@ class AscendOffloadingConnector(OffloadingConnector):
         role: KVConnectorRole,
         kv_cache_config: KVCacheConfig,
     ):
-        _check_config(vllm_config, kv_cache_config)
         groups = get_offloading_group_ids(kv_cache_config)
+        # Tokens per device block of each offloaded group, as vLLM derives them.
+        dcp = vllm_config.parallel_config.decode_context_parallel_size
+        sizes = [
+            resolve_dcp_kv_block_size(
+                kv_cache_config.kv_cache_groups[g].kv_cache_spec, dcp
+            )
+            for g in groups
+        ]
+        _check_config(vllm_config, len(groups), sizes)
         report_block_ids = len(groups) <= 1
         # The tiering spec's storage identity reads the resolved model config
         # (vLLM hands the spec only its OffloadingConfig).
@@ -242,12 +225,15 @@ class AscendOffloadingConnector(OffloadingConnector):
         if self.connector_worker is not None:
             self._worker_side = WorkerSide(report_block_ids)
         if self.connector_scheduler is not None:
+            # One worker's offloaded KV bytes per token (what a load copies).
+            page_bytes = _spec_page_bytes(kv_cache_config, groups).values()
+            per_token = sum(p for _, p in page_bytes) / sizes[0] if sizes else 0.0
             self._scheduler_side = SchedulerSide(
                 self.connector_scheduler.manager,
                 vllm_config,
                 kv_cache_config,
                 groups[0] if report_block_ids and groups else None,
-                _worker_bytes_per_token(vllm_config, kv_cache_config),
+                per_token,
             )
 
     # -- worker side -------------------------------------------------------
