@@ -182,19 +182,16 @@ def _check_str(key: str, value: Any, extra: Mapping[str, Any]) -> None:
     choices = KEYS[key].choices
     # A custom policy module may define eviction policies of its own.
     custom = key == "eviction_policy" and extra.get("cache_policy_module_path")
-    if choices and not custom:
-        if value not in choices:
-            raise OffloadConfigError(
-                f"{PREFIX}['{key}']={shown(value)} is not supported; use one "
-                f"of {', '.join(choices)}"
-            )
-        return
-    if isinstance(value, str):
-        return
-    raise OffloadConfigError(
-        f"{PREFIX}['{key}']={shown(value)} must be a string; set it to e.g. "
-        f"{key}={KEYS[key].example!r}"
-    )
+    if choices and not custom and value not in choices:
+        raise OffloadConfigError(
+            f"{PREFIX}['{key}']={shown(value)} is not supported; use one "
+            f"of {', '.join(choices)}"
+        )
+    if not isinstance(value, str):  # a choice is a string
+        raise OffloadConfigError(
+            f"{PREFIX}['{key}']={shown(value)} must be a string; set it to e.g. "
+            f"{key}={KEYS[key].example!r}"
+        )
 
 
 def check_keys(extra: Mapping[str, Any], accepted: Collection[str] = SPEC_KEYS) -> None:
@@ -335,7 +332,7 @@ def resolve_extra_config(
             f"a plausible pool size (at most {MAX_CPU_BLOCKS}); lower "
             "num_cpu_blocks to what host memory holds, e.g. 1000"
         )
-    if num_cpu_blocks is not None and cpu_bytes is not None and block_bytes > 0:
+    if block_bytes > 0 and num_cpu_blocks is not None and cpu_bytes is not None:
         if cpu_bytes // block_bytes != num_cpu_blocks:
             raise OffloadConfigError(
                 f"{PREFIX} sets num_cpu_blocks={num_cpu_blocks} and "
@@ -343,8 +340,7 @@ def resolve_extra_config(
                 f"hold {shown(cpu_bytes // block_bytes)} blocks of {block_bytes} "
                 "bytes; set only one of them"
             )
-    if block_bytes > 0 and num_cpu_blocks is None:
-        assert cpu_bytes is not None
+    elif block_bytes > 0 and cpu_bytes is not None:  # cpu_bytes_to_use alone
         if cpu_bytes < block_bytes:
             raise OffloadConfigError(
                 f"{PREFIX}['cpu_bytes_to_use']={shown(given['cpu_bytes_to_use'])} "
