@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.util
 from collections.abc import Callable
 
 from vllm_ascend.kv_offload import __version__, cpu_threads, vllm_compat
@@ -109,11 +108,9 @@ def _register_class_name() -> None:
 
 def _follow_upstream_registration() -> None:
     """Makes upstream's ``register_connector`` re-claim the name after it."""
-    if importlib.util.find_spec(UPSTREAM_REGISTRATION_MODULE.rsplit(".", 1)[0]) is None:
-        return
     try:
         upstream = importlib.import_module(UPSTREAM_REGISTRATION_MODULE)
-    except ImportError:
+    except ImportError:  # no upstream vllm-ascend (ModuleNotFoundError)
         return
     # Every vllm-ascend this runs next to (>= 0.30; older ones are refused)
     # has it: checked on 0.30.0rc2.
