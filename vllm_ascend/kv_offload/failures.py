@@ -62,16 +62,13 @@ class AscendOffloadingWorkerMetadata(OffloadingWorkerMetadata):
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         merged = super().aggregate(other)
         assert isinstance(merged, OffloadingWorkerMetadata)
+        figures = getattr(other, "figures", None)
         return AscendOffloadingWorkerMetadata(
             completed_jobs=merged.completed_jobs,
             transfer_stats=merged.transfer_stats,
             failed_jobs=self.failed_jobs | getattr(other, "failed_jobs", set()),
-            figures=_merged(self.figures, getattr(other, "figures", None)),
+            figures=self.figures.aggregate(figures) if self.figures else figures,
         )
-
-
-def _merged(a: WorkerFigures | None, b: WorkerFigures | None) -> WorkerFigures | None:
-    return b if a is None else a.aggregate(b)
 
 
 # -- worker side ---------------------------------------------------------------

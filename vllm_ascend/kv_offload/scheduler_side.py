@@ -175,23 +175,21 @@ class FailureRouter:
     def expect(self, meta: OffloadingConnectorMetadata) -> None:
         """The jobs of the step's metadata (``build_connector_meta``)."""
         for job_id, entry in meta.load_jobs.items():
-            self.expect_reports(job_id, (False, entry.req_id))
+            self._failure_target[job_id] = (False, entry.req_id)
+            self._reports_due[job_id] = self.num_workers
             if getattr(entry, "sync", False):
                 self._sync_load_of[entry.req_id] = job_id
                 self._dependent_stores[job_id] = []
         for job_id, entry in meta.store_jobs.items():
             keys = self.manager.keys_of_store(entry.dst_spec)
-            self.expect_reports(job_id, (True, keys))
+            self._failure_target[job_id] = (True, keys)
+            self._reports_due[job_id] = self.num_workers
             self._store_blocks[job_id] = entry.src_spec.block_ids
             load_job = self._sync_load_of.get(entry.req_id)
             if load_job is not None:
                 self._dependent_stores[load_job].append(job_id)
         if self.quarantine is not None:
             self.quarantine.on_metadata(meta)
-
-    def expect_reports(self, job_id: int, target: tuple[bool, object]) -> None:
-        self._failure_target[job_id] = target
-        self._reports_due[job_id] = self.num_workers
 
     def invalidate_blocks(self, block_ids: set[int]) -> None:
         """Device blocks a load failed to fill, as vLLM's scheduler gets them
