@@ -11,11 +11,13 @@ vLLM's keys are those vLLM 0.30-0.33 read for ``OffloadingConnector`` with
 a ``CPUOffloadingSpec``-derived spec (``vllm/v1/kv_offload/`` and
 ``vllm/distributed/kv_transfer/kv_connector/v1/offloading*``).
 
-What the values mean together is checked here too: the connector's view
-(``validate_connector_config``: ``kv_role`` and the device block size, before
-vLLM derives the chunk size) and the spec's (``resolve_extra_config``: the
-pool size in blocks and bytes). Host memory is checked where the pool is
-allocated (``host_guard``, ``host_ledger``).
+What the values mean together is checked in three places, because each sees
+different things: the connector (``validate_connector_config``) sees
+``kv_role`` and the device block size before vLLM derives the chunk size; the
+spec (``resolve_extra_config``) sees the size of a KV block; the spec's worker
+side, right before it allocates the pool, sees the host memory left after
+vLLM's own allocations and the other workers' pools on the host
+(``host_guard``, ``host_ledger``).
 """
 
 from __future__ import annotations

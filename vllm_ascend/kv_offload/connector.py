@@ -12,10 +12,9 @@ through its public hooks only (no vLLM method is copied here):
   bad value fails at start-up with the key and the fix.
 * failed transfers: vLLM's connector asserts that every transfer succeeded.
   Our offloading worker diverts failures (``worker.divert_failures``): vLLM
-  sees the job finish, and this connector reports the failure through
-  ``failures.py`` (worker side: the failed load's device blocks or request;
-  scheduler side: the manager told, and the device blocks of a sync load kept
-  out of reach of other requests until it is known to have succeeded).
+  sees the job finish, and this connector reports the failure through its
+  worker side (``worker_side.py``) and acts on it on its scheduler side
+  (``scheduler_side.py``).
 * idle steps: while every request waits for its KV, vLLM steps its engine
   again as soon as a step returns, each step polling the transfers once. The
   scheduler side marks such steps (nothing scheduled) in the metadata, and the
@@ -26,15 +25,12 @@ through its public hooks only (no vLLM method is copied here):
   (memory kind, pieces, copy path: ``pool_metrics.py``) to the KV connector
   stats vLLM collects from workers; vLLM's worker side reports none.
 * a bounded wait for CPU hits (``load_wait.py``, ``max_load_wait_ratio``):
-  each worker times its steps' forward passes and reports the bytes queued
-  on its copy queues in its metadata; the scheduler side feeds them to the
-  manager's ``LoadWaitBound``, which recomputes a hit that would wait longer.
+  the workers' figures in their metadata, the manager's ``LoadWaitBound`` on
+  the scheduler side.
 
-The ``vllm.general_plugins`` entry point (``plugin.register``) puts this class
-under the name ``OffloadingConnector``, so the guide's
-``kv_connector="OffloadingConnector"`` selects it with no extra setting. A
-config whose spec is not ours gets the class that had the name before
-(vLLM's, or upstream vllm-ascend's): see ``__new__`` and ``plugin.py``.
+``plugin.register`` puts this class under the name ``OffloadingConnector``,
+so the guide's ``kv_connector="OffloadingConnector"`` selects it; a config
+whose spec is not ours gets the class that had the name before (``__new__``).
 """
 
 from __future__ import annotations

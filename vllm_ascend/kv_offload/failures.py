@@ -1,10 +1,5 @@
-"""Failed transfers on the worker side: what is reported, and how.
-
-vLLM's offloading connector asserts that every transfer succeeded. Our
-worker diverts failures instead, and the connector
-(``connector.AscendOffloadingConnector``) reports them through vLLM's public
-hooks; the scheduler side acts on them (``scheduler_side.py``:
-``FailureRouter``, ``SyncLoadQuarantine``). Here:
+"""Failed transfers on the worker side: what is reported, and how (why:
+``connector.py``; the scheduler side acts on them: ``scheduler_side.py``).
 
 * ``JobLedger`` (the offloading worker, ``worker.py``): every job
   ``submit_store``/``submit_load`` accepted is reported exactly once

@@ -11,12 +11,10 @@ hooks, around vLLM's own code:
   ``max_load_wait_ratio``): fed with the figures the workers report, the
   manager recomputes a hit that would wait longer than recomputing it.
 
-What a failed job means there: a failed store's CPU blocks are freed, a
-request whose load failed gets no CPU hits again (``FailureRouter``, calling
-``manager.FailureAwareManager``). A store of a request whose synchronous
-load failed copies KV computed from that load's garbage: it is failed too,
-as is a store of device blocks that any connector failed to load (vLLM's
-``invalid_block_ids``; in a ``MultiConnector`` also a P/D connector's).
+What a failed job means there: what ``manager.FailureAwareManager`` makes
+of it (``FailureRouter``). A store of a request whose synchronous load failed
+copies KV computed from that load's garbage: it is failed too, as is a store
+of device blocks any connector failed to load (``invalidate_blocks``).
 
 ``SyncLoadQuarantine``: a synchronous load (vLLM >= 0.33,
 ``sync_load_budget_bytes``) fills device blocks that vLLM's scheduler has

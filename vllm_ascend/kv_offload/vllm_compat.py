@@ -1,9 +1,8 @@
-"""Every use of a private vLLM name in this package, in one place
-(``tests/unit/test_vllm_compat.py`` scans the package for any other).
+"""Every use of a private vLLM name in this package, in one place.
 
 Each function says which vLLM releases it was checked against and what it
-needs; ``tests/unit/test_vllm_compat.py`` fails with a clear message when a
-release changes one of them.
+needs; ``tests/unit/test_vllm_compat.py`` scans the package for any other use
+and fails with a clear message when a release changes one of them.
 """
 
 from __future__ import annotations
