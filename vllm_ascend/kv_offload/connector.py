@@ -216,10 +216,9 @@ class AscendOffloadingConnector(OffloadingConnector):
         # (vLLM hands the spec only its OffloadingConfig).
         with set_current_vllm_config(vllm_config):
             super().__init__(vllm_config, role, kv_cache_config)
-        self._worker_side: WorkerSide | None = None
+        # Used on workers only (plain bookkeeping, harmless elsewhere).
+        self._worker_side = WorkerSide(report_block_ids)
         self._scheduler_side: SchedulerSide | None = None
-        if self.connector_worker is not None:
-            self._worker_side = WorkerSide(report_block_ids)
         if self.connector_scheduler is not None:
             # One worker's offloaded KV bytes per token (what a load copies).
             page_bytes = _spec_page_bytes(kv_cache_config, groups).values()
@@ -240,17 +239,12 @@ class AscendOffloadingConnector(OffloadingConnector):
         assert worker is not None, "KV caches are not registered yet"
         return worker
 
-    @property
-    def _worker(self) -> WorkerSide:
-        assert self._worker_side is not None, "not a worker's connector"
-        return self._worker_side
-
     def register_kv_caches(self, kv_caches: dict[str, KVCacheParts]) -> None:
-        connector_worker = self.connector_worker
-        assert connector_worker is not None
         if all(isinstance(c, torch.Tensor) for c in kv_caches.values()):
-            connector_worker.register_kv_caches(kv_caches)
+            super().register_kv_caches(kv_caches)
         else:
+            connector_worker = self.connector_worker
+            assert connector_worker is not None
             config = connector_worker.kv_cache_config
             canonical = _canonical_kv_caches(kv_caches, config)
             vllm_compat.init_offloading_worker(connector_worker, canonical)
@@ -259,28 +253,28 @@ class AscendOffloadingConnector(OffloadingConnector):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         assert isinstance(connector_metadata, OffloadingConnectorMetadata)
-        self._worker.on_metadata(connector_metadata)
+        self._worker_side.on_metadata(connector_metadata)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        self._worker.forward_done()
+        self._worker_side.forward_done()
         meta = vllm_compat.bound_metadata(self)
         if getattr(meta, "idle_step", False):
             self._offloading_worker.wait_for_progress(IDLE_STEP_WAIT_S)
         finished = super().get_finished(finished_req_ids)
-        self._worker.record_failures(self._offloading_worker.take_failed_jobs())
+        self._worker_side.record_failures(self._offloading_worker.take_failed_jobs())
         return finished
 
     def get_transfer_results(
         self, finished_req_ids: set[str]
     ) -> KVConnectorTransferResults:
         results = super().get_transfer_results(finished_req_ids)
-        self._worker.add_failed_recving(results)
+        self._worker_side.add_failed_recving(results)
         return results
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         # Called after get_transfer_results in the same step, so a failed
         # load's blocks arrive with its request's finished_recving.
-        return self._worker.take_load_error_block_ids()
+        return self._worker_side.take_load_error_block_ids()
 
     def get_kv_connector_stats(self):
         stats = super().get_kv_connector_stats()
@@ -297,7 +291,7 @@ class AscendOffloadingConnector(OffloadingConnector):
         worker = self.connector_worker.worker if self.connector_worker else None
         if worker is None:  # no KV caches registered yet: nothing to report
             return meta
-        return self._worker.worker_metadata(meta, worker.queued_bytes())
+        return self._worker_side.worker_metadata(meta, worker.queued_bytes())
 
     # -- scheduler side ----------------------------------------------------
 

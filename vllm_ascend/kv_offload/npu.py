@@ -190,9 +190,7 @@ class NPUOffloadingSpec(vllm_compat.ReplicatedOncePerHostSpec, CPUOffloadingSpec
         if self._npu_worker is None:
             # The worker side, right before the pool is allocated: the one
             # place that knows what vLLM has allocated and what is to come.
-            # Assembly: check host memory and record the pool in the host's
-            # ledger, allocate it, build the worker on it (which self-checks
-            # its copy path before serving).
+            # The worker self-checks its copy path before serving.
             copy_path = self.config.extra_config.get("copy_path") or "auto"
             if self.replicated_layout:
                 self._npu_worker = self._replicated_worker(kv_caches, copy_path)
