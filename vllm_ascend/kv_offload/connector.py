@@ -218,6 +218,7 @@ class AscendOffloadingConnector(OffloadingConnector):
             super().__init__(vllm_config, role, kv_cache_config)
         # Used on workers only (plain bookkeeping, harmless elsewhere).
         self._worker_side = WorkerSide(report_block_ids)
+        self._idle_step = False  # the bound metadata's (get_finished)
         self._scheduler_side: SchedulerSide | None = None
         if self.connector_scheduler is not None:
             # One worker's offloaded KV bytes per token (what a load copies).
@@ -254,11 +255,11 @@ class AscendOffloadingConnector(OffloadingConnector):
         super().bind_connector_metadata(connector_metadata)
         assert isinstance(connector_metadata, OffloadingConnectorMetadata)
         self._worker_side.on_metadata(connector_metadata)
+        self._idle_step = getattr(connector_metadata, "idle_step", False)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         self._worker_side.forward_done()
-        meta = vllm_compat.bound_metadata(self)
-        if getattr(meta, "idle_step", False):
+        if self._idle_step:
             self._offloading_worker.wait_for_progress(IDLE_STEP_WAIT_S)
         finished = super().get_finished(finished_req_ids)
         self._worker_side.record_failures(self._offloading_worker.take_failed_jobs())

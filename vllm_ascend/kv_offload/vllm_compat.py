@@ -68,16 +68,6 @@ def init_offloading_worker(connector_worker: Any, kv_caches: Any) -> None:
     connector_worker._init_worker(kv_caches)
 
 
-def bound_metadata(connector: Any) -> Any:
-    """The metadata bound for this step (``bind_connector_metadata``).
-
-    ``KVConnectorBase_V1._get_connector_metadata`` is the accessor vLLM gives
-    connector subclasses ("only called inside the connector"); present in
-    vLLM 0.30, 0.31, 0.32 and 0.33.
-    """
-    return connector._get_connector_metadata()
-
-
 def count_fs_tier_job_blocks(tier: Any, job_id: int, num_blocks: int) -> None:
     """Records how many blocks job ``job_id`` of an ``fs`` tier moves, as
     ``FileSystemTierManager.submit_store``/``submit_load`` do.
