@@ -219,12 +219,12 @@ class AscendOffloadingConnector(OffloadingConnector):
         # Used on workers only (plain bookkeeping, harmless elsewhere).
         self._worker_side = WorkerSide(report_block_ids)
         self._idle_step = False  # the bound metadata's (get_finished)
-        self._scheduler_side: SchedulerSide | None = None
+        self._scheduler: SchedulerSide  # on the scheduler's connector only
         if self.connector_scheduler is not None:
             # One worker's offloaded KV bytes per token (what a load copies).
             page_bytes = _spec_page_bytes(kv_cache_config, groups).values()
             per_token = sum(p for _, p in page_bytes) / sizes[0] if sizes else 0.0
-            self._scheduler_side = SchedulerSide(
+            self._scheduler = SchedulerSide(
                 self.connector_scheduler.manager,
                 vllm_config,
                 kv_cache_config,
@@ -295,11 +295,6 @@ class AscendOffloadingConnector(OffloadingConnector):
         return self._worker_side.worker_metadata(meta, worker.queued_bytes())
 
     # -- scheduler side ----------------------------------------------------
-
-    @property
-    def _scheduler(self) -> SchedulerSide:
-        assert self._scheduler_side is not None, "not the scheduler's connector"
-        return self._scheduler_side
 
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
