@@ -312,8 +312,7 @@ def resolve_extra_config(
     ``extra_config_keys``) and express the pool size in bytes.
 
     Returns vLLM-native extra config (``cpu_bytes_to_use`` always set) and the
-    guide's ``num_cpu_blocks`` if it was given. Host memory is not looked at
-    here (``host_guard`` is, when the pool is allocated).
+    guide's ``num_cpu_blocks`` if it was given.
     """
     given = config.extra_config
     check_keys(given, accepted)
