@@ -303,12 +303,8 @@ class AscendOffloadingConnector(OffloadingConnector):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        if self._scheduler.must_wait(request):
-            return None, False
-        self._scheduler.begin_lookup(request, num_computed_tokens)
-        result = super().get_num_new_matched_tokens(request, num_computed_tokens)
-        self._scheduler.end_lookup(request, num_computed_tokens, result)
-        return result
+        lookup = super().get_num_new_matched_tokens
+        return self._scheduler.lookup(request, num_computed_tokens, lookup)
 
     def update_state_after_alloc(self, request: Request, blocks, num_external_tokens):
         super().update_state_after_alloc(request, blocks, num_external_tokens)

@@ -31,6 +31,7 @@ garbage with no failure reported for it (docs/robustness.md).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -297,26 +298,25 @@ class SchedulerSide:
         if self._quarantine is not None:
             self._quarantine.bind(kv_cache_manager)
 
-    def must_wait(self, request: Request) -> bool:
-        """Not yet while its prefix is in device blocks a sync load is filling."""
-        return self._quarantine is not None and self._quarantine.must_wait(request)
-
-    def begin_lookup(self, request: Request, num_computed_tokens: int) -> None:
-        """Before vLLM looks ``request`` up in the CPU pool."""
+    def lookup(
+        self,
+        request: Request,
+        num_computed_tokens: int,
+        vllm_lookup: Callable[[Request, int], tuple[int | None, bool]],
+    ) -> tuple[int | None, bool]:
+        """vLLM's lookup of ``request`` in the CPU pool (``vllm_lookup``);
+        "not yet" while its prefix is in device blocks a sync load is filling."""
+        quarantine = self._quarantine
+        if quarantine is not None and quarantine.must_wait(request):
+            return None, False
         if self._wait_bound is not None:
             self._wait_bound.begin_lookup(
                 request.request_id, num_computed_tokens, request.num_prompt_tokens
             )
-
-    def end_lookup(
-        self,
-        request: Request,
-        num_computed_tokens: int,
-        result: tuple[int | None, bool],
-    ) -> None:
-        """What vLLM's lookup of ``request`` answered."""
-        if self._quarantine is not None:
-            self._quarantine.on_lookup(request, num_computed_tokens, result)
+        result = vllm_lookup(request, num_computed_tokens)
+        if quarantine is not None:
+            quarantine.on_lookup(request, num_computed_tokens, result)
+        return result
 
     def on_alloc(self, request: Request, blocks: Any, num_external_tokens: int):
         """vLLM allocated ``request``'s device blocks (``blocks``)."""
