@@ -66,9 +66,6 @@ class AscendOffloadingWorkerMetadata(OffloadingWorkerMetadata):
         )
 
 
-# -- worker side ---------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class LoadJob:
     """What the worker side must know to report a failed load."""
