@@ -25,7 +25,7 @@ PACKAGE = ROOT / "vllm_ascend" / "kv_offload"
 # below checks each on the installed vLLM and on 0.33's offloading code.
 PRIVATE_VLLM_NAMES = set(
     "_registry _init_worker _uses_shared_region _all_workers_barrier "
-    "_get_connector_metadata _job_block_counts _use_o_direct _store_job_keys "
+    "_job_block_counts _use_o_direct _store_job_keys "
     "_load_job_keys _load_progress _pool _creator _num_allocated_chunks "
     "_free_list _custom_ops _C_cache_ops".split()
 )
@@ -78,11 +78,6 @@ check(callable(barrier) and not inspect.signature(barrier).parameters
       "vllm.v1.kv_offload.cpu.spec._all_workers_barrier() is no longer the "
       "barrier of every worker its region waits for "
       "(vllm_compat.all_workers_barrier)")
-
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
-check(callable(getattr(KVConnectorBase_V1, "_get_connector_metadata", None)),
-      "KVConnectorBase_V1._get_connector_metadata is gone "
-      "(vllm_compat.bound_metadata)")
 
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 finished_src = inspect.getsource(FileSystemTierManager.get_finished_jobs)

@@ -11,11 +11,13 @@ vLLM's keys are those vLLM 0.30-0.33 read for ``OffloadingConnector`` with
 a ``CPUOffloadingSpec``-derived spec (``vllm/v1/kv_offload/`` and
 ``vllm/distributed/kv_transfer/kv_connector/v1/offloading*``).
 
-What the values mean together is checked here too: the connector's view
-(``validate_connector_config``: ``kv_role`` and the device block size, before
-vLLM derives the chunk size) and the spec's (``resolve_extra_config``: the
-pool size in blocks and bytes). Host memory is checked where the pool is
-allocated (``host_guard``, ``host_ledger``).
+What the values mean together is checked in three places, because each sees
+different things: the connector (``validate_connector_config``) sees
+``kv_role`` and the device block size before vLLM derives the chunk size; the
+spec (``resolve_extra_config``) sees the size of a KV block; the spec's worker
+side, right before it allocates the pool, sees the host memory left after
+vLLM's own allocations and the other workers' pools on the host
+(``host_guard``, ``host_ledger``).
 """
 
 from __future__ import annotations
@@ -182,19 +184,16 @@ def _check_str(key: str, value: Any, extra: Mapping[str, Any]) -> None:
     choices = KEYS[key].choices
     # A custom policy module may define eviction policies of its own.
     custom = key == "eviction_policy" and extra.get("cache_policy_module_path")
-    if choices and not custom:
-        if value not in choices:
-            raise OffloadConfigError(
-                f"{PREFIX}['{key}']={shown(value)} is not supported; use one "
-                f"of {', '.join(choices)}"
-            )
-        return
-    if isinstance(value, str):
-        return
-    raise OffloadConfigError(
-        f"{PREFIX}['{key}']={shown(value)} must be a string; set it to e.g. "
-        f"{key}={KEYS[key].example!r}"
-    )
+    if choices and not custom and value not in choices:
+        raise OffloadConfigError(
+            f"{PREFIX}['{key}']={shown(value)} is not supported; use one "
+            f"of {', '.join(choices)}"
+        )
+    if not isinstance(value, str):  # a choice is a string
+        raise OffloadConfigError(
+            f"{PREFIX}['{key}']={shown(value)} must be a string; set it to e.g. "
+            f"{key}={KEYS[key].example!r}"
+        )
 
 
 def check_keys(extra: Mapping[str, Any], accepted: Collection[str] = SPEC_KEYS) -> None:
@@ -313,8 +312,7 @@ def resolve_extra_config(
     ``extra_config_keys``) and express the pool size in bytes.
 
     Returns vLLM-native extra config (``cpu_bytes_to_use`` always set) and the
-    guide's ``num_cpu_blocks`` if it was given. Host memory is not looked at
-    here (``host_guard`` is, when the pool is allocated).
+    guide's ``num_cpu_blocks`` if it was given.
     """
     given = config.extra_config
     check_keys(given, accepted)
@@ -335,7 +333,7 @@ def resolve_extra_config(
             f"a plausible pool size (at most {MAX_CPU_BLOCKS}); lower "
             "num_cpu_blocks to what host memory holds, e.g. 1000"
         )
-    if num_cpu_blocks is not None and cpu_bytes is not None and block_bytes > 0:
+    if block_bytes > 0 and num_cpu_blocks is not None and cpu_bytes is not None:
         if cpu_bytes // block_bytes != num_cpu_blocks:
             raise OffloadConfigError(
                 f"{PREFIX} sets num_cpu_blocks={num_cpu_blocks} and "
@@ -343,8 +341,7 @@ def resolve_extra_config(
                 f"hold {shown(cpu_bytes // block_bytes)} blocks of {block_bytes} "
                 "bytes; set only one of them"
             )
-    if block_bytes > 0 and num_cpu_blocks is None:
-        assert cpu_bytes is not None
+    elif block_bytes > 0 and cpu_bytes is not None:  # cpu_bytes_to_use alone
         if cpu_bytes < block_bytes:
             raise OffloadConfigError(
                 f"{PREFIX}['cpu_bytes_to_use']={shown(given['cpu_bytes_to_use'])} "

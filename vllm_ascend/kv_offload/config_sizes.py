@@ -74,6 +74,14 @@ class UnsupportedModelError(SizingError):
     """A valid config of a model layout the sizing formulas do not cover."""
 
 
+def _unsupported(what: str) -> UnsupportedModelError:
+    """``what`` the sizing does not derive, and where the exact size is."""
+    return UnsupportedModelError(
+        f"{what}; read the exact CPU block size from the worker's log line "
+        "'CPU block pool of N blocks x B bytes' instead"
+    )
+
+
 def check_sizes(cfg: Mapping[str, Any]) -> None:
     """Raises SizingError for the first size key of ``cfg`` (the language
     model's config) that is present and not a positive integer within
@@ -113,10 +121,8 @@ def check_layout(config: Mapping[str, Any], cfg: Mapping[str, Any], model: str) 
         )
     for key, what in _UNSUPPORTED_KEYS.items():
         if cfg.get(key) is not None:
-            raise UnsupportedModelError(
-                f"config.json has {key}: {what}, which this sizing does not "
-                "derive; read the exact CPU block size from the worker's log "
-                "line 'CPU block pool of N blocks x B bytes' instead"
+            raise _unsupported(
+                f"config.json has {key}: {what}, which this sizing does not derive"
             )
 
 
@@ -128,7 +134,6 @@ def check_layout(config: Mapping[str, Any], cfg: Mapping[str, Any], model: str) 
 # cache); the others add parts (scale tensors, an int8 latent beside a bf16
 # rope) config.json does not show, so sizing from it would undercount.
 MODELSLIM_FILE = "quant_model_description.json"
-_POOL_LINE = "the worker's log line 'CPU block pool of N blocks x B bytes'"
 
 
 def modelslim_kv_dtype(model_dir: str, kv_cache_dtype: str) -> str:
@@ -137,10 +142,9 @@ def modelslim_kv_dtype(model_dir: str, kv_cache_dtype: str) -> str:
     checkpoint under "auto"; UnsupportedModelError where vllm-ascend's KV
     quantisation adds cache parts config.json does not describe."""
     if kv_cache_dtype == "mxfp8":
-        raise UnsupportedModelError(
+        raise _unsupported(
             "--kv-cache-dtype mxfp8 is vllm-ascend's C8-MXFP KV cache: fp8 K "
-            "and V plus K and V scale tensors config.json does not describe; "
-            f"read the exact CPU block size from {_POOL_LINE} instead"
+            "and V plus K and V scale tensors config.json does not describe"
         )
     path = os.path.join(model_dir, MODELSLIM_FILE)
     try:
@@ -155,17 +159,15 @@ def modelslim_kv_dtype(model_dir: str, kv_cache_dtype: str) -> str:
     kv_type = description.get("kv_cache_type") or ""
     for key in ("fa_quant_type", "indexer_quant_type"):
         if description.get(key):
-            raise UnsupportedModelError(
+            raise _unsupported(
                 f"{MODELSLIM_FILE}: {key}={description[key]!r} quantises part of "
                 "the KV cache (an int8 part beside a bf16 one, or an indexer "
-                "cache with its scales), which this sizing does not derive; "
-                f"read the exact CPU block size from {_POOL_LINE} instead"
+                "cache with its scales), which this sizing does not derive"
             )
     if kv_type and kv_type != "C8":
-        raise UnsupportedModelError(
+        raise _unsupported(
             f"{MODELSLIM_FILE}: kv_cache_type={kv_type!r} (C8-MXFP or another "
-            "recipe) adds scale tensors config.json does not describe; read "
-            f"the exact CPU block size from {_POOL_LINE} instead"
+            "recipe) adds scale tensors config.json does not describe"
         )
     if kv_type == "C8" and kv_cache_dtype == "auto":
         return "int8"

@@ -12,10 +12,9 @@ through its public hooks only (no vLLM method is copied here):
   bad value fails at start-up with the key and the fix.
 * failed transfers: vLLM's connector asserts that every transfer succeeded.
   Our offloading worker diverts failures (``worker.divert_failures``): vLLM
-  sees the job finish, and this connector reports the failure through
-  ``failures.py`` (worker side: the failed load's device blocks or request;
-  scheduler side: the manager told, and the device blocks of a sync load kept
-  out of reach of other requests until it is known to have succeeded).
+  sees the job finish, and this connector reports the failure through its
+  worker side (``worker_side.py``) and acts on it on its scheduler side
+  (``scheduler_side.py``).
 * idle steps: while every request waits for its KV, vLLM steps its engine
   again as soon as a step returns, each step polling the transfers once. The
   scheduler side marks such steps (nothing scheduled) in the metadata, and the
@@ -26,15 +25,12 @@ through its public hooks only (no vLLM method is copied here):
   (memory kind, pieces, copy path: ``pool_metrics.py``) to the KV connector
   stats vLLM collects from workers; vLLM's worker side reports none.
 * a bounded wait for CPU hits (``load_wait.py``, ``max_load_wait_ratio``):
-  each worker times its steps' forward passes and reports the bytes queued
-  on its copy queues in its metadata; the scheduler side feeds them to the
-  manager's ``LoadWaitBound``, which recomputes a hit that would wait longer.
+  the workers' figures in their metadata, the manager's ``LoadWaitBound`` on
+  the scheduler side.
 
-The ``vllm.general_plugins`` entry point (``plugin.register``) puts this class
-under the name ``OffloadingConnector``, so the guide's
-``kv_connector="OffloadingConnector"`` selects it with no extra setting. A
-config whose spec is not ours gets the class that had the name before
-(vLLM's, or upstream vllm-ascend's): see ``__new__`` and ``plugin.py``.
+``plugin.register`` puts this class under the name ``OffloadingConnector``,
+so the guide's ``kv_connector="OffloadingConnector"`` selects it; a config
+whose spec is not ours gets the class that had the name before (``__new__``).
 """
 
 from __future__ import annotations
@@ -113,29 +109,6 @@ def our_spec_class(extra_config: Mapping[str, Any]) -> type[NPUOffloadingSpec] |
     return None
 
 
-def _device_block_sizes(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
-) -> list[int]:
-    """Tokens per device block of each offloaded group, as vLLM derives them."""
-    dcp = vllm_config.parallel_config.decode_context_parallel_size
-    return [
-        resolve_dcp_kv_block_size(kv_cache_config.kv_cache_groups[g].kv_cache_spec, dcp)
-        for g in get_offloading_group_ids(kv_cache_config)
-    ]
-
-
-def _worker_bytes_per_token(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
-) -> float:
-    """One worker's offloaded KV bytes per token (what a load of it copies)."""
-    groups = get_offloading_group_ids(kv_cache_config)
-    sizes = _device_block_sizes(vllm_config, kv_cache_config)
-    if not sizes:
-        return 0.0
-    page_bytes = _spec_page_bytes(kv_cache_config, groups)
-    return sum(padded for _, padded in page_bytes.values()) / sizes[0]
-
-
 def _spec_page_bytes(
     kv_cache_config: KVCacheConfig, group_ids: Iterable[int]
 ) -> dict[str, tuple[int, int]]:
@@ -178,7 +151,9 @@ def _canonical_kv_caches(
     return canonical
 
 
-def _check_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
+def _check_config(
+    vllm_config: VllmConfig, num_groups: int, device_block_sizes: list[int]
+) -> None:
     """The connector's settings, before vLLM derives anything from them."""
     transfer_config = vllm_config.kv_transfer_config
     assert transfer_config is not None
@@ -186,17 +161,13 @@ def _check_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> No
     # __new__ sent other specs elsewhere (a subclass of ours gets ours).
     spec_cls = our_spec_class(extra) or NPUOffloadingSpec
     validate_connector_config(
-        transfer_config.kv_role,
-        extra,
-        _device_block_sizes(vllm_config, kv_cache_config),
-        spec_cls.extra_config_keys,
+        transfer_config.kv_role, extra, device_block_sizes, spec_cls.extra_config_keys
     )
-    groups = get_offloading_group_ids(kv_cache_config)
-    if len(groups) > 1 and extra.get("sync_load_budget_bytes"):
+    if num_groups > 1 and extra.get("sync_load_budget_bytes"):
         raise OffloadConfigError(
             "kv_connector_extra_config['sync_load_budget_bytes']="
             f"{extra['sync_load_budget_bytes']!r} cannot be used with a model "
-            f"whose KV cache has {len(groups)} offloaded groups: a failed "
+            f"whose KV cache has {num_groups} offloaded groups: a failed "
             "synchronous load could not be reported to vLLM there; remove "
             "sync_load_budget_bytes (loads then run asynchronously)"
         )
@@ -230,24 +201,35 @@ class AscendOffloadingConnector(OffloadingConnector):
         role: KVConnectorRole,
         kv_cache_config: KVCacheConfig,
     ):
-        _check_config(vllm_config, kv_cache_config)
         groups = get_offloading_group_ids(kv_cache_config)
+        # Tokens per device block of each offloaded group, as vLLM derives them.
+        dcp = vllm_config.parallel_config.decode_context_parallel_size
+        sizes = [
+            resolve_dcp_kv_block_size(
+                kv_cache_config.kv_cache_groups[g].kv_cache_spec, dcp
+            )
+            for g in groups
+        ]
+        _check_config(vllm_config, len(groups), sizes)
         report_block_ids = len(groups) <= 1
         # The tiering spec's storage identity reads the resolved model config
         # (vLLM hands the spec only its OffloadingConfig).
         with set_current_vllm_config(vllm_config):
             super().__init__(vllm_config, role, kv_cache_config)
-        self._worker_side: WorkerSide | None = None
-        self._scheduler_side: SchedulerSide | None = None
-        if self.connector_worker is not None:
-            self._worker_side = WorkerSide(report_block_ids)
+        # Used on workers only (plain bookkeeping, harmless elsewhere).
+        self._worker_side = WorkerSide(report_block_ids)
+        self._idle_step = False  # the bound metadata's (get_finished)
+        self._scheduler: SchedulerSide  # on the scheduler's connector only
         if self.connector_scheduler is not None:
-            self._scheduler_side = SchedulerSide(
+            # One worker's offloaded KV bytes per token (what a load copies).
+            page_bytes = _spec_page_bytes(kv_cache_config, groups).values()
+            per_token = sum(p for _, p in page_bytes) / sizes[0] if sizes else 0.0
+            self._scheduler = SchedulerSide(
                 self.connector_scheduler.manager,
                 vllm_config,
                 kv_cache_config,
                 groups[0] if report_block_ids and groups else None,
-                _worker_bytes_per_token(vllm_config, kv_cache_config),
+                per_token,
             )
 
     # -- worker side -------------------------------------------------------
@@ -258,17 +240,12 @@ class AscendOffloadingConnector(OffloadingConnector):
         assert worker is not None, "KV caches are not registered yet"
         return worker
 
-    @property
-    def _worker(self) -> WorkerSide:
-        assert self._worker_side is not None, "not a worker's connector"
-        return self._worker_side
-
     def register_kv_caches(self, kv_caches: dict[str, KVCacheParts]) -> None:
-        connector_worker = self.connector_worker
-        assert connector_worker is not None
         if all(isinstance(c, torch.Tensor) for c in kv_caches.values()):
-            connector_worker.register_kv_caches(kv_caches)
+            super().register_kv_caches(kv_caches)
         else:
+            connector_worker = self.connector_worker
+            assert connector_worker is not None
             config = connector_worker.kv_cache_config
             canonical = _canonical_kv_caches(kv_caches, config)
             vllm_compat.init_offloading_worker(connector_worker, canonical)
@@ -277,28 +254,28 @@ class AscendOffloadingConnector(OffloadingConnector):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         assert isinstance(connector_metadata, OffloadingConnectorMetadata)
-        self._worker.on_metadata(connector_metadata)
+        self._worker_side.on_metadata(connector_metadata)
+        self._idle_step = getattr(connector_metadata, "idle_step", False)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        self._worker.forward_done()
-        meta = vllm_compat.bound_metadata(self)
-        if getattr(meta, "idle_step", False):
+        self._worker_side.forward_done()
+        if self._idle_step:
             self._offloading_worker.wait_for_progress(IDLE_STEP_WAIT_S)
         finished = super().get_finished(finished_req_ids)
-        self._worker.record_failures(self._offloading_worker.take_failed_jobs())
+        self._worker_side.record_failures(self._offloading_worker.take_failed_jobs())
         return finished
 
     def get_transfer_results(
         self, finished_req_ids: set[str]
     ) -> KVConnectorTransferResults:
         results = super().get_transfer_results(finished_req_ids)
-        self._worker.add_failed_recving(results)
+        self._worker_side.add_failed_recving(results)
         return results
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         # Called after get_transfer_results in the same step, so a failed
         # load's blocks arrive with its request's finished_recving.
-        return self._worker.take_load_error_block_ids()
+        return self._worker_side.take_load_error_block_ids()
 
     def get_kv_connector_stats(self):
         stats = super().get_kv_connector_stats()
@@ -315,14 +292,9 @@ class AscendOffloadingConnector(OffloadingConnector):
         worker = self.connector_worker.worker if self.connector_worker else None
         if worker is None:  # no KV caches registered yet: nothing to report
             return meta
-        return self._worker.worker_metadata(meta, worker.queued_bytes())
+        return self._worker_side.worker_metadata(meta, worker.queued_bytes())
 
     # -- scheduler side ----------------------------------------------------
-
-    @property
-    def _scheduler(self) -> SchedulerSide:
-        assert self._scheduler_side is not None, "not the scheduler's connector"
-        return self._scheduler_side
 
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
@@ -331,12 +303,8 @@ class AscendOffloadingConnector(OffloadingConnector):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        if self._scheduler.must_wait(request):
-            return None, False
-        self._scheduler.begin_lookup(request, num_computed_tokens)
-        result = super().get_num_new_matched_tokens(request, num_computed_tokens)
-        self._scheduler.end_lookup(request, num_computed_tokens, result)
-        return result
+        lookup = super().get_num_new_matched_tokens
+        return self._scheduler.lookup(request, num_computed_tokens, lookup)
 
     def update_state_after_alloc(self, request: Request, blocks, num_external_tokens):
         super().update_state_after_alloc(request, blocks, num_external_tokens)

@@ -1,10 +1,5 @@
-"""Failed transfers on the worker side: what is reported, and how.
-
-vLLM's offloading connector asserts that every transfer succeeded. Our
-worker diverts failures instead, and the connector
-(``connector.AscendOffloadingConnector``) reports them through vLLM's public
-hooks; the scheduler side acts on them (``scheduler_side.py``:
-``FailureRouter``, ``SyncLoadQuarantine``). Here:
+"""Failed transfers on the worker side: what is reported, and how (why:
+``connector.py``; the scheduler side acts on them: ``scheduler_side.py``).
 
 * ``JobLedger`` (the offloading worker, ``worker.py``): every job
   ``submit_store``/``submit_load`` accepted is reported exactly once
@@ -62,19 +57,13 @@ class AscendOffloadingWorkerMetadata(OffloadingWorkerMetadata):
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         merged = super().aggregate(other)
         assert isinstance(merged, OffloadingWorkerMetadata)
+        figures = getattr(other, "figures", None)
         return AscendOffloadingWorkerMetadata(
             completed_jobs=merged.completed_jobs,
             transfer_stats=merged.transfer_stats,
             failed_jobs=self.failed_jobs | getattr(other, "failed_jobs", set()),
-            figures=_merged(self.figures, getattr(other, "figures", None)),
+            figures=self.figures.aggregate(figures) if self.figures else figures,
         )
-
-
-def _merged(a: WorkerFigures | None, b: WorkerFigures | None) -> WorkerFigures | None:
-    return b if a is None else a.aggregate(b)
-
-
-# -- worker side ---------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -167,9 +156,8 @@ class JobLedger:
     """Bytes and kind of each job in flight, failures to report, and how."""
 
     def __init__(self) -> None:
-        # job_id -> bytes, for the TransferResult; stores among them.
-        self._job_bytes: dict[int, int] = {}
-        self._store_jobs: set[int] = set()
+        # job_id -> (bytes, for the TransferResult; whether it stores).
+        self._jobs: dict[int, tuple[int, bool]] = {}
         # Jobs that failed at submission; reported by the next report().
         self._refused: list[int] = []
         self._divert_failures = False
@@ -187,14 +175,11 @@ class JobLedger:
 
     def accept(self, job_id: int, num_bytes: int, store: bool) -> None:
         """``job_id`` is about to be queued: it moves ``num_bytes``."""
-        self._job_bytes[job_id] = num_bytes
-        if store:
-            self._store_jobs.add(job_id)
+        self._jobs[job_id] = (num_bytes, store)
 
     def forget(self, job_id: int) -> None:
         """``job_id`` could not be queued after all (see ``refuse``)."""
-        self._job_bytes.pop(job_id, None)
-        self._store_jobs.discard(job_id)
+        self._jobs.pop(job_id, None)
 
     def refuse(self, job_id: int) -> bool:
         """``job_id`` failed at submission: what ``submit_*`` returns."""
@@ -212,8 +197,7 @@ class JobLedger:
         jobs += finished
         results = []
         for job in jobs:
-            size = self._job_bytes.pop(job.job_id, 0)
-            self._store_jobs.discard(job.job_id)
+            size, _ = self._jobs.pop(job.job_id, (0, False))
             if job.success:
                 results.append(TransferResult(job.job_id, True, size, job.seconds))
             elif self._divert_failures:
@@ -226,10 +210,9 @@ class JobLedger:
 
     def queued_bytes(self) -> tuple[int, int]:
         """Bytes of the (store, load) jobs accepted and not yet reported."""
-        stores = sum(self._job_bytes[j] for j in self._store_jobs)
-        return stores, sum(self._job_bytes.values()) - stores
+        stores = sum(size for size, store in self._jobs.values() if store)
+        return stores, sum(size for size, _ in self._jobs.values()) - stores
 
     def clear(self) -> None:
         """Forget the jobs in flight (the worker shut down)."""
-        self._job_bytes.clear()
-        self._store_jobs.clear()
+        self._jobs.clear()

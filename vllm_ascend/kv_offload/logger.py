@@ -12,9 +12,7 @@ from __future__ import annotations
 
 from vllm.logger import init_logger as _vllm_init_logger
 
-_PARENT = "vllm"
-
 
 def init_logger(name: str):
     """``vllm.logger.init_logger`` (``info_once`` etc.) under ``vllm.``."""
-    return _vllm_init_logger(f"{_PARENT}.{name}")
+    return _vllm_init_logger(f"vllm.{name}")

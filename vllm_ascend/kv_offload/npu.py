@@ -11,23 +11,14 @@ metrics. This spec changes two things:
 
 * configuration: it accepts the Ascend guide's ``num_cpu_blocks`` (a count of
   CPU blocks of ``block_size`` tokens) besides vLLM's ``cpu_bytes_to_use``,
-  and refuses values it cannot use at start-up, before the pool exists, with
-  one error that names the setting, the value and the fix;
+  and refuses values it cannot use at start-up, with one error that names the
+  setting, the value and the fix (``config.py`` says where each is checked);
 * the worker: upstream's refuses every platform but CUDA and XPU, ours runs
   on ``npu``, ``cuda`` and ``cpu`` (see ``worker.py``), each worker on a
   private pool; where vLLM says the KV layout is replicated (MLA under
   tensor parallelism: every rank holds the same latent), the workers of the
   host share one copy instead, as vLLM's CPU spec does on CUDA
   (``region_worker.py``).
-
-Validation happens in three places because each sees different things: the
-connector (``connector.py``) sees ``kv_role`` and the device block size
-before vLLM derives the chunk size (``validate_connector_config``); this spec
-sees the sizes of a KV block (``resolve_extra_config``); the worker side of
-this spec, right before it allocates the pool, sees the host memory left
-after vLLM's own allocations and the other workers' pools on the host
-(``host_guard``, ``host_ledger``). Every key and the type
-of its value are checked by ``config.check_keys``, from the first two.
 """
 
 from __future__ import annotations
@@ -199,9 +190,7 @@ class NPUOffloadingSpec(vllm_compat.ReplicatedOncePerHostSpec, CPUOffloadingSpec
         if self._npu_worker is None:
             # The worker side, right before the pool is allocated: the one
             # place that knows what vLLM has allocated and what is to come.
-            # Assembly: check host memory and record the pool in the host's
-            # ledger, allocate it, build the worker on it (which self-checks
-            # its copy path before serving).
+            # The worker self-checks its copy path before serving.
             copy_path = self.config.extra_config.get("copy_path") or "auto"
             if self.replicated_layout:
                 self._npu_worker = self._replicated_worker(kv_caches, copy_path)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.util
 from collections.abc import Callable
 
 from vllm_ascend.kv_offload import __version__, cpu_threads, vllm_compat
@@ -90,30 +89,25 @@ setattr(_our_loader, _FOLLOWS_MARK, True)
 
 
 def _claim_connector_name() -> None:
-    """Files our class under CONNECTOR_NAME; remembers what it replaces."""
+    """Files our class under CONNECTOR_NAME; remembers what it replaces.
+
+    And under its own name: vLLM's ``MultiConnector`` sends each child's
+    stats to the front end under the child's class name and rebuilds them
+    there by looking that name up in the registry; without this entry the
+    first stats of an engine whose MultiConnector holds our connector end it
+    ("Connector 'AscendOffloadingConnector' is not registered")."""
     global _fallback_loader
     previous = vllm_compat.replace_connector_loader(CONNECTOR_NAME, _our_loader)
     if previous is not None and not getattr(previous, _FOLLOWS_MARK, False):
         _fallback_loader = previous
-
-
-def _register_class_name() -> None:
-    """Files our class under its own name too. vLLM's ``MultiConnector``
-    sends each child's stats to the front end under the child's class name
-    and rebuilds them there by looking that name up in the registry; without
-    this entry the first stats of an engine whose MultiConnector holds our
-    connector end it ("Connector 'AscendOffloadingConnector' is not
-    registered")."""
     vllm_compat.replace_connector_loader(_CONNECTOR_CLASS, _our_loader)
 
 
 def _follow_upstream_registration() -> None:
     """Makes upstream's ``register_connector`` re-claim the name after it."""
-    if importlib.util.find_spec(UPSTREAM_REGISTRATION_MODULE.rsplit(".", 1)[0]) is None:
-        return
     try:
         upstream = importlib.import_module(UPSTREAM_REGISTRATION_MODULE)
-    except ImportError:
+    except ImportError:  # no upstream vllm-ascend (ModuleNotFoundError)
         return
     # Every vllm-ascend this runs next to (>= 0.30; older ones are refused)
     # has it: checked on 0.30.0rc2.
@@ -141,7 +135,6 @@ def register() -> None:
     """
     refuse_conflicting_upstream()
     _claim_connector_name()
-    _register_class_name()
     _follow_upstream_registration()
     cpu_threads.apply()
 

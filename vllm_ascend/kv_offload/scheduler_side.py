@@ -11,12 +11,10 @@ hooks, around vLLM's own code:
   ``max_load_wait_ratio``): fed with the figures the workers report, the
   manager recomputes a hit that would wait longer than recomputing it.
 
-What a failed job means there: a failed store's CPU blocks are freed, a
-request whose load failed gets no CPU hits again (``FailureRouter``, calling
-``manager.FailureAwareManager``). A store of a request whose synchronous
-load failed copies KV computed from that load's garbage: it is failed too,
-as is a store of device blocks that any connector failed to load (vLLM's
-``invalid_block_ids``; in a ``MultiConnector`` also a P/D connector's).
+What a failed job means there: what ``manager.FailureAwareManager`` makes
+of it (``FailureRouter``). A store of a request whose synchronous load failed
+copies KV computed from that load's garbage: it is failed too, as is a store
+of device blocks any connector failed to load (``invalidate_blocks``).
 
 ``SyncLoadQuarantine``: a synchronous load (vLLM >= 0.33,
 ``sync_load_budget_bytes``) fills device blocks that vLLM's scheduler has
@@ -33,6 +31,7 @@ garbage with no failure reported for it (docs/robustness.md).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -175,23 +174,21 @@ class FailureRouter:
     def expect(self, meta: OffloadingConnectorMetadata) -> None:
         """The jobs of the step's metadata (``build_connector_meta``)."""
         for job_id, entry in meta.load_jobs.items():
-            self.expect_reports(job_id, (False, entry.req_id))
+            self._failure_target[job_id] = (False, entry.req_id)
+            self._reports_due[job_id] = self.num_workers
             if getattr(entry, "sync", False):
                 self._sync_load_of[entry.req_id] = job_id
                 self._dependent_stores[job_id] = []
         for job_id, entry in meta.store_jobs.items():
             keys = self.manager.keys_of_store(entry.dst_spec)
-            self.expect_reports(job_id, (True, keys))
+            self._failure_target[job_id] = (True, keys)
+            self._reports_due[job_id] = self.num_workers
             self._store_blocks[job_id] = entry.src_spec.block_ids
             load_job = self._sync_load_of.get(entry.req_id)
             if load_job is not None:
                 self._dependent_stores[load_job].append(job_id)
         if self.quarantine is not None:
             self.quarantine.on_metadata(meta)
-
-    def expect_reports(self, job_id: int, target: tuple[bool, object]) -> None:
-        self._failure_target[job_id] = target
-        self._reports_due[job_id] = self.num_workers
 
     def invalidate_blocks(self, block_ids: set[int]) -> None:
         """Device blocks a load failed to fill, as vLLM's scheduler gets them
@@ -301,26 +298,25 @@ class SchedulerSide:
         if self._quarantine is not None:
             self._quarantine.bind(kv_cache_manager)
 
-    def must_wait(self, request: Request) -> bool:
-        """Not yet while its prefix is in device blocks a sync load is filling."""
-        return self._quarantine is not None and self._quarantine.must_wait(request)
-
-    def begin_lookup(self, request: Request, num_computed_tokens: int) -> None:
-        """Before vLLM looks ``request`` up in the CPU pool."""
+    def lookup(
+        self,
+        request: Request,
+        num_computed_tokens: int,
+        vllm_lookup: Callable[[Request, int], tuple[int | None, bool]],
+    ) -> tuple[int | None, bool]:
+        """vLLM's lookup of ``request`` in the CPU pool (``vllm_lookup``);
+        "not yet" while its prefix is in device blocks a sync load is filling."""
+        quarantine = self._quarantine
+        if quarantine is not None and quarantine.must_wait(request):
+            return None, False
         if self._wait_bound is not None:
             self._wait_bound.begin_lookup(
                 request.request_id, num_computed_tokens, request.num_prompt_tokens
             )
-
-    def end_lookup(
-        self,
-        request: Request,
-        num_computed_tokens: int,
-        result: tuple[int | None, bool],
-    ) -> None:
-        """What vLLM's lookup of ``request`` answered."""
-        if self._quarantine is not None:
-            self._quarantine.on_lookup(request, num_computed_tokens, result)
+        result = vllm_lookup(request, num_computed_tokens)
+        if quarantine is not None:
+            quarantine.on_lookup(request, num_computed_tokens, result)
+        return result
 
     def on_alloc(self, request: Request, blocks: Any, num_external_tokens: int):
         """vLLM allocated ``request``'s device blocks (``blocks``)."""

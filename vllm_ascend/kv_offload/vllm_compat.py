@@ -1,9 +1,8 @@
-"""Every use of a private vLLM name in this package, in one place
-(``tests/unit/test_vllm_compat.py`` scans the package for any other).
+"""Every use of a private vLLM name in this package, in one place.
 
 Each function says which vLLM releases it was checked against and what it
-needs; ``tests/unit/test_vllm_compat.py`` fails with a clear message when a
-release changes one of them.
+needs; ``tests/unit/test_vllm_compat.py`` scans the package for any other use
+and fails with a clear message when a release changes one of them.
 """
 
 from __future__ import annotations
@@ -67,16 +66,6 @@ def init_offloading_worker(connector_worker: Any, kv_caches: Any) -> None:
     exists with this signature in vLLM 0.30, 0.31, 0.32 and 0.33.
     """
     connector_worker._init_worker(kv_caches)
-
-
-def bound_metadata(connector: Any) -> Any:
-    """The metadata bound for this step (``bind_connector_metadata``).
-
-    ``KVConnectorBase_V1._get_connector_metadata`` is the accessor vLLM gives
-    connector subclasses ("only called inside the connector"); present in
-    vLLM 0.30, 0.31, 0.32 and 0.33.
-    """
-    return connector._get_connector_metadata()
 
 
 def count_fs_tier_job_blocks(tier: Any, job_id: int, num_blocks: int) -> None:
