@@ -83,11 +83,11 @@ if [[ -z $model ]]; then
   model=$(python -m vllm_ascend.kv_offload.testing.tiny_model --preset demo)
 fi
 
-# The KV cache is accelerator memory with torch_npu or a CUDA device, host
-# memory on vLLM's CPU backend.
+# The KV cache is host memory on vLLM's CPU backend, accelerator memory on
+# any other platform: vLLM's own answer, as the offline example uses.
 on_device=()
-if python -c 'import importlib.util as u, sys, torch
-sys.exit(0 if u.find_spec("torch_npu") or torch.cuda.is_available() else 1)' 2>/dev/null; then
+if ! python -c 'import sys; from vllm.platforms import current_platform
+sys.exit(0 if current_platform.is_cpu() else 1)' 2>/dev/null; then
   on_device=(--kv-cache-on-device)
 fi
 plan=$(python "$here/kv_offload_sizing.py" --model "$model" "${on_device[@]}" \
