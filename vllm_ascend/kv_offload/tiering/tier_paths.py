@@ -87,9 +87,14 @@ def open_dirs(
     files here, the size bound's scan in ``fs_budget``). A non-directory on
     the way is a bad entry: removed, and replaced by a directory if
     ``create``. ``path``: the file the walk is for, in errors."""
-    if create:
-        os.makedirs(root, exist_ok=True)
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+    try:
+        fd = os.open(root, flags)
+    except FileNotFoundError:
+        if not create:
+            raise
+        os.makedirs(root, exist_ok=True)  # only when missing: not per write
+        fd = os.open(root, flags)
     try:
         for name in dirs:
             try:
