@@ -59,17 +59,16 @@ class ModelKV:
     """What the model's config.json says about its KV cache and weights."""
 
     kv_bytes_per_token: int  # all layers, K and V (or MLA's latent + rope)
+    cpu_block_bytes: int  # the pool's row: page-aligned (cpu_bytes_to_use's unit)
     weights_bytes: int
     max_position_embeddings: int  # vLLM's default max_model_len
 
-    def cpu_block_bytes(self, block_size: int) -> int:
-        return self.kv_bytes_per_token * block_size
 
-
-def read_model(path: str) -> ModelKV | None:
-    """The KV shape of a local model directory, by the package's sizing
-    (vLLM's ModelConfig of its config.json); None for a hub name (its config
-    is not read before the engine fetches it) or a model it cannot size."""
+def read_model(path: str, block_size: int) -> ModelKV | None:
+    """The KV shape of a local model directory and its CPU block of
+    ``block_size`` tokens, by the package's sizing (vLLM's ModelConfig of its
+    config.json); None for a hub name (its config is not read before the
+    engine fetches it) or a model it cannot size."""
     if not Path(path, "config.json").is_file():
         return None
     from vllm_ascend.kv_offload.sizing import (
@@ -79,7 +78,7 @@ def read_model(path: str) -> ModelKV | None:
     )
 
     try:
-        kv = size_model_dir(path)
+        kv = size_model_dir(path, block_size=block_size)
     except UnsupportedModelError as e:
         print(f"[sizing] cannot size this model: {e}", file=sys.stderr)
         return None
@@ -92,6 +91,7 @@ def read_model(path: str) -> ModelKV | None:
     )
     return ModelKV(
         kv_bytes_per_token=kv.kv_bytes_per_token,
+        cpu_block_bytes=kv.bytes_per_cpu_block,
         weights_bytes=weights,
         max_position_embeddings=kv.max_model_len,
     )
@@ -129,13 +129,13 @@ def plan(
     """
     extra = dict(GUIDE_EXTRA_CONFIG)
     overrides: list[str] = []
-    kv = read_model(model)
+    kv = read_model(model, extra["block_size"])
     available = host_guard.host_available_bytes()
     try:
         cap = host_guard.budget_cap()
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    block_bytes = kv.cpu_block_bytes(extra["block_size"]) if kv else None
+    block_bytes = kv.cpu_block_bytes if kv else None
 
     if kv is not None and max_model_len is None and not generated:
         # vLLM would take the model's own (40 960 for Qwen3) and need a KV

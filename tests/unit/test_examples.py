@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import mmap
 import subprocess
 import sys
 from pathlib import Path
@@ -104,7 +105,15 @@ def host(monkeypatch, available):
 
 
 def test_cpu_block_bytes_from_config_match_the_user_guide(model):
-    assert sizing.read_model(model).cpu_block_bytes(128) == QWEN3_06B_BLOCK_BYTES
+    assert sizing.read_model(model, 128).cpu_block_bytes == QWEN3_06B_BLOCK_BYTES
+
+
+def test_cpu_block_is_the_pools_row_a_whole_number_of_pages(tmp_path):
+    # K and V of 1 layer x 1 KV head x head_dim 4 in bf16: 2 KiB per
+    # 128-token block, which the pool holds in one page-aligned row.
+    shape = {"num_hidden_layers": 1, "num_key_value_heads": 1, "head_dim": 4}
+    tiny = write_model(tmp_path, {**QWEN3_0_6B, **shape})
+    assert sizing.read_model(str(tiny), 128).cpu_block_bytes == mmap.PAGESIZE
 
 
 def test_guide_configuration_is_refused_where_it_cannot_fit(model, host):

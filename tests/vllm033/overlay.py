@@ -140,7 +140,3 @@ def overlay_dir() -> Path:
     (staging / "sitecustomize.py").write_text(sitecustomize)
     staging.rename(out)
     return out
-
-
-if __name__ == "__main__":
-    print(overlay_dir())
