@@ -19,13 +19,6 @@ import os
 import time
 
 
-def block_files(root: str) -> list[str]:
-    out = []
-    for d, _, names in os.walk(root):
-        out += [os.path.join(d, n) for n in names if n.endswith(".bin")]
-    return sorted(out)
-
-
 def _drop_page_cache(paths: list[str]) -> None:
     for path in paths:
         fd = os.open(path, os.O_RDONLY)
@@ -75,8 +68,9 @@ def read_bandwidth(root: str, block_bytes: int) -> dict:
         HEADER_STRUCT,
         read_block,
     )
+    from vllm_ascend.kv_offload.tiering.fs_budget import block_files
 
-    paths = block_files(root)
+    paths = sorted(os.path.join(root, *d, n) for d, n, _ in block_files(root))
     assert paths, f"no block files under {root}"
     size = HEADER_BYTES + block_bytes
     sizes = {os.path.getsize(p) for p in paths}

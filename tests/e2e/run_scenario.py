@@ -52,6 +52,7 @@ from pathlib import Path
 
 import psutil
 
+from tests.conftest import block_files
 from vllm_ascend.kv_offload.testing import engine, server
 
 
@@ -95,14 +96,6 @@ def metric_totals(llm) -> dict[str, float]:
 
 
 TIER_WRITE_BYTES = "vllm:kv_offload_tiering_write_bytes"
-
-
-def block_files(root: str) -> list[str]:
-    """The fs tier's block files under ``root``, sorted."""
-    out = []
-    for d, _, names in os.walk(root):
-        out += [os.path.join(d, n) for n in names if n.endswith(".bin")]
-    return sorted(out)
 
 
 def temp_files(root: str) -> list[str]:

@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from tests.conftest import block_files
 from tests.unit.conftest import TIERING, payload
 from tests.unit.tier_helpers import FORK, IDENTITY
 from vllm_ascend.kv_offload.config import OffloadConfigError
@@ -55,13 +56,6 @@ def store(root: str, name: str, fill: int = 7) -> str:
     path = block_path(root, name)
     write_block(path, payload(PAYLOAD_BYTES, fill), IDENTITY, key_of(name), 0)
     return path
-
-
-def block_files(root: str) -> list[str]:
-    out = []
-    for d, _, names in os.walk(root):
-        out += [os.path.join(d, n) for n in names if n.endswith(".bin")]
-    return sorted(out)
 
 
 def age(path: str, seconds_ago: float) -> None:
