@@ -1,6 +1,5 @@
 """Suite-wide pytest settings: progress lines for the slow tests; the
-serving doc's client flow, run by the unit and the end-to-end tests; the fs
-tier's block files as the tests list them.
+serving doc's client flow, run by the unit and the end-to-end tests.
 
 An end-to-end or packaging test starts real engines or builds and can run for
 minutes; in pytest's default (dots) output such a test would be silent for
@@ -71,15 +70,6 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def block_files(root: str) -> list[str]:
-    """The fs tier's block files under ``root``, sorted: listed by os.walk,
-    not by the tier's own walk, so that the tests check that walk."""
-    out = []
-    for d, _, names in os.walk(root):
-        out += [os.path.join(d, n) for n in names if n.endswith(".bin")]
-    return sorted(out)
 
 
 @dataclass

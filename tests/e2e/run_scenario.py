@@ -52,7 +52,6 @@ from pathlib import Path
 
 import psutil
 
-from tests.conftest import block_files
 from vllm_ascend.kv_offload.testing import engine, server
 
 
@@ -96,6 +95,16 @@ def metric_totals(llm) -> dict[str, float]:
 
 
 TIER_WRITE_BYTES = "vllm:kv_offload_tiering_write_bytes"
+
+
+def block_files(root: str) -> list[str]:
+    """The fs tier's block files under ``root``, sorted: listed by os.walk,
+    not by the tier's own walk, so that the tests check that walk. (Here, not
+    in a conftest: this file also runs as a script outside the checkout.)"""
+    out = []
+    for d, _, names in os.walk(root):
+        out += [os.path.join(d, n) for n in names if n.endswith(".bin")]
+    return sorted(out)
 
 
 def temp_files(root: str) -> list[str]:

@@ -23,7 +23,6 @@ import threading
 
 import pytest
 
-from tests.conftest import block_files
 from tests.e2e.conftest import (
     ENGINE,
     cached,
@@ -32,7 +31,7 @@ from tests.e2e.conftest import (
     tiering,
     token_ids,
 )
-from tests.e2e.run_scenario import temp_files
+from tests.e2e.run_scenario import block_files, temp_files
 from vllm_ascend.kv_offload.testing.tiny_model import make_prompt
 from vllm_ascend.kv_offload.tiering.block_file import HEADER_BYTES
 from vllm_ascend.kv_offload.tiering.fs_budget import EVICTED_BLOCKS, TIER_BYTES

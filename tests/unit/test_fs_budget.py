@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests.conftest import block_files
+from tests.e2e.run_scenario import block_files
 from tests.unit.conftest import TIERING, payload
 from tests.unit.tier_helpers import FORK, IDENTITY
 from vllm_ascend.kv_offload.config import OffloadConfigError
