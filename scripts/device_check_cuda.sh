@@ -25,6 +25,15 @@ failed=0
 
 note() { echo "$*" | tee -a "$OUT/summary.txt"; }
 
+# Nothing below can pass without both; say so at once rather than spend
+# device time on four failing steps. (This workplace's H200 image has no
+# vLLM, and vLLM's CUDA wheel, 336 MB and pinned to another torch, cannot be
+# carried there: docs/benchmarks.md.)
+if ! "$PY" -c 'import torch, vllm; assert torch.cuda.is_available(), "no GPU"' 2>>"$OUT/summary.txt"; then
+  note "FAILED: needs a CUDA GPU and a CUDA build of vLLM importable by $PY; nothing was checked"
+  exit 1
+fi
+
 # step NAME LIMIT_S OUT ERR CMD...: runs CMD with a time limit, appending its
 # output to OUT and its errors to ERR (they may be one file).
 step() {

@@ -2,7 +2,9 @@
 arguments to pytest (``CI=true bash .ci/run -p no:cacheprovider``), and
 ``scripts/setup_env.sh`` (run by ``run_example.sh`` and ``run_tests.sh``)
 re-installs the checkout when the venv runs another copy of the package,
-e.g. after ``scripts/install_next_to_vllm_ascend.sh``.
+e.g. after ``scripts/install_next_to_vllm_ascend.sh``; and
+``scripts/device_check_cuda.sh`` stops at once, in one line, where it cannot
+check anything.
 
 They run on a copy of the scripts in a scratch clone whose venv is a stub:
 its ``python`` records every call, answers ``-m pip`` and ``-m pytest`` by
@@ -22,6 +24,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = (".ci/run", "scripts/run_tests.sh", "scripts/setup_env.sh")
@@ -140,3 +143,23 @@ def test_setup_reinstalls_this_checkout_when_the_venv_runs_another_copy(
     assert editable_installs(clone.calls()) == [
         ["-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", "-e", "."]
     ]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU: the check can run")
+def test_device_check_stops_at_once_without_a_gpu_or_vllm(tmp_path):
+    # Here vLLM is installed but there is no GPU; on this workplace's H200 it
+    # is the other way round. Either way no step may spend device time.
+    proc = subprocess.run(
+        ["bash", "scripts/device_check_cuda.sh"],
+        cwd=REPO,
+        env={**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1
+    assert proc.stdout.splitlines() == [
+        "FAILED: needs a CUDA GPU and a CUDA build of vLLM importable by "
+        f"{sys.executable}; nothing was checked"
+    ]
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.txt"]
