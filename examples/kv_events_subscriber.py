@@ -125,16 +125,23 @@ def describe(event: object, all_media: bool = False) -> str | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for flag, kwargs in (
-        ("--endpoint", dict(default="tcp://127.0.0.1:5555", help="the publisher's "
-         "address (its endpoint with * replaced by a host)")),
-        ("--topic", dict(default="kv_events", help="topic to subscribe to")),
-        ("--all-media", dict(action="store_true", help="also print the device "
-         "cache's events (medium GPU) and clears")),
-        ("--timeout", dict(type=float, default=None, help="stop after this many "
-         "seconds (default: run until Ctrl-C)")),
-    ):  # fmt: skip
-        parser.add_argument(flag, **kwargs)
+    parser.add_argument(
+        "--endpoint",
+        default="tcp://127.0.0.1:5555",
+        help="the publisher's address (its endpoint with * replaced by a host)",
+    )
+    parser.add_argument("--topic", default="kv_events", help="topic to subscribe to")
+    parser.add_argument(
+        "--all-media",
+        action="store_true",
+        help="also print the device cache's events (medium GPU) and clears",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="stop after this many seconds (default: run until Ctrl-C)",
+    )
     args = parser.parse_args()
 
     stop = threading.Event()

@@ -251,21 +251,36 @@ def plan(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The sizing flags, shared by the examples."""
-    # argparse %-formats help texts: a literal percent sign is "%%".
-    auto = f"{AUTO_POOL_SHARE * 100:.0f}%% of the host memory left next to the engine"
-    for flag, kind, metavar, text in (
-        ("--num-cpu-blocks", None, "N|auto",
-         f"CPU blocks in the pool (the guide's 1000 when unset); auto: {auto}"),
-        ("--cpu-bytes", size_flag, "BYTES",
-         "size the CPU pool in bytes instead (cpu_bytes_to_use), e.g. 4GiB"),
-        ("--kv-cache-bytes", size_flag, "BYTES",
-         "device KV-cache size (kv_cache_memory_bytes), e.g. 1GiB; default on "
-         "vLLM's CPU backend: room for 2 sequences of max_model_len tokens (at "
-         "least 256 MiB), elsewhere the guide's gpu_memory_utilization=0.5"),
-        ("--max-model-len", int, None,
-         "default: the model's, at most 8192 for a real model"),
-    ):  # fmt: skip
-        parser.add_argument(flag, type=kind, metavar=metavar, help=text)
+    parser.add_argument(
+        "--num-cpu-blocks",
+        default=None,
+        metavar="N|auto",
+        # argparse %-formats help texts: a literal percent sign is "%%".
+        help="CPU blocks in the pool (the guide's 1000 when unset); auto: "
+        f"{AUTO_POOL_SHARE * 100:.0f}%% of the host memory left next to the engine",
+    )
+    parser.add_argument(
+        "--cpu-bytes",
+        type=size_flag,
+        default=None,
+        metavar="BYTES",
+        help="size the CPU pool in bytes instead (cpu_bytes_to_use), e.g. 4GiB",
+    )
+    parser.add_argument(
+        "--kv-cache-bytes",
+        type=size_flag,
+        default=None,
+        metavar="BYTES",
+        help="device KV-cache size (kv_cache_memory_bytes), e.g. 1GiB; default "
+        "on vLLM's CPU backend: room for 2 sequences of max_model_len tokens "
+        "(at least 256 MiB), elsewhere the guide's gpu_memory_utilization=0.5",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="default: the model's, at most 8192 for a real model",
+    )
 
 
 def main() -> None:
@@ -290,9 +305,16 @@ def main() -> None:
     except SystemExit as e:
         print(f"[sizing] {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    out = {"kv_connector_extra_config": p.extra_config}
-    out |= {"kv_cache_memory_bytes": p.kv_cache_bytes, "max_model_len": p.max_model_len}
-    print(json.dumps(out | {"overrides": p.overrides}))
+    print(
+        json.dumps(
+            {
+                "kv_connector_extra_config": p.extra_config,
+                "kv_cache_memory_bytes": p.kv_cache_bytes,
+                "max_model_len": p.max_model_len,
+                "overrides": p.overrides,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -71,15 +71,24 @@ def print_completions(outputs, generated: bool) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for flag, kind, default, text in (
-        ("--model", str, None, "model name or path (default: the generated Qwen3 "
-         "of vllm_ascend.kv_offload.testing.tiny_model --preset demo)"),
-        ("--prompt-words", int, 1536,
-         "length of the long prompt (words; tokens for the generated model)"),
-        ("--rounds", int, 3,
-         "prompts measured cold / device hit / CPU hit (medians printed)"),
-    ):  # fmt: skip
-        parser.add_argument(flag, type=kind, default=default, help=text)
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="model name or path (default: the generated Qwen3 of "
+        "vllm_ascend.kv_offload.testing.tiny_model --preset demo)",
+    )
+    parser.add_argument(
+        "--prompt-words",
+        type=int,
+        default=1536,
+        help="length of the long prompt (words; tokens for the generated model)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="prompts measured cold / device hit / CPU hit (medians printed)",
+    )
     parser.add_argument(
         "--compile",
         action="store_true",

@@ -68,7 +68,9 @@ def faulty(faults: dict[str, str]) -> list[CopyPath]:
     """``PATH_NAMES``' paths, each with the fault named for it."""
     best = candidate_paths("cpu")[0].name
     return [
-        FaultyPath(n, "cpu", fault=faults.get(n, ""), copies_like=best * (n != TORCH))
+        FaultyPath(
+            n, "cpu", fault=faults.get(n, ""), copies_like="" if n == TORCH else best
+        )
         for n in PATH_NAMES
     ]
 

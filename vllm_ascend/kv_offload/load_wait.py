@@ -33,7 +33,7 @@ as their failed jobs do.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from vllm.v1.kv_offload.base import LookupResult
@@ -97,7 +97,12 @@ class WorkerFigures:
         # Workers run in parallel: the slowest one bounds the wait.
         if other is None:
             return self
-        return WorkerFigures(*map(max, astuple(self), astuple(other)))
+        return WorkerFigures(
+            max(self.store_bytes_queued, other.store_bytes_queued),
+            max(self.load_bytes_queued, other.load_bytes_queued),
+            max(self.forward_tokens, other.forward_tokens),
+            max(self.forward_s, other.forward_s),
+        )
 
 
 @dataclass

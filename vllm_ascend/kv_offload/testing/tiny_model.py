@@ -124,7 +124,7 @@ MLA_DIR = DEFAULT_DIR.parent / "tiny-deepseek-v2"
 
 def vocabulary(vocab_size: int) -> list[str]:
     """Special tokens followed by pronounceable two-syllable pseudo-words."""
-    words = ["".join(w) for w in product(*(_CONSONANTS, _VOWELS) * 2)]
+    words = ["".join(w) for w in product(_CONSONANTS, _VOWELS, _CONSONANTS, _VOWELS)]
     needed = vocab_size - len(_SPECIAL_TOKENS)
     if needed > len(words):
         raise ValueError(f"vocab_size {vocab_size} exceeds {len(words)} words")
@@ -270,19 +270,27 @@ def main() -> None:
     )
     parser.add_argument("--out", default=None, help=f"default: {DEFAULT_DIR}")
     defaults = TinyModelSpec()
-    shape = {"layers": "num_layers", "hidden": "hidden_size", "heads": "num_heads"}
-    shape |= {"kv_heads": "num_kv_heads", "head_dim": "head_dim", "seed": "seed"}
-    for name, field in shape.items():
-        flag = f"--{name.replace('_', '-')}"
-        parser.add_argument(flag, type=int, default=getattr(defaults, field))
+    parser.add_argument("--layers", type=int, default=defaults.num_layers)
+    parser.add_argument("--hidden", type=int, default=defaults.hidden_size)
+    parser.add_argument("--heads", type=int, default=defaults.num_heads)
+    parser.add_argument("--kv-heads", type=int, default=defaults.num_kv_heads)
+    parser.add_argument("--head-dim", type=int, default=defaults.head_dim)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
     args = parser.parse_args()
-    if args.preset != "tiny":
-        ensure = ensure_demo_model if args.preset == "demo" else ensure_mla_model
-        print(ensure(args.out))
+    if args.preset == "demo":
+        print(ensure_demo_model(args.out))
+        return
+    if args.preset == "mla":
+        print(ensure_mla_model(args.out))
         return
     spec = TinyModelSpec(
-        **{field: getattr(args, name) for name, field in shape.items()},
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
         intermediate_size=2 * args.hidden,
+        seed=args.seed,
     )
     print(ensure_tiny_model(args.out, spec))
 
