@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # bash scripts/install_next_to_vllm_ascend.sh: installs vllm-ascend-kv-offload
-# next to the vLLM (and vllm-ascend >= 0.30; older ones ship their own
-# kv_offload: refused) already there, then runs the doctor. --no-deps: nothing
-# of vLLM, torch(_npu) or vllm-ascend is changed; built from a copy of the
-# tracked sources (nothing left here). PYTHON selects another interpreter.
-# Exit status: 1 with one line saying why (the log is kept), else the doctor's.
+# (--no-deps, from a copy of the tracked sources) next to the vLLM and the
+# vllm-ascend >= 0.30 already there, changing neither, then runs the doctor.
+# PYTHON selects another interpreter. Exit status: 1 with one line saying why
+# (the log is kept), else the doctor's.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 PY=${PYTHON:-python}
@@ -15,23 +14,22 @@ fail() { echo "[install] FAILED: $* (log: $log)" >&2 && exit 1; }
 
 command -v "$PY" >/dev/null 2>&1 || fail "no Python interpreter '$PY' (set PYTHON)"
 npu=$("$PY" - <<'PY'
-import importlib.metadata as md
-import importlib.util
-import subprocess
-import sys
+import importlib.metadata as md, importlib.util as iu, subprocess, sys
 
 for module in ("torch", "vllm"):
-    if importlib.util.find_spec(module) is None:
+    if iu.find_spec(module) is None:
         sys.exit(f"[install] FAILED: {module} is not importable: install vLLM (and its torch) first")
-# The first on sys.path, as importlib.metadata.version("vllm-ascend") finds it.
+def load(name):  # from the checkout: nothing is installed yet
+    spec = iu.spec_from_file_location(name, f"vllm_ascend/kv_offload/{name}.py")
+    spec.loader.exec_module(module := iu.module_from_spec(spec))
+    return module
+try:  # the plugin's own refusal of an upstream that owns our files
+    load("upstream_guard").refuse_conflicting_upstream(load("__init__").__version__)
+except ImportError as e:
+    sys.exit(f"[install] FAILED: {e}")
 upstream = next((d.version for d in md.distributions(name="vllm-ascend")), None)
-from packaging.version import Version  # noqa: E402 (vLLM's dependency)
-
-if upstream is not None and Version(upstream) < Version("0.30.0rc0"):
-    sys.exit(f"[install] FAILED: vllm-ascend {upstream} is installed: vllm-ascend-kv-offload needs "
-             ">= 0.30 (older ones ship their own vllm_ascend/kv_offload); upgrade it")
 # In a child: a broken CANN can abort the interpreter on import.
-npu = importlib.util.find_spec("torch_npu") is not None and subprocess.run(
+npu = iu.find_spec("torch_npu") is not None and subprocess.run(
     [sys.executable, "-c", "import torch_npu"], capture_output=True).returncode == 0
 print(f"[install] vllm-ascend {upstream or 'not installed'}; torch_npu: "
       + ("found: the npu backend is built" if npu else "not installed or not "

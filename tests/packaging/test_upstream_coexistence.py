@@ -145,7 +145,9 @@ def test_install_script_next_to_upstream(venv, upstream_alone, tmp_path):
     refused = venv.install_script(TMPDIR=str(tmp_path), PYTHONPATH=str(old.parent))
     output = refused.stdout + refused.stderr
     assert refused.returncode == 1, output
-    assert "vllm-ascend 0.23.0 is installed" in output, output
+    assert "[install] FAILED: vllm-ascend-kv-offload 0." in output, output
+    assert "next to vllm-ascend 0.23.0" in output, output
+    assert "Upgrade to vllm-ascend >= 0.30" in output, output
     assert "building" not in output and "Traceback" not in output, output
 
     done = venv.install_script(TMPDIR=str(tmp_path))

@@ -10,7 +10,7 @@ from importlib import metadata
 
 import pytest
 
-from vllm_ascend.kv_offload import plugin
+from vllm_ascend.kv_offload import plugin, upstream_guard
 
 
 @pytest.fixture
@@ -44,7 +44,7 @@ def test_upstream_before_0_30_is_refused_with_both_versions_and_the_fix(
 
 def test_upstream_0_30_without_kv_offload_lives_next_to_us(fake_upstream):
     fake_upstream("0.30.0rc2", ["vllm_ascend/__init__.py"])
-    plugin.refuse_conflicting_upstream()  # what register() runs first
+    upstream_guard.refuse_conflicting_upstream("0.2.0")  # what register() runs first
 
 
 def test_upstream_with_this_subtree_built_in_is_refused_while_we_are_installed(

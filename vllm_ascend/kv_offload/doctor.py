@@ -28,7 +28,13 @@ import vllm_ascend.kv_offload as kv_offload
 
 # Modules that import vLLM's platform are imported by the checks that need
 # them: a platform that fails to resolve is then one FAIL line, not a crash.
-from vllm_ascend.kv_offload import copy_bandwidth, host_guard, ops, plugin, sizing
+from vllm_ascend.kv_offload import (
+    copy_bandwidth,
+    host_guard,
+    ops,
+    sizing,
+    upstream_guard,
+)
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "FAIL", "skip"
 NOT_FOUND = "not found"
@@ -121,7 +127,7 @@ def check_versions(report: Report, npu_version: str) -> None:
     try:
         if vllm_version.startswith(NOT_FOUND):
             raise ImportError(f"vLLM {vllm_version}: install vLLM 0.30-0.33")
-        plugin.refuse_conflicting_upstream()
+        upstream_guard.refuse_conflicting_upstream(kv_offload.__version__)
     except ImportError as e:
         return report.add("vllm", FAIL, str(e))
     up = v["vllm_ascend_upstream"]

@@ -24,7 +24,7 @@ import functools
 import importlib
 from collections.abc import Callable
 
-from vllm_ascend.kv_offload import __version__, cpu_threads, vllm_compat
+from vllm_ascend.kv_offload import __version__, cpu_threads, upstream_guard, vllm_compat
 
 CONNECTOR_NAME = "OffloadingConnector"
 _CONNECTOR_MODULE = "vllm_ascend.kv_offload.connector"
@@ -35,49 +35,6 @@ _FOLLOWS_MARK = "_kv_offload_registers_after"
 
 # Loader of the class that served CONNECTOR_NAME before us (None: vLLM's).
 _fallback_loader: Callable[[], type] | None = None
-
-
-def refuse_conflicting_upstream() -> None:
-    """Refuses an upstream vllm-ascend that owns ``vllm_ascend/kv_offload``
-    itself: releases < 0.30 (their own offloading, for vLLM 0.23), or a
-    release with this subtree grafted in while this distribution is installed
-    too. Either way the two would overwrite each other's files. Runs in
-    ``register`` (vLLM calls it in every process before anything of ours is
-    used) and in the doctor."""
-    from importlib import metadata
-
-    try:
-        upstream = metadata.distribution("vllm-ascend")
-    except metadata.PackageNotFoundError:
-        return
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        too_old = Version(upstream.version) < Version("0.30.0rc0")
-    except InvalidVersion:
-        too_old = False
-    if too_old:
-        raise ImportError(
-            f"vllm-ascend-kv-offload {__version__} cannot run next to "
-            f"vllm-ascend {upstream.version}: vllm-ascend < 0.30 has its own "
-            "vllm_ascend/kv_offload package (for vLLM 0.23), which shares files "
-            "with this one. Upgrade to vllm-ascend >= 0.30 (vLLM 0.30-0.33), then "
-            "reinstall vllm-ascend-kv-offload; or uninstall "
-            "vllm-ascend-kv-offload to keep vllm-ascend "
-            f"{upstream.version}'s own offloading."
-        )
-    try:
-        metadata.distribution("vllm-ascend-kv-offload")
-    except metadata.PackageNotFoundError:
-        return  # e.g. grafted into upstream: this IS upstream
-    # Upstream's RECORD is read only here, not at every import.
-    if any(str(f).startswith("vllm_ascend/kv_offload/") for f in upstream.files or ()):
-        raise ImportError(
-            f"vllm-ascend {upstream.version} ships vllm_ascend/kv_offload itself "
-            f"(this feature, built in); vllm-ascend-kv-offload {__version__} is "
-            "installed over the same files. Uninstall vllm-ascend-kv-offload, "
-            "then reinstall vllm-ascend to restore its files."
-        )
 
 
 def _our_loader() -> type:
@@ -129,11 +86,11 @@ def register() -> None:
     """Entry point ``ascend_kv_offload``; idempotent (vLLM may call it again).
 
     First refuses an upstream vllm-ascend that owns this subtree
-    (``refuse_conflicting_upstream``). Also makes vLLM's CPU-backend core
+    (``upstream_guard``). Also makes vLLM's CPU-backend core
     reservation leave a core to compute on (``cpu_threads.apply``): this entry
     point runs before vLLM starts the engine-core process that reads it.
     """
-    refuse_conflicting_upstream()
+    upstream_guard.refuse_conflicting_upstream(__version__)
     _claim_connector_name()
     _follow_upstream_registration()
     cpu_threads.apply()
