@@ -28,13 +28,8 @@ import vllm_ascend.kv_offload as kv_offload
 
 # Modules that import vLLM's platform are imported by the checks that need
 # them: a platform that fails to resolve is then one FAIL line, not a crash.
-from vllm_ascend.kv_offload import (
-    copy_bandwidth,
-    host_guard,
-    ops,
-    sizing,
-    upstream_guard,
-)
+from vllm_ascend.kv_offload import copy_bandwidth, host_guard, ops, sizing
+from vllm_ascend.kv_offload.upstream_guard import refuse_conflicting_upstream
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "FAIL", "skip"
 NOT_FOUND = "not found"
@@ -127,7 +122,7 @@ def check_versions(report: Report, npu_version: str) -> None:
     try:
         if vllm_version.startswith(NOT_FOUND):
             raise ImportError(f"vLLM {vllm_version}: install vLLM 0.30-0.33")
-        upstream_guard.refuse_conflicting_upstream(kv_offload.__version__)
+        refuse_conflicting_upstream(kv_offload.__version__)
     except ImportError as e:
         return report.add("vllm", FAIL, str(e))
     up = v["vllm_ascend_upstream"]
