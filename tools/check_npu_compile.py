@@ -12,7 +12,7 @@
    no libascendcl.so / libtorch_npu.so here. Build dir: ``.cache/npu_compile``.
 
 Exit status: 0 compiled, 1 compile (or configure) failed, 2 headers could not
-be fetched (no network, no pip, ...). ``tests/unit/test_npu_acl_sim.py``
+be fetched (no network, no pip, ...). ``tests/unit/npu_sim/``
 imports fetch_headers() and compile_check().
 """
 

@@ -35,7 +35,7 @@
 // runtime does on kernels <= 5.10 (the docs: pageable memory "causes
 // exceptions" there) is not modelled.
 //
-// Below the ACL functions, for pytest (ctypes, tests/unit/test_npu_acl_sim.py)
+// Below the ACL functions, for pytest (ctypes, tests/unit/npu_sim/sim_acl.py)
 // and none of them in CANN: the simulation's test hooks (simacl_*) and a
 // harness (simacl_core_*) that runs the real ACL-facing core of the npu
 // backend (csrc/kv_offload/npu/acl_core.h) against this runtime.

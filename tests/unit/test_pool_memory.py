@@ -7,7 +7,7 @@ In pieces (``host_pieces.py``): rows never straddle two pieces, no merged
 copy runs from one into another, a job over rows of many pieces is
 byte-exact through the worker on every copy path, and a 1 TiB pool's
 arithmetic holds in address space reserved, never touched. (npu memory and
-pieces, against the simulated ACL runtime: test_npu_acl_sim.py.)"""
+pieces, against the simulated ACL runtime: npu_sim/test_pool_memory.py.)"""
 
 from __future__ import annotations
 
