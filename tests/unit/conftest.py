@@ -335,3 +335,12 @@ def size_kv(tmp_path):
         return size_model_dir(model, **kwargs)
 
     return size
+
+
+@pytest.fixture
+def buffers() -> tuple[torch.Tensor, torch.Tensor]:
+    """A source of 4 KiB of random bytes and a poisoned 4 KiB destination
+    for swap_blocks_batch (tests/unit/swap_helpers.py)."""
+    from tests.unit.swap_helpers import poisoned, random_bytes
+
+    return random_bytes(4096), poisoned(4096)

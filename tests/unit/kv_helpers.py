@@ -1,15 +1,19 @@
-"""Synthetic KV caches and offloading configs for unit tests (no engine)."""
+"""Synthetic KV caches, offloading configs, workers and transfer jobs for unit
+tests (no engine)."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import TransferJob
 from vllm.v1.kv_offload.base import (
     CanonicalKVCacheRef,
     CanonicalKVCaches,
     CanonicalKVCacheTensor,
+    GPULoadStoreSpec,
 )
 from vllm.v1.kv_offload.config import (
     OffloadingCacheConfig,
@@ -18,6 +22,10 @@ from vllm.v1.kv_offload.config import (
     OffloadingModelConfig,
     OffloadingParallelConfig,
 )
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+if TYPE_CHECKING:
+    from vllm_ascend.kv_offload.connector import AscendOffloadingConnectorMetadata
 
 # The guide's kv_connector_extra_config (docs/user_guide.md) and its spec.
 OUR_SPEC = {
@@ -156,8 +164,6 @@ def store_then_load(worker, kv: CanonicalKVCaches, spec, cpu_blocks: list[int]):
     """Stores ``spec``'s device blocks into ``cpu_blocks`` (job 1), poisons
     them on the device, loads them back (job 2) and checks every KV cache
     tensor is as before; returns the jobs' TransferResults by job id."""
-    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
-
     original = [t.tensor.clone() for t in kv.tensors]
     assert worker.submit_store(1, spec, CPULoadStoreSpec(cpu_blocks))
     worker.wait({1})
@@ -168,3 +174,27 @@ def store_then_load(worker, kv: CanonicalKVCaches, spec, cpu_blocks: list[int]):
     for t, before in zip(kv.tensors, original, strict=True):
         assert torch.equal(t.tensor, before)
     return {r.job_id: r for r in worker.get_finished()}
+
+
+# Transfer jobs between device blocks and the CPU blocks of the same ids, and
+# the scheduler's connector metadata carrying them to the workers.
+
+
+def gpu(*blocks: int) -> GPULoadStoreSpec:
+    return GPULoadStoreSpec(list(blocks), group_sizes=[len(blocks)], block_indices=[0])
+
+
+def load(req: str, *blocks: int) -> TransferJob:
+    return TransferJob(req, CPULoadStoreSpec(list(blocks)), gpu(*blocks))
+
+
+def store(req: str, *blocks: int) -> TransferJob:
+    return TransferJob(req, gpu(*blocks), CPULoadStoreSpec(list(blocks)))
+
+
+def metadata(load_jobs=None, store_jobs=None) -> AscendOffloadingConnectorMetadata:
+    from vllm_ascend.kv_offload.connector import AscendOffloadingConnectorMetadata
+
+    return AscendOffloadingConnectorMetadata(
+        load_jobs=load_jobs or {}, store_jobs=store_jobs or {}
+    )

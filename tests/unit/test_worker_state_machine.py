@@ -8,7 +8,8 @@ bytes it must hold; every successfully loaded byte is checked against it, and
 every job is reported exactly once, failed exactly when a fault was injected.
 
 Then: shutdown with jobs in flight (prompt, no thread left, pool freed). How
-the connector reports failed jobs to vLLM: test_failure_reporting.py.
+the connector reports failed jobs to vLLM: test_failure_reporting_worker.py
+and test_failure_reporting_scheduler.py.
 """
 
 from __future__ import annotations
