@@ -7,7 +7,8 @@ the other all the same). Imports under ``if TYPE_CHECKING:`` do not run and
 do not count. ``from package import name`` depends on the submodule ``name``
 when there is one, else on the package's ``__init__``.
 
-No module over 400 lines, no class over 180. One that grows past either has
+No module over 400 lines (no source file of the repository either: tests,
+benchmarks, C++), no class over 180. One that grows past either has
 taken on a second job: move that role into a collaborator of its own (as
 ``failures.JobLedger`` and ``scheduler_side.py`` were), rather than squeeze
 lines.
@@ -188,3 +189,23 @@ def test_no_class_of_the_package_is_over_180_lines():
         if n > MAX_CLASS_LINES
     }
     assert not over, f"move a role out of these classes (lines): {over}"
+
+
+REPO = ROOT.parents[1]
+SOURCE_DIRS = ("vllm_ascend", "csrc", "tests", "benchmarks", "examples", "tools")
+SOURCE_SUFFIXES = {".py", ".sh", ".cpp", ".h", ".cu"}
+
+
+def test_no_source_file_of_the_repository_is_over_400_lines():
+    """The same bound for the tests, benchmarks, examples, tools, scripts and
+    the C++ (the simulated ACL runtime included): one role per file."""
+    files = [REPO / "setup.py", *(REPO / "scripts").iterdir()]
+    for top in SOURCE_DIRS:
+        files += (p for p in (REPO / top).rglob("*") if p.suffix in SOURCE_SUFFIXES)
+    over = {
+        str(p.relative_to(REPO)): n
+        for p in files
+        if p.is_file() and (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert len(files) > 150, files  # the scan reads the repository
+    assert not over, f"split these files by role (lines): {over}"
