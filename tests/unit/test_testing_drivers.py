@@ -17,8 +17,12 @@ from vllm_ascend.kv_offload.testing import engine, server
 
 STAND_IN = textwrap.dedent(
     """
-    import json, os, subprocess, sys
+    import json, os, signal, subprocess, sys
     from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    # SIGINT ends it even where it was started with SIGINT ignored (a
+    # background job of a shell): vLLM's server installs its handlers too.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 
@@ -44,6 +48,7 @@ def test_the_server_is_ready_once_v1_models_answers_and_stops_with_its_children(
     assert srv.base == f"http://127.0.0.1:{srv.port}"
     (child,) = srv.children
     result = srv.stop(signal.SIGINT, timeout_s=30, grace_s=1)
+    assert result["returncode"] is not None, result  # exited on SIGINT: not killed
     # The stand-in's child ignores its parent's end: killed by pid once the
     # grace period is over, reported.
     assert result["orphans"] == [child.pid]
