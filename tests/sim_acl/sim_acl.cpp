@@ -47,9 +47,9 @@
 
 #include "sim_state.h"
 
-namespace {
-
 using namespace simacl;  // NOLINT: the simulation's own names
+
+namespace {
 
 // Entry i of a batch, read from the caller's arrays NOW: ACL_SUCCESS when it
 // names registered memory as `attr` declares (and may be copied), else the

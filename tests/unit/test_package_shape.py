@@ -192,11 +192,12 @@ def test_no_class_of_the_package_is_over_180_lines():
 
 
 REPO = ROOT.parents[1]
-SOURCE_DIRS = ("vllm_ascend", "csrc", "tests", "benchmarks", "examples", "tools")
+# The package's modules have the test above.
+SOURCE_DIRS = ("csrc", "tests", "benchmarks", "examples", "tools")
 SOURCE_SUFFIXES = {".py", ".sh", ".cpp", ".h", ".cu"}
 
 
-def test_no_source_file_of_the_repository_is_over_400_lines():
+def test_no_source_file_outside_the_package_is_over_400_lines():
     """The same bound for the tests, benchmarks, examples, tools, scripts and
     the C++ (the simulated ACL runtime included): one role per file."""
     files = [REPO / "setup.py", *(REPO / "scripts").iterdir()]
@@ -207,5 +208,5 @@ def test_no_source_file_of_the_repository_is_over_400_lines():
         for p in files
         if p.is_file() and (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES
     }
-    assert len(files) > 150, files  # the scan reads the repository
+    assert len(files) > 120, files  # the scan reads the repository
     assert not over, f"split these files by role (lines): {over}"
