@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass
 from itertools import product
 from pathlib import Path
 
+from filelock import FileLock
+
 
 def _default_dir() -> Path:
     """``.models/`` of the checkout (editable installs); an installed package
@@ -242,10 +244,16 @@ def ensure_tiny_model(
     if stamp.exists() and stamp.read_text() == wanted:
         return str(out_path)
     out_path.mkdir(parents=True, exist_ok=True)
-    _write_weights(out_path, spec)
-    _write_tokenizer(out_path, spec.vocab_size)
-    # Written last: a half-written model is regenerated on the next call.
-    stamp.write_text(wanted)
+    # One writer at a time (parallel test workers, a user's scripts): a
+    # caller that waited finds the model written and leaves it alone, so no
+    # model handed back is rewritten under its reader.
+    with FileLock(out_path.with_name(f".{out_path.name}.lock")):
+        if stamp.exists() and stamp.read_text() == wanted:
+            return str(out_path)
+        _write_weights(out_path, spec)
+        _write_tokenizer(out_path, spec.vocab_size)
+        # Written last: a half-written model is regenerated on the next call.
+        stamp.write_text(wanted)
     return str(out_path)
 
 
