@@ -9,8 +9,6 @@ pip (and setuptools-scm, which upstream's setup.py needs to produce metadata).
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import importlib.util
 import json
@@ -21,8 +19,10 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
+
+from filelock import FileLock
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -87,16 +87,10 @@ def cache_root() -> Path:
     return root
 
 
-@contextlib.contextmanager
-def _locked(name: str) -> Iterator[None]:
-    """Serializes concurrent test runs on one cache entry."""
-    lock_path = cache_root() / f".{name}.lock"
-    with open(lock_path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+def cache_lock(name: str) -> FileLock:
+    """Serializes concurrent test runs (and a run's parallel workers) on one
+    cache entry."""
+    return FileLock(cache_root() / f".{name}.lock")
 
 
 def _sha256(path: Path) -> str:
@@ -145,7 +139,7 @@ def upstream_sdist(python: str | os.PathLike = sys.executable) -> Path:
     ``--no-build-isolation`` so that nothing else is fetched)."""
     dest_dir = cache_root() / "sdist"
     dest = dest_dir / UPSTREAM_SDIST_NAME
-    with _locked("sdist"):
+    with cache_lock("sdist"):
         if dest.exists() and _sha256(dest) == UPSTREAM_SDIST_SHA256:
             return dest
         if Path(python) == Path(sys.executable) and not importlib.util.find_spec(
@@ -229,7 +223,7 @@ def coexistence_venv() -> Path:
     root = cache_root()
     venv = root / f"coexist-venv-{key}"
     stamp = venv / ".complete"
-    with _locked("venv"):
+    with cache_lock("venv"):
         for stale in root.glob("coexist-venv-*"):
             if stale != venv:
                 _log(f"removing scratch venv of another key: {stale}")

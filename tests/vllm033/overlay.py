@@ -120,12 +120,18 @@ def _wheel(cache: Path) -> Path:
 
 def overlay_dir() -> Path:
     """The overlay (built once, then reused); put it first on PYTHONPATH."""
-    from tests.packaging.upstream import cache_root
+    from tests.packaging.upstream import cache_lock, cache_root
 
     cache = cache_root()  # the upstream sdist's cache (created)
     out = cache / f"vllm-{VERSION}-offloading-overlay"
-    if (out / "sitecustomize.py").exists():
-        return out
+    with cache_lock("overlay"):  # parallel test workers: one builds it
+        if not (out / "sitecustomize.py").exists():
+            _build(cache, out)
+    return out
+
+
+def _build(cache: Path, out: Path) -> None:
+    """Extracts the packages beside ``out``, then renames them into place."""
     staging = out.with_name(out.name + ".partial")
     with zipfile.ZipFile(_wheel(cache)) as wheel:
         names = [
@@ -139,4 +145,3 @@ def overlay_dir() -> Path:
     )
     (staging / "sitecustomize.py").write_text(sitecustomize)
     staging.rename(out)
-    return out
