@@ -225,7 +225,14 @@ def scenarios(upstream) -> dict[str, Scenario]:
 def register_ascend_specs(upstream) -> None:
     """What upstream's ``register_ascend_kv_cache_specs``
     (core/kv_cache_interface.py:372) registers for the specs used here (its
-    other registrations need NPU managers), so vLLM groups them."""
+    other registrations need NPU managers), so vLLM groups them. vLLM's own
+    specs first, as its engine core registers them at start: vLLM registers
+    its own only into an empty registry, and a later connector in this
+    process would find no manager for a plain FullAttentionSpec."""
+    spec = FullAttentionSpec(
+        block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32
+    )
+    assert KVCacheSpecRegistry.get_manager_class(spec) is FullAttentionManager
     for cls in (
         upstream.specs.AscendMLAAttentionSpec,
         upstream.specs.AscendSFAIndexerCacheSpec,
