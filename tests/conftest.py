@@ -21,16 +21,9 @@ from pathlib import Path
 
 import pytest
 
+REPO = Path(__file__).resolve().parents[1]
 SLOW_MARKERS = ("e2e", "packaging")
-
-_slow: set[str] = set()
 _started: dict[str, float] = {}
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if any(item.get_closest_marker(m) for m in SLOW_MARKERS):
-            _slow.add(item.nodeid)
 
 
 def _reporter(config: pytest.Config):
@@ -41,22 +34,23 @@ def _reporter(config: pytest.Config):
 
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_logstart(nodeid: str) -> None:
-    if nodeid in _slow:
-        _started[nodeid] = time.monotonic()
+    _started[nodeid] = time.monotonic()
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    nodeid = report.nodeid
-    if nodeid not in _slow:
+    # The markers from the report's keywords: under xdist this runs in the
+    # controller, which has not collected the items.
+    if not any(m in report.keywords for m in SLOW_MARKERS):
         return
     tr = _reporter(_CONFIG) if _CONFIG is not None else None
     if tr is None:
         return
+    nodeid = report.nodeid
     if report.when == "setup" and report.passed:
         tr.ensure_newline()
         tr.write_line(f"[slow test] {nodeid} ...")
     elif report.when == "call" or (report.when == "setup" and not report.passed):
-        seconds = time.monotonic() - _started.get(nodeid, time.monotonic())
+        seconds = time.monotonic() - _started.pop(nodeid, time.monotonic())
         tr.ensure_newline()
         tr.write_line(f"[slow test] {nodeid} {report.outcome} ({seconds:.0f} s)")
 
@@ -67,9 +61,6 @@ _CONFIG: pytest.Config | None = None
 def pytest_configure(config: pytest.Config) -> None:
     global _CONFIG
     _CONFIG = config
-
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @dataclass

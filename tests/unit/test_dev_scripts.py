@@ -118,7 +118,8 @@ def test_ci_run_hands_its_arguments_to_pytest(clone):
     args = ["-p", "no:cacheprovider", "-m", "not e2e and not packaging"]
     clone.run(".ci/run", *args, package_on=clone.root)
     pytest_calls = [c for c in clone.calls() if c[:2] == ["-m", "pytest"]]
-    assert pytest_calls == [["-m", "pytest", "-ra", *args]]
+    # Two workers (each whole modules, pyproject.toml), then the caller's.
+    assert pytest_calls == [["-m", "pytest", "-ra", "-n", "2", *args]]
 
 
 def test_setup_keeps_the_editable_install_of_this_checkout(clone):

@@ -8,7 +8,8 @@ NOT CANN and no NPU is involved: these tests say nothing about real Ascend
 hardware (docs/npu_backend.md). They run everywhere, CI included: only the
 headers of the torch-npu wheel are needed (fetched once, without installing
 torch_npu, by tools/check_npu_compile.py). The fixtures here build the
-simulation once for the package."""
+simulation once for the package (once for all parallel workers: they
+wait on one lock)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 from tests.unit.npu_sim.sim_acl import FETCHER, IN_CI, SIM_BUILD, SIM_SRC, SimAcl
 
@@ -27,7 +29,8 @@ def torch_npu_dir() -> Path:
     """The torch-npu wheel's package dir with its headers (fetched once):
     without it the tests skip here, and fail in CI."""
     try:
-        return FETCHER.fetch_headers()
+        with FileLock(SIM_BUILD.with_name(".npu_sim.lock")):  # parallel workers
+            return FETCHER.fetch_headers()
     except FETCHER.HeadersUnavailable as e:
         reason = f"ACL headers (torch-npu wheel) unavailable: {e}"
         if IN_CI:
@@ -41,13 +44,14 @@ def sim_libs(torch_npu_dir) -> dict[str, SimAcl]:
     configure = [cmake, "-S", str(SIM_SRC), "-B", str(SIM_BUILD)]
     configure.append(f"-DSIM_ACL_TORCH_NPU_DIR={torch_npu_dir}")
     jobs = str(os.cpu_count() or 2)
-    for cmd in (configure, [cmake, "--build", str(SIM_BUILD), "-j", jobs]):
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            pytest.fail(
-                f"SIMULATION build failed: {' '.join(cmd)}\n"
-                f"{proc.stdout[-4000:]}{proc.stderr[-4000:]}"
-            )
+    with FileLock(SIM_BUILD.with_name(".npu_sim.lock")):  # one build directory
+        for cmd in (configure, [cmake, "--build", str(SIM_BUILD), "-j", jobs]):
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                pytest.fail(
+                    f"SIMULATION build failed: {' '.join(cmd)}\n"
+                    f"{proc.stdout[-4000:]}{proc.stderr[-4000:]}"
+                )
     return {
         "batch": SimAcl(SIM_BUILD / "libvllm_ascend_sim_acl.so"),
         "nobatch": SimAcl(SIM_BUILD / "libvllm_ascend_sim_acl_nobatch.so"),
