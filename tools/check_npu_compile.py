@@ -28,6 +28,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from filelock import FileLock
+
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache"
 TORCH_NPU_VERSION = "2.13.0"
@@ -51,10 +53,18 @@ def _log(msg: str) -> None:
 def fetch_headers(cache_dir: Path = CACHE / "torch_npu_headers") -> Path:
     """Returns the torch_npu package dir holding ``include/`` (cached)."""
     target = cache_dir / f"torch_npu-{TORCH_NPU_VERSION}"
-    torch_npu_dir = target / "torch_npu"
-    if (target / ".complete").exists():
-        return torch_npu_dir
     cache_dir.mkdir(parents=True, exist_ok=True)
+    # One fetch at a time (parallel test workers): a fetch replaces a
+    # partial target, which could be another's finished one.
+    with FileLock(cache_dir / f".{target.name}.lock"):
+        if not (target / ".complete").exists():
+            _download(cache_dir, target)
+    return target / "torch_npu"
+
+
+def _download(cache_dir: Path, target: Path) -> None:
+    """The pinned wheel's headers, staged in ``cache_dir``, renamed to
+    ``target``."""
     with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
         _log(f"downloading torch-npu=={TORCH_NPU_VERSION} (~43 MB, headers only kept)")
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps"]
@@ -84,7 +94,6 @@ def fetch_headers(cache_dir: Path = CACHE / "torch_npu_headers") -> Path:
         shutil.rmtree(target, ignore_errors=True)  # a partial earlier attempt
         staged.rename(target)  # atomic: readers see all headers or none
     _log(f"headers cached in {target.relative_to(ROOT)}")
-    return torch_npu_dir
 
 
 def compile_check(torch_npu_dir: Path, build_dir: Path = CACHE / "npu_compile") -> int:

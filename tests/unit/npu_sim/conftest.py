@@ -8,8 +8,7 @@ NOT CANN and no NPU is involved: these tests say nothing about real Ascend
 hardware (docs/npu_backend.md). They run everywhere, CI included: only the
 headers of the torch-npu wheel are needed (fetched once, without installing
 torch_npu, by tools/check_npu_compile.py). The fixtures here build the
-simulation once for the package (once for all parallel workers: they
-wait on one lock)."""
+simulation once for the package."""
 
 from __future__ import annotations
 
@@ -29,8 +28,7 @@ def torch_npu_dir() -> Path:
     """The torch-npu wheel's package dir with its headers (fetched once):
     without it the tests skip here, and fail in CI."""
     try:
-        with FileLock(SIM_BUILD.with_name(".npu_sim.lock")):  # parallel workers
-            return FETCHER.fetch_headers()
+        return FETCHER.fetch_headers()
     except FETCHER.HeadersUnavailable as e:
         reason = f"ACL headers (torch-npu wheel) unavailable: {e}"
         if IN_CI:
@@ -44,7 +42,8 @@ def sim_libs(torch_npu_dir) -> dict[str, SimAcl]:
     configure = [cmake, "-S", str(SIM_SRC), "-B", str(SIM_BUILD)]
     configure.append(f"-DSIM_ACL_TORCH_NPU_DIR={torch_npu_dir}")
     jobs = str(os.cpu_count() or 2)
-    with FileLock(SIM_BUILD.with_name(".npu_sim.lock")):  # one build directory
+    # One build directory for all parallel workers: they build in turn.
+    with FileLock(SIM_BUILD.with_name(f".{SIM_BUILD.name}.lock")):
         for cmd in (configure, [cmake, "--build", str(SIM_BUILD), "-j", jobs]):
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
