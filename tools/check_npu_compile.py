@@ -93,7 +93,7 @@ def _download(cache_dir: Path, target: Path) -> None:
         (staged / ".complete").write_text(f"{WHEEL_NAME} {WHEEL_SHA256}\n")
         shutil.rmtree(target, ignore_errors=True)  # a partial earlier attempt
         staged.rename(target)  # atomic: readers see all headers or none
-    _log(f"headers cached in {target.relative_to(ROOT)}")
+    _log(f"headers cached in {target}")
 
 
 def compile_check(torch_npu_dir: Path, build_dir: Path = CACHE / "npu_compile") -> int:
