@@ -57,6 +57,29 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 _CONFIG: pytest.Config | None = None
 
+# Test modules sharing tests/e2e/conftest.py's package-scoped
+# ``tiering_server``: under xdist one work unit, so that one worker starts
+# the server once (each worker taking one of them would start its own).
+SHARED_SERVER_MODULES = frozenset(
+    {"tests/e2e/test_kv_events.py", "tests/e2e/test_tiering_online.py"}
+)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``--dist loadfile`` (pyproject.toml), but SHARED_SERVER_MODULES are
+    one work unit."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedServerScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return "tiering_server" if scope in SHARED_SERVER_MODULES else scope
+
+    return SharedServerScheduling(config, log)
+
 
 def pytest_configure(config: pytest.Config) -> None:
     global _CONFIG

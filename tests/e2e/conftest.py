@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 from vllm_ascend.kv_offload.testing.engine import GUIDE_EXTRA_CONFIG
 from vllm_ascend.kv_offload.testing.tiny_model import (
@@ -214,14 +215,22 @@ def scenario_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def reference(scenario_dir) -> list[list[int]]:
-    """Greedy outputs of every prompt with offloading off."""
-    result = run_scenario(
-        scenario_dir,
-        "reference",
-        in_process({"offload": None, "phases": [{"prompts": ALL_PROMPTS}]}),
-    )
-    return token_ids(result["phases"][0])
+def reference(scenario_dir, tmp_path_factory) -> list[list[int]]:
+    """Greedy outputs of every prompt with offloading off: one engine per
+    run, also under xdist (its workers share the run's temporary root)."""
+
+    def run() -> list[list[int]]:
+        scenario = {"offload": None, "phases": [{"prompts": ALL_PROMPTS}]}
+        result = run_scenario(scenario_dir, "reference", in_process(scenario))
+        return token_ids(result["phases"][0])
+
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return run()
+    shared = tmp_path_factory.getbasetemp().parent / "reference.json"
+    with FileLock(shared.with_suffix(".lock")):
+        if not shared.exists():
+            shared.write_text(json.dumps(run()))
+        return json.loads(shared.read_text())
 
 
 @pytest.fixture(scope="session")
