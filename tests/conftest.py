@@ -65,18 +65,23 @@ SHARED_SERVER_MODULES = frozenset(
 )
 
 
+def work_unit(nodeid: str) -> str:
+    """The xdist work unit of a test: its module, or one unit for all of
+    SHARED_SERVER_MODULES."""
+    module = nodeid.split("::", 1)[0]
+    return "tiering_server" if module in SHARED_SERVER_MODULES else module
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """``--dist loadfile`` (pyproject.toml), but SHARED_SERVER_MODULES are
-    one work unit."""
+    """``--dist loadfile`` (pyproject.toml) with ``work_unit``'s units."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
     class SharedServerScheduling(LoadFileScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            scope = super()._split_scope(nodeid)
-            return "tiering_server" if scope in SHARED_SERVER_MODULES else scope
+        def _split_scope(self, nodeid: str) -> str:  # xdist's override point
+            return work_unit(nodeid)
 
     return SharedServerScheduling(config, log)
 
