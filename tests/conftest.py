@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,9 +87,25 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     return SharedServerScheduling(config, log)
 
 
+def worker_threads(environ: Mapping[str, str]) -> str | None:
+    """``OMP_NUM_THREADS`` for a pytest-xdist worker and all it starts: its
+    share of the cores. None outside xdist, or where the variable is set.
+
+    Each worker starts engines on the same cores, and an in-process engine
+    on vLLM's CPU backend runs an OpenMP thread per core: two of them on two
+    cores spin at each other's barriers (the sync-load tests' batches of 24
+    requests, two engines at once: 35 s each, 4 s with one thread each)."""
+    workers = environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers is None or "OMP_NUM_THREADS" in environ:
+        return None
+    return str(max(1, len(os.sched_getaffinity(0)) // int(workers)))
+
+
 def pytest_configure(config: pytest.Config) -> None:
     global _CONFIG
     _CONFIG = config
+    if threads := worker_threads(os.environ):
+        os.environ["OMP_NUM_THREADS"] = threads  # before torch is imported
 
 
 @dataclass
