@@ -1,5 +1,6 @@
-"""Suite-wide pytest settings: progress lines for the slow tests; the
-serving doc's client flow, run by the unit and the end-to-end tests.
+"""Suite-wide pytest settings: progress lines for the slow tests; how
+pytest-xdist's workers split the modules and the cores; the serving doc's
+client flow, run by the unit and the end-to-end tests.
 
 An end-to-end or packaging test starts real engines or builds and can run for
 minutes; in pytest's default (dots) output such a test would be silent for
