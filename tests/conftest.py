@@ -94,8 +94,8 @@ def worker_threads(environ: Mapping[str, str]) -> str | None:
 
     Each worker starts engines on the same cores, and an in-process engine
     on vLLM's CPU backend runs an OpenMP thread per core: two of them on two
-    cores spin at each other's barriers (the sync-load tests' batches of 24
-    requests, two engines at once: 35 s each, 4 s with one thread each)."""
+    cores spin at each other's barriers (the README's side-by-side timing of
+    four end-to-end modules, with and without this)."""
     workers = environ.get("PYTEST_XDIST_WORKER_COUNT")
     if workers is None or "OMP_NUM_THREADS" in environ:
         return None
