@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # The worker's host-memory guard: its arithmetic, applied here ahead of time.
-from vllm_ascend.kv_offload import host_guard
+from vllm_ascend.kv_offload import host_guard, host_ledger
 from vllm_ascend.kv_offload.host_guard import AUTO_POOL_SHARE, show, size_flag
 
 # The user guide's offloading configuration, key for key.
@@ -133,6 +133,7 @@ def plan(
     available = host_guard.host_available_bytes()
     try:
         cap = host_guard.budget_cap()
+        others = host_ledger.live_pools()  # other engines' pools on this host
     except ValueError as e:
         raise SystemExit(str(e)) from None
     block_bytes = kv.cpu_block_bytes if kv else None
@@ -144,7 +145,7 @@ def plan(
             max_model_len = 8192
     if max_model_len is not None:
         overrides.append(f"max_model_len={max_model_len}")
-    env_kv = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+    env_kv = os.environ.get(host_guard.CPU_KV_CACHE_ENV)
     counted_kv = None  # sized by the environment: counted, not overridden
     if kv_cache_bytes is None and kv_cache_in_host and env_kv:
         counted_kv = int(env_kv) * 2**30
@@ -160,11 +161,13 @@ def plan(
             f"kv_cache_memory_bytes={kv_cache_bytes} ({show(kv_cache_bytes)})"
         )
 
-    engine_bytes = None
+    engine_bytes = budget = None
     if kv is not None:
         engine_bytes = kv.weights_bytes + ENGINE_OVERHEAD_BYTES
         if kv_cache_in_host:
             engine_bytes += kv_cache_bytes or counted_kv or 0
+        # The worker's budget: the host's other pools count as they will then.
+        budget = host_guard.HostBudget(available, others, cap, engine_bytes)
 
     if cpu_bytes is not None:
         if num_cpu_blocks is not None:
@@ -175,14 +178,12 @@ def plan(
         extra["cpu_bytes_to_use"] = cpu_bytes
         overrides.append(f"cpu_bytes_to_use={cpu_bytes} ({show(cpu_bytes)})")
     elif num_cpu_blocks == "auto":
-        if block_bytes is None or engine_bytes is None:
+        if block_bytes is None or budget is None:
             raise SystemExit(
                 f"--num-cpu-blocks auto needs a local model directory with a "
                 f"config.json ({model!r} has none): pass --num-cpu-blocks N"
             )
-        blocks = host_guard.auto_num_cpu_blocks(
-            block_bytes, engine_bytes, available, cap=cap
-        )
+        blocks = host_guard.auto_num_cpu_blocks(block_bytes, budget)
         if blocks < 1:
             raise SystemExit(
                 f"--num-cpu-blocks auto: no CPU block ({show(block_bytes)}) fits "
@@ -207,13 +208,10 @@ def plan(
         pool_bytes = extra.get("cpu_bytes_to_use") or (
             extra["num_cpu_blocks"] * block_bytes
         )
-    if pool_bytes is not None and engine_bytes is not None:
-        # The worker's guard: the pool within 90 % of what the engine leaves.
-        limit = host_guard.usable_bytes(available, engine_bytes, cap)
-        if pool_bytes > limit:
-            fit = host_guard.auto_num_cpu_blocks(
-                block_bytes, engine_bytes, available, cap=cap
-            )
+    if pool_bytes is not None and budget is not None:
+        # The worker's guard: the pools within 90 % of what the engine leaves.
+        if pool_bytes > budget.room():
+            fit = host_guard.auto_num_cpu_blocks(block_bytes, budget)
             what = (
                 f"cpu_bytes_to_use={extra['cpu_bytes_to_use']}"
                 if "cpu_bytes_to_use" in extra
@@ -233,7 +231,16 @@ def plan(
                 f"engine leaves of the {show(available)} of host memory available"
                 + (
                     f", at most {host_guard.HOST_BUDGET_ENV}={show(cap)}"
-                    if cap is not None and limit == cap
+                    if budget.cap_binds
+                    else ""
+                )
+                + (
+                    f"; {len(others)} other CPU pool"
+                    + ("s" if len(others) > 1 else "")
+                    + f" of this host ({show(budget.others_bytes)}) "
+                    + ("count" if len(others) > 1 else "counts")
+                    + " against that"
+                    if others
                     else ""
                 )
                 + f"; {hint}"

@@ -3,7 +3,7 @@
 Not part of the package: engines load it through a spec of its own,
 ``FaultInjectingOffloadingSpec`` (``spec_module_path:
 "tests.fault_injection"``), whose worker wraps each job's copy
-(``NPUOffloadingWorker._copy_job``). Faults are chosen by
+(``NPUOffloadingWorker.copy_job``). Faults are chosen by
 ``VLLM_ASCEND_KV_OFFLOAD_FAULTS``, read when the worker is built (in the
 engine's worker process), or by a test that sets ``worker.faults``. Slow
 copies likewise: ``VLLM_ASCEND_KV_OFFLOAD_COPY_DELAYS`` or ``worker.delays``
@@ -173,14 +173,14 @@ def inject_faults(worker: NPUOffloadingWorker, faults: FaultInjector | None) -> 
     engines, whose worker a test can reach, e.g. to change the seed between
     rounds of one engine."""
     if not isinstance(worker, FaultInjectingWorker):
-        plain_copy_job = worker._copy_job
+        plain_copy_job = worker.copy_job
 
-        def _copy_job(kind: str, job_id: int, desc: Descriptors) -> CopyFn:
+        def copy_job(kind: str, job_id: int, desc: Descriptors) -> CopyFn:
             return _faulty(
                 worker, kind, job_id, desc, plain_copy_job(kind, job_id, desc)
             )
 
-        worker._copy_job = _copy_job  # type: ignore[method-assign]
+        worker.copy_job = copy_job  # type: ignore[method-assign]
     worker.faults = faults  # type: ignore[attr-defined]
 
 
@@ -229,8 +229,8 @@ class FaultInjectingWorker(NPUOffloadingWorker):
         if self.delays:
             logger.warning("KV offload: TEST copy delays: %s", self.delays)
 
-    def _copy_job(self, kind: str, job_id: int, desc: Descriptors) -> CopyFn:
-        copy = _faulty(self, kind, job_id, desc, super()._copy_job(kind, job_id, desc))
+    def copy_job(self, kind: str, job_id: int, desc: Descriptors) -> CopyFn:
+        copy = _faulty(self, kind, job_id, desc, super().copy_job(kind, job_id, desc))
         delay = getattr(self, "delays", {}).get(kind)
         return _slowed(copy, delay) if delay else copy
 

@@ -113,13 +113,13 @@ def _patch(module) -> None:
 
 def _patch_copies(worker_cls) -> None:
     """Times each job's copy on the thread that runs it (at the top of that
-    thread's stack): the worker's ``_copy_job`` seam returns it wrapped."""
-    make = worker_cls._copy_job
+    thread's stack): the worker's ``copy_job`` seam returns it wrapped."""
+    make = worker_cls.copy_job
 
     def copy_job(self, kind: str, job_id: int, desc):
         return timed(f"copy.{kind}", make(self, kind, job_id, desc))
 
-    worker_cls._copy_job = functools.wraps(make)(copy_job)
+    worker_cls.copy_job = functools.wraps(make)(copy_job)
 
 
 class _PostImport(importlib.abc.MetaPathFinder):

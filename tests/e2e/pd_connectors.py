@@ -24,19 +24,24 @@ logger = init_logger(__name__)
 class ReportingExampleConnector(ExampleConnector):
     """ExampleConnector whose failed loads become load errors, not a crash."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, vllm_config, *args, **kwargs):
+        super().__init__(vllm_config, *args, **kwargs)
+        self.block_tokens = vllm_config.cache_config.block_size
+        self.meta: ExampleConnectorMetadata | None = None
         self._failed_block_ids: set[int] = set()
+
+    def bind_connector_metadata(self, connector_metadata) -> None:
+        self.meta = connector_metadata
+        super().bind_connector_metadata(connector_metadata)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         try:
             super().start_load_kv(forward_context, **kwargs)
         except FileNotFoundError as e:
-            meta = self._get_connector_metadata()
-            assert isinstance(meta, ExampleConnectorMetadata)
-            for req in meta.requests:
+            assert isinstance(self.meta, ExampleConnectorMetadata)
+            for req in self.meta.requests:
                 if not req.is_store:
-                    blocks = (req.slot_mapping // self._block_size).tolist()
+                    blocks = (req.slot_mapping // self.block_tokens).tolist()
                     self._failed_block_ids.update(blocks)
             logger.warning("P/D stand-in: load failed (%s); reporting blocks", e)
 

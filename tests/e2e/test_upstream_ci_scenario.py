@@ -200,7 +200,6 @@ def accuracy_after_reload(llm, events, chunk_tokens: int) -> dict:
 def drive(scenario: dict) -> dict:
     """The engine side (run by ``run_scenario`` in its own process)."""
     import zmq
-    from vllm import LLM
     from vllm.config import KVEventsConfig
 
     from examples import kv_events_subscriber as subscriber
@@ -208,10 +207,10 @@ def drive(scenario: dict) -> dict:
     from vllm_ascend.kv_offload.testing import engine
 
     port = scenario["port"]
-    llm = LLM(
-        model=scenario["model"],
+    llm = engine.start(
+        scenario["model"],
+        kv_transfer_config(scenario),
         kv_events_config=KVEventsConfig(**zmq_events(port, TOPIC)),
-        kv_transfer_config=kv_transfer_config(scenario),
         **scenario["engine"],
     )
     ctx = zmq.Context()

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.unit.model_configs import QWEN3_0_6B, write_model
-from vllm_ascend.kv_offload import host_guard
+from vllm_ascend.kv_offload import host_guard, host_ledger
 
 REPO = Path(__file__).resolve().parents[2]
 SIZING_FLAGS = ("--num-cpu-blocks", "--cpu-bytes", "--kv-cache-bytes")
@@ -98,8 +98,9 @@ def model(tmp_path):
 
 
 @pytest.fixture
-def host(monkeypatch, available):
-    """Sets the host memory available to the check."""
+def host(monkeypatch, available, host_ledger_dir):
+    """Sets the host memory available to the check (no other pool on the
+    host unless the test records one in its ledger)."""
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     return available
 
@@ -123,10 +124,11 @@ def test_guide_configuration_is_refused_where_it_cannot_fit(model, host):
     message = str(info.value)
     assert "num_cpu_blocks=1000" in message
     assert "13.67 GiB" in message
+    engine = (
+        MiB + sizing.ENGINE_OVERHEAD_BYTES + 2 * 8192 * QWEN3_06B_BLOCK_BYTES // 128
+    )
     fit = host_guard.auto_num_cpu_blocks(
-        QWEN3_06B_BLOCK_BYTES,
-        MiB + sizing.ENGINE_OVERHEAD_BYTES + 2 * 8192 * QWEN3_06B_BLOCK_BYTES // 128,
-        18 * GiB,
+        QWEN3_06B_BLOCK_BYTES, host_guard.HostBudget(18 * GiB, reserved=engine)
     )
     assert f"pass --num-cpu-blocks {fit} (or auto)" in message
 
@@ -139,13 +141,42 @@ def test_auto_sizes_the_pool_that_fits_and_keeps_the_rest_of_the_guide(model, ho
     # The examples' auto and the package's (host_guard, as the doctor's
     # host_guard.fit_host_memory) agree: one computation, not two.
     assert blocks == host_guard.auto_num_cpu_blocks(
-        QWEN3_06B_BLOCK_BYTES, p.engine_bytes, 18 * GiB
+        QWEN3_06B_BLOCK_BYTES, host_guard.HostBudget(18 * GiB, reserved=p.engine_bytes)
     )
     assert p.pool_bytes <= 0.9 * (18 * GiB - p.engine_bytes) * sizing.AUTO_POOL_SHARE
     assert {k: v for k, v in p.extra_config.items() if k != "num_cpu_blocks"} == {
         k: v for k, v in sizing.GUIDE_EXTRA_CONFIG.items() if k != "num_cpu_blocks"
     }
     assert f"num_cpu_blocks={blocks} (auto)" in p.overrides
+
+
+def test_the_other_pools_of_the_host_count_as_the_worker_counts_them(
+    model, host, host_ledger_dir
+):
+    """Another engine's pool on this host (in the host's ledger) leaves less
+    room, as it does for the worker: auto sizes a smaller pool, and a pool
+    that fits alone but not next to it is refused before any engine starts."""
+    host(64 * GiB)
+    alone = sizing.plan(model, num_cpu_blocks="auto")
+    assert sizing.plan(model, num_cpu_blocks="3000").pool_bytes < 42 * GiB
+    other = host_ledger.reserve(20 * GiB, "another-engine", lambda others: None)
+    try:
+        beside = sizing.plan(model, num_cpu_blocks="auto")
+        budget = host_guard.HostBudget(
+            64 * GiB, host_ledger.live_pools(), reserved=beside.engine_bytes
+        )
+        blocks = beside.extra_config["num_cpu_blocks"]
+        assert blocks < alone.extra_config["num_cpu_blocks"]
+        assert blocks == int(budget.room() * sizing.AUTO_POOL_SHARE) // (
+            QWEN3_06B_BLOCK_BYTES
+        )
+        with pytest.raises(SystemExit) as info:
+            sizing.plan(model, num_cpu_blocks="3000")
+    finally:
+        other.release()
+    message = str(info.value)
+    assert "1 other CPU pool of this host (20.00 GiB)" in message
+    assert f"pass --num-cpu-blocks {blocks} (or auto)" in message
 
 
 def test_kv_cache_on_the_cpu_backend_is_sized_for_the_model(model, host):

@@ -20,6 +20,7 @@ from tests.unit.model_configs import (
 from vllm_ascend.kv_offload import host_guard
 from vllm_ascend.kv_offload.host_guard import (
     AUTO_POOL_SHARE,
+    HostBudget,
     auto_num_cpu_blocks,
     fit_host_memory,
 )
@@ -306,13 +307,15 @@ def test_auto_takes_a_share_of_what_the_guard_accepts_next_to_the_engine():
     # = 8,697,308,774; / 14,680,064 = 592 blocks.
     gib = 2**30
     assert AUTO_POOL_SHARE == 0.5
-    assert auto_num_cpu_blocks(14_680_064, 6 * gib, 24 * gib) == 592
-    assert auto_num_cpu_blocks(14_680_064, 6 * gib, 24 * gib, share=1.0) == (
-        host_guard.usable_bytes(24 * gib, 6 * gib) // 14_680_064
+    assert (
+        auto_num_cpu_blocks(14_680_064, HostBudget(24 * gib, reserved=6 * gib)) == 592
     )
-    assert auto_num_cpu_blocks(14_680_064, 30 * gib, 24 * gib) == 0
+    assert auto_num_cpu_blocks(
+        14_680_064, HostBudget(24 * gib, reserved=6 * gib), share=1.0
+    ) == (host_guard.usable_bytes(24 * gib, 6 * gib) // 14_680_064)
+    assert auto_num_cpu_blocks(14_680_064, HostBudget(24 * gib, reserved=30 * gib)) == 0
     with pytest.raises(SizingError, match="share"):
-        auto_num_cpu_blocks(14_680_064, 0, gib, share=0)
+        auto_num_cpu_blocks(14_680_064, HostBudget(gib), share=0)
 
 
 def _cpu_backend_quantised_dtypes() -> list[str]:

@@ -114,23 +114,6 @@ def usable_bytes(available: int, reserved: int = 0, cap: int | None = None) -> i
     return usable if cap is None else min(usable, cap)
 
 
-def auto_num_cpu_blocks(
-    block_bytes: int,
-    engine_bytes: int,
-    available: int,
-    share: float = AUTO_POOL_SHARE,
-    cap: int | None = None,
-) -> int:
-    """``num_cpu_blocks`` for an "auto" setting (the examples'
-    ``--num-cpu-blocks auto``): ``share`` of the largest pool the guard
-    accepts once the engine (``engine_bytes``: weights, the host KV cache of
-    vLLM's CPU backend, its processes) is allocated."""
-    if not 0 < share <= 1:
-        raise SizingError(f"share={share} must be in (0, 1]")
-    room = HostBudget(available, cap=cap, reserved=engine_bytes).room()
-    return int(room * share) // block_bytes
-
-
 @dataclass(frozen=True)
 class PoolRequest:
     """One worker's CPU block pool, as the user asked for it."""
@@ -182,6 +165,18 @@ class HostBudget:
     @property
     def cap_binds(self) -> bool:
         return self.cap is not None and self.limit == self.cap
+
+
+def auto_num_cpu_blocks(
+    block_bytes: int, budget: HostBudget, share: float = AUTO_POOL_SHARE
+) -> int:
+    """``num_cpu_blocks`` for an "auto" setting (the examples'
+    ``--num-cpu-blocks auto``): ``share`` of the largest pool the guard
+    accepts in ``budget`` (its ``reserved``: the engine's weights, the host
+    KV cache of vLLM's CPU backend, its processes)."""
+    if not 0 < share <= 1:
+        raise SizingError(f"share={share} must be in (0, 1]")
+    return int(budget.room() * share) // block_bytes
 
 
 def check_pool(

@@ -138,7 +138,7 @@ class NPUOffloadingWorker(OffloadingWorker):
             assert isinstance(device_spec, GPULoadStoreSpec)
             assert isinstance(cpu_spec, BlockIDsLoadStoreSpec)
             desc = self.engine.build(device_spec, cpu_spec.block_ids, to_cpu=to_cpu)
-            copy = self._copy_job(direction, job_id, desc)
+            copy = self.copy_job(direction, job_id, desc)
             self._jobs.accept(job_id, desc.num_bytes, store=to_cpu)
             queue.submit(job_id, copy)
         except Exception:
@@ -150,7 +150,7 @@ class NPUOffloadingWorker(OffloadingWorker):
             return self._jobs.refuse(job_id)
         return True
 
-    def _copy_job(self, kind: str, job_id: int, desc: Descriptors) -> CopyFn:
+    def copy_job(self, kind: str, job_id: int, desc: Descriptors) -> CopyFn:
         """What the job's queue runs: the self-check's bound copy function on
         ``desc`` (no frame of ours between the queue and the op). ``kind``:
         "store", "load" or "expedited_load". A seam for tests
