@@ -162,12 +162,19 @@ def plan(
         )
 
     engine_bytes = budget = None
+    beside = ""  # what the refusals say of the host's other pools
     if kv is not None:
         engine_bytes = kv.weights_bytes + ENGINE_OVERHEAD_BYTES
         if kv_cache_in_host:
             engine_bytes += kv_cache_bytes or counted_kv or 0
         # The worker's budget: the host's other pools count as they will then.
         budget = host_guard.HostBudget(available, others, cap, engine_bytes)
+        if n := len(others):
+            beside = (
+                f"; {n} other CPU pool{'s' if n > 1 else ''} of this host "
+                f"({show(budget.others_bytes)}) count{'' if n > 1 else 's'} "
+                "against that"
+            )
 
     if cpu_bytes is not None:
         if num_cpu_blocks is not None:
@@ -188,8 +195,8 @@ def plan(
             raise SystemExit(
                 f"--num-cpu-blocks auto: no CPU block ({show(block_bytes)}) fits "
                 f"next to the engine ({show(engine_bytes)}) in the "
-                f"{show(available)} of host memory available; free memory or "
-                "pass a smaller --kv-cache-bytes"
+                f"{show(available)} of host memory available{beside}; free "
+                "memory or pass a smaller --kv-cache-bytes"
             )
         extra["num_cpu_blocks"] = blocks
         overrides.append(f"num_cpu_blocks={blocks} (auto)")
@@ -234,16 +241,7 @@ def plan(
                     if budget.cap_binds
                     else ""
                 )
-                + (
-                    f"; {len(others)} other CPU pool"
-                    + ("s" if len(others) > 1 else "")
-                    + f" of this host ({show(budget.others_bytes)}) "
-                    + ("count" if len(others) > 1 else "counts")
-                    + " against that"
-                    if others
-                    else ""
-                )
-                + f"; {hint}"
+                + f"{beside}; {hint}"
             )
     return Plan(
         extra_config=extra,

@@ -175,8 +175,18 @@ def test_the_other_pools_of_the_host_count_as_the_worker_counts_them(
     finally:
         other.release()
     message = str(info.value)
-    assert "1 other CPU pool of this host (20.00 GiB)" in message
+    assert "1 other CPU pool of this host (20.00 GiB) counts against that" in message
     assert f"pass --num-cpu-blocks {blocks} (or auto)" in message
+    # Other pools that leave no room at all: auto says so.
+    crowd = [host_ledger.reserve(28 * GiB, f"e{i}", lambda o: None) for i in (1, 2)]
+    try:
+        with pytest.raises(SystemExit) as info:
+            sizing.plan(model, num_cpu_blocks="auto")
+    finally:
+        for reservation in crowd:
+            reservation.release()
+    assert "no CPU block" in str(info.value)
+    assert "2 other CPU pools of this host (56.00 GiB) count against" in str(info.value)
 
 
 def test_kv_cache_on_the_cpu_backend_is_sized_for_the_model(model, host):
