@@ -57,6 +57,7 @@ from benchmarks.common import (  # noqa: E402
     model_args,
     write_json,
 )
+from vllm_ascend.kv_offload.sizing import size_model_dir  # noqa: E402
 from vllm_ascend.kv_offload.testing import engine  # noqa: E402 (no vLLM import)
 
 CPU_BLOCK_TOKENS = 128  # the guide's block_size
@@ -265,7 +266,8 @@ def main(argv: list[str] | None = None) -> None:
     max_len = max(args.lengths) + 1
     t0, load_start = time.perf_counter(), os.getloadavg()
     model_path = model.ensure(max(32768, 1 << (2 * max_len).bit_length()))
-    kv_per_token = model.kv_bytes_per_token(args.dtype)
+    # The package's sizing (vLLM's ModelConfig of the generated config.json).
+    kv_per_token = size_model_dir(model_path, dtype=args.dtype).kv_bytes_per_token
     with contextlib.ExitStack() as stack:
         root = None
         if not args.no_fs:

@@ -61,10 +61,6 @@ class ModelArgs:
             f"{self.kv_heads}kv-{self.head_dim}d-{self.intermediate}i"
         )
 
-    def kv_bytes_per_token(self, dtype: str) -> int:
-        elem = 4 if dtype == "float32" else 2
-        return self.layers * 2 * self.kv_heads * self.head_dim * elem
-
     def num_params(self) -> int:
         h, q, kv, d = self.hidden, self.heads, self.kv_heads, self.head_dim
         attn = h * q * d * 2 + h * kv * d * 2 + 2 * d  # q, o, k, v; q/k norms
