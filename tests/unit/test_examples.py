@@ -4,13 +4,17 @@ flag and exits 0 before any engine or model is touched; the offline
 example's completion of the generated model says that its text means
 nothing; and their pre-flight sizing (``examples/kv_offload_sizing.py``):
 the guide's configuration with the flags' overrides, and a configuration
-that cannot fit refused before any engine starts, naming what to pass."""
+that cannot fit refused before any engine starts, naming what to pass; and
+the serve script up to the server it starts (a stub here; the real one in
+tests/e2e/test_serve.py)."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import mmap
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +24,7 @@ import pytest
 
 from tests.unit.model_configs import QWEN3_0_6B, write_model
 from vllm_ascend.kv_offload import host_guard, host_ledger
+from vllm_ascend.kv_offload.testing.server import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 SIZING_FLAGS = ("--num-cpu-blocks", "--cpu-bytes", "--kv-cache-bytes")
@@ -239,3 +244,56 @@ def test_sizes_accept_binary_units(text, nbytes):
 def test_a_size_flag_refuses_what_is_not_a_size(text):
     with pytest.raises(argparse.ArgumentTypeError, match="size"):
         host_guard.size_flag(text)
+
+
+def test_the_serve_script_says_the_engine_compiles_then_runs_the_guides_serve(
+    tmp_path, host_ledger_dir
+):
+    """``examples/serve_kv_offload.sh MODEL --num-cpu-blocks 10`` as the docs
+    show it, with vLLM's server (``vllm serve`` or its module) replaced by a
+    stub that records its arguments: before the engine's silent minutes the
+    script says it compiles (the default, not eager), then runs the server
+    with the guide's --kv-transfer-config, the sizing flag applied and taken
+    out of the server's own arguments."""
+    model = write_model(tmp_path, QWEN3_0_6B)
+    stub, argv_file = tmp_path / "bin", tmp_path / "server_argv"
+    stub.mkdir()
+    record = f"printf '%s\\n' \"$@\" > {argv_file}; exit 0"
+    (stub / "vllm").write_text(f"#!/usr/bin/env bash\n{record}\n")
+    (stub / "python").write_text(
+        "#!/usr/bin/env bash\n"
+        f"if [[ $1 == -m && $2 == vllm.entrypoints.* ]]; then {record}; fi\n"
+        f'exec {sys.executable} "$@"\n'
+    )
+    for script in stub.iterdir():
+        script.chmod(0o755)
+    env = {
+        **os.environ,
+        "PATH": f"{stub}:{os.environ['PATH']}",
+        "PORT": str(free_port()),
+    }
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    proc = subprocess.run(
+        ["bash", "examples/serve_kv_offload.sh", str(model), "--num-cpu-blocks",
+         "10", "--max-model-len", "1024"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    said = " ".join(proc.stderr.split())
+    assert (
+        "its engine loads the model and compiles it with torch.compile "
+        "(--enforce-eager skips compiling): a minute or more"
+    ) in said
+    argv = argv_file.read_text().splitlines()
+    config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert config == {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            **sizing.GUIDE_EXTRA_CONFIG,
+            "num_cpu_blocks": 10,
+        },
+    }
+    assert "--num-cpu-blocks" not in argv
+    assert argv[argv.index("--max-model-len") + 1] == "1024"
+    assert int(argv[argv.index("--kv-cache-memory-bytes") + 1]) >= 256 * MiB
