@@ -1,7 +1,11 @@
 """config.json shapes of public checkpoints (the keys KV sizing reads, plus
-a few it must ignore), shared by test_sizing.py and test_doctor.py."""
+a few it must ignore), shared by test_sizing.py and test_doctor.py; and the
+sample model directories of docs/first_run.md, which
+``python -m tests.unit.model_configs [DIR]`` writes (default /tmp/models)."""
 
 import json
+import sys
+from pathlib import Path
 
 # Shapes of public checkpoints' config.json (the keys sizing reads, plus a
 # few it must ignore).
@@ -105,3 +109,20 @@ def write_model(tmp_path, config, name="model"):
     d.mkdir()
     (d / "config.json").write_text(json.dumps(config))
     return d
+
+
+# docs/first_run.md's sample directories: config.json alone (no model hub).
+DOC_SAMPLES = {
+    "Qwen3-0.6B": QWEN3_0_6B,
+    "Qwen3-0.6B-bad": {**QWEN3_0_6B, "head_dim": "32"},
+    "DeepSeek-V2-Lite": DEEPSEEK_V2_LITE,
+    "DeepSeek-V3.2-like": {**DEEPSEEK_V2_LITE, "index_topk": 2048},
+}
+
+
+if __name__ == "__main__":
+    root = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/models")
+    for name, config in DOC_SAMPLES.items():
+        (root / name).mkdir(parents=True, exist_ok=True)
+        (root / name / "config.json").write_text(json.dumps(config, indent=2))
+        print(root / name)

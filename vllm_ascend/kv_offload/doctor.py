@@ -313,7 +313,7 @@ def check_sizing(report: Report, args: argparse.Namespace) -> list[int]:
 
 
 _OPTIONS = (  # flag, type, default, help
-    ("--model", str, None, "local Hugging Face model directory (config.json)"),
+    ("--model", str, None, "local Hugging Face model directory, or its config.json"),
     ("--block-size", int, 128, "tokens per CPU block: the guide's block_size"),
     ("--device-block-size", int, None, "vLLM's KV block size (default 128, cuda 16)"),
     ("--tensor-parallel-size", int, 1, "as vLLM's"),
@@ -321,8 +321,8 @@ _OPTIONS = (  # flag, type, default, help
     ("--dtype", str, "auto", "as vLLM's"),
     ("--reserve-gib", float, None, "host memory kept for what vLLM allocates "
      "before the pool (default: VLLM_CPU_KVCACHE_SPACE on the CPU backend)"),
-    ("--alloc-mib", int, 256, "test pool size (0 skips it)"),
-    ("--bandwidth-mib", int, 16, "bytes per timed copy (0 skips the table)"),
+    ("--alloc-mib", int, 256, "test pool size, MiB; 0 skips it"),
+    ("--bandwidth-mib", int, 16, "MiB per timed copy; 0 skips the table"),
     ("--rounds", int, 3, "timed rounds per copy"),
     ("--device", str, None, "cpu, cuda or npu (default: vLLM's platform)"),
 )  # fmt: skip
@@ -335,7 +335,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "its CPU pool for a model.",
     )
     for flag, kind, default, text in _OPTIONS:
-        p.add_argument(flag, type=kind, default=default, help=text)
+        shown = text if default is None else f"{text} (default {default})"
+        p.add_argument(flag, type=kind, default=default, help=shown)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p.parse_args(argv)
 
