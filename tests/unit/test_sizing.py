@@ -227,8 +227,10 @@ def test_a_config_vllm_cannot_load_is_refused_with_vllms_reason(size_kv):
 
 
 def test_missing_or_broken_config_json(tmp_path):
-    with pytest.raises(SizingError, match="no config.json"):
+    # Said for the API as for the doctor's and the examples' --model.
+    with pytest.raises(SizingError, match="no config.json") as refused:
         size_model_dir(tmp_path)
+    assert "give a local Hugging Face model directory" in str(refused.value)
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(SizingError, match="not readable JSON"):
         size_model_dir(tmp_path)

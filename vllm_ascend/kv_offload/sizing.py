@@ -110,8 +110,8 @@ def load_config(model_dir: str | os.PathLike[str]) -> dict[str, Any]:
         path = path / "config.json"
     if not path.is_file():
         raise SizingError(
-            f"no config.json at {path}: --model must be a local Hugging Face "
-            "model directory (its config.json alone is enough)"
+            f"no config.json at {path}: give a local Hugging Face model "
+            "directory (its config.json alone is enough)"
         )
     try:
         config = json.loads(path.read_text())
