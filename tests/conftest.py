@@ -119,10 +119,11 @@ class DocFlow:
     output: str  # stdout and stderr
 
 
-def serving_doc_block(marker: str, lang: str = "bash") -> str:
-    """The one ``lang`` block of docs/serving_events_metrics.md holding
-    ``marker``."""
-    doc = (REPO / "docs" / "serving_events_metrics.md").read_text()
+def serving_doc_block(
+    marker: str, lang: str = "bash", doc_name: str = "serving_events_metrics.md"
+) -> str:
+    """The one ``lang`` block of ``docs/<doc_name>`` holding ``marker``."""
+    doc = (REPO / "docs" / doc_name).read_text()
     blocks = re.findall(rf"```{lang}\n(.*?)```", doc, re.S)
     (block,) = [b for b in blocks if marker in b]
     return block
