@@ -119,7 +119,7 @@ class DocFlow:
     output: str  # stdout and stderr
 
 
-def serving_doc_block(
+def doc_block(
     marker: str, lang: str = "bash", doc_name: str = "serving_events_metrics.md"
 ) -> str:
     """The one ``lang`` block of ``docs/<doc_name>`` holding ``marker``."""
@@ -143,7 +143,7 @@ def run_serving_doc_flow(port: int) -> DocFlow | None:
     127.0.0.1:``port`` instead of the doc's 8000; None without curl or jq."""
     if shutil.which("curl") is None or shutil.which("jq") is None:
         return None
-    flow = serving_doc_block("req() {")
+    flow = doc_block("req() {")
     proc = subprocess.run(
         ["bash", "-c", flow.replace("127.0.0.1:8000", f"127.0.0.1:{port}")],
         cwd=REPO,

@@ -31,7 +31,7 @@ import time
 
 import pytest
 
-from tests.conftest import REPO, doc_env, serving_doc_block
+from tests.conftest import REPO, doc_block, doc_env
 from vllm_ascend.kv_offload.testing import server as driver
 
 pytestmark = pytest.mark.e2e
@@ -72,7 +72,7 @@ def demo(tmp_path_factory) -> dict:
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     events_port = str(driver.free_port())
-    start_block = serving_doc_block("--num-cpu-blocks 6").replace("5556", events_port)
+    start_block = doc_block("--num-cpu-blocks 6").replace("5556", events_port)
     serve, subscribe = start_block.split("\npython examples/kv_events_subscriber.py")
     subscriber = subprocess.Popen(
         [sys.executable, "examples/kv_events_subscriber.py", *subscribe.split()],
@@ -92,8 +92,8 @@ def demo(tmp_path_factory) -> dict:
     try:
         record["start_s"] = server.wait_ready(START_TIMEOUT_S)
         # The client flow's MODEL and req, then the demo's requests.
-        flow = serving_doc_block("req() {")
-        requests = flow[: flow.index("\n}\n") + 3] + serving_doc_block("for seed in")
+        flow = doc_block("req() {")
+        requests = flow[: flow.index("\n}\n") + 3] + doc_block("for seed in")
         requests = requests.replace("127.0.0.1:8000", f"127.0.0.1:{server.port}")
         out = subprocess.check_output(["bash", "-c", requests], cwd=REPO, env=env)
         record["replies"] = [json.loads(x) for x in out.splitlines()]
@@ -158,6 +158,6 @@ def test_an_index_built_from_the_events_ends_empty(demo):
 
 
 def test_the_doc_shows_what_the_subscriber_printed(demo):
-    sample = serving_doc_block(":5556 topic", "text")  # the doc's sample output
+    sample = doc_block(":5556 topic", "text")  # the doc's sample output
     assert cpu_runs(demo["subscriber"]) == cpu_runs(sample)
     assert summary(demo["subscriber"]) == summary(sample)

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tests.conftest import doc_env, serving_doc_block
+from tests.conftest import doc_block, doc_env
 from vllm_ascend.kv_offload.testing.tiny_model import (
     DEMO_DIR,
     DEMO_SPEC,
@@ -27,7 +27,7 @@ GUARD = 'if __name__ == "__main__":'
 
 
 def test_the_guides_python_api_runs_as_a_script(tmp_path):
-    code = serving_doc_block(GUARD, "python", "user_guide.md")
+    code = doc_block(GUARD, "python", "user_guide.md")
     assert 'model="Qwen/Qwen3-0.6B"' in code
     model = ensure_tiny_model(DEMO_DIR, DEMO_SPEC)
     script = tmp_path / "offload.py"
