@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import mmap
 import os
 import sys
@@ -18,6 +20,21 @@ if TYPE_CHECKING:
     from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
     from vllm_ascend.kv_offload.region import RegionMark
+
+
+# The doctor's flags that skip its copy checks: sizing only.
+NO_COPY_CHECKS = ["--alloc-mib", "0", "--bandwidth-mib", "0"]
+
+
+def run_doctor(*args: str) -> tuple[int, str]:
+    """The doctor's exit status and stdout, run in this process through its
+    ``main(argv)`` (what the console script calls)."""
+    from vllm_ascend.kv_offload import doctor
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = doctor.main(list(args))
+    return rc, out.getvalue()
 
 
 def new_engine_id(kind: str = "unit") -> str:

@@ -9,12 +9,9 @@ line naming the key and the value; a model layout it cannot size is a
 warning, not a broken machine; its copy checks allocate a small, bounded
 amount whatever the model."""
 
-import contextlib
 import ctypes
-import io
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,26 +19,18 @@ from types import SimpleNamespace as NS
 
 import pytest
 
+from tests.unit.conftest import NO_COPY_CHECKS, run_doctor
 from tests.unit.model_configs import (
     DEEPSEEK_V2_LITE,
     LLAMA3_8B,
     QWEN3_0_6B,
 )
-from vllm_ascend.kv_offload import doctor, ops, self_check
+from vllm_ascend.kv_offload import ops, self_check
 from vllm_ascend.kv_offload.copy_paths import candidate_paths
 
 ROOT = Path(__file__).resolve().parents[2]
 # Small test sizes: the checks, not the figures, are under test here.
 FAST = ["--alloc-mib", "8", "--bandwidth-mib", "2", "--rounds", "1"]
-NO_COPY_CHECKS = ["--alloc-mib", "0", "--bandwidth-mib", "0"]
-
-
-def run_doctor(*args: str) -> tuple[int, str]:
-    """The doctor's exit status and stdout."""
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        rc = doctor.main(list(args))
-    return rc, out.getvalue()
 
 
 def without(config: dict, *keys: str) -> dict:
@@ -115,52 +104,6 @@ def test_json_reports_versions_allocation_and_verified_bandwidth(qwen3_json):
     for r in rows:
         assert set(r["gbps"]) == {"contiguous", "loop", *op}
         assert r["verified"] == dict.fromkeys(["loop", *op], True)
-
-
-def test_help_lists_every_flag_of_the_docs_with_its_default(capsys):
-    """docs/first_run.md's flag table, as ``--help`` prints it."""
-    with pytest.raises(SystemExit) as exited:
-        doctor.main(["--help"])
-    assert exited.value.code == 0
-    shown = " ".join(capsys.readouterr().out.split())
-    table = (ROOT / "docs" / "first_run.md").read_text().split("## Reading")[0]
-    rows = [
-        re.split(r"(?<!\\)\|", line)[1:3]  # flag(s), meaning; "\|" is text
-        for line in table.splitlines()
-        if line.startswith("| `--")
-    ]
-    flags = [f for cell, _ in rows for f in re.findall(r"`(--[a-z-]+)", cell)]
-    assert len(flags) == 12
-    for flag in flags:
-        assert f"{flag} " in shown
-    for cell, meaning in rows:
-        for default in re.findall(r"\(default (\w+)", meaning):
-            assert f"default {default}" in shown, (cell, default)
-
-
-def test_the_docs_samples_print_the_docs_lines(tmp_path):
-    """docs/first_run.md's sample directories, written by the command the
-    doc gives, and its doctor commands: every line that holds no figure of
-    the moment (host memory, times, GB/s) is in the doc as printed."""
-    subprocess.run(
-        [sys.executable, "-m", "tests.unit.model_configs", str(tmp_path)],
-        cwd=ROOT, check=True, capture_output=True, timeout=120,
-    )  # fmt: skip
-    doc = (ROOT / "docs" / "first_run.md").read_text()
-    runs = {
-        "Qwen3-0.6B-bad": ("[FAIL] sizing",),
-        "DeepSeek-V3.2-like": ("[warn] sizing",),
-        "Qwen3-0.6B": ("model:", "CPU block:"),
-        "DeepSeek-V2-Lite": ("model:", "CPU block:", "note:"),
-    }
-    for name, starts in runs.items():
-        tp = ["--tensor-parallel-size", "2"] * (name == "DeepSeek-V2-Lite")
-        _, out = run_doctor("--model", str(tmp_path / name), *tp, *NO_COPY_CHECKS)
-        lines = [line.strip() for line in out.splitlines()]
-        shown = [line for line in lines if line.startswith(starts)]
-        assert len(shown) == len(starts), (name, lines)
-        for line in shown:
-            assert line.replace(str(tmp_path), "/tmp/models") in doc, (name, line)
 
 
 def test_text_output_has_one_line_per_check(tmp_path):
