@@ -106,7 +106,7 @@ def tiny_qwen3_config() -> dict:
 def write_model(tmp_path, config, name="model"):
     """A model directory holding only ``config`` as its config.json."""
     d = tmp_path / name
-    d.mkdir()
+    d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps(config))
     return d
 
@@ -123,6 +123,4 @@ DOC_SAMPLES = {
 if __name__ == "__main__":
     root = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/models")
     for name, config in DOC_SAMPLES.items():
-        (root / name).mkdir(parents=True, exist_ok=True)
-        (root / name / "config.json").write_text(json.dumps(config, indent=2))
-        print(root / name)
+        print(write_model(root, config, name))

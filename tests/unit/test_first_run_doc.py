@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO as ROOT
+from tests.conftest import REPO
 from tests.unit.conftest import NO_COPY_CHECKS, run_doctor
 from vllm_ascend.kv_offload import doctor
 
@@ -20,7 +20,7 @@ def test_help_lists_every_flag_of_the_docs_with_its_default(capsys):
         doctor.main(["--help"])
     assert exited.value.code == 0
     shown = " ".join(capsys.readouterr().out.split())
-    table = (ROOT / "docs" / "first_run.md").read_text().split("## Reading")[0]
+    table = (REPO / "docs" / "first_run.md").read_text().split("## Reading")[0]
     rows = [
         re.split(r"(?<!\\)\|", line)[1:3]  # flag(s), meaning; "\|" is text
         for line in table.splitlines()
@@ -41,9 +41,9 @@ def test_the_docs_samples_print_the_docs_lines(tmp_path):
     the moment (host memory, times, GB/s) is in the doc as printed."""
     subprocess.run(
         [sys.executable, "-m", "tests.unit.model_configs", str(tmp_path)],
-        cwd=ROOT, check=True, capture_output=True, timeout=120,
+        cwd=REPO, check=True, capture_output=True, timeout=120,
     )  # fmt: skip
-    doc = (ROOT / "docs" / "first_run.md").read_text()
+    doc = (REPO / "docs" / "first_run.md").read_text()
     runs = {
         "Qwen3-0.6B-bad": ("[FAIL] sizing",),
         "DeepSeek-V3.2-like": ("[warn] sizing",),
